@@ -1,0 +1,30 @@
+"""flodl-hf: HuggingFace checkpoints in small, exact, native PyTorch modules, and back out again."""
+
+from .auto import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForMaskedLM,
+    AutoModelForMultipleChoice,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    load_model,
+)
+from .errors import (
+    CheckpointFormatError,
+    ConfigError,
+    FlodlHFError,
+    InputError,
+    SourceNotFoundError,
+    UnsupportedModelError,
+    WeightsMismatchError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoConfig", "AutoModel", "AutoModelForMaskedLM", "AutoModelForMultipleChoice", "AutoModelForQuestionAnswering",
+    "AutoModelForSequenceClassification", "AutoModelForTokenClassification", "load_model",
+    "CheckpointFormatError", "ConfigError", "FlodlHFError", "InputError", "SourceNotFoundError",
+    "UnsupportedModelError", "WeightsMismatchError",
+]

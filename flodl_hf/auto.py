@@ -1,0 +1,159 @@
+"""Auto classes: pick the family from ``config.json`` and the head from the class used.
+
+``AutoModelForMaskedLM.from_pretrained(source)`` mirrors transformers: a local
+directory, a single weights file, or a hub id (``revision=``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import io
+from .config import BaseConfig
+from .errors import ConfigError, UnsupportedModelError
+from .layers import check_attn_implementation, init_weights
+from .modeling import PreTrainedModel, load_weights
+from .registry import TASKS, get_family, parse_architecture
+
+POOLER_KEY = re.compile(r"(^|\.)pooler\.")
+
+
+def config_from_dict(data: dict[str, Any], where: str = "config.json") -> BaseConfig:
+    """Validate a config dict and build the family's config dataclass from it."""
+    if "auto_map" in data:
+        raise ConfigError(f"{where}: declares auto_map (custom code on the hub). flodl-hf never runs remote "
+                          "code; use a checkpoint of a supported family without auto_map.")
+    model_type = data.get("model_type")
+    if not model_type:
+        architectures = data.get("architectures") or []
+        if not architectures:
+            raise ConfigError(f"{where}: has neither model_type nor architectures; cannot tell the family")
+        try:
+            family, _ = parse_architecture(architectures[0])
+        except UnsupportedModelError as exc:
+            raise ConfigError(f"{where}: no model_type, and {exc}") from None
+        model_type = family.model_type
+    family = get_family(model_type)
+    config = family.config_class.from_dict(data)
+    if not config.raw.get("model_type"):
+        config.raw["model_type"] = family.model_type
+    return config
+
+
+class AutoConfig:
+    @staticmethod
+    def from_pretrained(source: str | Path, revision: str | None = None) -> BaseConfig:
+        path = Path(source)
+        if path.is_file() and path.name.endswith(".json"):
+            return config_from_dict(io.read_json(path, "config.json"), str(path))
+        ckpt = io.resolve(source, revision)
+        return config_from_dict(io.read_json(ckpt.config_path, "config.json"), str(ckpt.config_path))
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> BaseConfig:
+        return config_from_dict(data, "config dict")
+
+    @staticmethod
+    def for_model(model_type: str, **fields: Any) -> BaseConfig:
+        return config_from_dict({"model_type": model_type, **fields}, "config")
+
+
+def model_class(config: BaseConfig, task: str) -> type[PreTrainedModel]:
+    family = get_family(config.model_type)
+    if task == "base":
+        return family.backbone_class
+    from flodl_hf.heads import TASK_MODELS
+    return TASK_MODELS[task]
+
+
+def task_of(config: BaseConfig) -> str:
+    """The head a checkpoint was saved with, from ``architectures[0]`` ("base" when absent)."""
+    architectures = config.architectures or []
+    if not architectures:
+        return "base"
+    family, task = parse_architecture(architectures[0])
+    return task
+
+
+def build_model(config: BaseConfig, task: str, add_pooling_layer: bool = True) -> PreTrainedModel:
+    cls = model_class(config, task)
+    return cls(config, add_pooling_layer=add_pooling_layer) if task == "base" else cls(config)
+
+
+def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | None = None,
+               revision: str | None = None, num_labels: int | None = None, attn_implementation: str = "sdpa",
+               config: BaseConfig | None = None, expect: type | None = None) -> PreTrainedModel:
+    """Resolve, read and strictly load a checkpoint into the native model for ``task``."""
+    ckpt = io.resolve(source, revision)
+    if config is None:
+        config = config_from_dict(io.read_json(ckpt.config_path, "config.json"), str(ckpt.config_path))
+    if num_labels is not None:
+        config.num_labels = num_labels
+    config.attn_implementation = check_attn_implementation(attn_implementation)
+    if task == "auto":
+        task = task_of(config)
+    if task not in TASKS:
+        raise ValueError(f"task {task!r}: expected one of {', '.join(TASKS)} or 'auto'")
+    cls = model_class(config, task)
+    if expect is not None and expect is not PreTrainedModel and not issubclass(cls, expect):
+        raise UnsupportedModelError(f"{source} holds a {config.model_type!r} model; {expect.__name__} cannot load it "
+                                    f"(use the Auto classes or {cls.__name__})")
+    tensors = io.load_tensors(ckpt, dtype)
+    with torch.device("meta"):
+        if task == "base":
+            model = cls(config, add_pooling_layer=any(POOLER_KEY.search(k) for k in tensors))
+        else:
+            model = cls(config)
+    load_weights(model, tensors, ckpt.source)
+    return model.eval()
+
+
+class _AutoModel:
+    task = "base"
+
+    @classmethod
+    def from_pretrained(cls, source: str | Path, *, dtype: torch.dtype | None = None, revision: str | None = None,
+                        num_labels: int | None = None, attn_implementation: str = "sdpa",
+                        config: BaseConfig | None = None) -> PreTrainedModel:
+        return load_model(source, cls.task, dtype=dtype, revision=revision, num_labels=num_labels,
+                          attn_implementation=attn_implementation, config=config)
+
+    @classmethod
+    def from_config(cls, config: BaseConfig, attn_implementation: str = "sdpa") -> PreTrainedModel:
+        """A freshly initialised model (transformers' init: normal(initializer_range), zero bias)."""
+        config.attn_implementation = check_attn_implementation(attn_implementation)
+        model = build_model(config, cls.task)
+        init_weights(model, config.initializer_range)
+        return model
+
+
+class AutoModel(_AutoModel):
+    task = "base"
+
+
+class AutoModelForSequenceClassification(_AutoModel):
+    task = "seqcls"
+
+
+class AutoModelForTokenClassification(_AutoModel):
+    task = "tokcls"
+
+
+class AutoModelForQuestionAnswering(_AutoModel):
+    task = "qa"
+
+
+class AutoModelForMaskedLM(_AutoModel):
+    task = "mlm"
+
+
+class AutoModelForMultipleChoice(_AutoModel):
+    task = "mc"
+
+
+AUTO_CLASSES = {c.task: c for c in (AutoModel, AutoModelForSequenceClassification, AutoModelForTokenClassification,
+                                    AutoModelForQuestionAnswering, AutoModelForMaskedLM, AutoModelForMultipleChoice)}

@@ -1,0 +1,163 @@
+"""Config dataclasses with HF's ``config.json`` field names.
+
+Each family subclasses :class:`BaseConfig` and declares only the fields it reads.
+Every field of the source JSON, known or not, is kept and written back, so a
+config round-trips losslessly. String options become enums when loaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from pathlib import Path
+from typing import Any, ClassVar
+
+from .errors import ConfigError
+
+
+class Activation(str, Enum):
+    """The ``hidden_act`` values we implement, spelled as transformers' ``ACT2FN`` keys."""
+
+    GELU = "gelu"
+    GELU_NEW = "gelu_new"
+    GELU_PYTORCH_TANH = "gelu_pytorch_tanh"
+    GELU_FAST = "gelu_fast"
+    GELU_PYTHON = "gelu_python"
+    QUICK_GELU = "quick_gelu"
+    RELU = "relu"
+    SILU = "silu"
+    SWISH = "swish"
+    TANH = "tanh"
+    LINEAR = "linear"
+
+    @classmethod
+    def parse(cls, value: Any, where: str = "hidden_act") -> "Activation":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            known = ", ".join(a.value for a in cls)
+            raise ConfigError(f"config field {where}={value!r} is not supported (known: {known})") from None
+
+
+class ProblemType(str, Enum):
+    REGRESSION = "regression"
+    SINGLE_LABEL = "single_label_classification"
+    MULTI_LABEL = "multi_label_classification"
+
+
+_RUNTIME_FIELDS = {"raw", "attn_implementation"}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+@dataclass
+class BaseConfig:
+    """Fields every family shares. Subclasses add theirs, with HF's names and defaults."""
+
+    model_type: ClassVar[str] = ""
+    # Enum-typed fields: name -> enum class; parsed in __post_init__, written back as strings.
+    enum_fields: ClassVar[dict[str, type]] = {}
+
+    architectures: list[str] | None = None
+    id2label: dict[int, str] | None = None
+    label2id: dict[str, int] | None = None
+    problem_type: ProblemType | None = None
+    pad_token_id: int | None = 0
+    tie_word_embeddings: bool = True
+    classifier_dropout: float | None = None
+    initializer_range: float = 0.02
+    # Runtime choice, not part of config.json: "sdpa" (default) or "eager".
+    attn_implementation: str = field(default="sdpa", compare=False)
+    # The whole source JSON, unknown fields included: the base that to_dict writes back.
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.id2label is None:
+            self.id2label = {0: "LABEL_0", 1: "LABEL_1"}
+        try:
+            self.id2label = {int(k): str(v) for k, v in self.id2label.items()}
+        except (TypeError, ValueError, AttributeError):
+            raise ConfigError(f"config field id2label={self.id2label!r} must map integer ids to names") from None
+        if self.label2id is None:
+            self.label2id = {v: k for k, v in self.id2label.items()}
+        if self.problem_type is not None:
+            try:
+                self.problem_type = ProblemType(self.problem_type)
+            except ValueError:
+                raise ConfigError(f"config field problem_type={self.problem_type!r} is not one of "
+                                  + ", ".join(p.value for p in ProblemType)) from None
+        for name, enum_cls in self.enum_fields.items():
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, enum_cls.parse(value, name) if hasattr(enum_cls, "parse") else enum_cls(value))
+
+    # ---- labels -------------------------------------------------------------------------
+    @property
+    def num_labels(self) -> int:
+        return len(self.id2label or {})
+
+    @num_labels.setter
+    def num_labels(self, n: int) -> None:
+        if n != self.num_labels:
+            self.id2label = {i: f"LABEL_{i}" for i in range(n)}
+            self.label2id = {v: k for k, v in self.id2label.items()}
+
+    # ---- (de)serialisation --------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "BaseConfig":
+        known = {f.name for f in fields(cls) if f.name not in _RUNTIME_FIELDS}
+        kwargs = {k: copy.deepcopy(v) for k, v in data.items() if k in known}
+        try:
+            config = cls(**kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"config.json does not fit {cls.__name__}: {exc}") from exc
+        config.raw = copy.deepcopy(dict(data))
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        """The source JSON with our current values laid over it; unknown fields unchanged."""
+        out = copy.deepcopy(self.raw)
+        defaults = type(self)()
+        for f in fields(self):
+            if f.name in _RUNTIME_FIELDS:
+                continue
+            value = getattr(self, f.name)
+            if f.name in out or value != getattr(defaults, f.name):
+                out[f.name] = _jsonable(value)
+        # The label maps are always written, as transformers does.
+        out["id2label"] = _jsonable(self.id2label)
+        out["label2id"] = _jsonable(self.label2id)
+        out["model_type"] = self.model_type or out.get("model_type")
+        return out
+
+    def to_json_string(self) -> str:
+        import json
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        Path(directory, "config.json").write_text(self.to_json_string())
+
+    def replace(self, **changes: Any) -> "BaseConfig":
+        new = dataclasses.replace(self, **changes)
+        new.raw = copy.deepcopy(self.raw)
+        return new
+
+    @classmethod
+    def from_pretrained(cls, source: str | Path, revision: str | None = None) -> "BaseConfig":
+        from .auto import AutoConfig
+        config = AutoConfig.from_pretrained(source, revision=revision)
+        if cls is not BaseConfig and not isinstance(config, cls):
+            raise ConfigError(f"{source}: model_type {config.model_type!r} is not a {cls.__name__}")
+        return config

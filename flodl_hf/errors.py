@@ -1,0 +1,46 @@
+"""Typed errors. Each names the file, key or field at fault and says what to do."""
+
+from __future__ import annotations
+
+
+class FlodlHFError(Exception):
+    """Base class of every error flodl-hf raises on purpose."""
+
+
+class SourceNotFoundError(FlodlHFError, FileNotFoundError):
+    """A checkpoint source (local path or hub id) could not be resolved."""
+
+
+class CheckpointFormatError(FlodlHFError, ValueError):
+    """A weights file is corrupt, truncated, of an unknown format, or holds non-tensors."""
+
+
+class ConfigError(FlodlHFError, ValueError):
+    """config.json is missing, unreadable, or asks for something we refuse (remote code)."""
+
+
+class UnsupportedModelError(FlodlHFError, ValueError):
+    """The checkpoint's model_type or architecture is not registered here."""
+
+
+class WeightsMismatchError(FlodlHFError, ValueError):
+    """Strict loading found missing keys or shape mismatches. Nothing was loaded."""
+
+    def __init__(self, source: str, missing: list[str], mismatched: list[tuple[str, tuple, tuple]],
+                 unexpected: list[str] | None = None) -> None:
+        self.missing = list(missing)
+        self.mismatched = list(mismatched)
+        self.unexpected = list(unexpected or [])
+        lines = [f"cannot load weights from {source}: nothing was loaded."]
+        if self.missing:
+            lines.append(f"  missing keys ({len(self.missing)}): " + ", ".join(self.missing))
+        for key, want, got in self.mismatched:
+            lines.append(f"  shape mismatch for {key}: model expects {tuple(want)}, checkpoint has {tuple(got)}")
+        if self.unexpected:
+            lines.append(f"  unexpected keys ({len(self.unexpected)}): " + ", ".join(self.unexpected))
+        lines.append("  Check that config.json matches the weights, or pass num_labels= to build a fresh head.")
+        super().__init__("\n".join(lines))
+
+
+class InputError(FlodlHFError, ValueError):
+    """User input to a task or a model forward is unusable (e.g. a text with no mask token)."""

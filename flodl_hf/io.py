@@ -1,0 +1,223 @@
+"""Finding a checkpoint and reading (or writing) its files.
+
+A source is a local directory, a single weights file, or a hub id resolved
+through ``huggingface_hub`` and its cache. Weights come from safetensors
+(memory-mapped, sharded or not) or from ``pytorch_model.bin`` files read with
+``torch.load(weights_only=True)`` only: a pickle holding anything but tensors
+is refused, never executed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .errors import CheckpointFormatError, ConfigError, SourceNotFoundError
+
+SAFE_SINGLE = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+BIN_SINGLE = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+CONFIG_NAME = "config.json"
+# Files a model directory may carry besides weights; fetched from the hub with the weights.
+SIDE_PATTERNS = ["*.json", "*.txt", "*.model"]
+
+
+@dataclass
+class Checkpoint:
+    """A resolved source: where config and weights live, and how they are stored."""
+
+    source: str                      # what the user passed (hub id or path), for messages
+    root: Path                       # directory holding config.json and side files
+    weight_files: list[Path] = field(default_factory=list)
+    format: str = "safetensors"      # "safetensors" or "bin"
+    revision: str | None = None
+    weight_map: dict[str, str] | None = None  # sharded: key -> file name
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / CONFIG_NAME
+
+
+def _is_hub_id(source: str) -> bool:
+    parts = source.split("/")
+    return 1 <= len(parts) <= 2 and all(parts) and not source.startswith((".", "~")) and "\\" not in source
+
+
+def _weights_in_dir(root: Path, source: str) -> tuple[list[Path], str, dict[str, str] | None]:
+    """Pick the weight files of a directory: safetensors first, then .bin; sharded via index."""
+    for index_name, single, fmt in ((SAFE_INDEX, SAFE_SINGLE, "safetensors"), (BIN_INDEX, BIN_SINGLE, "bin")):
+        if (root / single).is_file():
+            return [root / single], fmt, None
+        if (root / index_name).is_file():
+            index_path = root / index_name
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise CheckpointFormatError(f"{index_path}: not a valid shard index ({exc})") from exc
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (root / f).is_file()]
+            if missing:
+                raise CheckpointFormatError(
+                    f"{index_path} names shard(s) that are not in {root}: {', '.join(missing)}")
+            return [root / f for f in files], fmt, dict(weight_map)
+    raise SourceNotFoundError(
+        f"no weights in {source}: expected {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE} or {BIN_INDEX}")
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    """Fetch config, tokenizer files and weights of a hub repo (or use the cache when offline)."""
+    try:
+        from huggingface_hub import snapshot_download
+        root = Path(snapshot_download(repo_id, revision=revision,
+                                      allow_patterns=SIDE_PATTERNS + ["*.safetensors"]))
+        if not any(root.glob("*.safetensors")):
+            root = Path(snapshot_download(repo_id, revision=revision,
+                                          allow_patterns=SIDE_PATTERNS + ["*.bin"]))
+        return root
+    except Exception as exc:  # network down, repo unknown, gated: all end the same way for the user
+        raise SourceNotFoundError(
+            f"cannot resolve '{repo_id}': it is not a local path, and the hub could not be reached "
+            f"or holds no such repo, with nothing cached ({type(exc).__name__}: {exc}). "
+            "Pass a local directory or weights file instead (for example a directory written by "
+            "save_pretrained, or a sample from `flodl-hf samples fetch`).") from exc
+
+
+def resolve(source: str | os.PathLike, revision: str | None = None) -> Checkpoint:
+    """Resolve a local directory, a single weights file, or a hub id into a Checkpoint."""
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        files, fmt, wmap = _weights_in_dir(path, text)
+        return Checkpoint(text, path, files, fmt, revision, wmap)
+    if path.is_file():
+        name = path.name
+        if name.endswith(".index.json"):
+            files, fmt, wmap = _weights_in_dir(path.parent, text)
+            return Checkpoint(text, path.parent, files, fmt, revision, wmap)
+        if name.endswith(".safetensors"):
+            return Checkpoint(text, path.parent, [path], "safetensors", revision)
+        if name.endswith((".bin", ".pt", ".pth")):
+            return Checkpoint(text, path.parent, [path], "bin", revision)
+        raise CheckpointFormatError(f"{path}: unknown weights format (expected .safetensors or .bin)")
+    if path.exists() or not _is_hub_id(text):
+        raise SourceNotFoundError(f"{text}: no such file or directory")
+    root = _download(text, revision)
+    files, fmt, wmap = _weights_in_dir(root, text)
+    return Checkpoint(text, root, files, fmt, revision, wmap)
+
+
+def read_json(path: Path, what: str = "file") -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: {what} not found") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return data
+
+
+def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                yield key, handle.get_tensor(key)
+    except SafetensorError as exc:
+        raise CheckpointFormatError(f"{path}: corrupt or truncated safetensors file ({exc})") from exc
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointFormatError(f"{path}: cannot read safetensors file ({exc})") from exc
+
+
+def _iter_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    try:
+        data = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointFormatError(
+            f"{path}: refused to unpickle: it holds objects other than tensors, which could run "
+            f"code. Convert it to safetensors where you trust it. ({str(exc).splitlines()[0]})") from exc
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise CheckpointFormatError(f"{path}: corrupt or truncated .bin checkpoint ({exc})") from exc
+    if isinstance(data, dict) and "state_dict" in data and isinstance(data["state_dict"], dict):
+        data = data["state_dict"]
+    if not isinstance(data, dict):
+        raise CheckpointFormatError(f"{path}: expected a dict of tensors, found {type(data).__name__}")
+    for key, value in data.items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointFormatError(f"{path}: entry {key!r} is a {type(value).__name__}, not a tensor")
+        yield key, value
+
+
+def load_tensors(ckpt: Checkpoint, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint, as stored (or cast to ``dtype`` when given)."""
+    reader = _iter_safetensors if ckpt.format == "safetensors" else _iter_bin
+    out: dict[str, torch.Tensor] = {}
+    for path in ckpt.weight_files:
+        for key, tensor in reader(path):
+            if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            out[key] = tensor
+    if ckpt.weight_map is not None:
+        absent = sorted(k for k in ckpt.weight_map if k not in out)
+        if absent:
+            raise CheckpointFormatError(
+                f"{ckpt.source}: the shard index names keys its shards do not hold: {', '.join(absent[:10])}")
+    return out
+
+
+def parse_size(size: int | str) -> int:
+    """'5GB' -> bytes (decimal units, as transformers reads them); ints pass through."""
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper()
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str = "5GB",
+                     metadata: dict[str, str] | None = None) -> list[Path]:
+    """Write tensors as ``model.safetensors``, or as shards plus an index above ``max_shard_size``.
+
+    Tensors sharing storage are written as independent contiguous copies, so tied
+    weights never trip safetensors' "tensors share memory" check.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    limit = parse_size(max_shard_size)
+    meta = {"format": "pt", **(metadata or {})}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor.detach().to("cpu").contiguous().clone()
+        size += nbytes
+    if len(shards) == 1:
+        path = directory / SAFE_SINGLE
+        save_file(shards[0], str(path), metadata=meta)
+        return [path]
+    paths, weight_map, total = [], {}, 0
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / name), metadata=meta)
+        paths.append(directory / name)
+        for key, tensor in shard.items():
+            weight_map[key] = name
+            total += tensor.numel() * tensor.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return paths

@@ -1,0 +1,302 @@
+"""The model contract, strict loading and saving.
+
+Every model is a plain ``nn.Module`` whose ``state_dict()`` keys are HF's keys:
+a backbone (``BertModel``) has no prefix; a task model puts its backbone under the
+family's prefix (``bert.``) and mounts its head part's children at the root
+(``classifier``, ``cls.predictions``, ``qa_outputs``...), exactly where HF has them.
+
+Loading builds the model on the meta device (no random init that is then thrown
+away), checks every key and shape before touching anything, and assigns the
+checkpoint tensors straight into the module (memory-mapped for safetensors).
+Tied weights are found by identity (``cls.predictions.decoder.weight`` *is*
+``bert.embeddings.word_embeddings.weight``), so no table lists them.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+from . import io
+from .config import BaseConfig
+from .errors import WeightsMismatchError
+from .layers import check_attn_implementation
+
+if TYPE_CHECKING:
+    from .registry import Family
+
+
+class PreTrainedModel(nn.Module):
+    """Base of backbones and task models: ``.config``, ``from_pretrained``, ``save_pretrained``."""
+
+    task: ClassVar[str] = "base"
+    base_model_prefix: str = ""
+    # Keys of a backbone that may be freshly initialised when the head around them is new
+    # (HF's MLM checkpoints have no pooler, for example).
+    fresh_ok_prefixes: ClassVar[tuple[str, ...]] = ("pooler.",)
+
+    def __init__(self, config: BaseConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    # ---- identity ---------------------------------------------------------------------
+    @property
+    def family(self) -> type["Family"]:
+        from .registry import get_family
+        return get_family(self.config.model_type)
+
+    @property
+    def architecture(self) -> str:
+        return self.family.architecture(self.task)
+
+    @property
+    def attn_implementation(self) -> str:
+        return self.config.attn_implementation
+
+    def set_attn_implementation(self, name: str) -> None:
+        self.config.attn_implementation = check_attn_implementation(name)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # ---- loading ----------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, source: str | Path, *, dtype: torch.dtype | None = None, revision: str | None = None,
+                        num_labels: int | None = None, attn_implementation: str = "sdpa",
+                        config: BaseConfig | None = None) -> "PreTrainedModel":
+        """Load ``source`` (a directory, a weights file, or a hub id) into this class."""
+        from .auto import load_model
+        return load_model(source, task=cls.task, dtype=dtype, revision=revision, num_labels=num_labels,
+                          attn_implementation=attn_implementation, config=config, expect=cls)
+
+    # ---- saving -----------------------------------------------------------------------
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors under HF's names, each tied tensor once (under its first name), as save_pretrained writes them."""
+        renames = KeyRenamer(self.family.key_renames)
+        seen: set[int] = set()
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in self.state_dict(keep_vars=True).items():
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            out[renames.to_hf(name)] = tensor.detach()
+        return out
+
+    def save_pretrained(self, directory: str | Path, max_shard_size: int | str = "5GB") -> Path:
+        """Write ``config.json`` and ``model.safetensors`` (sharded above ``max_shard_size``)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = self.config.to_dict()
+        config["architectures"] = [self.architecture]
+        import json
+        (directory / io.CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        io.save_safetensors(self.hf_state_dict(), directory, max_shard_size)
+        return directory
+
+
+class HeadPart(nn.Module):
+    """A head's modules, mounted at the task model's root under HF's names.
+
+    ``forward(hidden_states, pooler_output, attention_mask) -> logits``. A part holds
+    no bare parameters of its own (only children), and reads no ``self.training``:
+    its dropout is a child module, which follows the model's train/eval switch.
+    """
+
+    uses_pooler: ClassVar[bool] = False
+
+    def output_embeddings(self) -> nn.Module | None:
+        """The module whose ``weight`` is tied to the input embeddings (masked-LM decoders)."""
+        return None
+
+
+class TaskModel(PreTrainedModel):
+    """A backbone plus one head part. Subclasses (in ``flodl_hf.heads``) write each head shape once."""
+
+    head_factory: ClassVar[str]  # the Family classmethod that builds this task's HeadPart
+
+    def __init__(self, config: BaseConfig) -> None:
+        super().__init__(config)
+        from .registry import get_family
+        family = get_family(config.model_type)
+        part: HeadPart = getattr(family, self.head_factory)(config)
+        if list(part.parameters(recurse=False)):
+            raise TypeError(f"{type(part).__name__}: a HeadPart holds no bare parameters, only children")
+        self.base_model_prefix = family.prefix
+        self.add_module(family.prefix, family.backbone_class(config, add_pooling_layer=part.uses_pooler))
+        for name, child in part.named_children():
+            self.add_module(name, child)
+        object.__setattr__(self, "head", part)  # not registered: its children already are
+        decoder = part.output_embeddings()
+        if decoder is not None and config.tie_word_embeddings:
+            decoder.weight = self.backbone.get_input_embeddings().weight
+
+    @property
+    def backbone(self) -> PreTrainedModel:
+        return getattr(self, self.base_model_prefix)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.backbone.get_input_embeddings()
+
+
+# ---- key renames -------------------------------------------------------------------------
+
+class KeyRenamer:
+    """One family's declarative, invertible (hf, native) patterns; ``{}`` stands for one key segment."""
+
+    def __init__(self, pairs: tuple[tuple[str, str], ...]) -> None:
+        self._fwd = [(self._compile(hf), native) for hf, native in pairs]
+        self._rev = [(self._compile(native), hf) for hf, native in pairs]
+
+    @staticmethod
+    def _compile(pattern: str) -> re.Pattern:
+        return re.compile("^" + re.escape(pattern).replace(r"\{\}", r"([^.]+)") + "$")
+
+    @staticmethod
+    def _apply(table: list, key: str) -> str:
+        for regex, target in table:
+            match = regex.match(key)
+            if match:
+                return target.format(*match.groups())
+        return key
+
+    def to_native(self, key: str) -> str:
+        return self._apply(self._fwd, key)
+
+    def to_hf(self, key: str) -> str:
+        return self._apply(self._rev, key)
+
+
+# Keys HF checkpoints carry that are not weights (buffers HF recomputes).
+IGNORED_KEY = re.compile(r"(^|\.)(position_ids|token_type_ids)$")
+# Old TF-era checkpoints name LayerNorm parameters gamma/beta.
+LEGACY_SUFFIX = {".gamma": ".weight", ".beta": ".bias"}
+
+
+@dataclass
+class LoadReport:
+    """What a load did: the keys it initialised fresh and the checkpoint keys it did not use."""
+
+    fresh: list[str]
+    unused: list[str]
+
+
+def _expected(model: nn.Module) -> tuple[dict[str, torch.Size], dict[str, str]]:
+    """Canonical key -> shape, and alias -> canonical key for every tied tensor, found by identity."""
+    first: dict[int, str] = {}
+    shapes: dict[str, torch.Size] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+            shapes[name] = tensor.shape
+    return shapes, aliases
+
+
+def _normalise_keys(model: PreTrainedModel, tensors: dict[str, torch.Tensor],
+                    shapes: dict[str, torch.Size], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    renames = KeyRenamer(model.family.key_renames)
+    known = set(shapes) | set(aliases)
+    state: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        if IGNORED_KEY.search(key):
+            continue
+        for old, new in LEGACY_SUFFIX.items():
+            if key.endswith(old):
+                key = key[: -len(old)] + new
+        state[renames.to_native(key)] = tensor
+    prefix = model.family.prefix + "."
+    if model.base_model_prefix:
+        # A backbone saved without its prefix, loaded into a head model.
+        if not any(k.startswith(prefix) for k in state):
+            state = {(prefix + k if prefix + k in known else k): t for k, t in state.items()}
+    elif any(k.startswith(prefix) for k in state):
+        # A head checkpoint loaded into a bare backbone: the backbone is under the prefix, the rest is unused.
+        state = {(k[len(prefix):] if k.startswith(prefix) else k): t for k, t in state.items()}
+    for alias, canonical in aliases.items():
+        if alias in state:
+            tensor = state.pop(alias)
+            state.setdefault(canonical, tensor)  # a tied copy in the file is redundant
+    return state
+
+
+def _init_fresh(owner: nn.Module, name: str, std: float) -> None:
+    tensor = getattr(owner, name)
+    with torch.no_grad():
+        if isinstance(owner, nn.LayerNorm):
+            tensor.fill_(1.0 if name == "weight" else 0.0)
+        elif isinstance(owner, (nn.Linear, nn.Embedding)) and name == "weight":
+            tensor.normal_(mean=0.0, std=std)
+        else:
+            tensor.zero_()
+
+
+def load_weights(model: PreTrainedModel, tensors: dict[str, torch.Tensor], source: str,
+                 allow_fresh_head: bool = True) -> LoadReport:
+    """Strictly load ``tensors`` into ``model`` (which may live on the meta device).
+
+    Missing keys or shape mismatches raise one WeightsMismatchError listing all of
+    them, before any weight is assigned. The only exception: when the checkpoint
+    holds none of the head's keys (a base checkpoint, or another head), the head,
+    and the pooler it may need, are initialised fresh as transformers does, with a
+    warning that lists them.
+    """
+    shapes, aliases = _expected(model)
+    state = _normalise_keys(model, tensors, shapes, aliases)
+    missing = [k for k in shapes if k not in state]
+    mismatched = [(k, tuple(shapes[k]), tuple(state[k].shape)) for k in shapes
+                  if k in state and state[k].shape != shapes[k]]
+    unused = sorted(k for k in state if k not in shapes)
+
+    fresh: list[str] = []
+    if missing and allow_fresh_head and isinstance(model, TaskModel):
+        prefix = model.base_model_prefix + "."
+        head_keys = [k for k in shapes if not k.startswith(prefix)]
+        fresh_ok = set(head_keys) | {k for k in shapes if k.startswith(prefix)
+                                     and k[len(prefix):].startswith(model.fresh_ok_prefixes)}
+        if not any(k in state for k in head_keys) and set(missing) <= fresh_ok:
+            fresh, missing = missing, []
+    if missing or mismatched:
+        raise WeightsMismatchError(source, missing, mismatched)
+
+    loadable = {k: state[k] for k in shapes if k in state}
+    reference = next(iter(loadable.values()), None)
+    dtype = reference.dtype if reference is not None and reference.is_floating_point() else torch.float32
+    for key in fresh:
+        loadable[key] = torch.empty(shapes[key], dtype=dtype)
+    model.load_state_dict(loadable, strict=False, assign=True)
+    for alias, canonical in aliases.items():  # assign replaced the tied objects: tie them again
+        owner, _, name = alias.rpartition(".")
+        setattr(model.get_submodule(owner), name, model.get_parameter(canonical))
+    std = getattr(model.config, "initializer_range", 0.02)
+    for key in fresh:
+        owner, _, name = key.rpartition(".")
+        _init_fresh(model.get_submodule(owner), name, std)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"internal error: {', '.join(left)} were neither loaded nor initialised")
+    if fresh:
+        warnings.warn(f"Some weights of {model.architecture} were not in {source} and are newly initialised: "
+                      f"{', '.join(fresh)}. Train the model on a downstream task before using it for predictions.",
+                      stacklevel=3)
+    if unused:
+        warnings.warn(f"Some weights of {source} were not used by {model.architecture}: {', '.join(unused)}",
+                      stacklevel=3)
+    report = LoadReport(fresh, unused)
+    model.load_report = report
+    return report

@@ -1,0 +1,71 @@
+"""Output records with transformers' field names (``last_hidden_state``, ``logits``, ...)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Iterator
+
+import torch
+
+
+class ModelOutput:
+    """Attribute, key and index access, as transformers' ModelOutput offers; None fields are skipped."""
+
+    def keys(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        return ((k, getattr(self, k)) for k in self.keys())
+
+    def to_tuple(self) -> tuple:
+        return tuple(getattr(self, k) for k in self.keys())
+
+    def __getitem__(self, key: str | int) -> Any:
+        if isinstance(key, str):
+            if key not in self.keys():
+                raise KeyError(key)
+            return getattr(self, key)
+        return self.to_tuple()[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.keys()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+
+@dataclass
+class BaseModelOutput(ModelOutput):
+    last_hidden_state: torch.Tensor
+    pooler_output: torch.Tensor | None = None
+
+
+@dataclass
+class SequenceClassifierOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class TokenClassifierOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class MaskedLMOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class MultipleChoiceModelOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass
+class QuestionAnsweringModelOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    start_logits: torch.Tensor | None = None
+    end_logits: torch.Tensor | None = None

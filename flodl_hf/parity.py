@@ -1,0 +1,168 @@
+"""Parity: our native model against transformers' ``AutoModelFor*`` on the same padded batch.
+
+Exact means ``torch.equal`` on every output field (CPU, float32). Both models are
+loaded from the same source in the same process and fed the same batch: two
+sequences of different lengths (the shorter one padded), token types set where
+the family has them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .auto import load_model, task_of
+from .config import BaseConfig
+from .registry import TASKS, get_family
+
+REFERENCE_CLASSES = {
+    "base": "AutoModel",
+    "seqcls": "AutoModelForSequenceClassification",
+    "tokcls": "AutoModelForTokenClassification",
+    "qa": "AutoModelForQuestionAnswering",
+    "mlm": "AutoModelForMaskedLM",
+    "mc": "AutoModelForMultipleChoice",
+}
+
+
+@dataclass
+class ParityResult:
+    source: str
+    task: str
+    attn_implementation: str
+    diffs: dict[str, float] = field(default_factory=dict)   # field -> max abs diff
+    equal: dict[str, bool] = field(default_factory=dict)    # field -> torch.equal
+    skipped: str | None = None                              # why no comparison was made
+
+    @property
+    def exact(self) -> bool:
+        return bool(self.equal) and all(self.equal.values())
+
+
+def make_batch(config: BaseConfig, task: str, lengths: tuple[int, ...] = (13, 8), seed: int = 0,
+               num_choices: int = 2) -> dict[str, torch.Tensor]:
+    """A padded batch: random ids (never the pad id), the pad id at padded positions, token types where used."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = config.vocab_size
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    width = max(lengths)
+    ids = torch.randint(0, vocab, (len(lengths), width), generator=gen)
+    ids = torch.where(ids == pad, (ids + 1) % vocab, ids)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, :n] = 1
+    ids = ids.masked_fill(mask == 0, pad)
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if getattr(config, "type_vocab_size", 0) >= 2:
+        types = torch.zeros_like(ids)
+        for row, n in enumerate(lengths):
+            types[row, n // 2:n] = 1
+        batch["token_type_ids"] = types
+    if task == "mc":
+        batch = {k: torch.stack([v.roll(c, dims=0) for c in range(num_choices)], dim=1) for k, v in batch.items()}
+    return batch
+
+
+def reference_model(source: str | Path, task: str, attn_implementation: str, revision: str | None = None):
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    cls = getattr(transformers, REFERENCE_CLASSES[task])
+    kwargs = {"dtype": torch.float32, "revision": revision}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    return cls.from_pretrained(str(source), **kwargs).eval()
+
+
+def compare_outputs(ours, theirs, fields: list[str]) -> tuple[dict[str, float], dict[str, bool]]:
+    diffs, equal = {}, {}
+    for name in fields:
+        a, b = getattr(ours, name), getattr(theirs, name, None)
+        if b is None:
+            raise AssertionError(f"transformers' output has no field {name!r}")
+        if a.shape != b.shape:
+            diffs[name], equal[name] = float("inf"), False
+            continue
+        diffs[name] = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+        equal[name] = torch.equal(a, b)
+    return diffs, equal
+
+
+@torch.inference_mode()
+def check_parity(source: str | Path, task: str = "auto", attn_implementation: str = "sdpa",
+                 revision: str | None = None, batch: dict[str, torch.Tensor] | None = None) -> ParityResult:
+    """Load ``source`` natively and with transformers; compare every output field on one padded batch."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = load_model(source, task, dtype=torch.float32, revision=revision,
+                          attn_implementation=attn_implementation)
+    task = ours.task
+    if ours.load_report.fresh:
+        # Both sides would hold independent random heads: there is nothing to compare.
+        return ParityResult(str(source), task, attn_implementation,
+                            skipped=f"the checkpoint has no weights for this head ({ours.load_report.fresh[0]}, ...)")
+    family = get_family(ours.config.model_type)
+    ref_impl = attn_implementation if attn_implementation in family.attn_implementations and \
+        len(family.attn_implementations) > 1 else None
+    theirs = reference_model(source, task, ref_impl, revision)
+    if batch is None:
+        batch = make_batch(ours.config, task)
+    out_ours = ours(**batch)
+    out_theirs = theirs(**batch)
+    diffs, equal = compare_outputs(out_ours, out_theirs, out_ours.keys())
+    return ParityResult(str(source), task, attn_implementation, diffs, equal)
+
+
+def _tasks_for(source: str, head: str) -> list[str]:
+    if head == "all":
+        return list(TASKS)
+    return [head]
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from .auto import AutoConfig
+    config = AutoConfig.from_pretrained(args.source, revision=args.revision)
+    family = get_family(config.model_type)
+    impls = list(family.attn_implementations) if args.attn == "all" else [args.attn]
+    heads = [task_of(config)] if args.head == "auto" else _tasks_for(args.source, args.head)
+    results = []
+    for task in heads:
+        for impl in impls:
+            results.append(check_parity(args.source, task, impl, args.revision))
+    if args.json:
+        print(json.dumps([{**asdict(r), "exact": r.exact} for r in results], indent=2))
+    else:
+        print(f"parity of {args.source} ({config.model_type}) against transformers, CPU float32")
+        print(f"{'head':8} {'attention':9} {'field':18} {'max abs diff':>13}  exact")
+        for r in results:
+            if r.skipped:
+                print(f"{r.task:8} {r.attn_implementation:9} {'-':18} {'skipped':>13}  ({r.skipped})")
+            for name, diff in r.diffs.items():
+                print(f"{r.task:8} {r.attn_implementation:9} {name:18} {diff:13.3g}  {'yes' if r.equal[name] else 'NO'}")
+    compared = [r for r in results if not r.skipped]
+    ok = bool(compared) and all(r.exact for r in compared)
+    if not args.json:
+        print("PASS: every field is bit-exact" if ok else "FAIL: some field differs, or nothing was compared")
+    return 0 if ok else 1
+
+
+def register_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("parity", help="compare our model with transformers' on a padded batch; exit 1 unless exact")
+    p.add_argument("source", help="local directory, weights file, or hub id")
+    p.add_argument("--head", default="auto", choices=["auto", "all", *TASKS],
+                   help="head to build (auto: from config architectures; all: every head)")
+    p.add_argument("--attn", default="all", choices=["sdpa", "eager", "all"], help="attention path(s)")
+    p.add_argument("--revision", default=None)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run_cli)
+
+
+if __name__ == "__main__":
+    from .cli import main
+    sys.exit(main(["parity", *sys.argv[1:]]))

@@ -1,0 +1,126 @@
+"""Families register under their HF ``model_type``; the registry owns dispatch.
+
+A family is a small class: its config class, its backbone class, the prefix its
+head models put the backbone under, and the head parts where it differs from
+the defaults (which live in ``flodl_hf.heads``). A family derived from another
+overrides only what differs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from .errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from .config import BaseConfig
+    from .modeling import HeadPart, PreTrainedModel
+
+# Task names, as used by the CLI and the Auto classes, and HF's class-name suffix of each.
+TASK_SUFFIX = {
+    "base": "Model",
+    "seqcls": "ForSequenceClassification",
+    "tokcls": "ForTokenClassification",
+    "qa": "ForQuestionAnswering",
+    "mlm": "ForMaskedLM",
+    "mc": "ForMultipleChoice",
+}
+TASKS = tuple(TASK_SUFFIX)
+
+_FAMILIES: dict[str, type["Family"]] = {}
+_loaded = False
+
+
+class Family:
+    """What a model family declares. Subclass, set the class attributes, decorate with @register."""
+
+    model_type: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()
+    arch: ClassVar[str]                        # HF class-name stem: "Bert" -> BertForMaskedLM
+    prefix: ClassVar[str]                      # HF base_model_prefix: "bert"
+    config_class: ClassVar[type["BaseConfig"]]
+    backbone_class: ClassVar[type["PreTrainedModel"]]
+    # (hf_key, native_key) patterns with "{}" for one dotted-free segment; load and export both use them.
+    key_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # Attention paths transformers has for this family (DeBERTa has only its own, "eager").
+    attn_implementations: ClassVar[tuple[str, ...]] = ("sdpa", "eager")
+
+    # ---- head parts: defaults shared by the BERT lineage; families override what differs ----
+    @classmethod
+    def classifier_dropout(cls, config: "BaseConfig") -> float:
+        value = getattr(config, "classifier_dropout", None)
+        return value if value is not None else getattr(config, "hidden_dropout_prob", 0.0)
+
+    @classmethod
+    def sequence_head(cls, config: "BaseConfig") -> "HeadPart":
+        from flodl_hf.heads import PooledClassifier
+        return PooledClassifier(config.hidden_size, config.num_labels, cls.classifier_dropout(config))
+
+    @classmethod
+    def multiple_choice_head(cls, config: "BaseConfig") -> "HeadPart":
+        from flodl_hf.heads import PooledClassifier
+        return PooledClassifier(config.hidden_size, 1, cls.classifier_dropout(config))
+
+    @classmethod
+    def token_head(cls, config: "BaseConfig") -> "HeadPart":
+        from flodl_hf.heads import TokenClassifier
+        return TokenClassifier(config.hidden_size, config.num_labels, cls.classifier_dropout(config))
+
+    @classmethod
+    def span_head(cls, config: "BaseConfig") -> "HeadPart":
+        from flodl_hf.heads import SpanClassifier
+        return SpanClassifier(config.hidden_size, config.num_labels)
+
+    @classmethod
+    def lm_head(cls, config: "BaseConfig") -> "HeadPart":
+        raise UnsupportedModelError(f"{cls.model_type}: no masked-LM head is declared for this family")
+
+    # ---- names ----------------------------------------------------------------------------
+    @classmethod
+    def architecture(cls, task: str) -> str:
+        return cls.arch + TASK_SUFFIX[task]
+
+    @classmethod
+    def model_types(cls) -> tuple[str, ...]:
+        return (cls.model_type, *cls.aliases)
+
+
+def register(family: type[Family]) -> type[Family]:
+    """Class decorator: make a family reachable by its model_type and aliases."""
+    for name in family.model_types():
+        _FAMILIES[name] = family
+    return family
+
+
+def _ensure_loaded() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        import flodl_hf.families  # noqa: F401  (importing registers every family)
+
+
+def supported_model_types() -> list[str]:
+    _ensure_loaded()
+    return sorted(_FAMILIES)
+
+
+def get_family(model_type: str) -> type[Family]:
+    _ensure_loaded()
+    try:
+        return _FAMILIES[model_type]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; supported families: "
+            + ", ".join(supported_model_types())) from None
+
+
+def parse_architecture(name: str) -> tuple[type[Family], str]:
+    """'RobertaForMaskedLM' -> (Roberta family, 'mlm'); raises when no family/head matches."""
+    _ensure_loaded()
+    for family in dict.fromkeys(_FAMILIES.values()):
+        for task in TASKS:
+            if family.architecture(task) == name:
+                return family, task
+    raise UnsupportedModelError(
+        f"architecture {name!r} is not supported; supported: "
+        + ", ".join(sorted(f.architecture(t) for f in set(_FAMILIES.values()) for t in TASKS)))

@@ -1,0 +1,26 @@
+"""Head shapes, each written once: the task models and the default head parts.
+
+A task model is a backbone plus a HeadPart the family builds (``Family.sequence_head``
+and friends). The defaults here serve the BERT lineage; a family overrides a
+factory only where its head differs.
+"""
+
+from .masked_lm import ModelForMaskedLM
+from .multiple_choice import ModelForMultipleChoice
+from .question_answering import ModelForQuestionAnswering, SpanClassifier
+from .sequence_classification import ModelForSequenceClassification, PooledClassifier, sequence_classification_loss
+from .token_classification import ModelForTokenClassification, TokenClassifier
+
+TASK_MODELS = {
+    "seqcls": ModelForSequenceClassification,
+    "tokcls": ModelForTokenClassification,
+    "qa": ModelForQuestionAnswering,
+    "mlm": ModelForMaskedLM,
+    "mc": ModelForMultipleChoice,
+}
+
+__all__ = [
+    "TASK_MODELS", "ModelForMaskedLM", "ModelForMultipleChoice", "ModelForQuestionAnswering",
+    "ModelForSequenceClassification", "ModelForTokenClassification", "PooledClassifier", "SpanClassifier",
+    "TokenClassifier", "sequence_classification_loss",
+]

@@ -1,0 +1,32 @@
+"""Masked language modelling: vocabulary logits per token; label -100 is ignored in the loss.
+
+The LM head part is the family's (names and layer order differ per family); the
+decoder is tied to the input embeddings unless ``tie_word_embeddings`` is false.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flodl_hf.modeling import TaskModel
+from flodl_hf.outputs import MaskedLMOutput
+
+
+class ModelForMaskedLM(TaskModel):
+    task = "mlm"
+    head_factory = "lm_head"
+
+    def get_output_embeddings(self):
+        return self.head.output_embeddings()
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> MaskedLMOutput:
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                            position_ids=position_ids, inputs_embeds=inputs_embeds)
+        logits = self.head(out.last_hidden_state, out.pooler_output, attention_mask)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), labels.to(logits.device).view(-1))
+        return MaskedLMOutput(loss=loss, logits=logits)

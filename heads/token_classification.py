@@ -1,0 +1,40 @@
+"""Token classification: ``num_labels`` logits per token; label -100 is ignored in the loss."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flodl_hf.modeling import HeadPart, TaskModel
+from flodl_hf.outputs import TokenClassifierOutput
+
+
+class TokenClassifier(HeadPart):
+    """``classifier(dropout(hidden_states))``: the token head of every BERT-lineage family."""
+
+    def __init__(self, hidden_size: int, num_labels: int, dropout: float) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(hidden_size, num_labels)
+
+    def forward(self, hidden_states: torch.Tensor, pooler_output: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.classifier(self.dropout(hidden_states))
+
+
+class ModelForTokenClassification(TaskModel):
+    task = "tokcls"
+    head_factory = "token_head"
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                ) -> TokenClassifierOutput:
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                            position_ids=position_ids, inputs_embeds=inputs_embeds)
+        logits = self.head(out.last_hidden_state, out.pooler_output, attention_mask)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), labels.to(logits.device).view(-1))
+        return TokenClassifierOutput(loss=loss, logits=logits)
