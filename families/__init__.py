@@ -1,3 +1,7 @@
-"""One module per HF ``model_type``; importing this package registers them all."""
+"""One module per HF ``model_type``; importing this package registers every family in it."""
 
-from . import bert  # noqa: F401
+import importlib
+import pkgutil
+
+for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    importlib.import_module(f"{__name__}.{_info.name}")
