@@ -215,13 +215,15 @@ class BertPredictionHeadTransform(nn.Module):
 
 
 class BertLMPredictionHead(nn.Module):
-    """transform, then ``decoder``; ``bias`` *is* ``decoder.bias`` (HF writes it as ``cls.predictions.bias``)."""
+    """transform, then ``decoder``. Tied (the default), ``bias`` *is* ``decoder.bias`` and HF writes it
+    once as ``cls.predictions.bias``; with ``tie_word_embeddings=False`` transformers 5 unties both
+    (forward then uses ``decoder.bias``), and so do we."""
 
     def __init__(self, config: BertConfig, hidden_size: int | None = None) -> None:
         super().__init__()
         self.transform = BertPredictionHeadTransform(config)
         self.decoder = nn.Linear(hidden_size or config.hidden_size, config.vocab_size)
-        self.bias = self.decoder.bias
+        self.bias = self.decoder.bias if config.tie_word_embeddings else nn.Parameter(torch.zeros(config.vocab_size))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.transform(hidden_states))
