@@ -57,12 +57,13 @@ class BertConfig(BaseConfig):
 
 
 class BertEmbeddings(nn.Module):
-    def __init__(self, config: BertConfig) -> None:
+    def __init__(self, config: BertConfig, width: int | None = None) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        width = width or config.hidden_size  # ALBERT embeds at embedding_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, width, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, width)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, width)
+        self.LayerNorm = nn.LayerNorm(width, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def position_ids(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor) -> torch.Tensor:
@@ -180,12 +181,13 @@ class BertModel(PreTrainedModel):
 
     embeddings_class: ClassVar[type[nn.Module]] = BertEmbeddings
     encoder_class: ClassVar[type[nn.Module]] = BertEncoder
+    pooler_class: ClassVar[type[nn.Module]] = BertPooler
 
     def __init__(self, config: BertConfig, add_pooling_layer: bool = True) -> None:
         super().__init__(config)
         self.embeddings = self.embeddings_class(config)
         self.encoder = self.encoder_class(config)
-        self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.pooler = self.pooler_class(config) if add_pooling_layer else None
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings.word_embeddings
