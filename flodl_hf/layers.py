@@ -115,7 +115,7 @@ def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
 def init_weights(module: nn.Module, std: float) -> None:
     """transformers' default ``_init_weights`` for fresh (not loaded) modules."""
     for sub in module.modules():
-        if isinstance(sub, nn.Linear):
+        if isinstance(sub, (nn.Linear, nn.Conv1d)):  # Conv1d: DeBERTa-v2's ConvLayer, as transformers inits it
             sub.weight.normal_(mean=0.0, std=std)
             if sub.bias is not None:
                 sub.bias.zero_()
@@ -130,5 +130,5 @@ def init_weights(module: nn.Module, std: float) -> None:
                 sub.bias.zero_()
         for name, param in sub.named_parameters(recurse=False):
             # bare parameters (e.g. an LM head's output bias) start at zero
-            if not isinstance(sub, (nn.Linear, nn.Embedding, nn.LayerNorm)):
+            if not isinstance(sub, (nn.Linear, nn.Conv1d, nn.Embedding, nn.LayerNorm)):
                 param.zero_()

@@ -122,6 +122,10 @@ class HeadPart(nn.Module):
         """The module whose ``weight`` is tied to the input embeddings (masked-LM decoders)."""
         return None
 
+    def bind(self, backbone: "PreTrainedModel") -> None:
+        """Called once the backbone is built. A head that reads backbone modules at forward time without
+        tying them (DeBERTa's ``lm_predictions``) keeps an unregistered reference, so no key is added."""
+
 
 class TaskModel(PreTrainedModel):
     """A backbone plus one head part. Subclasses (in ``flodl_hf.heads``) write each head shape once."""
@@ -140,6 +144,7 @@ class TaskModel(PreTrainedModel):
         for name, child in part.named_children():
             self.add_module(name, child)
         object.__setattr__(self, "head", part)  # not registered: its children already are
+        part.bind(self.backbone)
         decoder = part.output_embeddings()
         if decoder is not None and config.tie_word_embeddings:
             decoder.weight = self.backbone.get_input_embeddings().weight

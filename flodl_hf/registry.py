@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, ClassVar
 from .errors import UnsupportedModelError
 
 if TYPE_CHECKING:
+    import torch
+
     from .config import BaseConfig
     from .modeling import HeadPart, PreTrainedModel
 
@@ -70,6 +72,12 @@ class Family:
     def span_head(cls, config: "BaseConfig") -> "HeadPart":
         from flodl_hf.heads import SpanClassifier
         return SpanClassifier(config.hidden_size, config.num_labels)
+
+    @classmethod
+    def sequence_loss(cls, logits: "torch.Tensor", labels: "torch.Tensor", config: "BaseConfig") -> "torch.Tensor":
+        """Sequence-classification loss; transformers' shared rule unless a family has its own."""
+        from flodl_hf.heads import sequence_classification_loss
+        return sequence_classification_loss(logits, labels, config.problem_type)
 
     @classmethod
     def lm_head(cls, config: "BaseConfig") -> "HeadPart":

@@ -59,5 +59,5 @@ class ModelForSequenceClassification(TaskModel):
         logits = self.head(out.last_hidden_state, out.pooler_output, attention_mask)
         loss = None
         if labels is not None:
-            loss = sequence_classification_loss(logits, labels.to(logits.device), self.config.problem_type)
+            loss = self.family.sequence_loss(logits, labels.to(logits.device), self.config)
         return SequenceClassifierOutput(loss=loss, logits=logits)
