@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .auto import load_model, task_of
+from .auto import AutoConfig, load_model, task_of
+from .errors import WeightsMismatchError
 from .config import BaseConfig
 from .registry import TASKS, get_family
 
@@ -100,8 +101,17 @@ def check_parity(source: str | Path, task: str = "auto", attn_implementation: st
     """Load ``source`` natively and with transformers; compare every output field on one padded batch."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ours = load_model(source, task, dtype=torch.float32, revision=revision,
-                          attn_implementation=attn_implementation)
+        try:
+            ours = load_model(source, task, dtype=torch.float32, revision=revision,
+                              attn_implementation=attn_implementation)
+        except WeightsMismatchError as exc:
+            own = task_of(AutoConfig.from_pretrained(source, revision=revision))
+            if task in ("auto", own):
+                raise
+            # e.g. a 5-label classifier read as a 1-output multiple-choice head: not this checkpoint's head
+            return ParityResult(str(source), task, attn_implementation,
+                                skipped=f"this {own} checkpoint cannot hold a {task} head "
+                                        f"({str(exc).splitlines()[1].strip()})")
     task = ours.task
     if ours.load_report.fresh:
         # Both sides would hold independent random heads: there is nothing to compare.
