@@ -136,9 +136,13 @@ class BaseConfig:
             value = getattr(self, f.name)
             if f.name in out or value != getattr(defaults, f.name):
                 out[f.name] = _jsonable(value)
-        # The label maps are always written, as transformers does.
-        out["id2label"] = _jsonable(self.id2label)
-        out["label2id"] = _jsonable(self.label2id)
+        # The label maps are written where the source had them or they differ from the 2-label
+        # default; transformers 5 leaves the default out too.
+        default = {0: "LABEL_0", 1: "LABEL_1"}
+        if "id2label" in self.raw or self.id2label != default:
+            out["id2label"] = _jsonable(self.id2label)
+        if "label2id" in self.raw or self.id2label != default:
+            out["label2id"] = _jsonable(self.label2id)
         out["model_type"] = self.model_type or out.get("model_type")
         return out
 

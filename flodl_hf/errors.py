@@ -44,3 +44,7 @@ class WeightsMismatchError(FlodlHFError, ValueError):
 
 class InputError(FlodlHFError, ValueError):
     """User input to a task or a model forward is unusable (e.g. a text with no mask token)."""
+
+
+class OutputExistsError(FlodlHFError, FileExistsError):
+    """An output path is an existing file, or an existing directory that may not be replaced."""

@@ -93,6 +93,9 @@ def resolve(source: str | os.PathLike, revision: str | None = None) -> Checkpoin
     """Resolve a local directory, a single weights file, or a hub id into a Checkpoint."""
     text = str(source)
     path = Path(text).expanduser()
+    if text.startswith("samples/") and not path.exists():
+        from .samples import sample_path  # samples/<name>: a sample unpacked by `flodl-hf samples fetch`
+        path = sample_path(text)
     if path.is_dir():
         files, fmt, wmap = _weights_in_dir(path, text)
         return Checkpoint(text, path, files, fmt, revision, wmap)
@@ -210,7 +213,7 @@ def save_safetensors(tensors: dict[str, torch.Tensor], directory: Path, max_shar
         path = directory / SAFE_SINGLE
         save_file(shards[0], str(path), metadata=meta)
         return [path]
-    paths, weight_map, total = [], {}, 0
+    paths, weight_map, total, count = [], {}, 0, 0
     for i, shard in enumerate(shards, 1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(directory / name), metadata=meta)
@@ -218,6 +221,8 @@ def save_safetensors(tensors: dict[str, torch.Tensor], directory: Path, max_shar
         for key, tensor in shard.items():
             weight_map[key] = name
             total += tensor.numel() * tensor.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            count += tensor.numel()
+    # transformers' index metadata: total_parameters (tied tensors once) and total_size in bytes.
+    index = {"metadata": {"total_parameters": count, "total_size": total}, "weight_map": weight_map}
     (directory / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return paths

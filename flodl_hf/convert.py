@@ -1,0 +1,130 @@
+"""``pytorch_model.bin`` (single or sharded) to safetensors, proven bitwise.
+
+Pickled ``.bin`` files are read with ``torch.load(weights_only=True)`` only. Tensors that
+share storage (tied weights saved by older transformers) are written as independent
+copies under every name they had, so safetensors' "tensors share memory" check never
+trips and the converted checkpoint holds exactly the keys of the original. After writing,
+every tensor is read back and compared byte for byte; the other files of the checkpoint
+(config, tokenizer, README...) are copied. All of it lands atomically in ``out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import io
+from .errors import CheckpointFormatError
+from .export import atomic_directory, check_out, same_bytes
+
+
+@dataclass
+class ConvertResult:
+    out: Path
+    weight_files: list[str]
+    tensors: int
+    shared: list[list[str]] = field(default_factory=list)  # groups of names that shared storage in the source
+    copied: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "out": str(self.out)}
+
+
+def shared_groups(tensors: dict[str, torch.Tensor]) -> list[list[str]]:
+    """Names whose tensors share one storage (tied weights, or views of one buffer)."""
+    by_storage: dict[tuple, list[str]] = {}
+    for name, tensor in tensors.items():
+        storage = tensor.untyped_storage()
+        by_storage.setdefault((storage.data_ptr(), storage.nbytes()), []).append(name)
+    return [names for names in by_storage.values() if len(names) > 1]
+
+
+def _side_files(ckpt: io.Checkpoint, single_file: bool) -> list[Path]:
+    """Every other file of the checkpoint (relative paths kept); hidden entries and .bin weights skipped."""
+    weights = {p.resolve() for p in ckpt.weight_files}
+    if single_file:
+        candidates = [p for pattern in io.SIDE_PATTERNS for p in ckpt.root.glob(pattern)]
+    else:
+        candidates = [p for p in ckpt.root.rglob("*")]
+    out = []
+    for path in sorted(set(candidates)):
+        rel = path.relative_to(ckpt.root)
+        if any(part.startswith(".") for part in rel.parts) or not path.is_file():
+            continue
+        if path.resolve() in weights or path.name == io.BIN_INDEX:
+            continue
+        out.append(path)
+    return out
+
+
+def verify_written(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Read every written tensor back; raise unless each is byte-identical to the original and none is extra."""
+    written = io.load_tensors(io.resolve(directory))
+    missing = sorted(set(tensors) - set(written))
+    extra = sorted(set(written) - set(tensors))
+    differ = sorted(k for k in tensors if k in written and not same_bytes(tensors[k], written[k]))
+    if missing or extra or differ:
+        raise CheckpointFormatError(
+            f"conversion check failed, nothing was written: missing {missing[:5]}, extra {extra[:5]}, "
+            f"not byte-identical {differ[:5]}")
+
+
+def convert(source: str | os.PathLike, out: str | os.PathLike, revision: str | None = None,
+            max_shard_size: int | str = "5GB", force: bool = False) -> ConvertResult:
+    """Convert a ``.bin`` checkpoint (directory, file or hub id) to safetensors in ``out``."""
+    out_path = check_out(out, force)
+    ckpt = io.resolve(source, revision)
+    if ckpt.format != "bin":
+        raise CheckpointFormatError(f"{source}: already safetensors ({', '.join(p.name for p in ckpt.weight_files)}); "
+                                    "there is nothing to convert")
+    if out_path == ckpt.root.resolve():
+        raise CheckpointFormatError(f"--out {out_path} is the source directory: convert into another path")
+    tensors = io.load_tensors(ckpt)
+    shared = shared_groups(tensors)
+    side = _side_files(ckpt, single_file=Path(source).expanduser().is_file())
+    with atomic_directory(out_path, force) as tmp:
+        files = io.save_safetensors(tensors, tmp, max_shard_size)  # writes contiguous copies: sharing is harmless
+        verify_written(tmp, tensors)
+        copied = []
+        for path in side:
+            rel = path.relative_to(ckpt.root)
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, tmp / rel)
+            copied.append(str(rel))
+        weight_files = sorted(p.name for p in files) + ([io.SAFE_INDEX] if len(files) > 1 else [])
+    return ConvertResult(out_path, weight_files, len(tensors), shared, copied)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    result = convert(args.source, args.out, revision=args.revision, max_shard_size=args.max_shard_size,
+                     force=args.force)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    print(f"converted {args.source} to {result.out}: {result.tensors} tensors, every one byte-identical after writing")
+    for name in result.weight_files:
+        print(f"  {name}")
+    if result.shared:
+        print(f"  {len(result.shared)} group(s) of tensors shared storage (tied weights), written as copies: "
+              + "; ".join(", ".join(g) for g in result.shared))
+    if result.copied:
+        print(f"  copied: {', '.join(result.copied)}")
+    return 0
+
+
+def register_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="pytorch_model.bin (single or sharded) to safetensors, checked bitwise")
+    p.add_argument("source", metavar="SOURCE", help="directory, .bin file, index file or hub id")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory to create (atomically)")
+    p.add_argument("--revision", default=None)
+    p.add_argument("--max-shard-size", default="5GB", help="shard above this size (default 5GB)")
+    p.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run_convert)

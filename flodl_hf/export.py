@@ -1,0 +1,537 @@
+"""Export: a checkpoint goes through our native modules and out again, HF-canonical.
+
+``export(source, out)`` loads ``source`` (hub id, directory or weights file) into the
+native model for its head, and writes ``out`` as transformers' ``save_pretrained``
+would: ``config.json`` (the source's, lossless, with ``architectures`` naming the class
+exported and a ``flodl_hf`` stamp naming the source), ``model.safetensors`` (sharded
+above ``max_shard_size``, tied tensors written once under the name transformers keeps)
+and the tokenizer files. ``export_checkpoint(ckpt, out)`` does the same for a
+checkpoint written by our trainer.
+
+Every write is atomic: the directory is built as a hidden sibling of ``out`` and
+renamed into place only when complete, so a failure or a kill never leaves a
+half-written ``out``; an existing ``out`` is replaced only with ``force``.
+
+The commands ``export``, ``verify-export``, ``verify-matrix`` and ``convert`` are
+registered here (``flodl_hf.verify`` and ``flodl_hf.convert`` hold the last three).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import pickle
+import re
+import secrets
+import shutil
+import sys
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from . import io
+from .auto import build_model, config_from_dict, load_model
+from .config import BaseConfig
+from .errors import CheckpointFormatError, InputError, OutputExistsError, UnsupportedModelError
+from .modeling import PreTrainedModel, _init_fresh, load_weights
+from .registry import TASKS, get_family, parse_architecture
+
+STAMP_KEY = "flodl_hf"
+DTYPES = {"keep": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# transformers' Auto mapping per task: the class name it writes into ``architectures`` for a model_type.
+HF_MAPPINGS = {
+    "base": "MODEL_MAPPING_NAMES",
+    "seqcls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "tokcls": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+    "qa": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+    "mlm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "mc": "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES",
+}
+# Files that make a directory carry a tokenizer; any *.model (SentencePiece) counts too.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "merges.txt")
+TRAINER_KEYS = ("model", "config")
+TRAINER_FORMAT = "flodl-hf/trainer-checkpoint"  # flodl_hf.trainer writes it
+
+
+# ---- names: which class a (model_type, task) is, and back -------------------------------------
+
+def _hf_mapping(task: str) -> dict[str, str]:
+    from transformers.models.auto import modeling_auto
+    return getattr(modeling_auto, HF_MAPPINGS[task], {})
+
+
+def architecture_name(model_type: str, task: str) -> str:
+    """The class transformers instantiates (and writes into ``architectures``) for this model_type and head."""
+    return _hf_mapping(task).get(model_type) or get_family(model_type).architecture(task)
+
+
+def architecture_task(name: str, model_type: str) -> str:
+    """'BertForMaskedLM' -> 'mlm'. Raises UnsupportedModelError for a head we do not build."""
+    try:
+        return parse_architecture(name)[1]
+    except UnsupportedModelError as exc:
+        for task in TASKS:  # an alias family (camembert under roberta) is named by transformers' class
+            if _hf_mapping(task).get(model_type) == name:
+                return task
+        raise UnsupportedModelError(f"{exc}. Pass head= (--head) to export another head.") from None
+
+
+def resolve_task(config: BaseConfig, head: str, where: str) -> str:
+    if head != "auto":
+        if head not in TASKS:
+            raise InputError(f"head {head!r}: expected auto or one of {', '.join(TASKS)}")
+        return head
+    architectures = config.architectures or []
+    if not architectures:
+        return "base"
+    try:
+        return architecture_task(architectures[0], config.model_type)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{where}: architectures[0] is {architectures[0]!r}: {exc}") from None
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise InputError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---- small shared helpers -----------------------------------------------------------------------
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file; a progress bar on stderr for files over 256 MB."""
+    from tqdm.auto import tqdm
+    digest = hashlib.sha256()
+    size = Path(path).stat().st_size
+    with open(path, "rb") as handle, tqdm(total=size, unit="B", unit_scale=True, desc=f"sha256 {Path(path).name}",
+                                          disable=size < 256 * 2**20, leave=False) as bar:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+            bar.update(len(block))
+    return digest.hexdigest()
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (stricter than torch.equal: NaN payloads and -0.0 count)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
+                       b.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+
+
+def quiet_transformers():
+    """transformers, with its logging and progress bars off: our commands print their own report."""
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
+def tokenizer_root(tokenizer: str | os.PathLike) -> Path:
+    path = Path(tokenizer).expanduser()
+    return path if path.is_dir() else io.resolve(tokenizer).root
+
+
+def has_tokenizer(root: Path) -> bool:
+    return any((root / name).is_file() for name in TOKENIZER_FILES) or any(root.glob("*.model"))
+
+
+# ---- atomic directories ---------------------------------------------------------------------------
+
+_SCRATCH = re.compile(r"^\.(?P<name>.+)\.(?:partial|old)-(?P<pid>\d+)-[0-9a-f]+$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_scratch(out: Path) -> None:
+    """Hidden siblings a killed writer left behind (its pid is gone) are removed."""
+    if not out.parent.is_dir():
+        return
+    for entry in out.parent.iterdir():
+        match = _SCRATCH.match(entry.name)
+        if match and match["name"] == out.name and not _alive(int(match["pid"])):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def check_out(out: str | os.PathLike, force: bool) -> Path:
+    """Refuse an ``out`` that is a file, or an existing directory without ``force``. Nothing is written."""
+    path = Path(out).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise OutputExistsError(f"--out {path} is an existing file, not a directory: choose another path "
+                                "(nothing was written, the file is untouched)")
+    if path.exists() and not force:
+        raise OutputExistsError(f"--out {path} already exists: pass --force (force=True) to replace it, "
+                                "or choose another path (nothing was written)")
+    return path
+
+
+@contextlib.contextmanager
+def atomic_directory(out: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+    """Yield a hidden sibling of ``out`` to fill; rename it into place only if the block succeeds.
+
+    On any exception (KeyboardInterrupt included) the sibling is removed and ``out``, if it
+    existed, is untouched. A kill leaves only a hidden ``.NAME.partial-PID-*`` sibling,
+    which the next write to the same ``out`` removes.
+    """
+    path = check_out(out, force)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_scratch(path)
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = path.with_name(f".{path.name}.partial-{tag}")
+    tmp.mkdir()  # plain mkdir: the umask applies, as for a directory save_pretrained creates
+    try:
+        yield tmp
+        check_out(path, force)  # it may have appeared meanwhile
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{tag}")
+            path.rename(old)
+            try:
+                tmp.rename(path)
+            except BaseException:
+                old.rename(path)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- tokenizer --------------------------------------------------------------------------------------
+
+def write_tokenizer(source_root: Path, directory: Path) -> list[str]:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json as transformers does.
+
+    transformers converts a vocab.txt or a SentencePiece model into tokenizer.json; the
+    SentencePiece model is copied along. Returns the files written ([] when the source has none).
+    """
+    source_root = Path(source_root)
+    if not has_tokenizer(source_root):
+        return []
+    transformers = quiet_transformers()
+    before = set(os.listdir(directory))
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(source_root))
+        tokenizer.save_pretrained(str(directory))
+    except Exception as exc:  # transformers raises many kinds; all mean the same to the user
+        raise CheckpointFormatError(
+            f"{source_root}: has tokenizer files but transformers cannot read them "
+            f"({type(exc).__name__}: {exc}). Fix or remove them, or pass tokenizer= (--tokenizer) "
+            "pointing at a directory with a working tokenizer.") from exc
+    # transformers 5 no longer writes this file; older tools still read it.
+    (directory / "special_tokens_map.json").write_text(
+        json.dumps(tokenizer.special_tokens_map, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    for model_file in sorted(source_root.glob("*.model")):
+        shutil.copyfile(model_file, directory / model_file.name)
+    return sorted(set(os.listdir(directory)) - before)
+
+
+# ---- the model and its config ----------------------------------------------------------------------
+
+def _complete_backbone(model: PreTrainedModel) -> tuple[PreTrainedModel, list[str]]:
+    """A bare backbone gets the pooler transformers' AutoModel has, fresh, when the source had none.
+
+    transformers' ``AutoModel`` always builds the pooler where the family has one, so an export
+    without it would load with missing keys. The pooler is initialised as transformers would.
+    """
+    with torch.device("meta"):
+        full = build_model(model.config, "base", add_pooling_layer=True)
+    have = model.state_dict()
+    extra = [k for k in full.state_dict() if k not in have]
+    if not extra:
+        return model, []
+    full.load_state_dict(have, strict=False, assign=True)
+    dtype = model.dtype
+    for key in extra:
+        owner_name, _, name = key.rpartition(".")
+        owner = full.get_submodule(owner_name)
+        meta = getattr(owner, name)
+        setattr(owner, name, torch.nn.Parameter(torch.empty(meta.shape, dtype=dtype), requires_grad=meta.requires_grad))
+        _init_fresh(owner, name, getattr(model.config, "initializer_range", 0.02))
+    warnings.warn(f"{', '.join(extra)} were not in the source and are newly initialised, as transformers' "
+                  "AutoModel would do", stacklevel=3)
+    return full.eval(), extra
+
+
+def export_config(model: PreTrainedModel, task: str, stamp: dict[str, Any], cast: torch.dtype | None) -> dict:
+    """The source config, lossless, with the exported class, the cast dtype and the stamp laid over it."""
+    config = model.config.to_dict()
+    source_type = model.config.raw.get("model_type")
+    if source_type in model.family.model_types():  # an alias (camembert) keeps its own name
+        config["model_type"] = source_type
+    config["architectures"] = [architecture_name(config["model_type"], task)]
+    if cast is not None:
+        config["dtype"] = dtype_name(cast)
+        if "torch_dtype" in config:
+            config["torch_dtype"] = dtype_name(cast)
+    config[STAMP_KEY] = stamp
+    return config
+
+
+def _hf_names(model: PreTrainedModel, native_keys: list[str]) -> list[str]:
+    from .modeling import KeyRenamer
+    renames = KeyRenamer(model.family.key_renames)
+    return [renames.to_hf(k) for k in native_keys]
+
+
+@dataclass
+class ExportResult:
+    """What an export wrote and what a user should know about it."""
+
+    out: Path
+    architecture: str
+    task: str
+    files: list[str]
+    tokenizer_files: list[str] = field(default_factory=list)
+    fresh: list[str] = field(default_factory=list)     # HF keys initialised fresh (not in the source)
+    dropped: list[str] = field(default_factory=list)   # source keys the exported head does not use
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "out": str(self.out)}
+
+
+def _write(model: PreTrainedModel, out: Path, force: bool, task: str, stamp: dict, cast: torch.dtype | None,
+           max_shard_size: int | str, tok_root: Path | None, fresh: list[str], dropped: list[str]) -> ExportResult:
+    notes: list[str] = []
+    stamp = {**stamp, "task": task, "dtype": dtype_name(cast) if cast is not None else "keep",
+             "fresh": fresh, "dropped": dropped}
+    config = export_config(model, task, stamp, cast)
+    with atomic_directory(out, force) as tmp:
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        (tmp / io.CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        tokenizer_files = write_tokenizer(tok_root, tmp) if tok_root is not None else []
+        files = sorted(os.listdir(tmp))
+    if tok_root is None:
+        notes.append("no tokenizer source: exported without tokenizer files (pass tokenizer= / --tokenizer)")
+    elif not tokenizer_files:
+        notes.append(f"{tok_root} has no tokenizer files: exported without them")
+    if fresh:
+        notes.append(f"not in the source, initialised fresh (train before use): {', '.join(fresh)}")
+    if dropped:
+        notes.append(f"source weights the {task} head does not use, not exported: {', '.join(dropped)}")
+    return ExportResult(Path(out).expanduser().absolute(), config["architectures"][0], task, files,
+                        tokenizer_files, fresh, dropped, notes)
+
+
+def export(source: str | os.PathLike, out: str | os.PathLike, head: str = "auto", revision: str | None = None,
+           dtype: str | torch.dtype = "keep", max_shard_size: int | str = "5GB", force: bool = False,
+           tokenizer: str | os.PathLike | None = None) -> ExportResult:
+    """Load ``source`` natively and write it to ``out`` as an HF-canonical model directory.
+
+    ``head``: auto (from ``architectures``) or a task; a head the source lacks is initialised
+    fresh, as transformers would. ``dtype``: keep, float32, float16 or bfloat16. ``tokenizer``:
+    where to take tokenizer files from (default: the source).
+    """
+    cast = parse_dtype(dtype)
+    out_path = check_out(out, force)  # fail before any heavy work
+    ckpt = io.resolve(source, revision)
+    if out_path == ckpt.root.resolve() or out_path in [f.resolve().parent for f in ckpt.weight_files]:
+        raise OutputExistsError(f"--out {out_path} is the source directory: export to another path")
+    config = config_from_dict(io.read_json(ckpt.config_path, "config.json"), str(ckpt.config_path))
+    task = resolve_task(config, head, str(ckpt.config_path))
+    on_disk = Path(source).expanduser().exists()  # else a hub id, now in the local cache at ckpt.root
+    local = source if on_disk else ckpt.root
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fresh and unused keys are reported in the result instead
+        model = load_model(local, task, dtype=cast, revision=revision, config=config)
+        report = model.load_report
+        fresh = _hf_names(model, report.fresh)
+        if task == "base":
+            model, extra = _complete_backbone(model)
+            fresh += _hf_names(model, extra)
+    commit = ckpt.root.name if ckpt.root.parent.name == "snapshots" else None
+    stamp = {
+        "version": _version(),
+        "source": str(Path(source).expanduser().absolute()) if on_disk else str(source),
+        "revision": revision,
+        "commit": commit,
+        "format": ckpt.format,
+        "weights_sha256": {f.name: sha256_file(f) for f in ckpt.weight_files},
+    }
+    tok_root = tokenizer_root(tokenizer) if tokenizer is not None else ckpt.root
+    return _write(model, out_path, force, task, stamp, cast, max_shard_size, tok_root, fresh,
+                  _hf_names(model, report.unused))
+
+
+def _version() -> str:
+    from . import __version__
+    return __version__
+
+
+# ---- trainer checkpoints ------------------------------------------------------------------------------
+
+def read_trainer_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config dict, state_dict) of a checkpoint written by flodl_hf's trainer; anything else is refused."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise CheckpointFormatError(f"{path}: no such checkpoint file")
+    try:
+        data = torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointFormatError(
+            f"{path}: not a flodl-hf trainer checkpoint: it holds objects other than tensors and plain "
+            f"containers, which are refused, never unpickled ({str(exc).splitlines()[0]})") from exc
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise CheckpointFormatError(f"{path}: not a readable torch checkpoint ({exc})") from exc
+    found = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
+    if not isinstance(data, dict) or any(k not in data for k in TRAINER_KEYS):
+        raise CheckpointFormatError(
+            f"{path}: not a flodl-hf trainer checkpoint (expected a dict with keys 'model' (a state_dict) and "
+            f"'config' (config.to_dict()); found {found}). For a HuggingFace checkpoint use "
+            "`flodl-hf export --hub PATH`.")
+    if data.get("format", TRAINER_FORMAT) != TRAINER_FORMAT:
+        raise CheckpointFormatError(f"{path}: format {data['format']!r} is not {TRAINER_FORMAT!r}")
+    state, config = data["model"], data["config"]
+    if config is None:
+        raise CheckpointFormatError(f"{path}: the checkpoint has no config (the trained model had none), so "
+                                    "the family and head are unknown; only flodl-hf models can be exported")
+    if not isinstance(config, dict):
+        raise CheckpointFormatError(f"{path}: entry 'config' is a {type(config).__name__}, not a config dict")
+    if not isinstance(state, dict) or not state:
+        raise CheckpointFormatError(f"{path}: entry 'model' is not a non-empty state_dict")
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointFormatError(f"{path}: model entry {key!r} is a {type(value).__name__}, not a tensor")
+    return config, state
+
+
+def checkpoint_task(config: BaseConfig, state: dict[str, torch.Tensor], head: str, where: str) -> str:
+    """The head a trainer checkpoint holds: ``head`` if given, else the one whose keys and shapes fit.
+
+    ``architectures`` in a trainer's config may still name the class the backbone came from
+    (a classifier trained on a base checkpoint), so the state_dict decides.
+    """
+    if head != "auto":
+        return resolve_task(config, head, where)
+    from .modeling import _expected, _normalise_keys
+    fits = []
+    for task in TASKS:
+        try:
+            with torch.device("meta"):
+                model = build_model(config, task, add_pooling_layer=any(".pooler." in f".{k}" for k in state))
+        except UnsupportedModelError:
+            continue
+        shapes, aliases = _expected(model)
+        norm = _normalise_keys(model, dict(state), shapes, aliases)
+        if set(norm) == set(shapes) and all(norm[k].shape == shapes[k] for k in shapes):
+            fits.append(task)
+    if not fits:
+        raise CheckpointFormatError(f"{where}: its state_dict fits none of the {config.model_type} heads "
+                                    f"({', '.join(TASKS)}) exactly; pass head= (--head) to choose one")
+    if len(fits) > 1:
+        named = resolve_task(config, "auto", where) if config.architectures else None
+        if named in fits:
+            return named
+        raise CheckpointFormatError(f"{where}: its state_dict fits several heads ({', '.join(fits)}); "
+                                    "pass head= (--head) to choose one")
+    return fits[0]
+
+
+def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, head: str = "auto",
+                      dtype: str | torch.dtype = "keep", max_shard_size: int | str = "5GB", force: bool = False,
+                      tokenizer: str | os.PathLike | None = None) -> ExportResult:
+    """Export a checkpoint written by our trainer (``{'model': state_dict, 'config': config.to_dict(), ...}``).
+
+    ``tokenizer``: a directory or hub id to take the tokenizer files from (the checkpoint has none).
+    """
+    cast = parse_dtype(dtype)
+    out_path = check_out(out, force)
+    path = Path(ckpt).expanduser().absolute()
+    config_dict, state = read_trainer_checkpoint(path)
+    config = config_from_dict(config_dict, f"{path} (config)")
+    task = checkpoint_task(config, state, head, str(path))
+    if cast is not None:
+        state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
+    with torch.device("meta"):
+        model = build_model(config, task, add_pooling_layer=any(".pooler." in f".{k}" for k in state))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = load_weights(model, state, str(path), allow_fresh_head=False)
+    model.eval()
+    fresh: list[str] = []
+    if task == "base":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, extra = _complete_backbone(model)
+        fresh = _hf_names(model, extra)
+    stamp = {"version": _version(), "source": str(path), "revision": None, "commit": None,
+             "format": "flodl-checkpoint", "weights_sha256": {path.name: sha256_file(path)}}
+    tok_root = tokenizer_root(tokenizer) if tokenizer is not None else None
+    return _write(model, out_path, force, task, stamp, cast, max_shard_size, tok_root, fresh,
+                  _hf_names(model, report.unused))
+
+
+# ---- CLI ------------------------------------------------------------------------------------------------
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    common = dict(head=args.head, dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,
+                  tokenizer=args.tokenizer)
+    if args.checkpoint:
+        result = export_checkpoint(args.checkpoint, args.out, **common)
+    else:
+        result = export(args.hub, args.out, revision=args.revision, **common)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    print(f"exported {args.checkpoint or args.hub} as {result.architecture} to {result.out}")
+    for name in result.files:
+        print(f"  {name:40} {_human((result.out / name).stat().st_size):>10}")
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"check it: flodl-hf verify-export {result.out}")
+    return 0
+
+
+def register_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a checkpoint out again through our native modules, HF-canonical")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hub", metavar="SOURCE", help="hub id or local directory / weights file")
+    src.add_argument("--checkpoint", metavar="CKPT", help="a checkpoint written by the flodl-hf trainer")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory to create (atomically)")
+    p.add_argument("--head", default="auto", choices=["auto", *TASKS], help="head to export (auto: architectures)")
+    p.add_argument("--revision", default=None, help="hub revision (with --hub)")
+    p.add_argument("--dtype", default="keep", choices=list(DTYPES), help="cast floating tensors")
+    p.add_argument("--max-shard-size", default="5GB", help="shard above this size (default 5GB)")
+    p.add_argument("--tokenizer", default=None, metavar="SOURCE", help="take tokenizer files from here")
+    p.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run_export)
+
+    import importlib  # by module name: the package may re-export functions called export or convert
+    for name in ("verify", "convert"):
+        importlib.import_module(f"{__package__}.{name}").register_cli(sub)
+
+
+if __name__ == "__main__":
+    from .cli import main
+    sys.exit(main(["export", *sys.argv[1:]]))
