@@ -40,6 +40,7 @@ from .auto import build_model, config_from_dict, load_model
 from .config import BaseConfig
 from .errors import CheckpointFormatError, InputError, OutputExistsError, UnsupportedModelError
 from .modeling import PreTrainedModel, _init_fresh, load_weights
+from .parity import quiet_transformers
 from .registry import TASKS, get_family, parse_architecture
 
 STAMP_KEY = "flodl_hf"
@@ -129,14 +130,6 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     return torch.equal(a.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
                        b.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
-
-
-def quiet_transformers():
-    """transformers, with its logging and progress bars off: our commands print their own report."""
-    import transformers
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    return transformers
 
 
 def tokenizer_root(tokenizer: str | os.PathLike) -> Path:

@@ -70,10 +70,16 @@ def make_batch(config: BaseConfig, task: str, lengths: tuple[int, ...] = (13, 8)
     return batch
 
 
-def reference_model(source: str | Path, task: str, attn_implementation: str, revision: str | None = None):
+def quiet_transformers():
+    """transformers (imported on first use), with its logging and progress bars off: we print our own report."""
     import transformers
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
+def reference_model(source: str | Path, task: str, attn_implementation: str, revision: str | None = None):
+    transformers = quiet_transformers()
     cls = getattr(transformers, REFERENCE_CLASSES[task])
     kwargs = {"dtype": torch.float32, "revision": revision}
     if attn_implementation:

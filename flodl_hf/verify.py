@@ -37,10 +37,10 @@ from . import io
 from .auto import build_model, config_from_dict
 from .config import BaseConfig
 from .errors import ConfigError, FlodlHFError, InputError, SourceNotFoundError, UnsupportedModelError
-from .export import (STAMP_KEY, architecture_task, export, has_tokenizer, quiet_transformers,
+from .export import (STAMP_KEY, architecture_task, export, has_tokenizer,
                      read_trainer_checkpoint, same_bytes, sha256_file)
 from .modeling import _expected, _normalise_keys
-from .parity import REFERENCE_CLASSES, check_parity, compare_outputs, make_batch
+from .parity import REFERENCE_CLASSES, check_parity, compare_outputs, make_batch, quiet_transformers
 from .registry import TASKS, get_family, supported_model_types
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
