@@ -119,6 +119,11 @@ class Roberta(Bert):
     backbone_class = RobertaModel
 
     @classmethod
+    def max_sequence_length(cls, config: RobertaConfig) -> int:
+        # positions count from pad_token_id + 1, so the table holds that many fewer tokens
+        return config.max_position_embeddings - config.pad_token_id - 1
+
+    @classmethod
     def sequence_head(cls, config: RobertaConfig) -> HeadPart:
         return RobertaSequenceHead(config, cls.classifier_dropout(config))
 

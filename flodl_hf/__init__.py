@@ -20,6 +20,9 @@ from .errors import (
     WeightsMismatchError,
 )
 
+from .tasks import answer, classify, embed, fill_mask, rank, tag
+from .tokenizer import AutoTokenizer, Tokenizer
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -27,4 +30,5 @@ __all__ = [
     "AutoModelForSequenceClassification", "AutoModelForTokenClassification", "load_model",
     "CheckpointFormatError", "ConfigError", "FlodlHFError", "InputError", "SourceNotFoundError",
     "UnsupportedModelError", "WeightsMismatchError",
+    "AutoTokenizer", "Tokenizer", "answer", "classify", "embed", "fill_mask", "rank", "tag",
 ]

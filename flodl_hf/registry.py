@@ -83,6 +83,11 @@ class Family:
     def lm_head(cls, config: "BaseConfig") -> "HeadPart":
         raise UnsupportedModelError(f"{cls.model_type}: no masked-LM head is declared for this family")
 
+    @classmethod
+    def max_sequence_length(cls, config: "BaseConfig") -> int | None:
+        """The longest input the position table takes (None: no absolute limit)."""
+        return getattr(config, "max_position_embeddings", None)
+
     # ---- names ----------------------------------------------------------------------------
     @classmethod
     def architecture(cls, task: str) -> str:

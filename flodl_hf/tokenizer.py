@@ -1,0 +1,693 @@
+"""Tokenizers that give exactly transformers' ids, masks, type ids and offsets for the same directory.
+
+How transformers 5 builds a tokenizer decides how we build ours:
+
+- For the classes of our families (BertTokenizer, RobertaTokenizer, XLMRobertaTokenizer, AlbertTokenizer,
+  DebertaV2Tokenizer, ...) transformers takes only the vocabulary (and merges) from ``tokenizer.json`` and
+  rebuilds the normaliser, pre-tokeniser, decoder and post-processor from the class's own recipe and the
+  options in ``tokenizer_config.json`` (``do_lower_case``, ``add_prefix_space``, special tokens...). So a
+  ``tokenizer.json`` is not the whole truth. We load it directly with ``tokenizers`` and apply the same
+  recipe: one entry per class in ``RECIPES``, each written from
+  ``transformers/models/<family>/tokenization_<family>.py`` (5.24) and cited there.
+- Everything else (a directory with only ``vocab.txt`` or a SentencePiece model, or a class we have no
+  recipe for) is converted by transformers itself, so the conversion cannot differ from it.
+
+Either way the result is a ``tokenizers.Tokenizer`` plus the few settings transformers keeps beside it
+(special tokens, ``model_max_length``, ``model_input_names``, padding side...), and ``Tokenizer.__call__``
+drives it exactly as transformers' ``TokenizersBackend`` does.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from tokenizers import AddedToken, Encoding, Regex, decoders, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+from .errors import ConfigError, InputError, SourceNotFoundError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+VERY_LARGE_INTEGER = int(1e30)  # transformers' "no limit" model_max_length
+LARGE_INTEGER = int(1e20)
+# The tokenizer class transformers picks from config.json's model_type when tokenizer_config.json names none
+# (transformers.models.auto.tokenization_auto.TOKENIZER_MAPPING_NAMES, for our families).
+CLASS_FOR_MODEL_TYPE = {
+    "bert": "BertTokenizer",
+    "distilbert": "BertTokenizer",
+    "electra": "BertTokenizer",
+    "roberta": "RobertaTokenizer",
+    "camembert": "CamembertTokenizer",
+    "xlm-roberta": "XLMRobertaTokenizer",
+    "albert": "AlbertTokenizer",
+    "deberta-v2": "DebertaV2Tokenizer",
+}
+
+
+# ---- recipes: how transformers 5 rebuilds the pipeline of each class ----------------------------------
+
+@dataclass(frozen=True)
+class Recipe:
+    """One tokenizer class as transformers 5.24 builds it from a tokenizer.json vocabulary and its options."""
+
+    model_type: str                       # the tokenizers model the class builds ("WordPiece", "BPE", "Unigram")
+    model_input_names: tuple[str, ...]
+    defaults: dict[str, Any]              # __init__ defaults: special tokens and options
+    model: Callable[[dict, dict], dict]   # (tokenizer.json "model" section, options) -> the model transformers builds
+    pipeline: Callable[[BackendTokenizer, dict, Callable[[str], int | None]], None]
+    # ALBERT sets its post-processor before TokenizersBackend.__init__, which then puts tokenizer.json's back.
+    file_post_processor_wins: bool = False
+
+
+BERT_SPECIALS = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+                 "mask_token": "[MASK]"}
+ROBERTA_SPECIALS = {"bos_token": "<s>", "eos_token": "</s>", "sep_token": "</s>", "cls_token": "<s>",
+                    "unk_token": "<unk>", "pad_token": "<pad>", "mask_token": "<mask>"}
+
+
+def _cls_sep_template(cls: str, sep: str, cls_id: int | None, sep_id: int | None) -> processors.TemplateProcessing:
+    return processors.TemplateProcessing(
+        single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
+        special_tokens=[(cls, cls_id), (sep, sep_id)])
+
+
+def _metaspace(prepend_scheme: str) -> tuple[pre_tokenizers.Metaspace, decoders.Metaspace]:
+    return (pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend_scheme),
+            decoders.Metaspace(replacement="▁", prepend_scheme=prepend_scheme))
+
+
+def _precompiled(options: dict) -> list:
+    charsmap = options.get("_spm_precompiled_charsmap")
+    return [normalizers.Precompiled(charsmap)] if charsmap is not None else []
+
+
+# models/bert/tokenization_bert.py: BertTokenizer.__init__
+def _wordpiece_model(section: dict, o: dict) -> dict:
+    return {"type": "WordPiece", "unk_token": o["unk_token"], "continuing_subword_prefix": "##",
+            "max_input_chars_per_word": 100, "vocab": section["vocab"]}
+
+
+def _bert_pipeline(t: BackendTokenizer, o: dict, token_id: Callable) -> None:
+    t.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=o["tokenize_chinese_chars"],
+                                              strip_accents=o["strip_accents"], lowercase=o["do_lower_case"])
+    t.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    t.decoder = decoders.WordPiece(prefix="##")
+    cls_id, sep_id = token_id(o["cls_token"]), token_id(o["sep_token"])
+    t.post_processor = _cls_sep_template(o["cls_token"], o["sep_token"], 2 if cls_id is None else cls_id,
+                                         3 if sep_id is None else sep_id)
+
+
+# models/roberta/tokenization_roberta.py: RobertaTokenizer.__init__
+def _bpe_model(section: dict, o: dict) -> dict:
+    return {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+            "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+            "vocab": section["vocab"], "merges": section.get("merges", [])}
+
+
+def _roberta_pipeline(t: BackendTokenizer, o: dict, token_id: Callable) -> None:
+    t.normalizer = None
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=o["add_prefix_space"])
+    t.decoder = decoders.ByteLevel()
+    t.post_processor = processors.RobertaProcessing((o["sep_token"], token_id(o["sep_token"])),
+                                                    (o["cls_token"], token_id(o["cls_token"])),
+                                                    o["trim_offsets"], o["add_prefix_space"])
+
+
+def _unigram_model(unk_id: Callable[[list, dict], int]) -> Callable[[dict, dict], dict]:
+    def build(section: dict, o: dict) -> dict:
+        vocab = [[piece, score] for piece, score in section["vocab"]]
+        return {"type": "Unigram", "unk_id": unk_id(vocab, o), "vocab": vocab, "byte_fallback": False}
+    return build
+
+
+# models/xlm_roberta/tokenization_xlm_roberta.py: XLMRobertaTokenizer.__init__ (unk_id is fixed at 3 there)
+def _xlm_roberta_pipeline(t: BackendTokenizer, o: dict, token_id: Callable) -> None:
+    charsmap = _precompiled(o)
+    t.normalizer = charsmap[0] if charsmap else None
+    scheme = "always" if o["add_prefix_space"] else "never"
+    metaspace, t.decoder = _metaspace(scheme)
+    t.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), metaspace])
+    bos, eos = o["bos_token"], o["eos_token"]
+    t.post_processor = processors.TemplateProcessing(
+        single=[bos, "$A", eos], pair=[bos, "$A", eos, eos, "$B", eos],
+        special_tokens=[(bos, token_id(bos)), (eos, token_id(eos))])
+
+
+# models/albert/tokenization_albert.py: AlbertTokenizer.__init__ (unk_id is fixed at 1 there)
+def _albert_pipeline(t: BackendTokenizer, o: dict, token_id: Callable) -> None:
+    steps = [normalizers.Replace("``", '"'), normalizers.Replace("''", '"')]
+    if not o["keep_accents"]:
+        steps += [normalizers.NFKD(), normalizers.StripAccents()]
+    if o["do_lower_case"]:
+        steps.append(normalizers.Lowercase())
+    t.normalizer = normalizers.Sequence(steps + _precompiled(o))
+    scheme = "always" if o["add_prefix_space"] else "never"
+    metaspace, t.decoder = _metaspace(scheme)
+    t.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), metaspace])
+    t.post_processor = processors.TemplateProcessing(
+        single="[CLS]:0 $A:0 [SEP]:0", pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", token_id(o["cls_token"])), ("[SEP]", token_id(o["sep_token"]))])
+
+
+# models/deberta_v2/tokenization_deberta_v2.py: DebertaV2Tokenizer.__init__
+def _deberta_unk_id(vocab: list, o: dict) -> int:
+    entry = [o["unk_token"], 0.0]
+    return vocab.index(entry) if entry in vocab else o["unk_id"]
+
+
+def _deberta_v2_pipeline(t: BackendTokenizer, o: dict, token_id: Callable) -> None:
+    steps = [normalizers.Lowercase()] if o["do_lower_case"] else []
+    steps += [normalizers.Replace(Regex(r"\s{2,}|[\n\r\t]"), " "), normalizers.NFC(),
+              normalizers.Strip(left=False, right=True)]
+    t.normalizer = normalizers.Sequence(steps)
+    scheme = "always" if o["add_prefix_space"] else "first"
+    metaspace, t.decoder = _metaspace(scheme)
+    t.pre_tokenizer = pre_tokenizers.Sequence(
+        ([pre_tokenizers.Punctuation(behavior="isolated")] if o["split_by_punct"] else []) + [metaspace])
+    cls_id, sep_id = token_id(o["cls_token"]), token_id(o["sep_token"])
+    t.post_processor = _cls_sep_template(o["cls_token"], o["sep_token"], 0 if cls_id is None else cls_id,
+                                         0 if sep_id is None else sep_id)
+
+
+_BERT = Recipe("WordPiece", ("input_ids", "token_type_ids", "attention_mask"),
+               {**BERT_SPECIALS, "do_lower_case": True, "tokenize_chinese_chars": True, "strip_accents": None},
+               _wordpiece_model, _bert_pipeline)
+RECIPES: dict[str, Recipe] = {
+    "BertTokenizer": _BERT,
+    "DistilBertTokenizer": dataclasses.replace(_BERT, model_input_names=("input_ids", "attention_mask")),
+    "RobertaTokenizer": Recipe("BPE", ("input_ids", "attention_mask"),
+                               {**ROBERTA_SPECIALS, "add_prefix_space": False, "trim_offsets": True},
+                               _bpe_model, _roberta_pipeline),
+    "XLMRobertaTokenizer": Recipe("Unigram", ("input_ids", "attention_mask"),
+                                  {**ROBERTA_SPECIALS, "add_prefix_space": True},
+                                  _unigram_model(lambda vocab, o: 3), _xlm_roberta_pipeline),
+    "AlbertTokenizer": Recipe("Unigram", ("input_ids", "attention_mask"),
+                              {"bos_token": "[CLS]", "eos_token": "[SEP]", "unk_token": "<unk>", "sep_token": "[SEP]",
+                               "pad_token": "<pad>", "cls_token": "[CLS]", "mask_token": "[MASK]",
+                               "do_lower_case": True, "keep_accents": False, "add_prefix_space": True},
+                              _unigram_model(lambda vocab, o: 1), _albert_pipeline, file_post_processor_wins=True),
+    "DebertaV2Tokenizer": Recipe("Unigram", ("input_ids", "attention_mask", "token_type_ids"),
+                                 {"bos_token": "[CLS]", "eos_token": "[SEP]", "unk_token": "[UNK]",
+                                  "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+                                  "mask_token": "[MASK]", "do_lower_case": False, "split_by_punct": False,
+                                  "add_prefix_space": True, "unk_id": 1},
+                                 _unigram_model(_deberta_unk_id), _deberta_v2_pipeline),
+}
+
+
+# ---- what transformers keeps beside the backend ----------------------------------------------------
+
+@dataclass
+class TokenizerSettings:
+    class_name: str
+    special_tokens: dict[str, str | None]
+    extra_special_tokens: list[str] = field(default_factory=list)
+    model_max_length: int = VERY_LARGE_INTEGER
+    model_input_names: list[str] = field(default_factory=lambda: ["input_ids", "token_type_ids", "attention_mask"])
+    padding_side: str = "right"
+    truncation_side: str = "right"
+    clean_up_tokenization_spaces: bool = False
+    split_special_tokens: bool = False
+    pad_token_type_id: int = 0
+
+
+class BatchEncoding(dict):
+    """transformers' BatchEncoding, as far as we use it: a dict of fields plus the backend encodings."""
+
+    def __init__(self, data: dict[str, Any], encodings: list[Encoding] | None = None) -> None:
+        super().__init__(data)
+        self.encodings = encodings or []
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def word_ids(self, index: int = 0) -> list[int | None]:
+        return self.encodings[index].word_ids
+
+    def sequence_ids(self, index: int = 0) -> list[int | None]:
+        return self.encodings[index].sequence_ids
+
+    def tokens(self, index: int = 0) -> list[str]:
+        return self.encodings[index].tokens
+
+    def to(self, device: str | torch.device) -> "BatchEncoding":
+        for key, value in self.items():
+            if isinstance(value, torch.Tensor):
+                self[key] = value.to(device)
+        return self
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` driven with transformers' call semantics.
+
+    ``tokenizer(text, text_pair=None, padding=False, truncation=None, max_length=None, ...)`` returns
+    ``input_ids``, ``token_type_ids`` (where ``model_input_names`` has them), ``attention_mask`` and,
+    on request, ``offset_mapping``, ``special_tokens_mask``, overflowing windows.
+    """
+
+    def __init__(self, backend: BackendTokenizer, settings: TokenizerSettings, name_or_path: str = "") -> None:
+        self.backend_tokenizer = backend
+        self.settings = settings
+        self.name_or_path = name_or_path
+        backend.no_truncation()
+        backend.no_padding()
+        backend.encode_special_tokens = settings.split_special_tokens
+
+    @classmethod
+    def from_pretrained(cls, source: str | os.PathLike, revision: str | None = None, **options: Any) -> "Tokenizer":
+        return AutoTokenizer.from_pretrained(source, revision=revision, **options)
+
+    # ---- settings, as transformers names them ---------------------------------------------------
+    @property
+    def model_max_length(self) -> int:
+        return self.settings.model_max_length
+
+    @property
+    def model_input_names(self) -> list[str]:
+        return list(self.settings.model_input_names)
+
+    @property
+    def padding_side(self) -> str:
+        return self.settings.padding_side
+
+    @property
+    def truncation_side(self) -> str:
+        return self.settings.truncation_side
+
+    @property
+    def pad_token_type_id(self) -> int:
+        return self.settings.pad_token_type_id
+
+    @property
+    def is_fast(self) -> bool:
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        # bos_token ... mask_token and their *_id, from the settings.
+        if name in SPECIAL_TOKEN_NAMES:
+            return self.settings.special_tokens.get(name)
+        if name.endswith("_id") and name[:-3] in SPECIAL_TOKEN_NAMES:
+            token = self.settings.special_tokens.get(name[:-3])
+            return None if token is None else self.convert_tokens_to_ids(token)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        tokens = [t for n in SPECIAL_TOKEN_NAMES if (t := self.settings.special_tokens.get(n)) is not None]
+        return list(dict.fromkeys(tokens + list(self.settings.extra_special_tokens)))
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return self.convert_tokens_to_ids(self.all_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=False)
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend_tokenizer.get_vocab(with_added_tokens=True)
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer({self.settings.class_name}, vocab={len(self)}, model_max_length="
+                f"{self.model_max_length}, source={self.name_or_path!r})")
+
+    # ---- ids and tokens --------------------------------------------------------------------------
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | list[int]:
+        if isinstance(tokens, str):
+            index = self.backend_tokenizer.token_to_id(tokens)
+            if index is None:
+                unk = self.settings.special_tokens.get("unk_token")
+                return None if unk is None else self.backend_tokenizer.token_to_id(unk)
+            return index
+        return [self.convert_tokens_to_ids(t) for t in tokens]
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> str | list[str]:
+        if isinstance(ids, int):
+            return self.backend_tokenizer.id_to_token(ids)
+        skip = set(self.all_special_ids) if skip_special_tokens else set()
+        return [self.backend_tokenizer.id_to_token(int(i)) for i in ids if int(i) not in skip]
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        decoder = self.backend_tokenizer.decoder
+        return decoder.decode(tokens) if decoder is not None else " ".join(tokens)
+
+    def tokenize(self, text: str, pair: str | None = None, add_special_tokens: bool = False) -> list[str]:
+        return self(text, pair, add_special_tokens=add_special_tokens, return_tensors=None).encodings[0].tokens
+
+    def encode(self, text: str, text_pair: str | None = None, add_special_tokens: bool = True,
+               **kwargs: Any) -> list[int]:
+        return self(text, text_pair, add_special_tokens=add_special_tokens, return_tensors=None, **kwargs)["input_ids"]
+
+    def decode(self, token_ids: int | Sequence[int] | torch.Tensor, skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool | None = None) -> str | list[str]:
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.tolist()
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        token_ids = [int(i) if not isinstance(i, (list, tuple)) else i for i in token_ids]
+        if token_ids and isinstance(token_ids[0], (list, tuple)):
+            return [self.decode(ids, skip_special_tokens, clean_up_tokenization_spaces) for ids in token_ids]
+        text = self.backend_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        clean = self.settings.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None \
+            else clean_up_tokenization_spaces
+        # transformers skips the clean-up for BPE models: it was written for WordPiece and corrupts BPE output.
+        if clean and type(self.backend_tokenizer.model).__name__ != "BPE":
+            for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                                  (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+                text = text.replace(before, after)
+        return text
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
+    # ---- encoding ----------------------------------------------------------------------------------
+    def _strategies(self, padding: Any, truncation: Any, max_length: int | None) -> tuple[str, str, int | None]:
+        """transformers' _get_padding_truncation_strategies."""
+        if max_length is not None and padding is False and truncation is None:
+            truncation = "longest_first"
+        if padding is True:
+            pad = "longest"
+        elif padding is False or padding is None:
+            pad = "do_not_pad"
+        else:
+            pad = str(getattr(padding, "value", padding))
+            if pad not in ("longest", "max_length", "do_not_pad"):
+                raise ValueError(f"padding={padding!r}: expected True, False, 'longest', 'max_length' or 'do_not_pad'")
+        if truncation is True:
+            trunc = "longest_first"
+        elif truncation is False or truncation is None:
+            trunc = "do_not_truncate"
+        else:
+            trunc = str(getattr(truncation, "value", truncation))
+            if trunc not in ("longest_first", "only_first", "only_second", "do_not_truncate"):
+                raise ValueError(f"truncation={truncation!r}: expected True, False, 'longest_first', 'only_first', "
+                                 "'only_second' or 'do_not_truncate'")
+        if max_length is None:
+            if pad == "max_length":
+                if self.model_max_length > LARGE_INTEGER:
+                    pad = "do_not_pad"
+                else:
+                    max_length = self.model_max_length
+            if trunc != "do_not_truncate":
+                if self.model_max_length > LARGE_INTEGER:
+                    trunc = "do_not_truncate"
+                else:
+                    max_length = self.model_max_length
+        if pad != "do_not_pad" and (self.pad_token is None or self.pad_token_id is None or self.pad_token_id < 0):
+            raise InputError("padding was asked for, but this tokenizer has no pad token")
+        return pad, trunc, max_length
+
+    def __call__(self, text: str | Sequence[str], text_pair: str | Sequence[str] | None = None, *,
+                 add_special_tokens: bool = True, padding: bool | str = False, truncation: bool | str | None = None,
+                 max_length: int | None = None, stride: int = 0, pad_to_multiple_of: int | None = None,
+                 padding_side: str | None = None, return_tensors: str | None = "pt",
+                 return_token_type_ids: bool | None = None, return_attention_mask: bool | None = None,
+                 return_overflowing_tokens: bool = False, return_special_tokens_mask: bool = False,
+                 return_offsets_mapping: bool = False, return_length: bool = False) -> BatchEncoding:
+        pad, trunc, max_length = self._strategies(padding, truncation, max_length)
+        batched = isinstance(text, (list, tuple))
+        if batched:
+            if isinstance(text_pair, str):
+                raise InputError("when text is a batch, text_pair must be a batch of the same length")
+            if text_pair is not None and len(text) != len(text_pair):
+                raise InputError(f"batch length of text ({len(text)}) does not match text_pair ({len(text_pair)})")
+            if text_pair is not None:
+                inputs = list(zip(text, text_pair))
+            elif all(isinstance(t, (list, tuple)) and len(t) == 2 for t in text) and text:
+                inputs = [tuple(t) for t in text]  # a batch of (text, pair) tuples
+            else:
+                inputs = list(text)
+        elif isinstance(text, str):
+            inputs = [(text, text_pair)] if text_pair else [text]
+        else:
+            raise InputError(f"text must be a string or a list of strings, not {type(text).__name__}")
+
+        backend = self.backend_tokenizer
+        if trunc == "do_not_truncate":
+            backend.no_truncation()
+        else:
+            backend.enable_truncation(max_length, stride=stride, strategy=trunc, direction=self.truncation_side)
+        if pad == "do_not_pad":
+            backend.no_padding()
+        else:
+            backend.enable_padding(direction=padding_side or self.padding_side, pad_id=self.pad_token_id,
+                                   pad_type_id=self.settings.pad_token_type_id, pad_token=self.pad_token,
+                                   length=max_length if pad == "max_length" else None,
+                                   pad_to_multiple_of=pad_to_multiple_of)
+        try:
+            encodings = backend.encode_batch(inputs, add_special_tokens=add_special_tokens)
+        finally:
+            backend.no_truncation()
+            backend.no_padding()
+
+        if return_token_type_ids is None:
+            return_token_type_ids = "token_type_ids" in self.settings.model_input_names
+        if return_attention_mask is None:
+            return_attention_mask = "attention_mask" in self.settings.model_input_names
+        fields: dict[str, list] = {"input_ids": []}
+        if return_token_type_ids:
+            fields["token_type_ids"] = []
+        if return_attention_mask:
+            fields["attention_mask"] = []
+        if return_special_tokens_mask:
+            fields["special_tokens_mask"] = []
+        if return_offsets_mapping:
+            fields["offset_mapping"] = []
+        if return_length:
+            fields["length"] = []
+        flat: list[Encoding] = []
+        sample_of: list[int] = []
+        for i, encoding in enumerate(encodings):
+            windows = [encoding] + list(encoding.overflowing) if return_overflowing_tokens else [encoding]
+            for e in windows:
+                flat.append(e)
+                sample_of.append(i)
+                fields["input_ids"].append(e.ids)
+                if return_token_type_ids:
+                    fields["token_type_ids"].append(e.type_ids)
+                if return_attention_mask:
+                    fields["attention_mask"].append(e.attention_mask)
+                if return_special_tokens_mask:
+                    fields["special_tokens_mask"].append(e.special_tokens_mask)
+                if return_offsets_mapping:
+                    fields["offset_mapping"].append(e.offsets)
+                if return_length:
+                    fields["length"].append(len(e.ids))
+        if return_overflowing_tokens:
+            fields["overflow_to_sample_mapping"] = sample_of
+
+        if return_tensors is not None:
+            if return_tensors not in ("pt", "np"):
+                raise ValueError(f"return_tensors={return_tensors!r}: expected 'pt', 'np' or None")
+            return BatchEncoding({k: _as_tensor(k, v, return_tensors) for k, v in fields.items()}, flat)
+        if not batched and not return_overflowing_tokens:
+            return BatchEncoding({k: (v[0] if v and isinstance(v[0], list) else v) for k, v in fields.items()}, flat)
+        return BatchEncoding(fields, flat)
+
+
+def _as_tensor(key: str, value: list, kind: str) -> Any:
+    lengths = {len(v) for v in value if isinstance(v, list)}
+    if len(lengths) > 1:
+        raise InputError(f"cannot make one tensor of '{key}': sequences have different lengths {sorted(lengths)}; "
+                         "pass padding=True (and truncation=True for long texts)")
+    tensor = torch.tensor(value, dtype=torch.long)
+    return tensor.numpy() if kind == "np" else tensor
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return value.get("content")
+    return str(value)
+
+
+def _added_token(value: Any, special: bool = True) -> AddedToken:
+    if isinstance(value, dict):
+        props = {k: value[k] for k in ("single_word", "lstrip", "rstrip", "normalized", "special") if k in value}
+        return AddedToken(value["content"], **props)
+    return AddedToken(str(value), special=special)
+
+
+def tokenizer_directory(source: str | os.PathLike, revision: str | None = None) -> Path:
+    """The local directory holding a tokenizer: a directory, a file in one, or a model source (samples/, hub)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        return path.parent
+    from . import io
+    return io.resolve(source, revision).root
+
+
+def class_name_for(root: Path, config: dict | None = None) -> str | None:
+    """The tokenizer class transformers would pick for this directory (None: unknown)."""
+    tok_config = _read_json(root / TOKENIZER_CONFIG) if config is None else config
+    name = tok_config.get("tokenizer_class")
+    model_config = _read_json(root / "config.json")
+    if not name:
+        name = model_config.get("tokenizer_class") or CLASS_FOR_MODEL_TYPE.get(model_config.get("model_type", ""))
+    return name.removesuffix("Fast") if name else None
+
+
+class AutoTokenizer:
+    """``AutoTokenizer.from_pretrained(source)``: a directory, ``samples/<name>``, or a hub id."""
+
+    @staticmethod
+    def from_pretrained(source: str | os.PathLike, revision: str | None = None, **options: Any) -> Tokenizer:
+        """Load the tokenizer of ``source``; ``options`` override tokenizer_config.json, as in transformers."""
+        root = tokenizer_directory(source, revision)
+        tok_config = {k: v for k, v in _read_json(root / TOKENIZER_CONFIG).items()}
+        tok_config.update(options)
+        class_name = class_name_for(root, tok_config)
+        recipe = RECIPES.get(class_name or "")
+        tokenizer_json = root / TOKENIZER_FILE
+        if recipe is not None and tokenizer_json.is_file():
+            data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+            if (data.get("model") or {}).get("type") == recipe.model_type:
+                return _from_recipe(root, data, tok_config, class_name, recipe, str(source))
+        return _from_transformers(root, str(source), options)
+
+
+def _special_tokens(root: Path, tok_config: dict, defaults: dict) -> tuple[dict[str, Any], list[Any]]:
+    """Named special tokens as transformers resolves them: tokenizer_config.json, then (legacy, when it has
+    no added_tokens_decoder) special_tokens_map.json over it, then the class defaults."""
+    values = {name: tok_config[name] for name in SPECIAL_TOKEN_NAMES if name in tok_config}
+    extras = tok_config.get("extra_special_tokens") or tok_config.get("additional_special_tokens") or []
+    if "added_tokens_decoder" not in tok_config:
+        for name, value in _read_json(root / SPECIAL_TOKENS_MAP).items():
+            if name in SPECIAL_TOKEN_NAMES:
+                values[name] = value
+            elif name in ("additional_special_tokens", "extra_special_tokens") and isinstance(value, list):
+                extras = list(extras) + [v for v in value if v not in extras]
+    for name in SPECIAL_TOKEN_NAMES:
+        if name not in values and name in defaults:
+            values[name] = defaults[name]
+    return values, list(extras) if isinstance(extras, list) else []
+
+
+def _charsmap(data: dict) -> bytes | None:
+    """The SentencePiece precompiled charsmap in tokenizer.json's normaliser, as transformers extracts it."""
+    section = data.get("normalizer") or {}
+    steps = section.get("normalizers", []) if section.get("type") == "Sequence" else [section]
+    for step in steps:
+        if step.get("type") == "Precompiled" and "precompiled_charsmap" in step:
+            return base64.b64decode(step["precompiled_charsmap"])
+    return None
+
+
+def _from_recipe(root: Path, data: dict, tok_config: dict, class_name: str, recipe: Recipe, source: str) -> Tokenizer:
+    specials, extras = _special_tokens(root, tok_config, recipe.defaults)
+    options = {**recipe.defaults, **{k: v for k, v in tok_config.items() if k in recipe.defaults},
+               **{k: _token_text(v) for k, v in specials.items()}}
+    options["_spm_precompiled_charsmap"] = _charsmap(data)
+
+    # The added tokens transformers puts on its fresh backend: tokenizer_config.json's added_tokens_decoder,
+    # or (legacy) tokenizer.json's own list; then every special token not among them yet.
+    if "added_tokens_decoder" in tok_config:
+        listed = sorted(((int(i), t) for i, t in tok_config["added_tokens_decoder"].items()), key=lambda p: p[0])
+        added = [_added_token(t) for _, t in listed]
+    else:
+        added = [_added_token({k: v for k, v in t.items() if k != "id"}) for t in data.get("added_tokens", [])]
+    present = {t.content for t in added}
+    for value in [*specials.values(), *extras]:
+        text = _token_text(value)
+        if text is not None and text not in present:
+            added.append(_added_token(value) if isinstance(value, dict) else AddedToken(text, special=True))
+            present.add(text)
+
+    file_post_processor = data.get("post_processor")
+    rebuilt = dict(data, added_tokens=[], normalizer=None, pre_tokenizer=None, post_processor=None, decoder=None,
+                   truncation=None, padding=None, model=recipe.model(data["model"], options))
+    backend = BackendTokenizer.from_str(json.dumps(rebuilt))
+    backend.add_tokens(added)
+
+    def token_id(token: str) -> int | None:
+        index = backend.token_to_id(token)
+        return backend.token_to_id(options["unk_token"]) if index is None and options.get("unk_token") else index
+
+    recipe.pipeline(backend, options, token_id)
+    if recipe.file_post_processor_wins and file_post_processor is not None:
+        backend.post_processor = BackendTokenizer.from_str(
+            json.dumps({**rebuilt, "post_processor": file_post_processor})).post_processor
+    settings = TokenizerSettings(
+        class_name=class_name,
+        special_tokens={name: _token_text(specials.get(name)) for name in SPECIAL_TOKEN_NAMES},
+        extra_special_tokens=[_token_text(t) for t in extras],
+        model_max_length=int(tok_config.get("model_max_length") or tok_config.get("max_len") or VERY_LARGE_INTEGER),
+        model_input_names=list(tok_config.get("model_input_names") or recipe.model_input_names),
+        padding_side=tok_config.get("padding_side", "right"),
+        truncation_side=tok_config.get("truncation_side", "right"),
+        clean_up_tokenization_spaces=bool(tok_config.get("clean_up_tokenization_spaces", False)),
+        split_special_tokens=bool(tok_config.get("split_special_tokens", False)),
+    )
+    return Tokenizer(backend, settings, source)
+
+
+VOCABULARY_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "*.model")
+
+
+def _from_transformers(root: Path, source: str, options: dict) -> Tokenizer:
+    """Let transformers convert the directory (vocab.txt, SentencePiece models, unknown classes)."""
+    if not any(any(root.glob(pattern)) for pattern in VOCABULARY_FILES):
+        # transformers would quietly build a tokenizer with a five-token vocabulary here.
+        raise SourceNotFoundError(f"{source}: no usable tokenizer: none of {', '.join(VOCABULARY_FILES)} is in {root}")
+    import transformers
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        reference = transformers.AutoTokenizer.from_pretrained(str(root), **options)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise SourceNotFoundError(
+            f"{source}: no usable tokenizer (expected tokenizer.json, vocab.txt, vocab.json + merges.txt or a "
+            f"SentencePiece model, with tokenizer_config.json or config.json naming the class): {exc}") from exc
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    backend = getattr(reference, "backend_tokenizer", None)
+    if backend is None:
+        raise SourceNotFoundError(f"{source}: transformers built a {type(reference).__name__}, which has no "
+                                  "tokenizers backend to drive")
+    settings = TokenizerSettings(
+        class_name=type(reference).__name__,
+        special_tokens={name: _token_text(getattr(reference, name, None)) for name in SPECIAL_TOKEN_NAMES},
+        extra_special_tokens=[str(t) for t in getattr(reference, "extra_special_tokens", None) or []
+                              if isinstance(t, (str, AddedToken))],
+        model_max_length=int(reference.model_max_length),
+        model_input_names=list(reference.model_input_names),
+        padding_side=reference.padding_side,
+        truncation_side=reference.truncation_side,
+        clean_up_tokenization_spaces=bool(reference.clean_up_tokenization_spaces),
+        split_special_tokens=bool(getattr(reference, "split_special_tokens", False)),
+        pad_token_type_id=int(getattr(reference, "pad_token_type_id", 0)),
+    )
+    return Tokenizer(copy.deepcopy(backend), settings, source)

@@ -1,0 +1,202 @@
+"""Tokenizer directories built at test time, offline: a WordPiece vocab.txt, a byte-level BPE vocab.json +
+merges.txt, and SentencePiece unigram / BPE models, each laid out as the family ships it (vocab or
+SentencePiece model only), and as transformers' save_pretrained writes it (tokenizer.json +
+tokenizer_config.json). Shared by test_tokenizer.py and test_tasks.py; cached beside the test checkpoints.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+from helpers import CACHE, quiet_transformers
+
+BUILD_VERSION = "1"  # bump when a builder changes
+WORDS = ("the quick brown fox jumps over lazy dog paris is capital of france berlin germany london england "
+         "river city house music played loud night morning coffee tea bread cheese wine water school teacher "
+         "student book read write learn tomorrow yesterday today hello world running runner unbelievable "
+         "transformers tokenizer embedding question answer context model sentence spam message free prize "
+         "call now win cash meeting lunch office phone number john smith mary anne new york san francisco "
+         "apple google microsoft company president minister weather sunny rainy cold warm").split()
+EXTRA = ["café", "naïve", "Ünïcödé", "résumé", "東京", "北京", "東京タワー", "emoji 🙂", "don't", "it's",
+         "U.S.A.", "3.14", "1,000", "e-mail", "(brackets)", "\"quoted\"", "``tex quotes''", "tab\tseparated",
+         "new\nline"]
+
+
+def corpus(n: int = 600, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 14))]
+        if rng.random() < 0.3:
+            words.insert(rng.randrange(len(words)), rng.choice(EXTRA))
+        if rng.random() < 0.3:
+            words[0] = words[0].capitalize()
+        lines.append(" ".join(words) + rng.choice([".", "?", "!", "", ","]))
+    return lines
+
+
+# Inputs the comparisons run on: odd spaces, accents, CJK, emojis, tabs/newlines, special tokens in text, empty.
+SAMPLES = [
+    "Paris is the capital of France.",
+    "The QUICK brown fox jumps over the lazy dog!",
+    "  leading and trailing spaces   ",
+    "multiple   spaces\tand\ttabs\nand newlines",
+    "Café naïve résumé Ünïcödé",
+    "東京 and 北京 are cities; 東京タワー too.",
+    "emoji 🙂 in text, don't panic: it's 3.14 or 1,000 e-mail (brackets) \"quoted\" ``tex''",
+    "unbelievabletransformerstokenizer supercalifragilistic",
+    "",
+    "a",
+]
+PAIRS = [("Where is Paris?", "Paris is the capital of France."),
+         ("What is it?", "  It is   a fox. " * 6)]
+
+
+def _root() -> Path:
+    transformers = quiet_transformers()
+    key = hashlib.sha1(f"{BUILD_VERSION}-{transformers.__version__}".encode()).hexdigest()[:10]
+    root = CACHE / f"tokenizers-{key}"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _write_config(directory: Path, model_type: str, **extra) -> None:
+    (directory / "config.json").write_text(json.dumps({"model_type": model_type, **extra}))
+
+
+def _fresh(name: str) -> tuple[Path, bool]:
+    """(the finished directory, True), or (a private work directory that _done publishes, False)."""
+    out = _root() / name
+    if (out / ".done").is_file():
+        return out, True
+    work = out.with_name(f"{name}.tmp{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    return work, False
+
+
+def _done(work: Path) -> Path:
+    """Publish a work directory under its final name, atomically (another process may have won)."""
+    (work / ".done").write_text("ok")
+    out = work.with_name(work.name.rsplit(".tmp", 1)[0])
+    if out.exists() and not (out / ".done").is_file():
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        work.rename(out)
+    except OSError:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def wordpiece_vocab_dir() -> Path:
+    """bert: vocab.txt + config.json only (uncased WordPiece, as bert-base-uncased ships its vocabulary)."""
+    out, done = _fresh("bert-vocab-only")
+    if done:
+        return out
+    from tokenizers import BertWordPieceTokenizer
+    tok = BertWordPieceTokenizer(lowercase=True)
+    tok.train_from_iterator(corpus(), vocab_size=400, min_frequency=1,
+                            special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    (out / "vocab.txt").write_text("".join(token + "\n" for token, _ in vocab), encoding="utf-8")
+    _write_config(out, "bert")
+    return _done(out)
+
+
+@functools.lru_cache(maxsize=None)
+def bpe_vocab_dir() -> Path:
+    """roberta: vocab.json + merges.txt + config.json only (byte-level BPE)."""
+    out, done = _fresh("roberta-vocab-merges")
+    if done:
+        return out
+    from tokenizers import ByteLevelBPETokenizer
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(corpus(), vocab_size=500, min_frequency=2,
+                            special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    tok.save_model(str(out))
+    _write_config(out, "roberta", pad_token_id=1)
+    return _done(out)
+
+
+def _train_spm(model_type: str, **kwargs) -> bytes:
+    import sentencepiece as spm
+    buffer = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus()), model_writer=buffer, vocab_size=240,
+                                   hard_vocab_limit=False,
+                                   model_type=model_type, character_coverage=1.0, minloglevel=2,
+                                   num_threads=1, **kwargs)
+    return buffer.getvalue()
+
+
+# How each family lays out its SentencePiece model (piece ids of the real checkpoints' models).
+SPM_LAYOUTS = {
+    # ALBERT spiece.model: <pad>=0 <unk>=1 [CLS]=2 [SEP]=3 [MASK]=4
+    "albert": ("spiece.model", dict(pad_id=0, unk_id=1, bos_id=-1, eos_id=-1,
+                                    control_symbols=["[CLS]", "[SEP]", "[MASK]"])),
+    # XLM-R sentencepiece.bpe.model (a unigram model despite its name): <unk>=0 <s>=1 </s>=2
+    "xlm-roberta": ("sentencepiece.bpe.model", dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1)),
+    # DeBERTa-v3 spm.model: [PAD]=0 [CLS]=1 [SEP]=2 [UNK]=3, [MASK] added after the vocabulary
+    "deberta-v2": ("spm.model", dict(pad_id=0, bos_id=1, eos_id=2, unk_id=3, pad_piece="[PAD]", bos_piece="[CLS]",
+                                     eos_piece="[SEP]", unk_piece="[UNK]")),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def spm_dir(family: str, model_type: str = "unigram") -> Path:
+    """A SentencePiece model (+ config.json) laid out as ``family`` ships it; no tokenizer.json."""
+    out, done = _fresh(f"{family}-spm-{model_type}")
+    if done:
+        return out
+    filename, layout = SPM_LAYOUTS[family]
+    (out / filename).write_bytes(_train_spm(model_type, **layout))
+    _write_config(out, family, pad_token_id=1 if family == "xlm-roberta" else 0)
+    return _done(out)
+
+
+@functools.lru_cache(maxsize=None)
+def saved_dir(source: Path, name: str | None = None, **config_changes) -> Path:
+    """transformers' AutoTokenizer for ``source``, written back with save_pretrained (tokenizer.json +
+    tokenizer_config.json), then tokenizer_config.json edited by ``config_changes`` (None deletes a key)."""
+    out, done = _fresh(name or f"{source.name}-saved")
+    if done:
+        return out
+    transformers = quiet_transformers()
+    transformers.AutoTokenizer.from_pretrained(str(source)).save_pretrained(str(out))
+    shutil.copy(source / "config.json", out / "config.json")
+    if config_changes:
+        path = out / "tokenizer_config.json"
+        config = json.loads(path.read_text())
+        for key, value in config_changes.items():
+            if value is None:
+                config.pop(key, None)
+            else:
+                config[key] = value
+        path.write_text(json.dumps(config, indent=2))
+    return _done(out)
+
+
+def all_dirs() -> dict[str, Path]:
+    """Every tokenizer directory the comparisons run on, by a readable name."""
+    bert, roberta = wordpiece_vocab_dir(), bpe_vocab_dir()
+    dirs = {"bert/vocab.txt": bert, "bert/tokenizer.json": saved_dir(bert),
+            "bert/cased-config": saved_dir(bert, "bert-cased-config", do_lower_case=False, model_max_length=24),
+            "distilbert/tokenizer.json": saved_dir(bert, "distilbert-class", tokenizer_class="DistilBertTokenizer"),
+            "roberta/vocab+merges": roberta, "roberta/tokenizer.json": saved_dir(roberta),
+            "roberta/prefix-space": saved_dir(roberta, "roberta-prefix-space", add_prefix_space=True)}
+    for family in SPM_LAYOUTS:
+        for kind in ("unigram", "bpe"):
+            spm = spm_dir(family, kind)
+            dirs[f"{family}/{kind}.model"] = spm
+            dirs[f"{family}/{kind}/tokenizer.json"] = saved_dir(spm)
+    dirs["albert/cased-config"] = saved_dir(spm_dir("albert"), "albert-cased", do_lower_case=False, keep_accents=True)
+    dirs["deberta-v2/lower-punct"] = saved_dir(spm_dir("deberta-v2"), "deberta-lower-punct", do_lower_case=True,
+                                               split_by_punct=True)
+    return dirs
