@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from . import io
 from .auto import AutoConfig, load_model, task_of
 from .errors import WeightsMismatchError
 from .config import BaseConfig
@@ -79,9 +80,12 @@ def quiet_transformers():
 
 
 def reference_model(source: str | Path, task: str, attn_implementation: str, revision: str | None = None):
+    """transformers' AutoModelFor* on the same files we load (resolved by our loader: samples/, a
+    weights file's directory, a hub snapshot), float32, eval mode."""
     transformers = quiet_transformers()
     cls = getattr(transformers, REFERENCE_CLASSES[task])
-    kwargs = {"dtype": torch.float32, "revision": revision}
+    source = io.resolve(source, revision).root
+    kwargs = {"dtype": torch.float32}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     return cls.from_pretrained(str(source), **kwargs).eval()
