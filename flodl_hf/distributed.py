@@ -1,0 +1,332 @@
+"""The averaging plane and the synchronisation policies the trainer runs on it.
+
+Everything here sits on ``torch.distributed``: gloo on CPU, NCCL between GPUs, and a
+gloo group for averaging when a cohort mixes CPU and GPU workers. There is no transport
+of our own. Two pure functions hold El Che's arithmetic (:func:`plan_window`, :func:`deal`)
+so they can be tested without processes; :class:`Comm` wraps the few collectives the
+trainer needs and turns a dead or silent peer into a :class:`WorkerLostError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .errors import TrainerConfigError, TrainerError, WorkerLostError  # noqa: F401  (raised here, re-exported)
+
+
+# ---- policies -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ElChe:
+    """Local SGD whose cadence is set by the slowest worker.
+
+    Per window the slowest worker runs ``anchor`` batches and every other worker as many as it
+    does in the same time. Counts move only when the new value differs by more than
+    ``dead_zone``; the anchor grows when averaging costs more than ``sync_share`` of a window
+    and shrinks when it costs under ``sync_share * shrink_below`` (by at most a factor of two per
+    window), within ``[min_anchor, max_anchor]``. ``adaptive=False`` keeps every worker at ``anchor`` batches
+    per window: plain local SGD with a fixed cadence (DiLoCo's inner steps).
+    """
+
+    anchor: int = 4
+    min_anchor: int = 1
+    max_anchor: int = 64
+    dead_zone: float = 0.10
+    sync_share: float = 0.10
+    shrink_below: float = 0.25
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_anchor <= self.anchor <= self.max_anchor:
+            raise TrainerConfigError(
+                f"ElChe needs 1 <= min_anchor <= anchor <= max_anchor, got "
+                f"{self.min_anchor}, {self.anchor}, {self.max_anchor}")
+        if not 0 < self.sync_share < 1 or not 0 <= self.shrink_below < 1 or self.dead_zone < 0:
+            raise TrainerConfigError("ElChe needs 0 < sync_share < 1, 0 <= shrink_below < 1 and dead_zone >= 0")
+
+
+@dataclass(frozen=True)
+class DiLoCo:
+    """Outer optimizer for El Che: the averaged change of a window is a pseudo-gradient for SGD.
+
+    ``lr=1, momentum=0`` is plain averaging. ``reset_inner`` clears each worker's inner
+    optimizer state after every outer step.
+    """
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    reset_inner: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Batches per worker for the next window; ``counts[slowest] == anchor``."""
+
+    anchor: int
+    counts: tuple[int, ...]
+
+
+def plan_window(ms_per_batch: Sequence[float | None], sync_ms: float | None, prev: Plan, cfg: ElChe) -> Plan:
+    """The next window's plan from the measured time per batch (one per worker) and sync time.
+
+    Pure: every worker calls it on the same all-gathered numbers and gets the same plan.
+    ``sync_ms=None`` (not measured yet) keeps the anchor; a worker with no measurement yet
+    (``None``) keeps the whole plan as it is.
+    """
+    if not cfg.adaptive or len(ms_per_batch) != len(prev.counts) or any(ms is None or not ms > 0 for ms in ms_per_batch):
+        return prev
+    slow = max(ms_per_batch)
+    anchor = prev.anchor
+    if sync_ms is not None:
+        # The share is judged on a full window (anchor batches of the slowest), so a window cut
+        # short at an epoch tail does not look sync-bound.
+        share = sync_ms / (anchor * slow + sync_ms) if sync_ms > 0 else 0.0
+        # Both moves aim at half the target share: inside the band, so noise does not flip it back.
+        aim = cfg.sync_share / 2
+        needed = math.ceil(sync_ms * (1 - aim) / (aim * slow))
+        # At most a factor of two per window, so one noisy measurement cannot swing the cadence.
+        if share > cfg.sync_share:
+            anchor = min(max(anchor + 1, needed), 2 * anchor)
+        elif share < cfg.sync_share * cfg.shrink_below:
+            anchor = max(min(anchor - 1, needed), anchor // 2)
+        anchor = min(max(anchor, cfg.min_anchor), cfg.max_anchor)
+    counts = []
+    for ms, old in zip(ms_per_batch, prev.counts):
+        new = max(1, round(anchor * slow / ms))
+        if anchor == prev.anchor and abs(new - old) <= cfg.dead_zone * old:
+            new = old
+        counts.append(new)
+    return Plan(anchor, tuple(counts))
+
+
+def deal(counts: Sequence[int], batch_size: int, remaining: int) -> tuple[int, ...]:
+    """Samples per worker for a window: ``counts`` batches each, clamped to ``remaining``.
+
+    When fewer samples remain than the plan asks for, they are shared in proportion to the
+    counts (largest remainder, ties to the lower rank), so none is skipped or seen twice and
+    some workers may get zero; every worker still joins the window's averaging.
+    """
+    want = [c * batch_size for c in counts]
+    total = sum(want)
+    if remaining >= total:
+        return tuple(want)
+    parts = [divmod(remaining * w, total) for w in want]
+    sizes = [q for q, _ in parts]
+    left = remaining - sum(sizes)
+    for r in sorted(range(len(want)), key=lambda r: (-parts[r][1], r))[:left]:
+        sizes[r] += 1
+    return tuple(sizes)
+
+
+# ---- process groups -----------------------------------------------------------------------
+
+def default_backend() -> str:
+    """gloo on CPU; NCCL for CUDA tensors with gloo kept for CPU ones. ``FLODL_HF_BACKEND`` overrides."""
+    if os.environ.get("FLODL_HF_BACKEND"):
+        return os.environ["FLODL_HF_BACKEND"]
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def resolve_device(device: str | torch.device | None, local_rank: int) -> torch.device:
+    """``None`` picks this worker's GPU (``LOCAL_RANK``) when there is one, else the CPU."""
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class Comm:
+    """Rank, world size and the collectives of the averaging plane.
+
+    ``plane`` is a group whose backend takes tensors on ``plane_device``: the model's GPU when
+    every worker has one and the default backend speaks NCCL, else the CPU through gloo.
+    A one-worker Comm makes every collective a no-op.
+    """
+
+    def __init__(self, rank: int = 0, world: int = 1, local_rank: int = 0, plane=None,
+                 plane_device: torch.device = torch.device("cpu"), timeout: float = 0.0,
+                 owns_group: bool = False) -> None:
+        self.rank, self.world, self.local_rank = rank, world, local_rank
+        self.plane, self.plane_device = plane, plane_device
+        self.timeout, self.owns_group = timeout, owns_group
+        self.same_device_type = True
+
+    @classmethod
+    def connect(cls, device: str | torch.device | None, timeout: float) -> tuple["Comm", torch.device]:
+        """Join (or start, from torchrun's environment) the process group; pick this worker's device."""
+        owns = False
+        if dist.is_available() and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            dist.init_process_group(backend=default_backend(), timeout=timedelta(seconds=timeout))
+            owns = True
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            return cls(local_rank=local, owns_group=owns), resolve_device(device, local)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        dev = resolve_device(device, local)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)  # NCCL works on the current device
+        backend = str(dist.get_backend())
+        # Only gloo takes CPU tensors; a NCCL-only default group gets a gloo group beside it.
+        gloo = None if "gloo" in backend else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        # The timeout is ours only where we made the group; else it is whatever the script chose.
+        comm = cls(rank, world, local, gloo, torch.device("cpu"), timeout if owns or gloo else 0.0, owns)
+        kinds = comm.gather_floats([1.0 if dev.type == "cuda" else 0.0])[:, 0]
+        comm.same_device_type = bool((kinds == kinds[0]).all())
+        if dev.type == "cuda" and bool((kinds == 1).all()) and "nccl" in backend:
+            comm.plane, comm.plane_device = None, dev
+        return comm, dev
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- collectives, each failing with WorkerLostError ----------------------------------
+    def _run(self, what: str, fn, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as exc:
+            waited = time.perf_counter() - start
+            limit = f"{self.timeout:g}s" if self.timeout else "the process group's"
+            cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise WorkerLostError(
+                f"worker {self.rank}/{self.world}: {what} failed after {waited:.1f}s: another worker died or "
+                f"stopped answering (timeout: {limit}). Check the other workers' logs; under torchrun with "
+                f"--max-restarts the run resumes from the last checkpoint. Cause: {cause}") from exc
+
+    def gather_floats(self, values: Sequence[float]) -> torch.Tensor:
+        """All-gather one row of numbers per worker: a ``(world, len(values))`` float64 CPU tensor."""
+        row = torch.tensor([list(values)], dtype=torch.float64)
+        if self.world == 1:
+            return row
+        row = row.to(self.plane_device)
+        out = [torch.empty_like(row) for _ in range(self.world)]
+        self._run("gathering worker statistics", dist.all_gather, out, row, group=self.plane)
+        return torch.cat(out).cpu()
+
+    def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        """Overwrite ``tensors`` on every worker with worker ``src``'s values."""
+        if self.world == 1:
+            return
+        for _, group in _by_dtype(tensors).items():
+            flat = torch.cat([t.detach().reshape(-1).to(self.plane_device) for t in group])
+            self._run("broadcasting parameters", dist.broadcast, flat, src, group=self.plane)
+            _unflatten_into(flat, group)
+
+    def average_(self, tensors: Sequence[torch.Tensor], weight: float) -> None:
+        """In place: every worker ends with ``sum_r weight_r * x_r``; the weights sum to 1."""
+        self.reduce_window([(tensors, weight)])
+
+    def reduce_window(self, parts: Sequence[tuple[Sequence[torch.Tensor], float]],
+                      stats: Sequence[float] = ()) -> torch.Tensor:
+        """Weighted sums in place, with every worker's ``stats`` row riding along.
+
+        For each ``(tensors, weight)`` part (floating-point tensors), every worker ends with
+        ``sum_r weight_r * x_r``.
+        Returns the ``(world, len(stats))`` float64 matrix of all workers' rows. All of it is
+        one all-reduce per dtype (low-precision tensors are summed in float32), since on gloo
+        each collective costs a millisecond or more whatever its size; and every worker
+        receives the same bits.
+        """
+        row = torch.tensor([list(stats)], dtype=torch.float64)
+        if self.world == 1:
+            return row
+        groups: dict[torch.dtype, list[tuple[torch.Tensor, float]]] = {}
+        for tensors, weight in parts:
+            for t in tensors:
+                wide = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+                groups.setdefault(wide, []).append((t, weight))
+        if len(stats) and not groups:
+            groups[torch.float64] = []
+        carrier = torch.float32 if torch.float32 in groups else next(iter(groups), None)
+        gathered = row
+        for dtype, members in groups.items():
+            pieces = [t.detach().reshape(-1).to(self.plane_device, dtype) * w for t, w in members]
+            if dtype == carrier and len(stats):
+                # Each worker writes its row into its own slots; the sum is then a gather.
+                slots = torch.zeros(self.world, len(stats), dtype=dtype, device=self.plane_device)
+                slots[self.rank] = row[0].to(dtype)
+                pieces.append(slots.reshape(-1))
+            flat = torch.cat(pieces)
+            self._run("averaging parameters", dist.all_reduce, flat, dist.ReduceOp.SUM, group=self.plane)
+            _unflatten_into(flat, [t for t, _ in members])
+            if dtype == carrier and len(stats):
+                gathered = flat[-self.world * len(stats):].view(self.world, len(stats)).double().cpu()
+        return gathered
+
+    def any_flag(self, flag: bool) -> bool:
+        """True on every worker if it is true on any."""
+        if self.world == 1:
+            return flag
+        return bool(self.gather_floats([float(flag)]).max() > 0)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            self.gather_floats([0.0])
+
+    def check_identical(self, tensors: Sequence[torch.Tensor], where: str) -> None:
+        """Raise TrainerError unless every worker holds bit-identical ``tensors``."""
+        digest = hashlib.blake2b(digest_size=6)
+        for t in tensors:
+            digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        mine = float(int.from_bytes(digest.digest(), "little"))  # 48 bits fit a float64 exactly
+        seen = self.gather_floats([mine])[:, 0]
+        if not bool((seen == seen[0]).all()):
+            raise TrainerError(f"workers hold different parameters after {where}: digests {seen.tolist()}")
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return groups
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view(t.shape))
+            offset += n
+
+
+class OuterOptimizer:
+    """DiLoCo's outer step: SGD on ``start - average`` over a copy of the parameters at the last sync."""
+
+    def __init__(self, params: Sequence[torch.Tensor], cfg: DiLoCo) -> None:
+        self.params = list(params)
+        self.start = [p.detach().clone() for p in self.params]
+        nesterov = cfg.nesterov and cfg.momentum > 0  # torch refuses Nesterov without momentum
+        self.sgd = torch.optim.SGD(self.start, lr=cfg.lr, momentum=cfg.momentum, nesterov=nesterov)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Move the shared start point along the pseudo-gradient, then load it into the model."""
+        for s, p in zip(self.start, self.params):
+            s.grad = s - p
+        self.sgd.step()
+        for s, p in zip(self.start, self.params):
+            s.grad = None
+            p.copy_(s)
+
+    def state_dict(self) -> dict:
+        return self.sgd.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sgd.load_state_dict(state)

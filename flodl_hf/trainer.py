@@ -1,0 +1,830 @@
+"""Fine-tuning with one step closure, from one CPU to many uneven workers.
+
+The user writes ``step(model, batch) -> loss``; :class:`Trainer` owns the rest: the loop,
+backward, clipping, optimizer and scheduler steps, device placement, data sharding,
+synchronisation, evaluation, checkpoints and the record of the run. The same script runs
+as one process or as N processes under ``torchrun`` (or ``flodl-hf train --workers N``).
+
+Synchronisation (``sync=``)
+    ``"ddp"``     DistributedDataParallel: gradients all-reduced every step.
+    ``"el-che"``  local SGD paced by the slowest worker (:class:`~flodl_hf.distributed.ElChe`);
+                  parameters averaged by samples at the end of each window, optionally
+                  followed by an outer optimizer (``outer=DiLoCo(...)``).
+    ``"none"``    no synchronisation (one process, or independent workers on their shards).
+
+Steps. One step is ``world_size * batch_size`` samples of the epoch, as one DDP step takes:
+``steps_per_epoch = ceil(len(data) / (world_size * batch_size))`` and ``max_steps`` is the
+same amount of data whatever ``sync`` is. Under El Che a worker's optimizer (and scheduler)
+steps once per local batch, so a fast worker takes more of them than a slow one.
+
+Data. Each epoch is ``torch.randperm(len(data))`` from a generator seeded by ``(seed, epoch)``
+(``shuffle=False``: in order). A step or window deals the next stretch of that order to the
+workers, in rank order, each its share (DDP: one batch each; El Che: the plan's batches).
+The last window of an epoch is clamped to what remains, so no sample is skipped or repeated;
+under DDP a worker left without a sample at the tail repeats the epoch's first one.
+
+Checkpoint format
+-----------------
+``checkpoint_dir/step-XXXXXXXX.pt`` (``torch.save``, loadable with ``weights_only=True``),
+written by worker 0 to a temporary file and renamed into place::
+
+    {
+      "format": "flodl-hf/trainer-checkpoint", "version": 1,
+      "model": state_dict of the unwrapped model (CPU tensors, the model's own keys),
+      "config": model.config.to_dict() if the model has one, else None,
+      "step": int, "epoch": int, "position": int,   # samples of the epoch already dealt
+      "samples": int,                               # samples trained on, all workers
+      "train_time": float,                          # seconds, evaluation excluded
+      "seed": int, "batch_size": int, "world_size": int, "sync": str,
+      "el_che": {"anchor": int, "counts": [int], "ms_per_batch": [float | None]} | None,
+      "outer": DiLoCo outer SGD state_dict | None,
+      "worker": worker 0's {"optimizer", "scheduler", "rng", "batches"},
+    }
+
+With several workers, each other worker first writes ``step-XXXXXXXX.rank-R.pt`` holding
+``{"format", "version", "step", "worker": {...}}`` (under DDP without the optimizer and
+scheduler, which equal worker 0's); the main file is written last, so its presence means
+the set is complete. ``checkpoint_dir`` must be shared by all nodes. The newest main file
+is resumed from; ``keep_checkpoints`` sets how many are kept.
+
+Record of the run
+-----------------
+In ``log_dir`` (default: ``checkpoint_dir``): ``worker-R.jsonl`` (one line per log point or
+El Che window, this worker's numbers), ``run.jsonl`` (worker 0: the rolled-up record, plus
+``start``, ``eval`` and ``end`` events) and ``report.html`` (see :mod:`flodl_hf.report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from .distributed import (Comm, DiLoCo, ElChe, OuterOptimizer, Plan, TrainerConfigError, TrainerError,
+                          WorkerLostError, deal, plan_window)
+from .errors import InputError
+
+__all__ = ["Trainer", "ElChe", "DiLoCo", "TrainerError", "TrainerConfigError", "WorkerLostError",
+           "latest_checkpoint", "load_checkpoint", "launch", "register_cli"]
+
+CHECKPOINT_FORMAT = "flodl-hf/trainer-checkpoint"
+CHECKPOINT_VERSION = 1
+_CHECKPOINT_RE = re.compile(r"^step-(\d{8,})\.pt$")
+
+StepFn = Callable[[nn.Module, Any], Any]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+class Trainer:
+    """Train ``model`` with the user's ``step(model, batch)`` closure.
+
+    ``optimizer`` is a factory over parameters (``lambda ps: torch.optim.AdamW(ps, lr=2e-5)``)
+    and ``scheduler`` one over the optimizer, so each worker builds its own. ``data`` is any
+    sized, indexable collection; ``collate_fn`` turns a list of its items into a batch
+    (default: ``torch.utils.data.default_collate``). ``batch_size`` is per worker.
+    ``eval_fn(model)`` runs on worker 0 in eval mode without gradients and returns a number or
+    a dict of numbers; ``stop_when(metrics)`` may end the run after an evaluation.
+    ``sync`` is ``"ddp"``, ``"el-che"`` (or an :class:`ElChe`), or ``"none"``; ``outer`` a
+    :class:`DiLoCo` for El Che. ``timeout`` (seconds) bounds every collective when the trainer
+    starts the process group itself (from torchrun's environment).
+    """
+
+    def __init__(self, model: nn.Module, step: StepFn, optimizer: OptimizerFactory, data: Sequence, *,
+                 batch_size: int, epochs: int | None = None, max_steps: int | None = None,
+                 scheduler: SchedulerFactory | None = None, eval_fn: Callable[[nn.Module], Any] | None = None,
+                 eval_every: int | None = None, sync: str | ElChe = "ddp", outer: DiLoCo | None = None,
+                 checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
+                 keep_checkpoints: int = 2, resume: bool = True, seed: int = 0, shuffle: bool = True,
+                 collate_fn: Callable[[list], Any] | None = None, grad_clip: float | None = None,
+                 device: str | torch.device | None = None, log_dir: str | os.PathLike | None = None,
+                 log_every: int = 10, progress: bool = True, report: bool = True, tensorboard: bool = False,
+                 stop_when: Callable[[dict], bool] | None = None, timeout: float = 300.0,
+                 verify_sync: bool = False) -> None:
+        if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+            raise TrainerConfigError("data must be sized and indexable (a list, a map-style Dataset); "
+                                     f"got {type(data).__name__}")
+        if len(data) == 0:
+            raise TrainerConfigError("data is empty")
+        if epochs is None and max_steps is None:
+            raise TrainerConfigError("give epochs= or max_steps= (or both: the run stops at the first)")
+        for name, value in (("batch_size", batch_size), ("epochs", epochs), ("max_steps", max_steps),
+                            ("eval_every", eval_every), ("checkpoint_every", checkpoint_every),
+                            ("log_every", log_every), ("keep_checkpoints", keep_checkpoints)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise TrainerConfigError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(sync, str):
+            if sync not in ("ddp", "el-che", "none"):
+                raise TrainerConfigError(f"sync must be 'ddp', 'el-che', 'none' or an ElChe, got {sync!r}")
+            el_che = ElChe() if sync == "el-che" else None
+        elif isinstance(sync, ElChe):
+            el_che, sync = sync, "el-che"
+        else:
+            raise TrainerConfigError(f"sync must be 'ddp', 'el-che', 'none' or an ElChe, got {type(sync).__name__}")
+        if outer is not None and sync != "el-che":
+            raise TrainerConfigError("outer=DiLoCo(...) averages windows: it needs sync='el-che'")
+        if checkpoint_every is not None and checkpoint_dir is None:
+            raise TrainerConfigError("checkpoint_every needs checkpoint_dir")
+        self.model, self.step_fn, self.optimizer_factory, self.data = model, step, optimizer, data
+        self.batch_size, self.epochs, self.max_steps = batch_size, epochs, max_steps
+        self.scheduler_factory, self.eval_fn, self.eval_every = scheduler, eval_fn, eval_every
+        self.sync, self.el_che, self.outer_cfg = sync, el_che, outer
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every, self.keep_checkpoints, self.resume = checkpoint_every, keep_checkpoints, resume
+        self.seed, self.shuffle, self.grad_clip, self.device_arg = seed, shuffle, grad_clip, device
+        self.collate_fn = collate_fn or torch.utils.data.default_collate
+        log_dir = log_dir if log_dir is not None else checkpoint_dir
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.log_every, self.progress, self.report, self.tensorboard = log_every, progress, report, tensorboard
+        self.stop_when, self.timeout, self.verify_sync = stop_when, timeout, verify_sync
+        # Run state, set in fit(); saved in checkpoints.
+        self.epoch = self.position = self.samples = self.batches = 0
+        self.train_time = 0.0
+        self.resumed_from: Path | None = None
+        self.history: list[dict] = []   # rolled-up records (every worker; eval records on worker 0)
+        self.records: list[dict] = []   # this worker's records
+
+    # ---- public ------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Steps done: whole epochs, plus this epoch's dealt samples in units of one DDP step."""
+        return self.epoch * self.steps_per_epoch + math.ceil(self.position / self.global_batch)
+
+    def fit(self) -> dict:
+        """Train until ``epochs`` or ``max_steps`` (or ``stop_when``); return a summary."""
+        self.comm, self.device = Comm.connect(self.device_arg, self.timeout)
+        try:
+            self._setup()
+            self._log_event("start", **self._describe())
+            if self.sync == "el-che":
+                self._run_windows()
+            else:
+                self._run_steps()
+            summary = self._finish()
+        finally:
+            if getattr(self, "_bar", None) is not None:
+                self._bar.close()
+            if getattr(self, "_log", None) is not None:
+                self._log.close()
+        self.comm.close()
+        return summary
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        comm = self.comm
+        if self.sync == "ddp" and comm.world > 1 and not comm.same_device_type:
+            raise TrainerConfigError("sync='ddp' needs every worker on the same kind of device; "
+                                     "a cohort mixing CPU and GPU workers can use sync='el-che'")
+        self.global_batch = comm.world * self.batch_size
+        self.steps_per_epoch = math.ceil(len(self.data) / self.global_batch)
+        ends = []
+        if self.epochs is not None:
+            ends.append((self.epochs, 0))
+        if self.max_steps is not None:
+            ends.append((self.max_steps // self.steps_per_epoch,
+                         self.max_steps % self.steps_per_epoch * self.global_batch))
+        self.end = min(ends)
+        self.total_steps = self.end[0] * self.steps_per_epoch + math.ceil(self.end[1] / self.global_batch)
+
+        self.model.to(self.device)
+        self.model.train()
+        self._acc_dtype = torch.float32 if self.device.type == "mps" else torch.float64  # MPS has no float64
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self._float_buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+        self.plan = Plan(self.el_che.anchor, (self.el_che.anchor,) * comm.world) if self.el_che else None
+        self._ms: list[float | None] = [None] * comm.world
+        self._sync_ema: float | None = None
+
+        checkpoint = self._find_resume()
+        if checkpoint is not None:
+            state, worker = checkpoint
+            try:
+                self.model.load_state_dict(state["model"])
+            except RuntimeError as exc:
+                raise TrainerError(f"{self.resumed_from}: the checkpoint does not fit this model: {exc}") from exc
+        if self.sync == "ddp" and comm.world > 1:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.wrapped: nn.Module = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+        else:
+            self.wrapped = self.model
+            # Workers start from worker 0's weights (DDP does this itself).
+            comm.broadcast_(list(self.model.parameters()) + list(self.model.buffers()))
+        self.optimizer = self.optimizer_factory(self.wrapped.parameters())
+        self.scheduler = self.scheduler_factory(self.optimizer) if self.scheduler_factory else None
+        self.outer = OuterOptimizer(self.trainable, self.outer_cfg) if self.outer_cfg else None
+        if checkpoint is not None:
+            self._restore(state, worker)
+        else:
+            _seed_everything(self.seed * 1_000_003 + comm.rank)
+        self._log = _RunLog(self.log_dir, comm.rank, self.tensorboard, truncate_after=self.step
+                            if self.resumed_from else None)
+        self._bar = None
+        if self.progress and comm.rank == 0:
+            from tqdm.auto import tqdm
+            self._bar = tqdm(total=self.total_steps, initial=self.step, unit="step", desc="train",
+                             dynamic_ncols=True)
+        self._stop = False
+        self._saved_step = self.step if self.resumed_from else -1
+        self._evaluated_step = -1
+        self._eval_s = 0.0
+        self._fit_start = time.perf_counter()
+        self._perm_epoch, self._perm = -1, None
+
+    def _describe(self) -> dict:
+        return {"sync": self.sync, "world_size": self.comm.world, "batch_size": self.batch_size,
+                "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
+                "samples_per_epoch": len(self.data), "seed": self.seed, "device": str(self.device),
+                "el_che": dataclasses.asdict(self.el_che) if self.el_che else None,
+                "outer": dataclasses.asdict(self.outer_cfg) if self.outer_cfg else None,
+                "resumed_from": str(self.resumed_from) if self.resumed_from else None}
+
+    # ---- data --------------------------------------------------------------------------------
+    def _order(self) -> torch.Tensor:
+        if self._perm_epoch != self.epoch:
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+                self._perm = torch.randperm(len(self.data), generator=gen)
+            else:
+                self._perm = torch.arange(len(self.data))
+            self._perm_epoch = self.epoch
+        return self._perm
+
+    def _remaining(self) -> int:
+        """Samples left in this epoch before the run's end."""
+        stop = self.end[1] if self.epoch == self.end[0] else len(self.data)
+        return stop - self.position
+
+    def _done(self) -> bool:
+        return self._stop or (self.epoch, self.position) >= self.end
+
+    def _advance(self, samples: int) -> None:
+        self.position += samples
+        self.samples += samples
+        if self.position >= len(self.data):
+            self.epoch, self.position = self.epoch + 1, 0
+
+    def _batch(self, indices: torch.Tensor) -> Any:
+        return _to_device(self.collate_fn([self.data[i] for i in indices.tolist()]), self.device)
+
+    # ---- one batch ---------------------------------------------------------------------------
+    def _train_batch(self, indices: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = _loss_of(self.step_fn(self.wrapped, self._batch(indices)))
+        loss.backward()
+        if self.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.trainable, self.grad_clip)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.batches += 1
+        return loss.detach()
+
+    def _sync_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- DDP and none: one batch per worker per step -----------------------------------------
+    def _run_steps(self) -> None:
+        comm, bs = self.comm, self.batch_size
+        loss_sum = torch.zeros((), dtype=self._acc_dtype, device=self.device)
+        acc = self._fresh_acc()
+        logged = self.step
+        while not self._done():
+            sizes = deal([1] * comm.world, bs, self._remaining())
+            order = self._order()
+            start = self.position + sum(sizes[:comm.rank])
+            indices = order[start:start + sizes[comm.rank]]
+            if len(indices) == 0 and self.sync == "ddp":
+                indices = order[:1]  # every DDP worker must join the step's all-reduce
+            t0 = time.perf_counter()
+            if len(indices):
+                loss = self._train_batch(indices)
+                loss_sum += loss.to(self._acc_dtype) * len(indices)
+                acc["batches"] += 1
+                acc["samples"] += len(indices)
+            acc["compute_ms"] += (time.perf_counter() - t0) * 1e3
+            before = self.step
+            self._advance(sum(sizes))
+            if self._crossed(before, self.log_every) or self._done():
+                self._log_steps(loss_sum, acc)
+                loss_sum.zero_()
+                acc = self._fresh_acc()
+                logged = self.step
+            self._after(before)
+        if logged != self.step:  # stopped early between log points (every worker alike)
+            self._log_steps(loss_sum, acc)
+
+    def _fresh_acc(self) -> dict:
+        return {"batches": 0, "samples": 0, "compute_ms": 0.0, "since": time.perf_counter(),
+                "eval_s": self._eval_s}
+
+    def _log_steps(self, loss_sum: torch.Tensor, acc: dict) -> None:
+        self._sync_device()
+        wall = time.perf_counter() - acc["since"] - (self._eval_s - acc["eval_s"])
+        self.train_time += wall
+        local_loss = loss_sum.item()
+        rows = self.comm.gather_floats([acc["batches"], acc["samples"], local_loss, acc["compute_ms"]])
+        mine = {"batches": acc["batches"], "samples": acc["samples"],
+                "loss": local_loss / acc["samples"] if acc["samples"] else None,
+                "compute_ms": acc["compute_ms"],
+                "ms_per_batch": acc["compute_ms"] / acc["batches"] if acc["batches"] else None,
+                "samples_per_s": acc["samples"] / wall if wall > 0 else None}
+        self._record(mine, rows, wall, {})
+
+    # ---- El Che: windows paced by the slowest worker -----------------------------------------
+    def _run_windows(self) -> None:
+        comm, bs = self.comm, self.batch_size
+        # This worker's previous window: its collective (waiting included), its length, and
+        # the pause before it (evaluation, checkpoint), reported to all in the next window's row.
+        prev = {"collective_ms": 0.0, "window_ms": 0.0, "pause_ms": 0.0}
+        pause_ms = 0.0
+        first = True  # the first window after (re)starting: warm-up, and no sync measured yet
+        while not self._done():
+            window_start = time.perf_counter()
+            sizes = deal(self.plan.counts, bs, self._remaining())
+            total = sum(sizes)
+            start = self.position + sum(sizes[:comm.rank])
+            indices = self._order()[start:start + sizes[comm.rank]]
+            loss_sum = torch.zeros((), dtype=self._acc_dtype, device=self.device)
+            batches = 0
+            for chunk in indices.split(bs):
+                loss_sum += self._train_batch(chunk).to(self._acc_dtype) * len(chunk)
+                batches += 1
+            self._sync_device()
+            compute_ms = (time.perf_counter() - window_start) * 1e3
+            local_loss = loss_sum.item()
+
+            t = time.perf_counter()
+            rows = self._average(sizes[comm.rank] / total, [batches, sizes[comm.rank], local_loss, compute_ms,
+                                                            prev["collective_ms"], prev["window_ms"], prev["pause_ms"]])
+            collective_ms = (time.perf_counter() - t) * 1e3
+            timing = None if first else _window_timing(rows[:, 4:7])
+            for r in range(comm.world):
+                # The first window after (re)starting carries warm-up costs: its speeds are not used.
+                if rows[r, 0] > 0 and not (first and comm.world > 1):
+                    ms = float(rows[r, 3] / rows[r, 0])
+                    self._ms[r] = ms if self._ms[r] is None else (self._ms[r] + ms) / 2
+            if timing is not None or comm.world == 1:
+                sync = timing["sync_ms"] if timing is not None else 0.0
+                self._sync_ema = sync if self._sync_ema is None else (self._sync_ema + sync) / 2
+            self.plan = plan_window(self._ms, self._sync_ema, self.plan, self.el_che)
+            first = False
+
+            wall = time.perf_counter() - window_start
+            self.train_time += wall
+            prev = {"collective_ms": collective_ms, "window_ms": wall * 1e3, "pause_ms": pause_ms}
+            before = self.step
+            self._advance(total)
+            n = sizes[comm.rank]
+            mine = {"batches": batches, "samples": n, "loss": local_loss / n if n else None,
+                    "compute_ms": compute_ms, "ms_per_batch": compute_ms / batches if batches else None,
+                    "samples_per_s": n / compute_ms * 1e3 if batches else None,
+                    "collective_ms": collective_ms, "window_ms": wall * 1e3}
+            self._record(mine, rows, wall, timing or {})
+            t = time.perf_counter()
+            self._after(before)
+            pause_ms = (time.perf_counter() - t) * 1e3
+
+    def _average(self, weight: float, stats: list[float]) -> torch.Tensor:
+        """Samples-weighted average of the trainable parameters, equal average of float buffers,
+        then the outer step; returns every worker's ``stats`` row. Integer buffers (position ids,
+        BatchNorm's counter) are taken from worker 0 once, at the start, and not averaged."""
+        comm = self.comm
+        rows = comm.reduce_window([(self.trainable, weight), (self._float_buffers, 1.0 / comm.world)], stats)
+        if self.outer is not None:
+            self.outer.step()
+            if self.outer_cfg.reset_inner:
+                self.optimizer.state.clear()
+        if self.verify_sync:
+            comm.check_identical(list(self.model.parameters()) + self._float_buffers,
+                                 f"the sync ending at step {self.step}")
+        return rows
+
+    # ---- after each step or window: log, evaluate, checkpoint --------------------------------
+    def _crossed(self, before: int, every: int | None) -> bool:
+        return every is not None and self.step // every > before // every
+
+    def _after(self, before: int) -> None:
+        if self._bar is not None:
+            self._bar.update(self.step - before)
+        if self.eval_fn is not None and (self._crossed(before, self.eval_every) or self._done()):
+            self._evaluate()
+        if self.checkpoint_dir is not None and (self._crossed(before, self.checkpoint_every) or self._done()):
+            self.save_checkpoint()
+
+    def _record(self, mine: dict, rows: torch.Tensor, wall: float, timing: dict) -> None:
+        """Write this worker's record and the rolled-up one (``rows``: per-worker batches,
+        samples, loss sum, compute ms; ``timing``: El Che's previous-window overheads)."""
+        lr = self.optimizer.param_groups[0].get("lr")
+        common = {"step": self.step, "epoch": self.epoch, "time": round(self.train_time, 4)}
+        record = {**common, "rank": self.comm.rank, **mine, "lr": lr}
+        self.records.append(record)
+        self._log.worker(record)
+        batches, samples = rows[:, 0], rows[:, 1]
+        n = float(samples.sum())
+        rolled = {**common, "event": "train", "samples": self.samples,
+                  "loss": float(rows[:, 2].sum()) / n if n else None,
+                  "samples_per_s": n / wall if wall > 0 else None, "lr": lr,
+                  "batches": batches.int().tolist(),
+                  "batch_share": (batches / batches.sum().clamp(min=1)).tolist(),
+                  "worker_samples_per_s": [float(s / c * 1e3) if c > 0 else None
+                                           for s, c in zip(samples.tolist(), rows[:, 3].tolist())]}
+        if self.plan is not None:
+            rolled.update(anchor=self.plan.anchor, plan=list(self.plan.counts), **timing)
+        self.history.append(rolled)
+        self._log.run(rolled)
+        if self._bar is not None and rolled["loss"] is not None:
+            self._bar.set_postfix(loss=f"{rolled['loss']:.4f}",
+                                  samples_s=f"{rolled['samples_per_s']:.0f}", refresh=False)
+
+    def _evaluate(self) -> None:
+        if self._evaluated_step == self.step:
+            return
+        self._evaluated_step = self.step
+        metrics: dict = {}
+        stop = False
+        if self.comm.rank == 0:
+            t = time.perf_counter()
+            was_training = self.model.training
+            self.model.eval()
+            devices = [self.device.index] if self.device.type == "cuda" else []
+            # Evaluation must not move the training RNG, or resuming would not be bit-exact.
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                out = self.eval_fn(self.model)
+            self.model.train(was_training)
+            metrics = _metrics(out)
+            eval_s = time.perf_counter() - t
+            self._eval_s += eval_s
+            record = {"event": "eval", "step": self.step, "epoch": self.epoch, "time": round(self.train_time, 4),
+                      "eval_s": round(eval_s, 4), **metrics}
+            self.history.append(record)
+            self._log.run(record)
+            if self._bar is not None:
+                self._bar.write(f"step {self.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+            stop = bool(self.stop_when(metrics)) if self.stop_when is not None else False
+        if self.stop_when is not None:
+            self._stop = self.comm.any_flag(stop)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path | None:
+        """Write the checkpoint for the current step (every worker calls it); worker 0 returns its path."""
+        if self.checkpoint_dir is None or self._saved_step == self.step:
+            return None
+        self._saved_step = self.step
+        comm, directory = self.comm, self.checkpoint_dir
+        name = f"step-{self.step:08d}"
+        worker = {"rng": _rng_state(self.device), "batches": self.batches}
+        if self.sync != "ddp" or comm.rank == 0:
+            worker["optimizer"] = self.optimizer.state_dict()
+            worker["scheduler"] = self.scheduler.state_dict() if self.scheduler is not None else None
+        if comm.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+        comm.barrier()
+        if comm.rank > 0:
+            _atomic_save({"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": self.step,
+                          "worker": worker}, directory / f"{name}.rank-{comm.rank}.pt")
+        comm.barrier()  # every side file is in place before the main file commits the set
+        if comm.rank != 0:
+            return None
+        config = getattr(self.model, "config", None)
+        state = {
+            "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
+            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "config": config.to_dict() if hasattr(config, "to_dict") else None,
+            "step": self.step, "epoch": self.epoch, "position": self.position, "samples": self.samples,
+            "train_time": self.train_time, "seed": self.seed, "batch_size": self.batch_size,
+            "world_size": comm.world, "sync": self.sync,
+            "el_che": {"anchor": self.plan.anchor, "counts": list(self.plan.counts), "ms_per_batch": self._ms}
+            if self.plan is not None else None,
+            "outer": self.outer.state_dict() if self.outer is not None else None,
+            "worker": worker,
+        }
+        path = directory / f"{name}.pt"
+        _atomic_save(state, path)
+        self._log_event("checkpoint", step=self.step, path=str(path))
+        for old in _checkpoints(directory)[:-self.keep_checkpoints]:
+            for f in directory.glob(f"{old.stem}.*"):
+                f.unlink(missing_ok=True)
+        return path
+
+    def _find_resume(self) -> tuple[dict, dict] | None:
+        if self.checkpoint_dir is None or not self.resume:
+            return None
+        path = latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            return None
+        state = load_checkpoint(path)
+        for key, mine in (("batch_size", self.batch_size), ("sync", self.sync), ("seed", self.seed)):
+            if state.get(key) != mine:
+                raise TrainerError(f"{path}: checkpoint has {key}={state.get(key)!r} but this Trainer has "
+                                   f"{key}={mine!r}; pass the same value, or resume=False to start fresh")
+        worker = state["worker"]
+        rank, world = self.comm.rank, self.comm.world
+        if state["world_size"] != world:
+            warnings.warn(f"{path}: written by {state['world_size']} workers, resumed by {world}: data position "
+                          "is kept, per-worker optimizer and RNG states are not, so the run is not bit-exact")
+            worker = {k: v for k, v in worker.items() if k != "rng"}
+            state["el_che"] = None
+        elif rank > 0:
+            side = path.with_name(f"{path.stem}.rank-{rank}.pt")
+            extra = load_checkpoint(side)["worker"]
+            worker = {**worker, **extra} if self.sync == "ddp" else extra
+        self.resumed_from = path
+        return state, worker
+
+    def _restore(self, state: dict, worker: dict) -> None:
+        self.epoch, self.position, self.samples = state["epoch"], state["position"], state["samples"]
+        self.train_time, self.batches = state["train_time"], worker.get("batches", 0)
+        self.optimizer.load_state_dict(worker["optimizer"])
+        if self.scheduler is not None and worker.get("scheduler") is not None:
+            self.scheduler.load_state_dict(worker["scheduler"])
+        if self.outer is not None and state.get("outer") is not None:
+            self.outer.load_state_dict(state["outer"])
+        if self.plan is not None and state.get("el_che"):
+            el = state["el_che"]
+            self.plan = Plan(el["anchor"], tuple(el["counts"]))
+            self._ms = list(el["ms_per_batch"])
+        if "rng" in worker:
+            _set_rng_state(worker["rng"], self.device)
+        else:
+            _seed_everything(self.seed * 1_000_003 + self.comm.rank + 7919 * state["step"])
+
+    # ---- end ---------------------------------------------------------------------------------
+    def _finish(self) -> dict:
+        last = next((r for r in reversed(self.history) if r.get("event") == "train"), {})
+        evals = [r for r in self.history if r.get("event") == "eval"]
+        summary = {"step": self.step, "epoch": self.epoch, "samples": self.samples,
+                   "train_time": self.train_time, "wall_time": time.perf_counter() - self._fit_start,
+                   "loss": last.get("loss"), "batches": self.batches,
+                   "eval": {k: v for k, v in evals[-1].items() if k not in ("event", "step", "epoch", "time", "eval_s")}
+                   if evals else None,
+                   "stopped_early": self._stop, "checkpoint": None, "report": None}
+        if self.checkpoint_dir is not None and self.comm.rank == 0:
+            latest = latest_checkpoint(self.checkpoint_dir)
+            summary["checkpoint"] = str(latest) if latest else None
+        self._log_event("end", **{k: v for k, v in summary.items() if k not in ("report",)})
+        self._log.close()
+        if self.report and self.log_dir is not None and self.comm.rank == 0:
+            from .report import write_report
+            summary["report"] = str(write_report(self.log_dir))
+        return summary
+
+    def _log_event(self, event: str, **fields: Any) -> None:
+        if self.comm.rank == 0:
+            record = {"event": event, **fields}
+            if event != "start":
+                self.history.append(record)
+            self._log.run(record) if getattr(self, "_log", None) is not None else None
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+
+def _checkpoints(directory: Path) -> list[Path]:
+    found = [(int(m.group(1)), p) for p in directory.glob("step-*.pt") if (m := _CHECKPOINT_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in ``directory`` (``step-XXXXXXXX.pt``), or None."""
+    directory = Path(directory)
+    found = _checkpoints(directory) if directory.is_dir() else []
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict:
+    """Read a trainer checkpoint (see the module docstring for its keys); tensors land on the CPU."""
+    from .errors import CheckpointFormatError
+    path = Path(path)
+    if path.is_dir():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise CheckpointFormatError(f"{path}: no trainer checkpoint (step-XXXXXXXX.pt) in this directory")
+        path = found
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        raise CheckpointFormatError(f"{path}: not a readable trainer checkpoint: {exc}") from exc
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointFormatError(f"{path}: not a flodl-hf trainer checkpoint (no format={CHECKPOINT_FORMAT!r})")
+    if state.get("version", 0) > CHECKPOINT_VERSION:
+        raise CheckpointFormatError(f"{path}: checkpoint version {state['version']} is newer than this flodl-hf "
+                                    f"reads ({CHECKPOINT_VERSION}); upgrade flodl-hf")
+    return state
+
+
+def _atomic_save(obj: dict, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---- small helpers -----------------------------------------------------------------------------
+
+def _window_timing(prev: torch.Tensor) -> dict:
+    """Overheads of the previous window from each worker's (collective, window, pause) ms.
+
+    The worker that reached the collective last waited least, so the shortest collective is
+    the averaging itself (sync) and the rest of each worker's collective is idle. A worker
+    that paused less than another (worker 0 evaluates) waits that difference too: that wait is
+    taken out of its idle time and of its window.
+    """
+    collective, window, pause = prev[:, 0], prev[:, 1], prev[:, 2]
+    sync = float(collective.min())
+    lag = pause.max() - pause
+    return {"sync_ms": sync, "idle_ms": (collective - sync - lag).clamp(min=0).tolist(),
+            "window_ms": (window - lag).clamp(min=1e-9).tolist()}
+
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TrainerConfigError("step(model, batch) must return a scalar loss tensor or an output with .loss; "
+                                 f"got {type(out).__name__}" + ("" if loss is None else f" whose loss is {loss!r}"))
+    return loss.reshape(())
+
+
+def _metrics(out: Any) -> dict:
+    if isinstance(out, Mapping):
+        return {str(k): float(v) for k, v in out.items()}
+    if out is None:
+        return {}
+    return {"eval": float(out)}
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        moved = {k: _to_device(v, device) for k, v in batch.items()}
+        try:
+            return type(batch)(moved)
+        except Exception:  # a mapping type that cannot be rebuilt from a dict
+            return moved
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    if hasattr(batch, "to") and callable(batch.to):
+        return batch.to(device)
+    return batch
+
+
+def _seed_everything(seed: int) -> None:
+    seed %= 2**63
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    try:
+        import numpy as np
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
+    except ImportError:
+        pass
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+    if "numpy" in state:
+        import numpy as np
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+
+
+class _RunLog:
+    """JSONL files (this worker's, and worker 0's rolled-up one) and optional TensorBoard."""
+
+    def __init__(self, log_dir: Path | None, rank: int, tensorboard: bool, truncate_after: int | None) -> None:
+        self.rank, self.files, self.tb = rank, {}, None
+        if log_dir is None:
+            return
+        log_dir.mkdir(parents=True, exist_ok=True)
+        names = {"worker": f"worker-{rank}.jsonl"}
+        if rank == 0:
+            names["run"] = "run.jsonl"
+        for key, name in names.items():
+            path = log_dir / name
+            if truncate_after is not None and path.exists():
+                # A resumed run drops what the interrupted one logged after its checkpoint.
+                kept = [line for line in path.read_text().splitlines()
+                        if line.strip() and json.loads(line).get("step", 0) <= truncate_after]
+                path.write_text("".join(line + "\n" for line in kept))
+            elif truncate_after is None and path.exists():
+                path.unlink()
+            self.files[key] = open(path, "a")
+        if tensorboard and rank == 0:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(log_dir / "tensorboard"))
+            except ImportError:
+                warnings.warn("tensorboard=True but tensorboard is not installed; skipping TensorBoard logs")
+
+    def worker(self, record: dict) -> None:
+        self._write("worker", record)
+
+    def run(self, record: dict) -> None:
+        self._write("run", record)
+        if self.tb is not None and "step" in record:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key not in ("step", "epoch", "rank"):
+                    self.tb.add_scalar(f"{record.get('event', 'train')}/{key}", value, record["step"])
+
+    def _write(self, key: str, record: dict) -> None:
+        f = self.files.get(key)
+        if f is not None:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        self.files = {}
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+# ---- launcher ----------------------------------------------------------------------------------
+
+def launch(script: str | os.PathLike, args: Sequence[str] = (), *, workers: int = 1, max_restarts: int = 0,
+           env: Mapping[str, str] | None = None, timeout: float | None = None) -> int:
+    """Run ``script`` as ``workers`` processes on this machine with torchrun (standalone rendezvous).
+
+    Returns torchrun's exit code. ``timeout`` (seconds) kills the whole launch, workers
+    included, and raises TrainerError. For several nodes, call ``torchrun`` with ``--nnodes``.
+    """
+    script = Path(script)
+    if not script.is_file():
+        raise InputError(f"training script {script} not found")
+    if workers < 1:
+        raise InputError(f"--workers must be at least 1, got {workers}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
+           f"--max-restarts={max_restarts}", str(script), *args]
+    # Workers sharing the rendezvous store can read a dead worker's address after a restart
+    # (pytorch/pytorch#135712); a store of their own per attempt avoids it.
+    env = {**({} if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in os.environ else
+              {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}), **(env or {})}
+    # With a timeout the launch gets its own session, so the workers can be killed with it.
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=timeout is not None)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise TrainerError(f"{script}: training did not finish within {timeout:.0f}s; its processes were killed")
+    except KeyboardInterrupt:
+        proc.wait()  # torchrun got the same Ctrl-C and stops its workers
+        raise
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("train", help="run a training script on N local workers (torchrun, standalone)",
+                              description="Launch SCRIPT as N processes on this machine through torchrun. "
+                                          "The script builds a Trainer; it finds the process group on its own.")
+    p.add_argument("--workers", type=int, default=1, help="number of worker processes (default 1)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart all workers this many times after a failure; they resume from the last checkpoint")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    p.set_defaults(func=_cmd_train)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    return launch(args.script, args.script_args, workers=args.workers, max_restarts=args.max_restarts)

@@ -1,0 +1,372 @@
+"""Trainer in one process: El Che's pure arithmetic, bit-exact resume, checkpoints, records, CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from flodl_hf.distributed import ElChe, Plan, deal, plan_window
+from flodl_hf.errors import CheckpointFormatError, FlodlHFError, InputError
+from flodl_hf.trainer import (DiLoCo, Trainer, TrainerConfigError, TrainerError, latest_checkpoint, launch,
+                              load_checkpoint, register_cli)
+
+
+# ---- El Che plan (pure) --------------------------------------------------------------------------
+
+CFG = ElChe(anchor=4, min_anchor=1, max_anchor=16)
+
+
+def test_plan_equal_speeds_gives_anchor_everywhere():
+    plan = plan_window([10.0, 10.0, 10.0], 2.0, Plan(4, (4, 4, 4)), CFG)
+    assert plan == Plan(4, (4, 4, 4))
+
+
+def test_plan_counts_follow_speed_of_slowest():
+    plan = plan_window([10.0, 30.0, 15.0], 4.0, Plan(4, (4, 4, 4)), CFG)
+    assert plan.anchor == 4
+    assert plan.counts == (12, 4, 8)
+
+
+def test_plan_dead_zone_keeps_counts_within_ten_percent():
+    prev = Plan(4, (12, 4))
+    assert plan_window([10.5, 30.0], 4.0, prev, CFG).counts == (12, 4)  # ideal 11: within 10% of 12
+    assert plan_window([12.0, 30.0], 4.0, prev, CFG).counts == (10, 4)  # ideal 10: moves
+
+
+def test_plan_anchor_grows_when_sync_is_costly_and_shrinks_when_cheap():
+    grown = plan_window([10.0, 10.0], 5.0, Plan(4, (4, 4)), CFG)  # share 5/45 > 10%
+    assert grown.anchor > 4
+    share = 5.0 / (grown.anchor * 10.0 + 5.0)
+    assert CFG.sync_share * CFG.shrink_below <= share <= CFG.sync_share
+    assert grown.counts == (grown.anchor, grown.anchor)
+    shrunk = plan_window([10.0, 10.0], 0.1, Plan(8, (8, 8)), CFG)  # share 0.1% << 2.5%
+    assert 1 <= shrunk.anchor < 8
+    kept = plan_window([10.0, 10.0], 2.0, Plan(4, (4, 4)), CFG)  # 4.8%: inside the band
+    assert kept.anchor == 4
+
+
+def test_plan_anchor_moves_at_most_twofold_per_window():
+    assert plan_window([10.0, 10.0], 500.0, Plan(4, (4, 4)), CFG).anchor == 8
+    assert plan_window([10.0, 10.0], 0.0, Plan(12, (12, 12)), CFG).anchor == 6
+
+
+def test_plan_anchor_stays_within_bounds():
+    cfg = ElChe(anchor=4, min_anchor=2, max_anchor=6)
+    assert plan_window([1.0, 1.0], 1000.0, Plan(4, (4, 4)), cfg).anchor == 6
+    assert plan_window([1.0, 1.0], 0.0, Plan(4, (4, 4)), cfg).anchor == 2
+
+
+def test_plan_without_measurements_or_adaptation_is_unchanged():
+    prev = Plan(4, (4, 4))
+    assert plan_window([None, 10.0], 1.0, prev, CFG) == prev
+    assert plan_window([10.0, 30.0], 1.0, prev, ElChe(anchor=4, adaptive=False)) == prev
+    assert plan_window([10.0, 10.0], None, Plan(4, (4, 4)), CFG).anchor == 4  # sync unknown: anchor kept
+
+
+def test_plan_is_pure():
+    ms, prev = [7.0, 21.0], Plan(3, (3, 3))
+    assert plan_window(ms, 0.5, prev, CFG) == plan_window(list(ms), 0.5, prev, CFG)
+    assert ms == [7.0, 21.0] and prev == Plan(3, (3, 3))
+
+
+def test_elche_rejects_inconsistent_bounds():
+    with pytest.raises(TrainerConfigError):
+        ElChe(anchor=0)
+    with pytest.raises(TrainerConfigError):
+        ElChe(anchor=8, max_anchor=4)
+
+
+def test_window_timing_splits_collective_into_sync_and_idle():
+    from flodl_hf.trainer import _window_timing
+    # (collective, window, pause) ms: worker 1 arrived last (its collective is the averaging itself);
+    # worker 0 also paused 10 ms to evaluate, which worker 1 waited out inside its collective.
+    timing = _window_timing(torch.tensor([[30.0, 100.0, 10.0], [15.0, 110.0, 0.0]], dtype=torch.float64))
+    assert timing["sync_ms"] == 15.0
+    assert timing["idle_ms"] == [15.0, 0.0]
+    assert timing["window_ms"] == [100.0, 100.0]
+
+
+# ---- dealing samples ---------------------------------------------------------------------------
+
+def test_deal_full_window():
+    assert deal([3, 1], 4, 100) == (12, 4)
+
+
+def test_deal_epoch_tail_is_proportional_and_complete():
+    assert deal([3, 1], 4, 10) == (8, 2)
+    assert deal([1, 1], 4, 5) == (3, 2)
+    assert deal([3, 1], 4, 1) == (1, 0)  # a worker may get nothing; it still joins the average
+
+
+def test_deal_never_skips_or_overshoots():
+    rng = random.Random(0)
+    for _ in range(500):
+        counts = [rng.randint(1, 9) for _ in range(rng.randint(1, 5))]
+        bs, remaining = rng.randint(1, 8), rng.randint(1, 200)
+        sizes = deal(counts, bs, remaining)
+        assert sum(sizes) == min(remaining, bs * sum(counts))
+        assert all(0 <= s <= c * bs for s, c in zip(sizes, counts))
+
+
+# ---- a tiny task ---------------------------------------------------------------------------------
+
+class Indexed(torch.utils.data.Dataset):
+    """Regression data whose items carry their index, so tests can see who trained on what."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 6, generator=g)
+        self.y = self.x @ torch.randn(6, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"index": i, "x": self.x[i], "y": self.y[i]}
+
+
+class Config:
+    def to_dict(self) -> dict:
+        return {"model_type": "toy", "hidden_size": 16}
+
+
+class Net(nn.Module):
+    def __init__(self, init_seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(init_seed)
+        self.config = Config()
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 1))
+        self.norm = nn.BatchNorm1d(6)  # a float buffer and an int buffer
+
+    def forward(self, x, y=None):
+        pred = self.body(self.norm(x))
+        return SimpleNamespace(loss=nn.functional.mse_loss(pred, y) if y is not None else None, logits=pred)
+
+
+def net_step(model, batch):
+    return model(batch["x"], batch["y"])  # an output with .loss
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def warmup(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+
+
+def noisy_eval(model):
+    torch.rand(3)  # evaluation that draws random numbers must not shift training's RNG
+    data = Indexed(32, seed=1)
+    return {"eval_loss": nn.functional.mse_loss(model.body(model.norm(data.x)), data.y).item()}
+
+
+def trainer(model, data, tmp, **kw) -> Trainer:
+    base = dict(batch_size=8, scheduler=warmup, grad_clip=1.0, progress=False, report=False, seed=3)
+    return Trainer(model, net_step, adamw, data, checkpoint_dir=tmp, **{**base, **kw})
+
+
+def same_state(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# ---- resume --------------------------------------------------------------------------------------
+
+def test_resume_is_bit_exact(tmp_path):
+    data = Indexed(60)  # 8 steps per epoch: the run crosses an epoch boundary and its tail
+    straight = Net(0)
+    trainer(straight, data, tmp_path / "a", max_steps=10, sync="none", eval_fn=noisy_eval, eval_every=3).fit()
+
+    first = Net(0)
+    trainer(first, data, tmp_path / "b", max_steps=5, sync="none", eval_fn=noisy_eval, eval_every=3).fit()
+    second = Net(1)  # initialised differently: the checkpoint must overwrite all of it
+    assert not same_state(second, straight)
+    t = trainer(second, data, tmp_path / "b", max_steps=10, sync="none", eval_fn=noisy_eval, eval_every=3)
+    summary = t.fit()
+    assert t.resumed_from == tmp_path / "b" / "step-00000005.pt"
+    assert summary["step"] == 10
+    assert same_state(second, straight)
+
+
+def test_resume_el_che_with_diloco_is_bit_exact(tmp_path):
+    data = Indexed(48)
+    sync = ElChe(anchor=2, adaptive=False)
+    outer = DiLoCo(lr=0.7, momentum=0.9, nesterov=True)
+    straight = Net(0)
+    trainer(straight, data, tmp_path / "a", max_steps=10, sync=sync, outer=outer).fit()
+    trainer(Net(0), data, tmp_path / "b", max_steps=4, sync=sync, outer=outer).fit()
+    resumed = Net(2)
+    trainer(resumed, data, tmp_path / "b", max_steps=10, sync=sync, outer=outer).fit()
+    assert same_state(resumed, straight)
+    assert load_checkpoint(tmp_path / "b")["outer"]["state"]  # the outer momentum travels
+
+
+def test_resume_false_starts_fresh_and_mismatch_is_refused(tmp_path):
+    data = Indexed(40)
+    trainer(Net(0), data, tmp_path, max_steps=3, sync="none").fit()
+    t = trainer(Net(0), data, tmp_path, max_steps=3, sync="none", resume=False)
+    t.fit()
+    assert t.resumed_from is None
+    with pytest.raises(TrainerError, match="batch_size"):
+        trainer(Net(0), data, tmp_path, max_steps=6, sync="none", batch_size=4).fit()
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+def test_checkpoint_format_and_pruning(tmp_path):
+    model = Net(0)
+    trainer(model, Indexed(40), tmp_path, max_steps=9, checkpoint_every=2, keep_checkpoints=2, sync="none").fit()
+    names = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".pt")
+    assert names == ["step-00000008.pt", "step-00000009.pt"]
+    assert not list(tmp_path.glob(".*tmp*"))  # written atomically: no temporary files left
+    state = torch.load(latest_checkpoint(tmp_path), weights_only=True)
+    assert state["format"] == "flodl-hf/trainer-checkpoint" and state["version"] == 1
+    assert state["config"] == Config().to_dict()
+    assert state["model"].keys() == model.state_dict().keys()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state["model"].items())
+    assert state["step"] == 9 and state["samples"] == 72 and state["epoch"] == 1 and state["position"] == 32
+    assert {"optimizer", "scheduler", "rng"} <= state["worker"].keys()
+
+
+def test_checkpoint_config_is_none_without_model_config(tmp_path):
+    model = nn.Linear(6, 1)
+    data = [(torch.randn(6), torch.randn(1)) for _ in range(16)]
+    Trainer(model, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), lambda p: torch.optim.SGD(p, lr=0.1),
+            data, batch_size=4, epochs=1, checkpoint_dir=tmp_path, progress=False, report=False).fit()
+    assert load_checkpoint(tmp_path)["config"] is None
+
+
+def test_load_checkpoint_refuses_foreign_files(tmp_path):
+    torch.save({"weights": torch.ones(1)}, tmp_path / "step-00000001.pt")
+    with pytest.raises(CheckpointFormatError, match="not a flodl-hf trainer checkpoint"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointFormatError, match="no trainer checkpoint"):
+        load_checkpoint(tmp_path / "empty")
+
+
+# ---- data and steps ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sync", ["none", "ddp", ElChe(anchor=3, adaptive=False)])
+def test_every_sample_once_per_epoch(sync):
+    seen: list[int] = []
+
+    def step(model, batch):
+        seen.extend(batch["index"].tolist())
+        return net_step(model, batch)
+
+    t = Trainer(Net(0), step, adamw, Indexed(37), batch_size=5, epochs=2, sync=sync, progress=False)
+    summary = t.fit()
+    assert sorted(seen[:37]) == list(range(37)) and sorted(seen[37:]) == list(range(37))
+    assert seen[:37] != seen[37:]  # reshuffled each epoch
+    assert summary["step"] == 2 * 8 and summary["samples"] == 74
+
+
+def test_step_may_return_a_tensor_or_dict_but_not_garbage():
+    data = [(torch.randn(6), torch.randn(1)) for _ in range(8)]
+    model = nn.Linear(6, 1)
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    Trainer(model, lambda m, b: {"loss": nn.functional.mse_loss(m(b[0]), b[1])}, sgd, data, batch_size=4,
+            max_steps=1, progress=False).fit()
+    with pytest.raises(TrainerConfigError, match="scalar loss"):
+        Trainer(model, lambda m, b: m(b[0]), sgd, data, batch_size=4, max_steps=1, progress=False).fit()
+
+
+def test_configuration_errors_are_typed():
+    data = Indexed(8)
+    with pytest.raises(TrainerConfigError, match="epochs"):
+        Trainer(Net(), net_step, adamw, data, batch_size=2)
+    with pytest.raises(TrainerConfigError, match="el-che"):
+        Trainer(Net(), net_step, adamw, data, batch_size=2, epochs=1, outer=DiLoCo())
+    with pytest.raises(TrainerConfigError, match="sync"):
+        Trainer(Net(), net_step, adamw, data, batch_size=2, epochs=1, sync="allreduce")
+    with pytest.raises(TrainerConfigError, match="indexable"):
+        Trainer(Net(), net_step, adamw, iter(range(3)), batch_size=2, epochs=1)
+    assert issubclass(TrainerConfigError, FlodlHFError) and issubclass(TrainerError, FlodlHFError)
+
+
+def test_stop_when_ends_the_run_after_an_evaluation(tmp_path):
+    t = trainer(Net(0), Indexed(64), tmp_path, epochs=50, sync="none", eval_fn=noisy_eval, eval_every=2,
+                stop_when=lambda m: True)
+    summary = t.fit()
+    assert summary["step"] == 2 and summary["stopped_early"]
+    assert latest_checkpoint(tmp_path).name == "step-00000002.pt"
+
+
+def test_diloco_identity_in_one_process_equals_plain_local_sgd():
+    data = Indexed(40)
+    plain, outer = Net(0), Net(0)
+    for model, out in ((plain, None), (outer, DiLoCo(lr=1.0, momentum=0.0))):
+        Trainer(model, net_step, lambda p: torch.optim.SGD(p, lr=0.05), data, batch_size=4, epochs=1,
+                sync=ElChe(anchor=2, adaptive=False), outer=out, progress=False).fit()
+    for a, b in zip(plain.parameters(), outer.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+# ---- record of the run ---------------------------------------------------------------------------
+
+def test_records_and_report(tmp_path):
+    t = trainer(Net(0), Indexed(48), tmp_path, epochs=2, sync="el-che", eval_fn=noisy_eval, eval_every=4,
+                report=True, log_every=2)
+    summary = t.fit()
+    run = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    events = [r["event"] for r in run]
+    assert events[0] == "start" and events[-1] == "end" and "eval" in events and "checkpoint" in events
+    train = [r for r in run if r["event"] == "train"]
+    assert train[-1]["step"] == summary["step"] == 12
+    assert {"loss", "samples_per_s", "batches", "batch_share", "anchor", "plan"} <= train[0].keys()
+    assert {"sync_ms", "idle_ms", "window_ms"} <= train[1].keys()  # overheads of the window before
+    worker = [json.loads(line) for line in (tmp_path / "worker-0.jsonl").read_text().splitlines()]
+    assert sum(r["samples"] for r in worker) == 96
+    page = Path(summary["report"]).read_text()
+    assert page.startswith("<!doctype html>") and "<script" not in page and "http://" not in page.replace(
+        'xmlns="http://www.w3.org/2000/svg"', "")
+    svgs = page.split("<svg")[1:]
+    assert len(svgs) >= 3
+    for chunk in svgs:
+        ET.fromstring("<svg" + chunk.split("</svg>")[0] + "</svg>")  # well-formed inline SVG
+
+
+def test_resumed_run_drops_records_after_its_checkpoint(tmp_path):
+    data = Indexed(40)
+    trainer(Net(0), data, tmp_path, max_steps=4, sync="none", log_every=1).fit()
+    with (tmp_path / "worker-0.jsonl").open("a") as f:  # as if the run had gone on, then crashed
+        f.write(json.dumps({"step": 5, "loss": 0.0}) + "\n")
+    trainer(Net(0), data, tmp_path, max_steps=6, sync="none", log_every=1).fit()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "worker-0.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_tensorboard_is_optional(tmp_path):
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.warns(UserWarning, match="tensorboard is not installed"):
+            trainer(Net(0), Indexed(16), tmp_path, max_steps=1, sync="none", tensorboard=True).fit()
+    else:
+        trainer(Net(0), Indexed(16), tmp_path, max_steps=2, sync="none", tensorboard=True, log_every=1).fit()
+        assert list((tmp_path / "tensorboard").iterdir())
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+def test_train_command_parses_script_arguments():
+    import argparse
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["train", "--workers", "3", "run.py", "--lr", "3e-5", "data.csv"])
+    assert (args.workers, args.script, args.script_args) == (3, "run.py", ["--lr", "3e-5", "data.csv"])
+    assert args.func is not None
+
+
+def test_launch_refuses_a_missing_script(tmp_path):
+    with pytest.raises(InputError, match="not found"):
+        launch(tmp_path / "nope.py", workers=2)

@@ -1,0 +1,273 @@
+"""Trainer across processes: gloo on 127.0.0.1, two workers, small MLPs, short runs.
+
+Each scenario runs in freshly spawned processes with a process-group timeout and a join
+deadline, so a failure shows up as an error, never as a hung test. One spawn runs several
+trainers in a row to keep the start-up cost (importing torch twice) to a few such spawns.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import textwrap
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from flodl_hf.distributed import Comm, ElChe
+from flodl_hf.trainer import DiLoCo, Trainer, WorkerLostError, launch
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 2
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+# ---- harness -------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank: int, port: int, out: str, pg_timeout: float, args: tuple) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                                timeout=timedelta(seconds=pg_timeout))
+        result = fn(rank, out, *args)
+        torch.save(result, Path(out) / f"result-{rank}.pt")
+    except BaseException:
+        Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(1)
+    # A clean exit without destroy_process_group's handshake: the peer may be gone already.
+    os._exit(0)
+
+
+def spawn(fn, tmp_path: Path, *args, pg_timeout: float = 30.0, deadline: float = 90.0,
+          wait_for: tuple[int, ...] = (0, 1)) -> dict[int, object]:
+    """Run ``fn(rank, out_dir, *args)`` on two workers; return each finished worker's result.
+
+    Workers not in ``wait_for`` are killed once those are done (or at the deadline).
+    """
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, port, str(tmp_path), pg_timeout, args), daemon=True)
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + deadline
+    for r in wait_for:
+        procs[r].join(max(0.1, end - time.monotonic()))
+    hung = [r for r in wait_for if procs[r].is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    errors = {r: (tmp_path / f"error-{r}.txt").read_text() for r in wait_for if (tmp_path / f"error-{r}.txt").exists()}
+    assert not hung, f"workers {hung} still running after {deadline}s"
+    assert not errors, "\n".join(f"worker {r}:\n{e}" for r, e in errors.items())
+    return {r: torch.load(tmp_path / f"result-{r}.pt", weights_only=False) for r in wait_for}
+
+
+# ---- the task ------------------------------------------------------------------------------------
+
+class Points(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.tanh(self.x @ torch.randn(8, 1, generator=g))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return i, self.x[i], self.y[i]
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def mse_step(model, batch):
+    _, x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def run(model, step=mse_step, **kw) -> Trainer:
+    base = dict(batch_size=4, progress=False, report=False, timeout=30)
+    t = Trainer(model, step, sgd, Points(kw.pop("n", 64)), **{**base, **kw})
+    t.fit()
+    return t
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# ---- scenario 1: equivalences, the weighted average, uneven workers ------------------------------
+
+def _equivalences_and_uneven(rank: int, out: str) -> dict:
+    result: dict = {}
+    # Equal speeds, one batch per window, plain SGD: El Che is DDP.
+    ddp, el_che = mlp(), mlp()
+    run(ddp, sync="ddp", max_steps=6)
+    run(el_che, sync=ElChe(anchor=1, adaptive=False), max_steps=6, verify_sync=True)
+    result["ddp"], result["el_che_1"] = flat(ddp), flat(el_che)
+
+    # DiLoCo with lr=1, momentum=0 is plain averaging (windows of 3 batches).
+    plain, outer = mlp(), mlp()
+    run(plain, sync=ElChe(anchor=3, adaptive=False), epochs=1, verify_sync=True)
+    run(outer, sync=ElChe(anchor=3, adaptive=False), epochs=1, outer=DiLoCo(lr=1.0, momentum=0.0),
+        verify_sync=True)
+    result["plain"], result["diloco_identity"] = flat(plain), flat(outer)
+
+    # The weighted average in closed form: worker r holds x_r and weighs n_r / sum(n).
+    comm, _ = Comm.connect("cpu", 30)
+    mine = [torch.randn(3, 4, generator=torch.Generator().manual_seed(10 + rank)),
+            torch.randn(5, generator=torch.Generator().manual_seed(20 + rank)).to(torch.bfloat16)]
+    n = [3.0, 7.0]
+    comm.average_(mine, n[rank] / sum(n))
+    result["averaged"] = mine
+
+    # A worker made 3x slower runs about a third of the fast one's batches; the epoch tail
+    # (250 = 62 batches of 4 and 2 samples) ends cleanly; every sample is seen once.
+    # Sleeps dominate the step time, so the 3:1 ratio holds on a busy machine too.
+    seen: list[int] = []
+
+    def slow_step(model, batch):
+        seen.extend(batch[0].tolist())
+        time.sleep(0.004 if rank == 0 else 0.012)
+        return mse_step(model, batch)
+
+    t = run(mlp(), step=slow_step, sync=ElChe(anchor=2), n=250, epochs=1, log_dir=Path(out) / "logs",
+            report=True, verify_sync=True)
+    result["seen"], result["records"], result["history"] = seen, t.records, t.history
+    return result
+
+
+def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
+    res = spawn(_equivalences_and_uneven, tmp_path)
+    r0, r1 = res[0], res[1]
+    for key in ("ddp", "el_che_1", "plain", "diloco_identity"):
+        assert torch.equal(r0[key], r1[key]), f"{key}: workers differ"
+    torch.testing.assert_close(r0["el_che_1"], r0["ddp"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(r0["diloco_identity"], r0["plain"], rtol=0, atol=1e-6)
+    assert not torch.equal(r0["plain"], r0["ddp"])  # the comparisons are not vacuous
+
+    xs = [[torch.randn(3, 4, generator=torch.Generator().manual_seed(10 + r)),
+           torch.randn(5, generator=torch.Generator().manual_seed(20 + r)).to(torch.bfloat16)] for r in range(2)]
+    for i in range(2):
+        want = (3 * xs[0][i].double() + 7 * xs[1][i].double()) / 10
+        for r in (r0, r1):
+            got = r["averaged"][i]
+            assert got.dtype == xs[0][i].dtype
+            torch.testing.assert_close(got.double(), want.to(got.dtype).double(), rtol=0,
+                                       atol=1e-6 if got.dtype == torch.float32 else 1e-2)
+
+    assert sorted(r0["seen"] + r1["seen"]) == list(range(250))
+    windows = [r for r in r0["history"] if r.get("event") == "train"]
+    # Two windows at the starting plan: the first is warm-up, timed from the second on.
+    assert windows[0]["batches"] == windows[1]["batches"] == [2, 2]
+    fast = sum(w["batches"][0] for w in windows[2:])
+    slow = sum(w["batches"][1] for w in windows[2:])
+    assert 2.3 <= fast / slow <= 3.7, f"fast {fast} vs slow {slow} batches"
+    assert windows[-1]["step"] == 32 and windows[-1]["samples"] == 250
+    logs = tmp_path / "logs"
+    assert {p.name for p in logs.iterdir()} >= {"run.jsonl", "worker-0.jsonl", "worker-1.jsonl", "report.html"}
+    assert "Batch share" in (logs / "report.html").read_text()
+
+
+# ---- scenario 2: a worker dies or stops answering -----------------------------------------------
+
+def _lost_worker(rank: int, out: str, how: str) -> dict:
+    calls = 0
+
+    def step(model, batch):
+        nonlocal calls
+        calls += 1
+        if rank == 1 and calls == 5:
+            if how == "killed":
+                os._exit(3)
+            time.sleep(60)  # stops answering
+        return mse_step(model, batch)
+
+    start = time.monotonic()
+    try:
+        run(mlp(), step=step, sync=ElChe(anchor=2), n=400, epochs=5)
+    except WorkerLostError as exc:
+        return {"error": str(exc), "after": time.monotonic() - start}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("how", ["killed", "silent"])
+def test_lost_worker_gives_an_error_not_a_hang(tmp_path, how):
+    res = spawn(_lost_worker, tmp_path, how, pg_timeout=4.0, deadline=45.0, wait_for=(0,))
+    assert res[0]["error"] is not None and "another worker died or stopped answering" in res[0]["error"]
+    assert res[0]["after"] < 30
+
+
+# ---- scenario 3: torchrun restarts resume from the last checkpoint ------------------------------
+
+RESTART_SCRIPT = textwrap.dedent('''
+    import json, os, sys
+    from pathlib import Path
+    import torch
+    from torch import nn
+    from flodl_hf.trainer import ElChe, Trainer
+
+    out = Path(sys.argv[1])
+    rank = int(os.environ["RANK"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    x = torch.randn(160, 8)
+    data = [(x[i], x[i].sum(0, keepdim=True)) for i in range(160)]
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    calls = 0
+
+    def step(model, batch):
+        global calls
+        calls += 1
+        if attempt == 0 and rank == 1 and calls >= 6 and list((out / "ck").glob("step-*.pt")):
+            os._exit(1)  # dies after a checkpoint exists; torchrun restarts everyone
+        return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    t = Trainer(model, step, lambda p: torch.optim.SGD(p, lr=0.05), data, batch_size=4, max_steps=12,
+                sync=ElChe(anchor=2, adaptive=False), checkpoint_dir=out / "ck", checkpoint_every=2,
+                progress=False, timeout=20)
+    summary = t.fit()
+    if rank == 0:
+        (out / "summary.json").write_text(json.dumps({**summary, "attempt": attempt,
+                                                      "resumed_from": str(t.resumed_from)}))
+''')
+
+
+def test_torchrun_restart_resumes_from_last_checkpoint(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(RESTART_SCRIPT)
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    started = time.monotonic()
+    rc = launch(script, [str(tmp_path)], workers=2, max_restarts=1, env=env, timeout=120)
+    assert rc == 0
+    import json
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["attempt"] == 1 and summary["step"] == 12
+    assert "step-" in summary["resumed_from"]
+    assert time.monotonic() - started < 120
