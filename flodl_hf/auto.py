@@ -16,7 +16,7 @@ from . import io
 from .config import BaseConfig
 from .errors import ConfigError, UnsupportedModelError
 from .layers import check_attn_implementation, init_weights
-from .modeling import PreTrainedModel, load_weights
+from .modeling import PreTrainedModel, load_weights, meta_device
 from .registry import TASKS, get_family, parse_architecture
 
 POOLER_KEY = re.compile(r"(^|\.)pooler\.")
@@ -103,7 +103,7 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | N
         raise UnsupportedModelError(f"{source} holds a {config.model_type!r} model; {expect.__name__} cannot load it "
                                     f"(use the Auto classes or {cls.__name__})")
     tensors = io.load_tensors(ckpt, dtype)
-    with torch.device("meta"):
+    with meta_device():
         if task == "base":
             model = cls(config, add_pooling_layer=any(POOLER_KEY.search(k) for k in tensors))
         else:

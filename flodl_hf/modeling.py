@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import re
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Iterator
 
 import torch
 from torch import nn
@@ -30,6 +31,34 @@ from .layers import check_attn_implementation
 
 if TYPE_CHECKING:
     from .registry import Family
+
+
+# The initialisers modules call in reset_parameters(); on the meta device they compute nothing.
+_INITIALISERS = frozenset({
+    torch.Tensor.normal_, torch.Tensor.uniform_, nn.init.normal_, nn.init.uniform_, nn.init.trunc_normal_,
+    nn.init.kaiming_uniform_, nn.init.kaiming_normal_, nn.init.xavier_uniform_, nn.init.xavier_normal_,
+})
+
+
+class _SkipMetaInit(torch.overrides.TorchFunctionMode):
+    """Random initialisers of meta tensors become no-ops. Meta tensors hold no values, so this changes no
+    result; but torch runs ``normal_`` on meta through its Python reference, whose first call imports
+    torch._dynamo (over a second on a 2-core machine, most of a BERT-base load). A mode is per thread."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _INITIALISERS:
+            tensor = args[0] if args else kwargs.get("tensor", kwargs.get("self"))  # nn.init passes tensor=
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def meta_device() -> Iterator[None]:
+    """Build modules on the meta device without running their (meaningless there) random initialisers."""
+    with torch.device("meta"), _SkipMetaInit():
+        yield
 
 
 class PreTrainedModel(nn.Module):

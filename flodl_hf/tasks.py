@@ -6,13 +6,18 @@ sentence-transformers' pooling), with our native models underneath. Post-process
 pipelines' own numpy/torch operations, in their order, so scores are equal, not merely close.
 
 Beyond the pipelines: models and tokenizers are loaded once per process (keyed by source), many
-texts are batched automatically (sorted by length, padded per batch), and texts longer than the
-model's maximum are truncated with a warning instead of failing inside the model.
+texts are batched automatically without padding (sorted by length, equal lengths together:
+``flodl_hf.batching``), and texts longer than the model's maximum are truncated with a warning
+instead of failing inside the model. ``precision="exact"`` (the default) is float32, bit-identical
+to transformers on every batch; ``"bf16"`` and ``"int8"`` are faster and change scores (opt-in,
+measured in docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import inspect
 import json
 import sys
@@ -25,11 +30,20 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import batching
 from .errors import InputError, SourceNotFoundError
 from .tokenizer import LARGE_INTEGER, AutoTokenizer, BatchEncoding, Tokenizer
 
 DEFAULT_FILL_MASK_MODEL = "bert-base-uncased"
-BATCH_SIZE = 16
+# Rows per forward pass, at most; None (the default): automatic, padding-free batches; or a
+# flodl_hf.batching.BatchPolicy for full control.
+BATCH_SIZE: int | None = None
+BatchSize = int | batching.BatchPolicy | None
+# "exact": float32, bit-identical to transformers on the same batch. The others are opt-in and change
+# scores (docs/benchmarks.md has their speed and error): "bf16" runs under CPU autocast (matrix products
+# in bfloat16; LayerNorm, softmax and the rest in float32); "int8" quantises every Linear layer's weights
+# to int8 with dynamically quantised activations (torch.ao.quantization.quantize_dynamic).
+PRECISIONS = ("exact", "bf16", "int8")
 MASK_SPELLINGS = ("[MASK]", "<mask>")
 AGGREGATIONS = ("none", "simple", "first", "average", "max")
 
@@ -40,15 +54,16 @@ Source = str | Path | nn.Module
 
 @dataclass
 class Loaded:
-    """A model with its tokenizer, and the longest input both accept."""
+    """A model with its tokenizer, the longest input both accept, and the precision it runs at."""
 
     model: nn.Module
     tokenizer: Tokenizer
     max_length: int
     source: str
+    precision: str = "exact"
 
 
-_MODELS: dict[tuple[str, str], nn.Module] = {}
+_MODELS: dict[tuple[str, str, str], nn.Module] = {}
 _TOKENIZERS: dict[str, Tokenizer] = {}
 
 
@@ -69,27 +84,58 @@ def max_input_length(model: nn.Module, tokenizer: Tokenizer) -> int:
     return min(limits) if limits else LARGE_INTEGER
 
 
-def load(model: Source, task: str, tokenizer: str | Path | Tokenizer | None = None) -> Loaded:
-    """The model for ``task`` ("mlm", "seqcls", "tokcls", "qa", "base") and its tokenizer, cached by source."""
+def _check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise InputError(f"precision={precision!r}: expected one of {', '.join(map(repr, PRECISIONS))}")
+    return precision
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose Linear layers hold int8 weights (dynamic activation quantisation)."""
+    from torch.ao.quantization import quantize_dynamic
+    with warnings.catch_warnings():  # torch's eager int8 API is deprecated in favour of torchao; it still works
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(copy.deepcopy(model), {nn.Linear}, dtype=torch.qint8).eval()
+
+
+def _precision_context(precision: str) -> contextlib.AbstractContextManager:
+    if precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def load(model: Source, task: str, tokenizer: str | Path | Tokenizer | None = None,
+         precision: str = "exact") -> Loaded:
+    """The model for ``task`` ("mlm", "seqcls", "tokcls", "qa", "base") and its tokenizer, cached by source.
+
+    ``precision``: "exact" (float32, the default), "bf16" or "int8" (opt-in, faster, scores change).
+    """
     from .auto import load_model
 
+    _check_precision(precision)
     if isinstance(model, nn.Module):
         if tokenizer is None:
             raise InputError("a model object was passed without its tokenizer: pass tokenizer= (a Tokenizer "
                              "or the directory it was saved in)")
         module, source = model.eval(), type(model).__name__
+        if precision == "int8":
+            module = quantize_int8(module)
     else:
         source = str(model)
-        key = (source, task)
+        key = (source, task, "exact")
         if key not in _MODELS:
             _MODELS[key] = load_model(source, task)
+        if precision == "int8":
+            if (source, task, "int8") not in _MODELS:
+                _MODELS[(source, task, "int8")] = quantize_int8(_MODELS[key])
+            key = (source, task, "int8")
         module = _MODELS[key]
     if not isinstance(tokenizer, Tokenizer):
         tok_source = str(tokenizer if tokenizer is not None else model)
         if tok_source not in _TOKENIZERS:
             _TOKENIZERS[tok_source] = AutoTokenizer.from_pretrained(tok_source)
         tokenizer = _TOKENIZERS[tok_source]
-    return Loaded(module, tokenizer, max_input_length(module, tokenizer), source)
+    return Loaded(module, tokenizer, max_input_length(module, tokenizer), source, precision)
 
 
 # ---- batching ----------------------------------------------------------------------------------------
@@ -106,51 +152,44 @@ def _encode(loaded: Loaded, texts: Sequence[Any], pairs: Sequence[Any] | None = 
     return enc
 
 
-def _pad(rows: list[dict[str, list]], tokenizer: Tokenizer) -> dict[str, torch.Tensor]:
-    """Pad a batch of tokenised rows the way the tokenizer pads (its side, pad id and pad type id)."""
-    width = max(len(r["input_ids"]) for r in rows)
-    fill = {"input_ids": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-            "attention_mask": 0, "token_type_ids": tokenizer.settings.pad_token_type_id}
-    out = {}
-    for key in rows[0]:
-        if key not in fill:
-            continue
-        padded = []
-        for r in rows:
-            pad = [fill[key]] * (width - len(r[key]))
-            padded.append(pad + r[key] if tokenizer.padding_side == "left" else r[key] + pad)
-        out[key] = torch.tensor(padded, dtype=torch.long)
-    return out
-
-
 def _accepted(model: nn.Module) -> set[str]:
     return set(inspect.signature(model.forward).parameters)
 
 
-def _run(loaded: Loaded, rows: list[dict[str, list]], batch_size: int, fields: dict[str, bool]) -> list[dict]:
-    """Forward every row (sorted by length, ``batch_size`` at a time) and return, per row and in the
-    original order, the output ``fields`` (name -> one value per token?), per-token ones cut back to
-    the row's own length."""
-    if batch_size < 1:
-        raise InputError(f"batch_size={batch_size}: must be at least 1")
+def _run(loaded: Loaded, rows: list[dict[str, list]], batch_size: BatchSize, fields: dict[str, bool],
+         positions: Any = None) -> list[dict]:
+    """Forward every row and return, per row and in the original order, the output ``fields`` (name ->
+    one value per token?), per-token ones cut back to the row's own length, and to the token
+    ``positions(i)`` of row ``i`` when given (so a batch's outputs are not all kept alive).
+
+    Rows are grouped by ``flodl_hf.batching``: sorted by length, equal lengths together, at most
+    ``batch_size`` per forward pass (None: as many as its token budget allows; a ``BatchPolicy``:
+    exactly that policy)."""
+    if isinstance(batch_size, batching.BatchPolicy):
+        policy = batch_size
+    else:
+        policy = batching.BatchPolicy.for_model(loaded.model, batch_size)
     model, tok = loaded.model, loaded.tokenizer
-    accepted = _accepted(model)
-    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]["input_ids"]))
+    keys = [k for k in batching.MODEL_INPUTS if k in _accepted(model)]
     results: list[dict | None] = [None] * len(rows)
     device = next(model.parameters()).device
-    with torch.inference_mode():
-        for start in range(0, len(order), batch_size):
-            chunk = order[start:start + batch_size]
-            batch = {k: v.to(device) for k, v in _pad([rows[i] for i in chunk], tok).items() if k in accepted}
-            output = model(**batch)
+    left = tok.padding_side == "left"
+    with torch.inference_mode(), _precision_context(loaded.precision):
+        for chunk, batch in batching.batches(rows, tok, policy, keys):
+            output = model(**{k: v.to(device) for k, v in batch.items()})
             width = batch["input_ids"].shape[1]
+            values = {name: getattr(output, name) for name in fields}
             for j, i in enumerate(chunk):
                 n = len(rows[i]["input_ids"])
-                keep = slice(width - n, width) if tok.padding_side == "left" else slice(0, n)
+                keep = slice(width - n, width) if left else slice(0, n)
                 row = {}
                 for name, per_token in fields.items():
-                    value = getattr(output, name)[j]
-                    row[name] = (value[keep] if per_token else value).float().cpu()
+                    value = values[name][j]
+                    if per_token:
+                        value = value[keep]
+                        if positions is not None:
+                            value = value[positions(i)]
+                    row[name] = value.float().cpu()
                 results[i] = row
     return results  # type: ignore[return-value]
 
@@ -160,7 +199,7 @@ def _rows(enc: BatchEncoding, keys: Iterable[str]) -> list[dict[str, list]]:
     return [{k: enc[k][i] for k in keys} for i in range(len(enc["input_ids"]))]
 
 
-_MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+_MODEL_KEYS = batching.MODEL_INPUTS
 
 
 # ---- fill-mask ------------------------------------------------------------------------------------------
@@ -201,7 +240,7 @@ def _target_ids(tok: Tokenizer, targets: str | Sequence[str]) -> np.ndarray:
 
 def fill_mask(text_or_texts: str | Sequence[str], model: Source | None = None, top_k: int = 5,
               targets: str | Sequence[str] | None = None, tokenizer: str | Path | Tokenizer | None = None,
-              batch_size: int = BATCH_SIZE) -> list:
+              batch_size: BatchSize = BATCH_SIZE, precision: str = "exact") -> list:
     """Fill the mask token(s): transformers' fill-mask output, a list of ``{score, token, token_str, sequence}``.
 
     Several masks in one text give one list per mask; a list of texts gives one result per text. Write
@@ -209,7 +248,7 @@ def fill_mask(text_or_texts: str | Sequence[str], model: Source | None = None, t
     """
     source = DEFAULT_FILL_MASK_MODEL if model is None else model
     try:
-        loaded = load(source, "mlm", tokenizer)
+        loaded = load(source, "mlm", tokenizer, precision)
     except SourceNotFoundError as exc:
         if model is not None:
             raise
@@ -231,13 +270,16 @@ def fill_mask(text_or_texts: str | Sequence[str], model: Source | None = None, t
     target_ids = _target_ids(tok, targets) if targets is not None else None
     if target_ids is not None and target_ids.shape[0] < top_k:
         top_k = target_ids.shape[0]
-    outputs = _run(loaded, _rows(enc, _MODEL_KEYS), batch_size, {"logits": True})
+    mask_id = tok.mask_token_id
+    masked = [[p for p, t in enumerate(ids) if t == mask_id] for ids in enc["input_ids"]]
+    # Only the masked positions' logits are kept (a row of vocabulary logits per token would not fit in memory).
+    outputs = _run(loaded, _rows(enc, _MODEL_KEYS), batch_size, {"logits": True}, positions=masked.__getitem__)
     results = []
     for ids, out in zip(enc["input_ids"], outputs):
-        # transformers' FillMaskPipeline.postprocess, on this row
+        # transformers' FillMaskPipeline.postprocess, on this row (out["logits"] holds the masked rows only)
         input_ids = torch.tensor(ids)
         masked_index = torch.nonzero(input_ids == tok.mask_token_id, as_tuple=False).squeeze(-1)
-        probs = out["logits"][masked_index, :].softmax(dim=-1)
+        probs = out["logits"].softmax(dim=-1)
         if target_ids is not None:
             probs = probs[..., target_ids]
         values, predictions = probs.topk(top_k)
@@ -283,7 +325,7 @@ def _split_pairs(texts: list) -> tuple[list[str], list[str] | None]:
 
 def classify(texts: str | dict | Sequence[str | dict], model: Source, top_k: int | None = 1,
              function_to_apply: str | None = None, tokenizer: str | Path | Tokenizer | None = None,
-             batch_size: int = BATCH_SIZE) -> list:
+             batch_size: BatchSize = BATCH_SIZE, precision: str = "exact") -> list:
     """Classify texts: transformers' text-classification output.
 
     ``top_k=1`` (the default) gives one ``{label, score}`` per text (a list of one for a single text, as
@@ -291,7 +333,7 @@ def classify(texts: str | dict | Sequence[str | dict], model: Source, top_k: int
     the softmax (single-label), the sigmoid (multi-label, or one label) or the raw logits (regression),
     unless ``function_to_apply`` ("softmax", "sigmoid", "none") says otherwise.
     """
-    loaded = load(model, "seqcls", tokenizer)
+    loaded = load(model, "seqcls", tokenizer, precision)
     single = isinstance(texts, (str, dict))
     items = [texts] if single else list(texts)
     firsts, seconds = _split_pairs(items)
@@ -430,7 +472,7 @@ def _group_entities(entities: list[dict], tok: Tokenizer) -> list[dict]:
 
 def tag(texts: str | Sequence[str], model: Source, aggregation_strategy: str = "simple",
         ignore_labels: Sequence[str] | None = None, tokenizer: str | Path | Tokenizer | None = None,
-        batch_size: int = BATCH_SIZE) -> list:
+        batch_size: BatchSize = BATCH_SIZE, precision: str = "exact") -> list:
     """Tag tokens (named entities...): transformers' token-classification output.
 
     Each entity has ``entity_group`` (or ``entity`` with ``aggregation_strategy="none"``), ``score``,
@@ -440,7 +482,7 @@ def tag(texts: str | Sequence[str], model: Source, aggregation_strategy: str = "
     strategy = str(aggregation_strategy).lower()
     if strategy not in AGGREGATIONS:
         raise InputError(f"aggregation_strategy={aggregation_strategy!r}: expected one of {', '.join(AGGREGATIONS)}")
-    loaded = load(model, "tokcls", tokenizer)
+    loaded = load(model, "tokcls", tokenizer, precision)
     tok = loaded.tokenizer
     if strategy in ("first", "average", "max") and not tok.is_fast:
         raise InputError("word aggregation needs a tokenizer with offsets")
@@ -513,7 +555,7 @@ def _char_span(encoding, s: int, e: int, sequence_index: int) -> tuple[int, int]
 def answer(question: str | Sequence[str], context: str | Sequence[str], model: Source, top_k: int = 1,
            max_answer_len: int = 15, doc_stride: int | None = None, max_seq_len: int | None = None,
            handle_impossible_answer: bool = False, tokenizer: str | Path | Tokenizer | None = None,
-           batch_size: int = BATCH_SIZE) -> dict | list:
+           batch_size: BatchSize = BATCH_SIZE, precision: str = "exact") -> dict | list:
     """Extract the answer span from ``context``: transformers 4's question-answering output,
     ``{score, start, end, answer}`` (a list when ``top_k > 1``; one result per question for lists).
 
@@ -526,7 +568,7 @@ def answer(question: str | Sequence[str], context: str | Sequence[str], model: S
         raise InputError(f"top_k={top_k}: must be at least 1")
     if max_answer_len < 1:
         raise InputError(f"max_answer_len={max_answer_len}: must be at least 1")
-    loaded = load(model, "qa", tokenizer)
+    loaded = load(model, "qa", tokenizer, precision)
     tok = loaded.tokenizer
     if isinstance(question, str) and isinstance(context, str):
         examples, single = [(question, context)], True
@@ -622,7 +664,8 @@ def _pooling_from(settings: dict) -> str:
 
 
 def embed(texts: str | Sequence[str], model: Source, pooling: str | None = None, normalize: bool = True,
-          tokenizer: str | Path | Tokenizer | None = None, batch_size: int = BATCH_SIZE) -> torch.Tensor:
+          tokenizer: str | Path | Tokenizer | None = None, batch_size: BatchSize = BATCH_SIZE,
+          precision: str = "exact") -> torch.Tensor:
     """Sentence embeddings as sentence-transformers computes them for the same checkpoint.
 
     ``pooling``: "mean" over the attention mask, "cls" (first token) or "max"; by default what the
@@ -630,7 +673,7 @@ def embed(texts: str | Sequence[str], model: Source, pooling: str | None = None,
     input limit is the checkpoint's ``sentence_bert_config.json`` ``max_seq_length`` when it has one.
     Returns a float tensor: (dim,) for one text, (n, dim) for a list.
     """
-    loaded = load(model, "base", tokenizer)
+    loaded = load(model, "base", tokenizer, precision)
     root = None
     if not isinstance(model, nn.Module):
         from .tokenizer import tokenizer_directory
@@ -641,7 +684,7 @@ def embed(texts: str | Sequence[str], model: Source, pooling: str | None = None,
         raise InputError(f"pooling={pooling!r}: expected 'mean', 'cls' or 'max'")
     if settings.get("max_seq_length"):
         loaded = Loaded(loaded.model, loaded.tokenizer, min(loaded.max_length, int(settings["max_seq_length"])),
-                        loaded.source)
+                        loaded.source, loaded.precision)
     single = isinstance(texts, str)
     items = [texts] if single else list(texts)
     if settings.get("do_lower_case"):
@@ -711,7 +754,7 @@ def _table(rows: list[dict], columns: Sequence[str]) -> None:
 def _cmd_fill_mask(args: argparse.Namespace) -> int:
     texts = _texts(args)
     targets = args.targets.split(",") if args.targets else None
-    results = fill_mask(texts, model=args.model, top_k=args.top_k, targets=targets)
+    results = fill_mask(texts, model=args.model, top_k=args.top_k, targets=targets, precision=args.precision)
     if args.json:
         _print_json(results)
         return 0
@@ -728,7 +771,8 @@ def _cmd_fill_mask(args: argparse.Namespace) -> int:
 
 def _cmd_classify(args: argparse.Namespace) -> int:
     texts = _texts(args)
-    results = classify(texts, args.model, top_k=args.top_k, function_to_apply=args.function)
+    results = classify(texts, args.model, top_k=args.top_k, function_to_apply=args.function,
+                       precision=args.precision)
     if args.json:
         _print_json(results)
         return 0
@@ -742,7 +786,7 @@ def _cmd_classify(args: argparse.Namespace) -> int:
 
 def _cmd_tag(args: argparse.Namespace) -> int:
     texts = _texts(args)
-    results = tag(texts, args.model, aggregation_strategy=args.aggregation)
+    results = tag(texts, args.model, aggregation_strategy=args.aggregation, precision=args.precision)
     if args.json:
         _print_json(results)
         return 0
@@ -762,7 +806,7 @@ def _cmd_answer(args: argparse.Namespace) -> int:
         context = sys.stdin.read().strip()
     questions = args.question[0] if len(args.question) == 1 else args.question
     results = answer(questions, context, args.model, top_k=args.top_k, max_answer_len=args.max_answer_len,
-                     handle_impossible_answer=args.allow_no_answer)
+                     handle_impossible_answer=args.allow_no_answer, precision=args.precision)
     if args.json:
         _print_json(results)
         return 0
@@ -777,14 +821,15 @@ def _cmd_answer(args: argparse.Namespace) -> int:
 def _cmd_embed(args: argparse.Namespace) -> int:
     texts = _texts(args)
     if args.query is not None:
-        ranked = rank(args.query, texts, args.model, pooling=args.pooling, normalize=not args.no_normalize)
+        ranked = rank(args.query, texts, args.model, pooling=args.pooling, normalize=not args.no_normalize,
+                      precision=args.precision)
         if args.json:
             _print_json(ranked)
         else:
             print(f"query: {args.query}")
             _table(ranked, ("score", "text"))
         return 0
-    vectors = embed(texts, args.model, pooling=args.pooling, normalize=not args.no_normalize)
+    vectors = embed(texts, args.model, pooling=args.pooling, normalize=not args.no_normalize, precision=args.precision)
     if args.json:
         _print_json([{"text": t, "embedding": v} for t, v in zip(texts, vectors.tolist())])
         return 0
@@ -801,6 +846,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         parser.add_argument("--model", "-m", default=model_default, required=model_default is None,
                             help="a checkpoint directory, samples/<name>, or a hub id")
         parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        parser.add_argument("--precision", choices=PRECISIONS, default="exact",
+                            help="exact (float32, the default) or an opt-in faster one that changes scores")
 
     p = subparsers.add_parser("fill-mask", help="predict the masked word ([MASK] or <mask>)")
     common(p, model_default=DEFAULT_FILL_MASK_MODEL)

