@@ -174,10 +174,17 @@ def _run(loaded: Loaded, rows: list[dict[str, list]], batch_size: BatchSize, fie
     results: list[dict | None] = [None] * len(rows)
     device = next(model.parameters()).device
     left = tok.padding_side == "left"
+    # Logits at a few positions per row (fill-mask): the head runs on those tokens only (logits_at).
+    at = positions is not None and list(fields) == ["logits"] and hasattr(model, "logits_at")
     with torch.inference_mode(), _precision_context(loaded.precision):
         for chunk, batch in batching.batches(rows, tok, policy, keys):
-            output = model(**{k: v.to(device) for k, v in batch.items()})
             width = batch["input_ids"].shape[1]
+            if at:
+                for i, logits in zip(chunk, _logits_at(model, batch, [rows[i] for i in chunk],
+                                                       [positions(i) for i in chunk], left, device)):
+                    results[i] = {"logits": logits.float().cpu()}
+                continue
+            output = model(**{k: v.to(device) for k, v in batch.items()})
             values = {name: getattr(output, name) for name in fields}
             for j, i in enumerate(chunk):
                 n = len(rows[i]["input_ids"])
@@ -192,6 +199,21 @@ def _run(loaded: Loaded, rows: list[dict[str, list]], batch_size: BatchSize, fie
                     row[name] = value.float().cpu()
                 results[i] = row
     return results  # type: ignore[return-value]
+
+
+def _logits_at(model: nn.Module, batch: dict[str, torch.Tensor], rows: list[dict[str, list]],
+               positions: list[Sequence[int]], left: bool, device: torch.device) -> list[torch.Tensor]:
+    """One batch through ``model.logits_at``: per row, the logits at its own token ``positions``."""
+    width = batch["input_ids"].shape[1]
+    at_rows, at_columns, counts = [], [], []
+    for j, (row, wanted) in enumerate(zip(rows, positions)):
+        offset = width - len(row["input_ids"]) if left else 0
+        at_rows += [j] * len(wanted)
+        at_columns += [offset + p for p in wanted]
+        counts.append(len(wanted))
+    logits = model.logits_at(torch.tensor(at_rows, device=device), torch.tensor(at_columns, device=device),
+                             **{k: v.to(device) for k, v in batch.items()})
+    return list(logits.split(counts))
 
 
 def _rows(enc: BatchEncoding, keys: Iterable[str]) -> list[dict[str, list]]:

@@ -215,3 +215,38 @@ def test_meta_construction_skips_initialisers_only_on_meta():
         real = torch.zeros(5, device="cpu")
         torch.nn.init.normal_(real)
     assert layer.weight.is_meta and bool(real.ne(0).any())
+
+
+# ---- the LM head on the masked tokens only ------------------------------------------------------------
+
+MLM_CASES = [pytest.param(fields, id=case_id) for case_id, task, fields in __import__("cases").CASES if task == "mlm"]
+
+
+@pytest.mark.parametrize("fields", MLM_CASES)
+def test_logits_at_equal_transformers_full_head(fields):
+    """Every family's MLM variant: logits_at (the head on a few tokens) against transformers' logits of
+    the whole batch at those tokens, for batch shapes whose row count takes the shortcut (16 x 1, 2 x
+    24, 8 x 9) and ones that do not (1 x 5, 1 x 9, 3 x 5: every row is computed then)."""
+    from flodl_hf.layers import gather_rows
+    from flodl_hf.auto import load_model
+    from flodl_hf.parity import make_batch
+    from helpers import make_checkpoint
+    transformers = quiet_transformers()
+    source = make_checkpoint(fields, "mlm")
+    ours = load_model(source, "mlm").eval()
+    theirs = transformers.AutoModelForMaskedLM.from_pretrained(str(source), dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    shortcut = 0
+    for lengths in ((16,), (24, 17), (9,) * 8, (5,), (9,), (5, 3, 5)):
+        batch = make_batch(ours.config, "mlm", lengths=lengths)
+        batch = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+        for count in (1, 3, 9):
+            rows = torch.randint(0, len(lengths), (count,), generator=gen)
+            columns = torch.tensor([int(torch.randint(0, lengths[r], (1,), generator=gen)) for r in rows])
+            with torch.inference_mode():
+                got = ours.logits_at(rows, columns, **batch)
+                want = theirs(**batch).logits[rows, columns]
+                hidden = torch.zeros(len(lengths), max(lengths), 1)
+                shortcut += gather_rows(hidden, rows * max(lengths) + columns) is not None
+            assert torch.equal(got, want), (lengths, count)
+    assert shortcut >= 6, "the shortcut was never taken"
