@@ -140,7 +140,7 @@ def init_weights(module: nn.Module, std: float) -> None:
 # task reads gives the same bits as on every row, if each row of ``F.linear`` is computed by the same
 # kernel either way. On CPU it is not for every row count: MKL's sgemm splits the rows between threads
 # and finishes short remainders differently. Measured here (torch 2.13 CPU, F.linear at widths 96 to 4096,
-# 30522 outputs, rows sliced out of 4096): with 1 to 4 threads only 1-3 rows differ; with 2 and 8 threads
+# 30522 outputs, rows sliced out of 4096): with 1, 3 and 4 threads only 1-3 rows differ; with 2 and 8 threads
 # 1-3, 5-7 and 9-11 rows; with 16 threads also 17-19 and 25-27. Multiples of 8 rows never differed, nor
 # did any count from 8 rows per thread up. So the gathered rows are padded to a multiple of 8, and the
 # shortcut is taken only when the full pass has a row count of the same kind. tests/test_batching.py

@@ -21,7 +21,8 @@ import torch
 from flodl_hf import InputError, batching, classify, fill_mask
 from flodl_hf.batching import BatchPolicy, padded_tokens, plan
 from flodl_hf.tasks import load
-from helpers import quiet_transformers
+from cases import CASES
+from helpers import make_checkpoint, quiet_transformers
 from test_tasks import LABELS, TOKENIZERS, task_dir
 
 # BERT-base width (2 layers keep it fast): where a changed op order or kernel would show.
@@ -219,7 +220,7 @@ def test_meta_construction_skips_initialisers_only_on_meta():
 
 # ---- the LM head on the masked tokens only ------------------------------------------------------------
 
-MLM_CASES = [pytest.param(fields, id=case_id) for case_id, task, fields in __import__("cases").CASES if task == "mlm"]
+MLM_CASES = [pytest.param(fields, id=case_id) for case_id, task, fields in CASES if task == "mlm"]
 
 
 @pytest.mark.parametrize("fields", MLM_CASES)
@@ -230,7 +231,6 @@ def test_logits_at_equal_transformers_full_head(fields):
     from flodl_hf.layers import gather_rows
     from flodl_hf.auto import load_model
     from flodl_hf.parity import make_batch
-    from helpers import make_checkpoint
     transformers = quiet_transformers()
     source = make_checkpoint(fields, "mlm")
     ours = load_model(source, "mlm").eval()
