@@ -181,7 +181,8 @@ def _run(loaded: Loaded, rows: list[dict[str, list]], batch_size: BatchSize, fie
             width = batch["input_ids"].shape[1]
             if at:
                 for i, logits in zip(chunk, _logits_at(model, batch, [rows[i] for i in chunk],
-                                                       [positions(i) for i in chunk], left, device)):
+                                                       [positions(i) for i in chunk], left, device,
+                                                       exact=loaded.precision == "exact")):
                     results[i] = {"logits": logits.float().cpu()}
                 continue
             output = model(**{k: v.to(device) for k, v in batch.items()})
@@ -202,7 +203,8 @@ def _run(loaded: Loaded, rows: list[dict[str, list]], batch_size: BatchSize, fie
 
 
 def _logits_at(model: nn.Module, batch: dict[str, torch.Tensor], rows: list[dict[str, list]],
-               positions: list[Sequence[int]], left: bool, device: torch.device) -> list[torch.Tensor]:
+               positions: list[Sequence[int]], left: bool, device: torch.device,
+               exact: bool = True) -> list[torch.Tensor]:
     """One batch through ``model.logits_at``: per row, the logits at its own token ``positions``."""
     width = batch["input_ids"].shape[1]
     at_rows, at_columns, counts = [], [], []
@@ -212,7 +214,7 @@ def _logits_at(model: nn.Module, batch: dict[str, torch.Tensor], rows: list[dict
         at_columns += [offset + p for p in wanted]
         counts.append(len(wanted))
     logits = model.logits_at(torch.tensor(at_rows, device=device), torch.tensor(at_columns, device=device),
-                             **{k: v.to(device) for k, v in batch.items()})
+                             exact=exact, **{k: v.to(device) for k, v in batch.items()})
     return list(logits.split(counts))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flodl_hf.layers import gather_rows
+from flodl_hf.layers import head_at_rows
 from flodl_hf.modeling import TaskModel
 from flodl_hf.outputs import MaskedLMOutput
 
@@ -34,15 +34,15 @@ class ModelForMaskedLM(TaskModel):
 
     def logits_at(self, rows: torch.Tensor, columns: torch.Tensor, input_ids: torch.Tensor | None = None,
                   attention_mask: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
-                  **inputs) -> torch.Tensor:
+                  exact: bool = True, **inputs) -> torch.Tensor:
         """The vocabulary logits at tokens ``(rows[i], columns[i])`` only, (N, vocab): what
-        ``forward(...).logits[rows, columns]`` holds, bit for bit, without running the LM head (a
-        vocabulary-wide matrix product, a quarter of a BERT-base forward) on every other token.
-        See ``flodl_hf.layers.gather_rows`` for when the rows are exact; otherwise every row is computed."""
+        ``forward(...).logits[rows, columns]`` holds, bit for bit. The LM head (a vocabulary-wide matrix
+        product, a quarter of a BERT-base forward) runs on those tokens only where that was proven
+        bit-equal on this machine for this shape class (``flodl_hf.layers.head_at_rows``); otherwise on
+        every token. ``exact=False`` (fast precisions) always takes the shortcut."""
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                             **inputs)
         hidden = out.last_hidden_state
-        picked = gather_rows(hidden, rows * hidden.shape[1] + columns)
-        if picked is None:
-            return self.head(hidden, out.pooler_output, attention_mask)[rows, columns]
-        return self.head(picked, None, None)[:rows.numel()]
+        return head_at_rows(lambda picked: self.head(picked, None, None), self.head, hidden,
+                            rows * hidden.shape[1] + columns,
+                            lambda: self.head(hidden, out.pooler_output, attention_mask), exact=exact)
