@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "flodl_hf.tasks",
     "flodl_hf.samples",
     "flodl_hf.trainer",
+    "flodl_hf.commands.doctor",
 )
 
 
