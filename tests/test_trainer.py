@@ -76,6 +76,42 @@ def test_plan_is_pure():
     assert ms == [7.0, 21.0] and prev == Plan(3, (3, 3))
 
 
+def _simulate_epoch(ms_per_batch: list[float], samples: int, batch_size: int, cfg: ElChe,
+                    jitter: float = 0.0, seed: int = 0) -> list[tuple[int, ...]]:
+    """The trainer's cadence loop with injected timings instead of a clock: deal a window, "measure" each
+    worker's ms per batch (with multiplicative jitter), plan the next one. The first window is warm-up
+    (not measured), as in ``Trainer._run_windows``. Returns each window's batch counts."""
+    rng = random.Random(seed)
+    plan, remaining, windows, first = Plan(cfg.anchor, (cfg.anchor,) * len(ms_per_batch)), samples, [], True
+    while remaining > 0:
+        sizes = deal(plan.counts, batch_size, remaining)
+        remaining -= sum(sizes)
+        batches = tuple(-(-s // batch_size) for s in sizes)
+        windows.append(batches)
+        measured = [ms * (1 + rng.uniform(-jitter, jitter)) for ms in ms_per_batch]
+        sync_ms = 0.05 * max(measured) * plan.anchor
+        if not first:
+            plan = plan_window(measured, sync_ms, plan, cfg)
+        first = False
+    return windows
+
+
+@pytest.mark.parametrize("jitter", [0.0, 0.3])
+def test_cadence_follows_the_speed_ratio_with_injected_timings(jitter):
+    """What test_trainer_dist's uneven run shows with real sleeps, without the machine's clock: a worker
+    three times slower runs a third of the batches, the epoch's 250 samples are all dealt, and noise of
+    +-30% per measurement (a loaded machine) moves the split by little."""
+    windows = _simulate_epoch([4.0, 12.0], samples=250, batch_size=4, cfg=ElChe(anchor=2), jitter=jitter)
+    assert windows[0] == windows[1] == (2, 2)  # warm-up, then the first timed window at the start plan
+    fast, slow = sum(w[0] for w in windows[2:]), sum(w[1] for w in windows[2:])
+    ratio = fast / slow
+    assert (2.7 <= ratio <= 3.3) if jitter == 0 else (2.3 <= ratio <= 3.7), (fast, slow)
+    three = _simulate_epoch([4.0, 12.0, 48.0], samples=2000, batch_size=4, cfg=ElChe(anchor=2), jitter=jitter)
+    late = three[len(three) // 2:]
+    shares = [sum(w[r] for w in late) for r in range(3)]
+    assert shares[0] / shares[2] >= 8 and shares[1] / shares[2] >= 2.5, shares
+
+
 def test_elche_rejects_inconsistent_bounds():
     with pytest.raises(TrainerConfigError):
         ElChe(anchor=0)

@@ -153,7 +153,7 @@ def _equivalences_and_uneven(rank: int, out: str) -> dict:
 
     def slow_step(model, batch):
         seen.extend(batch[0].tolist())
-        time.sleep(0.004 if rank == 0 else 0.012)
+        time.sleep(0.010 if rank == 0 else 0.030)
         return mse_step(model, batch)
 
     t = run(mlp(), step=slow_step, sync=ElChe(anchor=2), n=250, epochs=1, log_dir=Path(out) / "logs",
@@ -180,6 +180,10 @@ def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
             assert got.dtype == xs[0][i].dtype
             torch.testing.assert_close(got.double(), want.to(got.dtype).double(), rtol=0,
                                        atol=1e-6 if got.dtype == torch.float32 else 1e-2)
+            # Same ops on the same shapes: each worker's float32 part times its weight, summed. With two
+            # workers the all-reduce order cannot matter (a + b == b + a), so the bits are the closed form's.
+            exact = (xs[0][i].float() * (3 / 10) + xs[1][i].float() * (7 / 10)).to(got.dtype)
+            assert torch.equal(got, exact), i
 
     assert sorted(r0["seen"] + r1["seen"]) == list(range(250))
     windows = [r for r in r0["history"] if r.get("event") == "train"]
@@ -187,7 +191,11 @@ def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
     assert windows[0]["batches"] == windows[1]["batches"] == [2, 2]
     fast = sum(w["batches"][0] for w in windows[2:])
     slow = sum(w["batches"][1] for w in windows[2:])
-    assert 2.3 <= fast / slow <= 3.7, f"fast {fast} vs slow {slow} batches"
+    # Real sleeps on a shared machine: only the direction and a loose band are asserted here (the
+    # arithmetic itself is test_trainer.py's injected-timing test). Bounds chosen from 10 runs under a
+    # concurrent 2-core load (docs/trainer.md): they sit outside the spread measured there.
+    print(f"El Che uneven pair: fast {fast} vs slow {slow} batches, ratio {fast / slow:.2f}")
+    assert 1.6 <= fast / slow <= 5.0, f"fast {fast} vs slow {slow} batches"
     assert windows[-1]["step"] == 32 and windows[-1]["samples"] == 250
     logs = tmp_path / "logs"
     assert {p.name for p in logs.iterdir()} >= {"run.jsonl", "worker-0.jsonl", "worker-1.jsonl", "report.html"}
