@@ -49,9 +49,12 @@ is resumed from; ``keep_checkpoints`` sets how many are kept.
 
 Record of the run
 -----------------
-In ``log_dir`` (default: ``checkpoint_dir``): ``worker-R.jsonl`` (one line per log point or
-El Che window, this worker's numbers), ``run.jsonl`` (worker 0: the rolled-up record, plus
-``start``, ``eval`` and ``end`` events) and ``report.html`` (see :mod:`flodl_hf.report`).
+In ``log_dir`` (default: ``checkpoint_dir``), worker 0 writes the record tree
+(:mod:`flodl_hf.records`): ``records.jsonl`` (the root rollup, plus ``start``, ``eval``,
+``checkpoint`` and ``end`` events), ``host-<name>/records.jsonl`` and
+``host-<name>/rank-<r>/records.jsonl``, one line per log point or El Che window, from the
+numbers every worker sends in the window's all-gather; and at the end ``run.html``, the whole
+tree in one page (:mod:`flodl_hf.report`). ``portal=True`` serves it live (:mod:`flodl_hf.portal`).
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ class Trainer:
                  device: str | torch.device | None = None, log_dir: str | os.PathLike | None = None,
                  log_every: int = 10, progress: bool = True, report: bool = True, tensorboard: bool = False,
                  stop_when: Callable[[dict], bool] | None = None, timeout: float = 300.0,
-                 verify_sync: bool = False) -> None:
+                 verify_sync: bool = False, portal: bool | int = False) -> None:
         if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
             raise TrainerConfigError("data must be sized and indexable (a list, a map-style Dataset); "
                                      f"got {type(data).__name__}")
@@ -152,6 +155,10 @@ class Trainer:
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.log_every, self.progress, self.report, self.tensorboard = log_every, progress, report, tensorboard
         self.stop_when, self.timeout, self.verify_sync = stop_when, timeout, verify_sync
+        if portal is not False and self.log_dir is None:
+            raise TrainerConfigError("portal= serves the run's records: it needs log_dir (or checkpoint_dir)")
+        # True: the default port; an int: that port (0: any free one). The URL is printed.
+        self.portal = None if portal is False else (8765 if portal is True else int(portal))
         # Run state, set in fit(); saved in checkpoints.
         self.epoch = self.position = self.samples = self.batches = 0
         self.train_time = 0.0
@@ -176,11 +183,18 @@ class Trainer:
             else:
                 self._run_steps()
             summary = self._finish()
+        except BaseException as exc:
+            if getattr(self, "_log", None) is not None and self._log.tree is not None:
+                self._log.tree.event({"event": "end", "step": self.step, "status": "lost",
+                                      "error": f"{type(exc).__name__}: {exc}"})
+            raise
         finally:
             if getattr(self, "_bar", None) is not None:
                 self._bar.close()
             if getattr(self, "_log", None) is not None:
                 self._log.close()
+            if getattr(self, "_portal", None) is not None:
+                self._portal.stop()
         self.comm.close()
         return summary
 
@@ -231,8 +245,18 @@ class Trainer:
             self._restore(state, worker)
         else:
             _seed_everything(self.seed * 1_000_003 + comm.rank)
-        self._log = _RunLog(self.log_dir, comm.rank, self.tensorboard, truncate_after=self.step
+        from .records import Resources, decode_name, encode_name, host_names, local_identity
+        host, node = local_identity()
+        ids = comm.gather_floats([float(node), *encode_name(host)])  # the tree's host names, once
+        hosts = host_names([(decode_name(row[1:]), int(row[0])) for row in ids.tolist()])
+        self._resources = Resources(self.device)
+        self._log = _RunLog(self.log_dir, comm.rank, hosts, self.tensorboard, truncate_after=self.step
                             if self.resumed_from else None)
+        self._portal = None
+        if self.portal is not None and comm.rank == 0:
+            from .portal import start_portal
+            self._portal = start_portal(self.log_dir, port=self.portal)
+            print(f"flodl-hf portal: {self._portal.url}", flush=True)
         self._bar = None
         if self.progress and comm.rank == 0:
             from tqdm.auto import tqdm
@@ -338,7 +362,8 @@ class Trainer:
         wall = time.perf_counter() - acc["since"] - (self._eval_s - acc["eval_s"])
         self.train_time += wall
         local_loss = loss_sum.item()
-        rows = self.comm.gather_floats([acc["batches"], acc["samples"], local_loss, acc["compute_ms"]])
+        rows = self.comm.gather_floats([acc["batches"], acc["samples"], local_loss, acc["compute_ms"],
+                                        *self._resources.sample()])
         mine = {"batches": acc["batches"], "samples": acc["samples"],
                 "loss": local_loss / acc["samples"] if acc["samples"] else None,
                 "compute_ms": acc["compute_ms"],
@@ -371,7 +396,8 @@ class Trainer:
 
             t = time.perf_counter()
             rows = self._average(sizes[comm.rank] / total, [batches, sizes[comm.rank], local_loss, compute_ms,
-                                                            prev["collective_ms"], prev["window_ms"], prev["pause_ms"]])
+                                                            prev["collective_ms"], prev["window_ms"], prev["pause_ms"],
+                                                            *self._resources.sample()])
             collective_ms = (time.perf_counter() - t) * 1e3
             timing = None if first else _window_timing(rows[:, 4:7])
             for r in range(comm.world):
@@ -429,12 +455,12 @@ class Trainer:
 
     def _record(self, mine: dict, rows: torch.Tensor, wall: float, timing: dict) -> None:
         """Write this worker's record and the rolled-up one (``rows``: per-worker batches,
-        samples, loss sum, compute ms; ``timing``: El Che's previous-window overheads)."""
+        samples, loss sum, compute ms, ..., then four resource numbers; ``timing``: El Che's
+        previous-window overheads). Worker 0 writes the record tree from ``rows``."""
         lr = self.optimizer.param_groups[0].get("lr")
         common = {"step": self.step, "epoch": self.epoch, "time": round(self.train_time, 4)}
         record = {**common, "rank": self.comm.rank, **mine, "lr": lr}
         self.records.append(record)
-        self._log.worker(record)
         batches, samples = rows[:, 0], rows[:, 1]
         n = float(samples.sum())
         rolled = {**common, "event": "train", "samples": self.samples,
@@ -447,7 +473,7 @@ class Trainer:
         if self.plan is not None:
             rolled.update(anchor=self.plan.anchor, plan=list(self.plan.counts), **timing)
         self.history.append(rolled)
-        self._log.run(rolled)
+        self._log.window(rolled, rows, wall, timing)
         if self._bar is not None and rolled["loss"] is not None:
             self._bar.set_postfix(loss=f"{rolled['loss']:.4f}",
                                   samples_s=f"{rolled['samples_per_s']:.0f}", refresh=False)
@@ -473,7 +499,7 @@ class Trainer:
             record = {"event": "eval", "step": self.step, "epoch": self.epoch, "time": round(self.train_time, 4),
                       "eval_s": round(eval_s, 4), **metrics}
             self.history.append(record)
-            self._log.run(record)
+            self._log.event(record)
             if self._bar is not None:
                 self._bar.write(f"step {self.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
             stop = bool(self.stop_when(metrics)) if self.stop_when is not None else False
@@ -573,15 +599,17 @@ class Trainer:
                    "loss": last.get("loss"), "batches": self.batches,
                    "eval": {k: v for k, v in evals[-1].items() if k not in ("event", "step", "epoch", "time", "eval_s")}
                    if evals else None,
-                   "stopped_early": self._stop, "checkpoint": None, "report": None}
+                   "stopped_early": self._stop, "checkpoint": None, "report": None, "status": "finished"}
         if self.checkpoint_dir is not None and self.comm.rank == 0:
             latest = latest_checkpoint(self.checkpoint_dir)
             summary["checkpoint"] = str(latest) if latest else None
+        self._log.finish()
         self._log_event("end", **{k: v for k, v in summary.items() if k not in ("report",)})
         self._log.close()
         if self.report and self.log_dir is not None and self.comm.rank == 0:
             from .report import write_report
             summary["report"] = str(write_report(self.log_dir))
+        summary.pop("status")
         return summary
 
     def _log_event(self, event: str, **fields: Any) -> None:
@@ -589,7 +617,7 @@ class Trainer:
             record = {"event": event, **fields}
             if event != "start":
                 self.history.append(record)
-            self._log.run(record) if getattr(self, "_log", None) is not None else None
+            self._log.event(record) if getattr(self, "_log", None) is not None else None
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
@@ -729,53 +757,64 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
 
 
 class _RunLog:
-    """JSONL files (this worker's, and worker 0's rolled-up one) and optional TensorBoard."""
+    """Worker 0's record tree (:class:`~flodl_hf.records.TreeWriter`) and optional TensorBoard;
+    on other workers it writes nothing (their numbers reach worker 0 in the all-gathers)."""
 
-    def __init__(self, log_dir: Path | None, rank: int, tensorboard: bool, truncate_after: int | None) -> None:
-        self.rank, self.files, self.tb = rank, {}, None
-        if log_dir is None:
+    def __init__(self, log_dir: Path | None, rank: int, hosts: Sequence[str], tensorboard: bool,
+                 truncate_after: int | None) -> None:
+        self.tree, self.tb = None, None
+        if log_dir is None or rank != 0:
             return
-        log_dir.mkdir(parents=True, exist_ok=True)
-        names = {"worker": f"worker-{rank}.jsonl"}
-        if rank == 0:
-            names["run"] = "run.jsonl"
-        for key, name in names.items():
-            path = log_dir / name
-            if truncate_after is not None and path.exists():
-                # A resumed run drops what the interrupted one logged after its checkpoint.
-                kept = [line for line in path.read_text().splitlines()
-                        if line.strip() and json.loads(line).get("step", 0) <= truncate_after]
-                path.write_text("".join(line + "\n" for line in kept))
-            elif truncate_after is None and path.exists():
-                path.unlink()
-            self.files[key] = open(path, "a")
-        if tensorboard and rank == 0:
+        from .records import TreeWriter
+        self.tree = TreeWriter(log_dir, hosts, truncate_after=truncate_after)
+        if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
                 self.tb = SummaryWriter(str(log_dir / "tensorboard"))
             except ImportError:
                 warnings.warn("tensorboard=True but tensorboard is not installed; skipping TensorBoard logs")
 
-    def worker(self, record: dict) -> None:
-        self._write("worker", record)
+    def window(self, rolled: dict, rows: torch.Tensor, wall: float, timing: dict) -> None:
+        """One log point or window: each rank's numbers from its row of the all-gather."""
+        if self.tree is None:
+            return
+        from .records import resource_fields
+        ranks = []
+        for r, row in enumerate(rows.tolist()):
+            batches, samples, loss_sum, compute_ms = row[:4]
+            numbers = {"samples": int(samples), "batches": int(batches),
+                       "loss": loss_sum / samples if samples else None,
+                       "samples_per_s": samples / wall if wall > 0 else None,
+                       "ms_per_batch": compute_ms / batches if batches else None, "lr": rolled.get("lr"),
+                       **resource_fields(row[-4:])}
+            if timing:
+                numbers.update(sync_ms=timing["sync_ms"], idle_share=timing["idle_ms"][r] / timing["window_ms"][r])
+            if "plan" in rolled:
+                numbers["planned"] = rolled["plan"][r]
+            ranks.append(numbers)
+        common = {k: rolled[k] for k in ("step", "epoch", "time")}
+        extra = {k: rolled[k] for k in ("anchor",) if k in rolled}
+        self.tree.window(common, ranks, extra_root=extra)
+        self._tensorboard(rolled)
 
-    def run(self, record: dict) -> None:
-        self._write("run", record)
+    def finish(self) -> None:
+        if self.tree is not None:
+            self.tree.finish()
+
+    def event(self, record: dict) -> None:
+        if self.tree is not None:
+            self.tree.event(record)
+            self._tensorboard(record)
+
+    def _tensorboard(self, record: dict) -> None:
         if self.tb is not None and "step" in record:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key not in ("step", "epoch", "rank"):
                     self.tb.add_scalar(f"{record.get('event', 'train')}/{key}", value, record["step"])
 
-    def _write(self, key: str, record: dict) -> None:
-        f = self.files.get(key)
-        if f is not None:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-
     def close(self) -> None:
-        for f in self.files.values():
-            f.close()
-        self.files = {}
+        if self.tree is not None:
+            self.tree.close()
         if self.tb is not None:
             self.tb.close()
             self.tb = None
