@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "flodl_hf.samples",
     "flodl_hf.trainer",
     "flodl_hf.commands.doctor",
+    "flodl_hf.portal",
 )
 
 

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from flodl_hf.distributed import ElChe, Plan, deal, plan_window
+from flodl_hf.records import load_tree
+from flodl_hf.report import write_report
 from flodl_hf.errors import CheckpointFormatError, FlodlHFError, InputError
 from flodl_hf.trainer import (DiLoCo, Trainer, TrainerConfigError, TrainerError, latest_checkpoint, launch,
                               load_checkpoint, register_cli)
@@ -353,32 +355,57 @@ def test_records_and_report(tmp_path):
     t = trainer(Net(0), Indexed(48), tmp_path, epochs=2, sync="el-che", eval_fn=noisy_eval, eval_every=4,
                 report=True, log_every=2)
     summary = t.fit()
-    run = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    tree = load_tree(tmp_path)
+    host = next(p for p in tree if p.startswith("host-") and "/" not in p)
+    assert list(tree) == ["", host, f"{host}/rank-0"]
+    run = tree[""]
     events = [r["event"] for r in run]
     assert events[0] == "start" and events[-1] == "end" and "eval" in events and "checkpoint" in events
+    assert run[-1]["status"] == "finished" and run[-1]["children"][host]["status"] == "finished"
     train = [r for r in run if r["event"] == "train"]
     assert train[-1]["step"] == summary["step"] == 12
-    assert {"loss", "samples_per_s", "batches", "batch_share", "anchor", "plan"} <= train[0].keys()
-    assert {"sync_ms", "idle_ms", "window_ms"} <= train[1].keys()  # overheads of the window before
-    worker = [json.loads(line) for line in (tmp_path / "worker-0.jsonl").read_text().splitlines()]
-    assert sum(r["samples"] for r in worker) == 96
-    page = Path(summary["report"]).read_text()
-    assert page.startswith("<!doctype html>") and "<script" not in page and "http://" not in page.replace(
-        'xmlns="http://www.w3.org/2000/svg"', "")
-    svgs = page.split("<svg")[1:]
-    assert len(svgs) >= 3
-    for chunk in svgs:
-        ET.fromstring("<svg" + chunk.split("</svg>")[0] + "</svg>")  # well-formed inline SVG
+    assert {"loss", "samples_per_s", "batches", "anchor", "ranks", "alive", "min", "max", "children"} <= train[0].keys()
+    assert train[0]["min"]["samples_per_s"]["who"] == f"{host}/rank-0"
+    assert {"sync_ms", "idle_share"} <= train[1].keys()  # overheads of the window before
+    # The in-memory rolled-up history keeps the per-worker lists.
+    assert {"batch_share", "plan", "idle_ms", "window_ms"} <= [r for r in t.history if r["event"] == "train"][1].keys()
+    rank = [r for r in tree[f"{host}/rank-0"] if r["event"] == "train"]
+    assert sum(r["samples"] for r in rank) == 96 and rank[-1]["loss"] == pytest.approx(train[-1]["loss"])
+    assert {"cpu_pct", "rss_mb", "ms_per_batch", "lr"} <= rank[-1].keys()
+    # Each rollup line carries its children's latest summaries: the host's names rank-0.
+    host_train = [r for r in tree[host] if r["event"] == "train"]
+    assert [r["children"]["rank-0"]["step"] for r in host_train] == [r["step"] for r in rank]
+    assert [r["children"]["rank-0"]["loss"] for r in host_train] == [r["loss"] for r in rank]
+    page = Path(summary["report"])
+    assert page.name == "run.html"
+    text = page.read_text()
+    assert text.startswith("<!doctype html>") and "<svg" not in text.split("<script>")[0]
+    assert "http://" not in text.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing to fetch
 
 
 def test_resumed_run_drops_records_after_its_checkpoint(tmp_path):
     data = Indexed(40)
     trainer(Net(0), data, tmp_path, max_steps=4, sync="none", log_every=1).fit()
-    with (tmp_path / "worker-0.jsonl").open("a") as f:  # as if the run had gone on, then crashed
-        f.write(json.dumps({"step": 5, "loss": 0.0}) + "\n")
+    rank_file = next(tmp_path.glob("host-*/rank-0/records.jsonl"))
+    with rank_file.open("a") as f:  # as if the run had gone on, then crashed mid-line
+        f.write(json.dumps({"event": "train", "step": 5, "loss": 0.0}) + "\n" + '{"event": "tra')
     trainer(Net(0), data, tmp_path, max_steps=6, sync="none", log_every=1).fit()
-    steps = [json.loads(line)["step"] for line in (tmp_path / "worker-0.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in load_tree(tmp_path)[rank_file.parent.relative_to(tmp_path).as_posix()]
+             if r["event"] == "train"]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_old_layout_is_read_as_a_tree(tmp_path):
+    rows = [{"event": "start", "world_size": 2}, {"event": "train", "step": 1, "loss": 1.0},
+            {"event": "train", "step": 2, "loss": 0.5}]
+    (tmp_path / "run.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for w in range(2):
+        (tmp_path / f"worker-{w}.jsonl").write_text(json.dumps({"step": 2, "rank": w, "loss": 0.5 + w}) + "\n")
+    tree = load_tree(tmp_path)
+    assert list(tree) == ["", "host-local", "host-local/rank-0", "host-local/rank-1"]
+    assert tree["host-local/rank-1"][0]["loss"] == 1.5 and tree["host-local/rank-1"][0]["status"] == "finished"
+    assert [r["step"] for r in tree["host-local"]] == [1, 2]
+    assert "host-local/rank-1" in write_report(tmp_path).read_text()
 
 
 def test_tensorboard_is_optional(tmp_path):

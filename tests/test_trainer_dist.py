@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from flodl_hf.distributed import Comm, ElChe
+from flodl_hf.records import load_tree
 from flodl_hf.trainer import DiLoCo, Trainer, WorkerLostError, launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,8 +199,14 @@ def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
     assert 1.6 <= fast / slow <= 5.0, f"fast {fast} vs slow {slow} batches"
     assert windows[-1]["step"] == 32 and windows[-1]["samples"] == 250
     logs = tmp_path / "logs"
-    assert {p.name for p in logs.iterdir()} >= {"run.jsonl", "worker-0.jsonl", "worker-1.jsonl", "report.html"}
-    assert "Batch share" in (logs / "report.html").read_text()
+    tree = load_tree(logs)  # worker 0 wrote every level, from the windows' all-gathers
+    host = next(p for p in tree if p and "/" not in p)
+    assert list(tree) == ["", host, f"{host}/rank-0", f"{host}/rank-1"] and (logs / "run.html").is_file()
+    for r in range(2):
+        rank = [x for x in tree[f"{host}/rank-{r}"] if x["event"] == "train"]
+        assert [x["batches"] for x in rank] == [w["batches"][r] for w in windows]
+    last = [x for x in tree[""] if x["event"] == "train"][-1]
+    assert last["ranks"] == last["alive"] == 2 and last["min"]["samples_per_s"]["who"] == f"{host}/rank-1"
 
 
 # ---- scenario 2: a worker dies or stops answering -----------------------------------------------
