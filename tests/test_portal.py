@@ -1,0 +1,241 @@
+"""The portal's HTTP API, its security rules, and the cost of following the root of a large tree."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("starlette", reason="the portal needs starlette and uvicorn")
+pytest.importorskip("uvicorn", reason="the portal needs starlette and uvicorn")
+httpx = pytest.importorskip("httpx", reason="the API tests use httpx")
+from starlette.testclient import TestClient  # noqa: E402
+
+from flodl_hf.cli import main  # noqa: E402
+from flodl_hf.errors import InputError  # noqa: E402
+from flodl_hf.portal import create_app, start_portal, stream_message  # noqa: E402
+from flodl_hf.records import TreeWriter, host_names, load_tree, read_records, tree_paths  # noqa: E402
+
+
+def synthetic_run(run: Path, hosts: int, per_host: int, windows: int, seed: int = 0) -> TreeWriter:
+    """A tree as the trainer writes it, from made-up per-rank numbers (host 0 is the slowest)."""
+    names = [f"h{h:02d}" for h in range(hosts) for _ in range(per_host)]
+    writer = TreeWriter(run, names)
+    writer.event({"event": "start", "world_size": len(names), "total_steps": 10_000})
+    for _ in range(windows):
+        write_window(writer, names, random.Random(seed + len(writer._last)))
+    return writer
+
+
+def write_window(writer: TreeWriter, names: list[str], rng: random.Random) -> dict:
+    step = (writer._last.get("", {}).get("step") or 0) + 4
+    ranks = []
+    for r, host in enumerate(names):
+        slow = 0.6 if host == "h00" else 1.0
+        ranks.append({"samples": 64, "batches": 4, "loss": 2.0 / (1 + step / 100) + rng.random() * 0.01,
+                      "samples_per_s": 400 * slow + rng.random(), "ms_per_batch": 40 / slow + rng.random(),
+                      "lr": 2e-5, "sync_ms": 3 + rng.random(), "idle_share": 0.05 + 0.01 * rng.random(),
+                      "cpu_pct": 95 + rng.random(), "rss_mb": 900 + rng.random()})
+    return writer.window({"step": step, "epoch": 0, "time": step * 0.2}, ranks)
+
+
+@pytest.fixture()
+def run(tmp_path) -> Path:
+    synthetic_run(tmp_path / "run", hosts=2, per_host=2, windows=5).close()
+    return tmp_path / "run"
+
+
+@pytest.fixture()
+def client(run) -> TestClient:
+    return TestClient(create_app(run))
+
+
+# ---- the tree -------------------------------------------------------------------------------------
+
+def test_host_names_add_the_node_rank_only_when_hostnames_collide():
+    assert host_names([("a", 0), ("a", 0), ("b", 1)]) == ["a", "a", "b"]
+    assert host_names([("box", 0), ("box", 1), ("my host!", 2)]) == ["box-n0", "box-n1", "my-host"]
+
+
+def test_rollups_sum_average_and_keep_who(run):
+    tree = load_tree(run)
+    assert tree_paths(run) == ["", "host-h00", "host-h00/rank-0", "host-h00/rank-1",
+                               "host-h01", "host-h01/rank-2", "host-h01/rank-3"]
+    root = [r for r in tree[""] if r["event"] == "train"][-1]
+    ranks = [[r for r in tree[p] if r["event"] == "train"][-1] for p in tree if p.count("/") == 1]
+    assert root["samples_per_s"] == pytest.approx(sum(r["samples_per_s"] for r in ranks))
+    assert root["ms_per_batch"] == pytest.approx(sum(r["ms_per_batch"] for r in ranks) / 4)
+    slowest = min(ranks, key=lambda r: r["samples_per_s"])
+    assert root["min"]["samples_per_s"] == {"v": slowest["samples_per_s"], "who": f"host-{slowest['host']}/rank-{slowest['rank']}"}
+    assert root["alive"] == 4 and root["dead"] == 0
+    assert root["children"]["host-h00"]["status"] == "slowest" and root["children"]["host-h01"]["status"] == "training"
+    host = [r for r in tree["host-h01"] if r["event"] == "train"][-1]
+    assert set(host["children"]) == {"rank-2", "rank-3"}
+    assert host["children"]["rank-3"]["loss"] == ranks[3]["loss"]
+
+
+# ---- the API ----------------------------------------------------------------------------------------
+
+def test_paths_node_history(client, run):
+    assert client.get("/paths").json()["paths"] == tree_paths(run)
+    root = client.get("/node/").json()
+    assert root["level"] == "root" and set(root["children"]) == {"host-h00", "host-h01"}
+    assert client.get("/node").json() == root
+    rank = client.get("/node/host-h01/rank-3").json()
+    assert rank["level"] == "rank" and rank["record"] == read_records(run / "host-h01/rank-3/records.jsonl")[-1]
+    records = client.get("/history/host-h00").json()["records"]
+    assert len(records) == 5
+    later = client.get(f"/history/host-h00?since={records[2]['t']}").json()["records"]
+    assert later == [r for r in records if r["t"] > records[2]["t"]]
+    assert client.get("/history/?since=soon").status_code == 400
+    page = client.get("/")
+    assert page.status_code == 200 and "EventSource" in page.text
+
+
+@pytest.mark.parametrize("url", ["/node/nope", "/node/host-h09", "/history/host-h00/rank-7", "/stream/host-zz",
+                                 "/node/host-h00/%2e%2e/%2e%2e", "/node/..%2F..%2Fetc", "/history/host-h00/%2E%2E/%2E%2E",
+                                 "/node/host-h00/rank-0/records.jsonl", "/stream/%2e%2e"])
+def test_unknown_node_and_traversal_are_json_404s(client, url):
+    res = client.get(url)
+    assert res.status_code == 404 and res.headers["content-type"].startswith("application/json")
+    assert "error" in res.json()
+
+
+def test_raw_dot_dot_path_is_refused(run):
+    """A client that does not normalise the URL (curl --path-as-is): the server still refuses it."""
+    portal = start_portal(run, port=0)
+    try:
+        with socket.create_connection(("127.0.0.1", portal.port), timeout=5) as s:
+            s.sendall(b"GET /node/host-h00/../../../../etc/passwd HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            reply = b""
+            while chunk := s.recv(65536):
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 404") and "error" in json.loads(body)
+        assert b"root:" not in body
+    finally:
+        portal.stop()
+
+
+def test_token_is_checked_on_every_request(run):
+    client = TestClient(create_app(run, token="s3cret"))
+    for url in ("/", "/paths", "/node/", "/history/host-h00", "/stream/"):
+        for res in (client.get(url), client.get(url + ("&" if "?" in url else "?") + "token=wrong"),
+                    client.get(url, headers={"Authorization": "Bearer nope"})):
+            assert res.status_code == 401 and "token" in res.json()["error"]
+    assert client.get("/paths?token=s3cret").status_code == 200
+    assert client.get("/node/host-h00", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_other_addresses_need_a_token(run, capsys):
+    with pytest.raises(InputError, match="--token"):
+        start_portal(run, host="0.0.0.0", port=0)
+    assert main(["portal", str(run), "--host", "0.0.0.0"]) == 2
+    assert "--token" in capsys.readouterr().err
+
+
+def test_half_written_last_line_is_skipped(client, run):
+    file = run / "host-h00/rank-1/records.jsonl"
+    before = client.get("/history/host-h00/rank-1").json()["records"]
+    with file.open("a") as f:
+        f.write('{"event": "train", "step": 99, "lo')
+    assert client.get("/history/host-h00/rank-1").json()["records"] == before
+    assert client.get("/node/host-h00/rank-1").json()["record"] == before[-1]
+    assert len(load_tree(run)["host-h00/rank-1"]) == len(before)
+
+
+def test_stream_sends_new_records_once_their_line_is_complete(run):
+    writer = TreeWriter(run, ["h00", "h00", "h01", "h01"], truncate_after=10**9)
+    portal = start_portal(run, port=0, poll_s=0.05)
+    got: list[dict] = []
+
+    def follow():
+        with httpx.stream("GET", f"http://127.0.0.1:{portal.port}/stream/host-h01/rank-2", timeout=10) as res:
+            assert res.headers["content-type"].startswith("text/event-stream")
+            for line in res.iter_lines():
+                if line.startswith("data: "):
+                    got.append(json.loads(line[6:]))
+                    if len(got) == 2:
+                        return
+
+    thread = threading.Thread(target=follow, daemon=True)
+    try:
+        thread.start()
+        time.sleep(0.5)  # connected: the stream starts after what is already written
+        file = run / "host-h01/rank-2/records.jsonl"
+        with file.open("a") as f:
+            f.write('{"event": "train", "step": 1000, "t": 1')
+            f.flush()
+            time.sleep(0.3)
+            f.write('0, "loss": 1.0}\n')
+        write_window(writer, ["h00", "h00", "h01", "h01"], random.Random(1))
+        thread.join(10)
+        assert [r["step"] for r in got] == [1000, 4]
+        assert got[1] == read_records(file)[-1]
+    finally:
+        portal.stop()
+        writer.close()
+
+
+def test_stream_message_rotates_one_child_and_pushes_status_changes():
+    record = {"step": 1, "children": {f"host-{i}": {"status": "training"} for i in range(3)}}
+    sent = {k: "training" for k in record["children"]}
+    picks = [list(stream_message(record, turn, sent)["children"]) for turn in range(4)]
+    assert picks == [["host-0"], ["host-1"], ["host-2"], ["host-0"]]
+    record["children"]["host-2"] = {"status": "lost"}
+    assert list(stream_message(record, 0, sent)["children"]) == ["host-0", "host-2"]
+    assert stream_message(record, 0, sent)["children_n"] == 3
+
+
+# ---- cost ---------------------------------------------------------------------------------------------
+
+def _root_stream_cost(run: Path, hosts: int, per_host: int, windows: int) -> tuple[int, int, int]:
+    names = [f"h{h:02d}" for h in range(hosts) for _ in range(per_host)]
+    writer = synthetic_run(run, hosts, per_host, windows=2)
+    portal = start_portal(run, port=0, poll_s=0.05)
+    messages, size = [], [0]
+    ready = threading.Event()
+
+    def follow():
+        with httpx.stream("GET", f"http://127.0.0.1:{portal.port}/stream/", timeout=30) as res:
+            ready.set()
+            for line in res.iter_lines():
+                size[0] += len(line.encode()) + 1
+                if line.startswith("data: "):
+                    messages.append(line)
+                    if len(messages) == windows:
+                        return
+
+    thread = threading.Thread(target=follow, daemon=True)
+    try:
+        thread.start()
+        assert ready.wait(10)
+        time.sleep(0.2)
+        start = (run / "records.jsonl").stat().st_size
+        for w in range(windows):
+            write_window(writer, names, random.Random(100 + w))
+            time.sleep(0.02)
+        thread.join(20)
+        record_bytes = (run / "records.jsonl").stat().st_size - start
+    finally:
+        portal.stop()
+        writer.close()
+    return len(messages), size[0], record_bytes
+
+
+def test_root_stream_costs_the_same_for_300_ranks_as_for_3(tmp_path):
+    windows = 20
+    small = _root_stream_cost(tmp_path / "small", hosts=1, per_host=3, windows=windows)
+    large = _root_stream_cost(tmp_path / "large", hosts=10, per_host=30, windows=windows)
+    for name, (n, size, record) in (("3 ranks / 1 host", small), ("300 ranks / 10 hosts", large)):
+        print(f"{name}: {n / windows:.0f} message(s) per window, {size / windows:.0f} stream bytes per window "
+              f"(root record on disk: {record / windows:.0f} bytes per window)")
+    assert small[0] == large[0] == windows  # one message per window
+    assert abs(large[1] - small[1]) / small[1] <= 0.10, f"stream bytes {large[1]} vs {small[1]}"
+    # Not vacuous: the root's full record, with every host's summary, does grow with the hosts.
+    assert large[2] > small[2] * 1.5
