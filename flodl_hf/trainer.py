@@ -785,10 +785,13 @@ class _RunLog:
             numbers = {"samples": int(samples), "batches": int(batches),
                        "loss": loss_sum / samples if samples else None,
                        "samples_per_s": samples / wall if wall > 0 else None,
-                       "ms_per_batch": compute_ms / batches if batches else None, "lr": rolled.get("lr"),
+                       "ms_per_batch": compute_ms / batches if batches else None, "compute_ms": compute_ms,
+                       "lr": rolled.get("lr"),
                        **resource_fields(row[-4:])}
-            if timing:
-                numbers.update(sync_ms=timing["sync_ms"], idle_share=timing["idle_ms"][r] / timing["window_ms"][r])
+            if timing:  # El Che: the previous window's overheads
+                numbers.update(sync_ms=timing["sync_ms"], idle_ms=timing["idle_ms"][r],
+                               window_ms=timing["window_ms"][r],
+                               idle_share=timing["idle_ms"][r] / timing["window_ms"][r])
             if "plan" in rolled:
                 numbers["planned"] = rolled["plan"][r]
             ranks.append(numbers)

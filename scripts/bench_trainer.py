@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flodl_hf.records import load_tree  # noqa: E402
 from flodl_hf.trainer import DiLoCo, Trainer  # noqa: E402
 
 ARMS = {
@@ -158,24 +159,26 @@ def run_once(arm: str, seed: int, target: float, cap: float, out: Path, width: i
 
 
 def summarize(out: Path, target: float) -> dict:
-    run = [json.loads(line) for line in (out / "run.jsonl").read_text().splitlines()]
-    evals = [r for r in run if r.get("event") == "eval"]
+    tree = load_tree(out)
+    evals = [r for r in tree[""] if r.get("event") == "eval"]
     hit = next((r for r in evals if r["eval_loss"] <= target), None)
-    fast = [json.loads(line) for line in (out / "worker-0.jsonl").read_text().splitlines()]
+    ranks = [[r for r in tree[p] if r.get("event") == "train"] for p in tree if p.count("/") == 1]
+    fast = ranks[0]
     result = {"time": hit["time"] if hit else None, "steps": hit["step"] if hit else None,
               # worker 0's own speed; under DDP its compute includes waiting in the all-reduce
               "fast_ms": statistics.median(r["ms_per_batch"] for r in fast if r.get("ms_per_batch")),
               "last_time": evals[-1]["time"] if evals else None, "windows": None, "sync": None, "idle": {},
               "slowdown": None}
-    timed = [r for r in run if r.get("event") == "train" and r.get("window_ms")]  # El Che windows
-    if timed:
-        world = len(timed[0]["batches"])
-        result["windows"] = [statistics.mean(r["batches"][w] for r in timed) for w in range(world)]
-        result["sync"] = sum(r["sync_ms"] for r in timed) / sum(r["window_ms"][0] for r in timed)
-        result["idle"] = {w: sum(r["idle_ms"][w] for r in timed) / sum(r["window_ms"][w] for r in timed)
+    timed = [[r for r in rank if r.get("window_ms")] for rank in ranks]  # El Che windows
+    if timed[0]:
+        world = len(ranks)
+        result["windows"] = [statistics.mean(r["batches"] for r in timed[w]) for w in range(world)]
+        result["sync"] = sum(r["sync_ms"] for r in timed[0]) / sum(r["window_ms"] for r in timed[0])
+        result["idle"] = {w: sum(r["idle_ms"] for r in timed[w]) / sum(r["window_ms"] for r in timed[w])
                           for w in range(world)}
-        speeds = [r["worker_samples_per_s"] for r in timed if all(r["worker_samples_per_s"])]
-        result["slowdown"] = statistics.median(s[0] / s[1] for s in speeds) if speeds else None
+        pairs = [(a["ms_per_batch"], b["ms_per_batch"]) for a, b in zip(timed[0], timed[-1])
+                 if a.get("ms_per_batch") and b.get("ms_per_batch")]
+        result["slowdown"] = statistics.median(b / a for a, b in pairs) if pairs else None
     return result
 
 
@@ -230,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_once(arm, seed, args.target, args.cap, out, args.width, args.batch)
             results[arm].append(result)
             shown = f"{result['time']:.1f} s" if result["time"] is not None else "not reached"
-            print(f"seed {seed} {arm}: {shown} (report: {out / 'report.html'})", flush=True)
+            print(f"seed {seed} {arm}: {shown} (report: {out / 'run.html'})", flush=True)
     text = (f"Target held-out loss {args.target} (floor {TeacherData(N_HELD_OUT, 2).floor:.3f}); {args.seeds} "
             f"seed(s); MLP width {args.width}; batch {args.batch} per worker; about {per_batch * 1e3:.1f} ms per batch on the fast worker, "
             f"worker 1 3x slower; load average {os.getloadavg()[0]:.1f} at the end.\n\n"
