@@ -27,8 +27,8 @@ def synthetic_run(run: Path, hosts: int, per_host: int, windows: int, seed: int 
     names = [f"h{h:02d}" for h in range(hosts) for _ in range(per_host)]
     writer = TreeWriter(run, names)
     writer.event({"event": "start", "world_size": len(names), "total_steps": 10_000})
-    for _ in range(windows):
-        write_window(writer, names, random.Random(seed + len(writer._last)))
+    for i in range(windows):
+        write_window(writer, names, random.Random(seed * 1000 + i))
     return writer
 
 
@@ -239,3 +239,31 @@ def test_root_stream_costs_the_same_for_300_ranks_as_for_3(tmp_path):
     assert abs(large[1] - small[1]) / small[1] <= 0.10, f"stream bytes {large[1]} vs {small[1]}"
     # Not vacuous: the root's full record, with every host's summary, does grow with the hosts.
     assert large[2] > small[2] * 1.5
+
+
+# ---- beside training ----------------------------------------------------------------------------------
+
+def test_trainer_portal_serves_the_run_while_it_trains(tmp_path, capsys):
+    import torch
+
+    from flodl_hf.trainer import Trainer, TrainerConfigError
+
+    seen: list[list[str]] = []
+
+    def step(model, batch):
+        if len(seen) < 1 and (tmp_path / "records.jsonl").exists():
+            seen.append(httpx.get(trainer._portal.url + "paths", timeout=5).json()["paths"])
+        return model(batch).pow(2).mean()
+
+    data = [torch.randn(3) for _ in range(16)]
+    trainer = Trainer(torch.nn.Linear(3, 1), step, lambda p: torch.optim.SGD(p, lr=0.1), data, batch_size=4,
+                      max_steps=4, log_every=1, log_dir=tmp_path, progress=False, portal=0)
+    summary = trainer.fit()
+    url = capsys.readouterr().out.split("flodl-hf portal: ")[1].split()[0]
+    assert url.startswith("http://127.0.0.1:") and url == trainer._portal.url
+    assert seen and seen[0][0] == "" and seen[0][-1].endswith("/rank-0")
+    assert not trainer._portal.thread.is_alive()  # stopped with the run
+    assert Path(summary["report"]).name == "run.html"
+    with pytest.raises(TrainerConfigError, match="log_dir"):
+        Trainer(torch.nn.Linear(3, 1), step, lambda p: torch.optim.SGD(p, lr=0.1), data, batch_size=4,
+                max_steps=1, portal=True)
