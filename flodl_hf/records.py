@@ -263,9 +263,9 @@ class TreeWriter:
 
         ``common`` has ``step``, ``epoch``, ``time``; ``ranks[r]`` is rank r's metrics."""
         t = round(time.time(), 3)
-        base = {"event": "train", "t": t, **common}
         if self._origin is None:
             self._origin = (common["step"], common["time"])
+        base = {"event": "train", "t": t, **common, "eta_s": self._eta(common)}  # the run's ETA, at every level
         leaf = {}
         for r, (path, numbers) in enumerate(zip(self.paths, ranks)):
             record = {**base, "level": "rank", "name": f"rank-{r}", "rank": r, "host": self.hosts[r],
@@ -284,7 +284,7 @@ class TreeWriter:
             host_records[hp] = record
             self.write(hp, record)
         root = {**base, "level": "root", "name": "run", **self._status(leaf.values(), status),
-                **rollup({p: rec for p, rec in leaf.items()}), "eta_s": self._eta(common)}
+                **rollup({p: rec for p, rec in leaf.items()})}
         children = {k: summary(v) for k, v in host_records.items()}
         # A host's rate here is its slowest rank's, so "slowest" points at where the slowest rank is.
         child_statuses(children, {k: v["min"].get("samples_per_s", {}).get("v") for k, v in host_records.items()})

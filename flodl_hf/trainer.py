@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import random
@@ -255,8 +254,12 @@ class Trainer:
         self._portal = None
         if self.portal is not None and comm.rank == 0:
             from .portal import start_portal
-            self._portal = start_portal(self.log_dir, port=self.portal)
-            print(f"flodl-hf portal: {self._portal.url}", flush=True)
+            try:
+                self._portal = start_portal(self.log_dir, port=self.portal)
+                print(f"flodl-hf portal: {self._portal.url}", flush=True)
+            except InputError as exc:  # a busy port must not stop the run (the other workers would wait)
+                warnings.warn(f"portal not started: {exc}; training goes on, `flodl-hf portal {self.log_dir}` "
+                              "serves the run from another shell")
         self._bar = None
         if self.progress and comm.rank == 0:
             from tqdm.auto import tqdm

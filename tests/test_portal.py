@@ -267,3 +267,12 @@ def test_trainer_portal_serves_the_run_while_it_trains(tmp_path, capsys):
     with pytest.raises(TrainerConfigError, match="log_dir"):
         Trainer(torch.nn.Linear(3, 1), step, lambda p: torch.optim.SGD(p, lr=0.1), data, batch_size=4,
                 max_steps=1, portal=True)
+
+
+def test_old_layout_run_is_served_as_a_tree(tmp_path):
+    (tmp_path / "run.jsonl").write_text(json.dumps({"event": "train", "step": 1, "loss": 1.0, "t": 5.0}) + "\n")
+    (tmp_path / "worker-0.jsonl").write_text(json.dumps({"step": 1, "rank": 0, "loss": 1.0}) + "\n")
+    client = TestClient(create_app(tmp_path))
+    assert client.get("/paths").json()["paths"] == ["", "host-local", "host-local/rank-0"]
+    assert client.get("/node/host-local/rank-0").json()["record"]["loss"] == 1.0
+    assert client.get("/history/?since=4").json()["records"][0]["step"] == 1

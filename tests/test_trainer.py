@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import xml.etree.ElementTree as ET
 from pathlib import Path
 from types import SimpleNamespace
 
