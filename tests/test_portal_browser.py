@@ -199,3 +199,43 @@ def test_saved_page_renders_offline(browser, live_run):
     for name in ("live-root", "live-host", "live-rank", "saved-root", "saved-host", "saved-rank"):
         assert (shots / f"{name}.png").stat().st_size > 10_000 or name.startswith("live")
     context.close()
+
+
+def test_statuses_token_and_time_axis_on_a_synthetic_tree(browser, tmp_path):
+    """A served tree with a lost rank, an idle one and a slow host, behind a token."""
+    from flodl_hf.portal import start_portal
+    from flodl_hf.records import TreeWriter
+
+    names = ["a", "a", "a", "b", "b"]
+    writer = TreeWriter(tmp_path / "run", names)
+    writer.event({"event": "start", "total_steps": 100})
+    for w in range(4):
+        ranks = [{"samples": 32, "samples_per_s": 100.0 + w - (50 if h == "a" else 0), "loss": 1.0 / (w + 1),
+                  "ms_per_batch": 20.0, "idle_share": 0.8 if r == 4 else 0.1} for r, h in enumerate(names)]
+        ranks[2]["status"] = "lost"
+        writer.window({"step": 4 * (w + 1), "epoch": 0, "time": 0.5 * (w + 1)}, ranks)
+    writer.close()
+    portal = start_portal(tmp_path / "run", port=0, token="t0ken")
+    try:
+        page = browser.new_page(viewport={"width": 1100, "height": 800})
+        denied = page.goto(portal.url.split("?")[0])
+        assert denied.status == 401
+        page.goto(portal.url)
+        page.wait_for_selector("[data-child='host-a']")
+        assert page.locator("[data-child='host-a'] .badge").text_content() == "slowest"
+        assert "2/3" in page.locator("[data-child='host-a']").text_content()
+        assert page.locator("#level").text_content() == "root · 4 of 5 ranks alive"
+        assert page.locator("#eta").text_content().startswith("ETA")
+        page.click("[data-child='host-b']")
+        page.wait_for_selector("[data-child='rank-4']")
+        assert page.locator("[data-child='rank-4'] .badge").text_content() == "idle"
+        page.click("nav a[data-path='']")
+        page.click("[data-child='host-a']")
+        page.wait_for_selector("[data-child='rank-2']")
+        assert page.locator("[data-child='rank-2'] .badge").text_content() == "lost"
+        page.click("#x-time")
+        page.wait_for_function("[...document.querySelectorAll('svg text')].some(t => t.textContent === 'seconds')")
+        page.screenshot(path=str(tmp_path / "synthetic-host-a.png"), full_page=True)
+        page.close()
+    finally:
+        portal.stop()
