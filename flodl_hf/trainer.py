@@ -104,7 +104,8 @@ class Trainer:
     a dict of numbers; ``stop_when(metrics)`` may end the run after an evaluation.
     ``sync`` is ``"ddp"``, ``"el-che"`` (or an :class:`ElChe`), or ``"none"``; ``outer`` a
     :class:`DiLoCo` for El Che. ``timeout`` (seconds) bounds every collective when the trainer
-    starts the process group itself (from torchrun's environment).
+    starts the process group itself (from torchrun's environment). ``portal=True`` (or a port)
+    serves the run's record live from worker 0 while it trains (:mod:`flodl_hf.portal`).
     """
 
     def __init__(self, model: nn.Module, step: StepFn, optimizer: OptimizerFactory, data: Sequence, *,
@@ -602,17 +603,16 @@ class Trainer:
                    "loss": last.get("loss"), "batches": self.batches,
                    "eval": {k: v for k, v in evals[-1].items() if k not in ("event", "step", "epoch", "time", "eval_s")}
                    if evals else None,
-                   "stopped_early": self._stop, "checkpoint": None, "report": None, "status": "finished"}
+                   "stopped_early": self._stop, "checkpoint": None, "report": None}
         if self.checkpoint_dir is not None and self.comm.rank == 0:
             latest = latest_checkpoint(self.checkpoint_dir)
             summary["checkpoint"] = str(latest) if latest else None
         self._log.finish()
-        self._log_event("end", **{k: v for k, v in summary.items() if k not in ("report",)})
+        self._log_event("end", **{k: v for k, v in summary.items() if k not in ("report",)}, status="finished")
         self._log.close()
         if self.report and self.log_dir is not None and self.comm.rank == 0:
             from .report import write_report
             summary["report"] = str(write_report(self.log_dir))
-        summary.pop("status")
         return summary
 
     def _log_event(self, event: str, **fields: Any) -> None:
