@@ -164,12 +164,15 @@ def create_app(run: str | Path, token: str | None = None, poll_s: float = POLL_S
                         pass
                 records, used = parse_lines(data)
                 offset += used
+                chunk = []  # what this poll found goes out as one write, then the disconnect check
                 for record in records:
                     if since is not None and not (isinstance(record.get("t"), (int, float)) and record["t"] > since):
                         continue
                     message = stream_message(record, turn, sent)
                     turn += 1
-                    yield f"event: record\ndata: {json.dumps(message, separators=(',', ':'))}\n\n"
+                    chunk.append(f"event: record\ndata: {json.dumps(message, separators=(',', ':'))}\n\n")
+                if chunk:
+                    yield "".join(chunk)
                     quiet = time.monotonic()
                 if time.monotonic() - quiet > KEEPALIVE_S:
                     yield ": keepalive\n\n"
