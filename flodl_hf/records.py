@@ -54,14 +54,13 @@ def local_identity() -> tuple[str, int]:
 def host_names(identities: Sequence[tuple[str, int]]) -> list[str]:
     """Each rank's host name in the tree: its hostname, plus ``-n<node rank>`` when two nodes
     share a hostname (network namespaces on one machine do)."""
-    nodes: dict[str, set[int]] = {}
+    def clean(host: str) -> str:
+        return _NAME_RE.sub("-", host).strip("-.") or "host"
+
+    nodes: dict[str, set[tuple[str, int]]] = {}  # by cleaned name: the distinct (hostname, node) behind it
     for host, node in identities:
-        nodes.setdefault(host, set()).add(node)
-    out = []
-    for host, node in identities:
-        name = _NAME_RE.sub("-", host).strip("-.") or "host"
-        out.append(f"{name}-n{node}" if len(nodes[host]) > 1 else name)
-    return out
+        nodes.setdefault(clean(host), set()).add((host, node))
+    return [f"{clean(host)}-n{node}" if len(nodes[clean(host)]) > 1 else clean(host) for host, node in identities]
 
 
 def encode_name(name: str, width: int = 64) -> list[float]:

@@ -60,6 +60,7 @@ def client(run) -> TestClient:
 def test_host_names_add_the_node_rank_only_when_hostnames_collide():
     assert host_names([("a", 0), ("a", 0), ("b", 1)]) == ["a", "a", "b"]
     assert host_names([("box", 0), ("box", 1), ("my host!", 2)]) == ["box-n0", "box-n1", "my-host"]
+    assert host_names([("a b", 0), ("a-b", 1)]) == ["a-b-n0", "a-b-n1"]  # distinct hosts, one cleaned name
 
 
 def test_rollups_sum_average_and_keep_who(run):
