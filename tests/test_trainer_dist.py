@@ -225,7 +225,7 @@ def _lost_worker(rank: int, out: str, how: str) -> dict:
 
     start = time.monotonic()
     try:
-        run(mlp(), step=step, sync=ElChe(anchor=2), n=400, epochs=5)
+        run(mlp(), step=step, sync=ElChe(anchor=2), n=400, epochs=5, log_dir=Path(out) / "logs")
     except WorkerLostError as exc:
         return {"error": str(exc), "after": time.monotonic() - start}
     return {"error": None}
@@ -236,6 +236,8 @@ def test_lost_worker_gives_an_error_not_a_hang(tmp_path, how):
     res = spawn(_lost_worker, tmp_path, how, pg_timeout=4.0, deadline=45.0, wait_for=(0,))
     assert res[0]["error"] is not None and "another worker died or stopped answering" in res[0]["error"]
     assert res[0]["after"] < 30
+    end = load_tree(tmp_path / "logs")[""][-1]  # worker 0's record says how the run ended
+    assert end["event"] == "end" and end["status"] == "lost" and "WorkerLostError" in end["error"]
 
 
 # ---- scenario 3: torchrun restarts resume from the last checkpoint ------------------------------
