@@ -109,6 +109,7 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | N
         else:
             model = cls(config)
     load_weights(model, tensors, ckpt.source)
+    model.source_root = ckpt.root.absolute()  # the trainer records it, so an export of a fine-tune carries the source's card
     return model.eval()
 
 

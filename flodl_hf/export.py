@@ -35,7 +35,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import io
+from . import carry, io
 from .auto import build_model, config_from_dict, load_model
 from .config import BaseConfig
 from .errors import CheckpointFormatError, InputError, OutputExistsError, UnsupportedModelError
@@ -297,6 +297,7 @@ class ExportResult:
     task: str
     files: list[str]
     tokenizer_files: list[str] = field(default_factory=list)
+    carried: list[str] = field(default_factory=list)  # copied byte-identical from the source (flodl_hf.carry)
     fresh: list[str] = field(default_factory=list)     # HF keys initialised fresh (not in the source)
     dropped: list[str] = field(default_factory=list)   # source keys the exported head does not use
     notes: list[str] = field(default_factory=list)
@@ -306,36 +307,41 @@ class ExportResult:
 
 
 def _write(model: PreTrainedModel, out: Path, force: bool, task: str, stamp: dict, cast: torch.dtype | None,
-           max_shard_size: int | str, tok_root: Path | None, fresh: list[str], dropped: list[str]) -> ExportResult:
+           max_shard_size: int | str, tok_root: Path | None, fresh: list[str], dropped: list[str],
+           carried: carry.CarryPlan | None = None) -> ExportResult:
     notes: list[str] = []
+    carried = carried or carry.CarryPlan()
     stamp = {**stamp, "task": task, "dtype": dtype_name(cast) if cast is not None else "keep",
-             "fresh": fresh, "dropped": dropped}
+             "fresh": fresh, "dropped": dropped, "carried_from": str(carried.description_root or "") or None}
     config = export_config(model, task, stamp, cast)
     with atomic_directory(out, force) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         (tmp / io.CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tokenizer_files = write_tokenizer(tok_root, tmp) if tok_root is not None else []
-        files = sorted(os.listdir(tmp))
+        carried.copy_into(tmp)  # the model card, sentence-transformers layout, the tokenizer's own files
+        files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
     if tok_root is None:
         notes.append("no tokenizer source: exported without tokenizer files (pass tokenizer= / --tokenizer)")
     elif not tokenizer_files:
         notes.append(f"{tok_root} has no tokenizer files: exported without them")
+    notes += [n for n in (carried.note(), *carried.notes) if n]
     if fresh:
         notes.append(f"not in the source, initialised fresh (train before use): {', '.join(fresh)}")
     if dropped:
         notes.append(f"source weights the {task} head does not use, not exported: {', '.join(dropped)}")
     return ExportResult(Path(out).expanduser().absolute(), config["architectures"][0], task, files,
-                        tokenizer_files, fresh, dropped, notes)
+                        tokenizer_files, carried.names, fresh, dropped, notes)
 
 
 def export(source: str | os.PathLike, out: str | os.PathLike, head: str = "auto", revision: str | None = None,
            dtype: str | torch.dtype = "keep", max_shard_size: int | str = "5GB", force: bool = False,
-           tokenizer: str | os.PathLike | None = None) -> ExportResult:
+           tokenizer: str | os.PathLike | None = None, like: str | os.PathLike | None = None) -> ExportResult:
     """Load ``source`` natively and write it to ``out`` as an HF-canonical model directory.
 
     ``head``: auto (from ``architectures``) or a task; a head the source lacks is initialised
     fresh, as transformers would. ``dtype``: keep, float32, float16 or bfloat16. ``tokenizer``:
-    where to take tokenizer files from (default: the source).
+    where to take tokenizer files from (default: ``like``, else the source). ``like``: where to
+    take the model card and sentence-transformers layout from (default: the source); see flodl_hf.carry.
     """
     cast = parse_dtype(dtype)
     out_path = check_out(out, force)  # fail before any heavy work
@@ -344,6 +350,9 @@ def export(source: str | os.PathLike, out: str | os.PathLike, head: str = "auto"
         raise OutputExistsError(f"--out {out_path} is the source directory: export to another path")
     config = config_from_dict(io.read_json(ckpt.config_path, "config.json"), str(ckpt.config_path))
     task = resolve_task(config, head, str(ckpt.config_path))
+    like_dir = carry.like_root(like) if like is not None else None
+    tok_root = tokenizer_root(tokenizer) if tokenizer is not None else like_dir or ckpt.root
+    carried = carry.plan(like_dir or ckpt.root, tok_root, "--like" if like_dir else "the source")
     on_disk = Path(source).expanduser().exists()  # else a hub id, now in the local cache at ckpt.root
     local = source if on_disk else ckpt.root
     with warnings.catch_warnings():
@@ -363,9 +372,8 @@ def export(source: str | os.PathLike, out: str | os.PathLike, head: str = "auto"
         "format": ckpt.format,
         "weights_sha256": {f.name: sha256_file(f) for f in ckpt.weight_files},
     }
-    tok_root = tokenizer_root(tokenizer) if tokenizer is not None else ckpt.root
     return _write(model, out_path, force, task, stamp, cast, max_shard_size, tok_root, fresh,
-                  _hf_names(model, report.unused))
+                  _hf_names(model, report.unused), carried)
 
 
 def _version() -> str:
@@ -444,10 +452,13 @@ def checkpoint_task(config: BaseConfig, state: dict[str, torch.Tensor], head: st
 
 def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, head: str = "auto",
                       dtype: str | torch.dtype = "keep", max_shard_size: int | str = "5GB", force: bool = False,
-                      tokenizer: str | os.PathLike | None = None) -> ExportResult:
+                      tokenizer: str | os.PathLike | None = None, like: str | os.PathLike | None = None
+                      ) -> ExportResult:
     """Export a checkpoint written by our trainer (``{'model': state_dict, 'config': config.to_dict(), ...}``).
 
     ``tokenizer``: a directory or hub id to take the tokenizer files from (the checkpoint has none).
+    ``like``: a directory to take the model card, sentence-transformers layout and tokenizer from.
+    Without either, they come from the source the checkpoint records (flodl_hf.carry).
     """
     cast = parse_dtype(dtype)
     out_path = check_out(out, force)
@@ -455,6 +466,9 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, head: str
     config_dict, state = read_trainer_checkpoint(path)
     config = config_from_dict(config_dict, f"{path} (config)")
     task = checkpoint_task(config, state, head, str(path))
+    tok_given = tokenizer_root(tokenizer) if tokenizer is not None else None
+    desc_root, tok_root, why = carry.checkpoint_roots(path, tok_given, carry.like_root(like) if like else None)
+    carried = carry.plan(desc_root, tok_root, why)
     if cast is not None:
         state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
     with torch.device("meta"):
@@ -471,9 +485,8 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, head: str
         fresh = _hf_names(model, extra)
     stamp = {"version": _version(), "source": str(path), "revision": None, "commit": None,
              "format": "flodl-checkpoint", "weights_sha256": {path.name: sha256_file(path)}}
-    tok_root = tokenizer_root(tokenizer) if tokenizer is not None else None
     return _write(model, out_path, force, task, stamp, cast, max_shard_size, tok_root, fresh,
-                  _hf_names(model, report.unused))
+                  _hf_names(model, report.unused), carried)
 
 
 # ---- CLI ------------------------------------------------------------------------------------------------
@@ -488,7 +501,7 @@ def _human(n: int) -> str:
 
 def run_export(args: argparse.Namespace) -> int:
     common = dict(head=args.head, dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,
-                  tokenizer=args.tokenizer)
+                  tokenizer=args.tokenizer, like=args.like)
     if args.checkpoint:
         result = export_checkpoint(args.checkpoint, args.out, **common)
     else:
@@ -516,6 +529,8 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="keep", choices=list(DTYPES), help="cast floating tensors")
     p.add_argument("--max-shard-size", default="5GB", help="shard above this size (default 5GB)")
     p.add_argument("--tokenizer", default=None, metavar="SOURCE", help="take tokenizer files from here")
+    p.add_argument("--like", default=None, metavar="DIR",
+                   help="take the model card, sentence-transformers layout and tokenizer from here")
     p.add_argument("--force", action="store_true", help="replace DIR if it exists")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run_export)

@@ -32,6 +32,7 @@ written by worker 0 to a temporary file and renamed into place::
       "format": "flodl-hf/trainer-checkpoint", "version": 1,
       "model": state_dict of the unwrapped model (CPU tensors, the model's own keys),
       "config": model.config.to_dict() if the model has one, else None,
+      "source": the directory the model was loaded from (load_model), else None,
       "step": int, "epoch": int, "position": int,   # samples of the epoch already dealt
       "samples": int,                               # samples trained on, all workers
       "train_time": float,                          # seconds, evaluation excluded
@@ -536,6 +537,7 @@ class Trainer:
             "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
             "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
             "config": config.to_dict() if hasattr(config, "to_dict") else None,
+            "source": str(getattr(self.model, "source_root", "") or "") or None,  # where it was loaded from
             "step": self.step, "epoch": self.epoch, "position": self.position, "samples": self.samples,
             "train_time": self.train_time, "seed": self.seed, "batch_size": self.batch_size,
             "world_size": comm.world, "sync": self.sync,
