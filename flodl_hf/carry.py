@@ -287,3 +287,67 @@ def like_root(like: str | os.PathLike) -> Path:
     """A ``--like`` source as a directory: a local directory or anything io.resolve knows."""
     path = Path(like).expanduser()
     return path if path.is_dir() else io.resolve(like).root
+
+
+# ---- verify-export: sentence-transformers reads the export as it reads the source ---------------------
+
+@dataclass
+class SentenceCheck:
+    """The outcome of :func:`check_sentence_transformers`: ``ok`` None when skipped."""
+
+    ok: bool | None
+    detail: str
+    max_abs_diff: float | None = None
+
+
+def _load_sentence_model(directory: Path, dtype):
+    import logging
+    from sentence_transformers import SentenceTransformer
+    logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
+    model = SentenceTransformer(str(directory), device="cpu", model_kwargs={"dtype": dtype})
+    return model.to(dtype=__import__("torch").float32).eval()
+
+
+def is_sentence_model(directory: Path) -> bool:
+    """A sentence-transformers model directory: it has a modules.json."""
+    return (Path(directory) / MODULES_NAME).is_file()
+
+
+def module_names(model) -> list[str]:
+    return [type(m).__name__ for m in model]
+
+
+def check_sentence_transformers(directory: Path, reference: Path | None, prompts: list[str], cast=None,
+                                compare_outputs: bool = True, why_no_reference: str = "") -> SentenceCheck:
+    """sentence-transformers loads ``directory`` and ``reference`` into the same module list, and
+    (``compare_outputs``) their ``encode`` outputs on ``prompts`` are ``torch.equal``. Fails when
+    ``reference`` has a modules.json and ``directory`` has none; ``ok`` None (skipped) when neither has.
+
+    ``cast``: the dtype the export was cast to; the reference is loaded in it too, then both run in float32.
+    """
+    import torch
+    if reference is None:
+        return SentenceCheck(None, why_no_reference or "no source to compare with")
+    if not (Path(directory) / MODULES_NAME).is_file():
+        if (Path(reference) / MODULES_NAME).is_file():  # the layout was lost on the way
+            return SentenceCheck(False, f"{reference} is a sentence-transformers model (modules.json), DIR has no "
+                                        "modules.json: sentence-transformers would load it without its modules")
+        return SentenceCheck(None, "DIR has no modules.json (not a sentence-transformers model)")
+    try:
+        import sentence_transformers  # noqa: F401
+    except ImportError:
+        return SentenceCheck(None, "sentence-transformers is not installed (pip install sentence-transformers)")
+    dtype = cast or torch.float32
+    ours, theirs = _load_sentence_model(directory, dtype), _load_sentence_model(reference, dtype)
+    a, b = module_names(ours), module_names(theirs)
+    if [type(m) for m in ours] != [type(m) for m in theirs]:
+        return SentenceCheck(False, f"modules differ: export {' -> '.join(a)}, source {' -> '.join(b)}")
+    if not compare_outputs:
+        return SentenceCheck(True, f"{' -> '.join(a)} in both; embeddings not compared ({why_no_reference})")
+    with torch.inference_mode():
+        x = ours.encode(list(prompts), convert_to_tensor=True, show_progress_bar=False)
+        y = theirs.encode(list(prompts), convert_to_tensor=True, show_progress_bar=False)
+    diff = (x.float() - y.float()).abs().max().item() if x.shape == y.shape else float("inf")
+    equal = x.shape == y.shape and torch.equal(x, y)
+    what = f"{' -> '.join(a)} in both; encode on {len(prompts)} prompt(s), shape {tuple(x.shape)}"
+    return SentenceCheck(equal, f"{what}: {'equal' if equal else f'max abs diff {diff:.3g}'}", diff)

@@ -9,7 +9,10 @@
 3. transformers on DIR against transformers on the source: every output field ``torch.equal``;
 4. our native model on DIR against transformers on DIR (``flodl_hf.parity``): every field
    ``torch.equal``, on each attention path transformers has for the family;
-5. tokenizer: DIR's tokenizer gives the source tokenizer's ids on the prompts.
+5. tokenizer: DIR's tokenizer gives the source tokenizer's ids on the prompts;
+6. sentence-transformers, only when DIR or its source has a modules.json: it loads DIR and the
+   source into the same module list, and their ``encode`` outputs on the prompts are ``torch.equal``
+   (``flodl_hf.carry``); a source with modules.json and a DIR without fails.
 
 The source is the one stamped in ``config.json`` by ``flodl_hf.export`` unless ``source`` is
 given; ``no_source`` (a fine-tuned model with no upstream) runs checks 1 and 4 only.
@@ -33,7 +36,7 @@ from typing import Any
 
 import torch
 
-from . import io
+from . import carry, io
 from .auto import build_model, config_from_dict
 from .config import BaseConfig
 from .errors import ConfigError, FlodlHFError, InputError, SourceNotFoundError, UnsupportedModelError
@@ -51,6 +54,7 @@ CHECK_NAMES = {
     3: "transformers: export vs source",
     4: "native vs transformers (export)",
     5: "tokenizer ids equal to source's",
+    6: "sentence-transformers: vs source",
 }
 
 
@@ -285,6 +289,27 @@ def _check_tokenizer(src: _Source | None, tokenizer, prompts: list[str]) -> Chec
     return Check(5, name, PASS, f"{', '.join(sorted(a))} equal on {len(prompts)} prompt(s)")
 
 
+def _check_sentence(directory: Path, src: _Source | None, stamp: dict, cast: torch.dtype | None,
+                    prompts: list[str]) -> Check | None:
+    """Check 6; None (no row) when neither DIR nor its source is a sentence-transformers model."""
+    carried_from = stamp.get("carried_from")
+    layout = Path(carried_from) if carried_from and Path(carried_from).is_dir() else None
+    if src is None:
+        reference, why, compare = None, "--no-source", True
+    elif src.kind == "hf" and (not src.stamped or layout is None or layout.resolve() == src.ckpt.root.resolve()):
+        reference, why, compare = src.ckpt.root, "", True
+    elif src.kind == "hf":  # the layout came from --like, the weights from the source
+        reference, why, compare = layout, f"the layout came from {layout}, the weights from the source", False
+    else:  # a trainer checkpoint: its carried files came from carried_from, its weights were trained
+        reference, compare = layout, False
+        why = "the weights were trained" if layout else "no carried_from directory to compare with"
+    if not carry.is_sentence_model(directory) and not (reference and carry.is_sentence_model(reference)):
+        return None
+    result = carry.check_sentence_transformers(directory, reference, prompts, cast, compare, why)
+    status = SKIP if result.ok is None else PASS if result.ok else FAIL
+    return Check(6, CHECK_NAMES[6], status, result.detail, result.max_abs_diff)
+
+
 def _guard(number: int, fn, *args) -> tuple[Check, Any]:
     """Run one check; an exception becomes its FAIL row (the table still prints)."""
     try:
@@ -341,6 +366,8 @@ def verify_export(directory: str | os.PathLike, source: str | None = None, no_so
         impls = tuple(get_family(config.model_type).attn_implementations)
         report.checks.append(_guard(4, _check_native, directory, task, batch, impls)[0])
         report.checks.append(_guard(5, _check_tokenizer, src, tokenizer, list(prompts or DEFAULT_PROMPTS))[0])
+        check6 = _guard(6, _check_sentence, directory, src, stamp, cast, list(prompts or DEFAULT_PROMPTS))[0]
+        report.checks += [check6] if check6 is not None else []
     return report
 
 

@@ -1,0 +1,267 @@
+"""Export keeps the whole checkpoint: the model card, the sentence-transformers layout and the
+tokenizer's own files are carried byte-identical (flodl_hf.carry), and nothing else.
+
+The sentence-transformers models are real ones: samples/minilm (when fetched) and one built and
+saved here by sentence-transformers itself on a tiny checkpoint generated with transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from flodl_hf import samples
+from flodl_hf.auto import load_model
+from flodl_hf.cli import main
+from flodl_hf.errors import CheckpointFormatError, ConfigError
+from flodl_hf.export import export, export_checkpoint
+from flodl_hf.parity import quiet_transformers
+from flodl_hf.trainer import Trainer
+from flodl_hf.verify import PASS, SKIP, tiny_config, verify_export
+from helpers import make_checkpoint
+
+st = pytest.importorskip("sentence_transformers")
+
+WORDS = "the quick brown fox jumps over lazy dog near river bank hello world".split()
+PROMPTS = ["the quick brown fox jumps over the lazy dog", "hello world", "near the river bank"]
+# Files a source may hold that an export must never carry: old weights, scripts, data lists,
+# dotfiles, and a folder modules.json does not name.
+STRAY = {"pytorch_model.bin": b"old weights", "tf_model.h5": b"old weights", "onnx/model.onnx": b"old weights",
+         "train_script.py": b"print('train')\n", "data_config.json": b"[]\n", ".cache-marker": b"x",
+         "9_Unused/config.json": b"{}\n", "notes/todo.txt": b"stray\n"}
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _modules(directory: Path) -> list[str]:
+    model = st.SentenceTransformer(str(directory), device="cpu")
+    return [type(m).__name__ for m in model]
+
+
+def _encode(directory: Path) -> torch.Tensor:
+    model = st.SentenceTransformer(str(directory), device="cpu")
+    return model.encode(PROMPTS, convert_to_tensor=True, show_progress_bar=False)
+
+
+def _no_scratch(parent: Path) -> bool:
+    return not [p for p in parent.iterdir() if p.name.startswith(".")]
+
+
+@pytest.fixture(scope="module")
+def st_source(tmp_path_factory) -> Path:
+    """A sentence-transformers model (Transformer -> Pooling -> Dense -> Normalize) saved by
+    sentence-transformers itself, with a model card, a generation config and stray files."""
+    work = tmp_path_factory.mktemp("st")
+    base = work / "base"
+    shutil.copytree(make_checkpoint(tiny_config("bert"), "base"), base)
+    (base / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, "##s"]) + "\n")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformer = st.models.Transformer(str(base), max_seq_length=32)
+        modules = [transformer, st.models.Pooling(transformer.get_word_embedding_dimension(), "mean"),
+                   st.models.Dense(32, 16), st.models.Normalize()]
+        st.SentenceTransformer(modules=modules, device="cpu").save(str(work / "src"))
+    src = work / "src"
+    quiet_transformers().AutoTokenizer.from_pretrained(str(base)).save_pretrained(str(src))
+    shutil.copyfile(base / "vocab.txt", src / "vocab.txt")
+    (src / "README.md").write_text("---\nlicense: apache-2.0\nlibrary_name: sentence-transformers\n---\n# tiny\n")
+    (src / "generation_config.json").write_text('{"_from_model_config": true}\n')
+    (src / "added_tokens.json").write_text("{}\n")
+    for name, data in STRAY.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(data)
+    return src
+
+
+# ---- sentence-transformers models ----------------------------------------------------------------------
+
+def test_minilm_loads_as_the_source_in_sentence_transformers(tmp_path):
+    path = samples.local_path("minilm")
+    if path is None:
+        pytest.skip("samples/minilm is not in the cache (run `flodl-hf samples fetch`)")
+    result = export("samples/minilm", tmp_path / "out")
+    assert _modules(result.out) == _modules(path) == ["Transformer", "Pooling", "Normalize"]
+    assert torch.equal(_encode(result.out), _encode(path))
+    ours, theirs = _files(result.out), _files(path)
+    carried = {"README.md", "modules.json", "1_Pooling/config.json", "sentence_bert_config.json",
+               "config_sentence_transformers.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "vocab.txt"}
+    assert set(result.carried) == carried
+    assert all(ours[name] == theirs[name] for name in carried)
+    # the training-data list and the sample marker describe no model a library reads: not carried
+    assert set(ours) == carried | {"config.json", "model.safetensors"}
+
+
+def test_generated_sentence_model_round_trip(tmp_path, st_source, capsys):
+    out = tmp_path / "out"
+    assert main(["export", "--hub", str(st_source), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "carried byte-identical" in printed and "2_Dense/ (2 files)" in printed
+    ours, theirs = _files(out), _files(st_source)
+    carried = {"README.md", "modules.json", "config_sentence_transformers.json", "sentence_bert_config.json",
+               "generation_config.json", "added_tokens.json", "1_Pooling/config.json", "2_Dense/config.json",
+               "2_Dense/model.safetensors", "3_Normalize/config.json", "tokenizer.json", "tokenizer_config.json",
+               "vocab.txt"}
+    assert carried <= set(theirs)
+    assert {n for n in ours if n in theirs and ours[n] == theirs[n]} >= carried
+    assert set(ours) == carried | {"config.json", "model.safetensors", "special_tokens_map.json"}
+    assert not set(ours) & set(STRAY)
+    assert _modules(out) == _modules(st_source) == ["Transformer", "Pooling", "Dense", "Normalize"]
+    assert torch.equal(_encode(out), _encode(st_source))
+    report = verify_export(out, prompts=PROMPTS)
+    assert report.ok, report.format_table()
+    check = report.check(6)
+    assert check.status == PASS and check.max_abs_diff == 0.0
+    assert "Transformer -> Pooling -> Dense -> Normalize" in check.detail
+    assert main(["verify-export", str(out)]) == 0
+    assert "sentence-transformers" in capsys.readouterr().out
+
+
+def test_verify_fails_an_export_that_lost_the_layout(tmp_path, st_source):
+    result = export(st_source, tmp_path / "out")
+    (result.out / "modules.json").unlink()
+    report = verify_export(result.out)
+    assert not report.ok and report.check(6).status == "FAIL"
+    assert "has no modules.json" in report.check(6).detail
+
+
+def test_cast_export_matches_the_cast_source(tmp_path, st_source):
+    result = export(st_source, tmp_path / "out", dtype="bfloat16")
+    report = verify_export(result.out)
+    assert report.ok, report.format_table()
+    assert report.check(6).status == PASS
+
+
+# ---- a plain model with a model card ---------------------------------------------------------------------
+
+def test_model_card_is_carried_and_no_sentence_check(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(make_checkpoint(tiny_config("bert"), "mlm"), src)
+    card = "---\nlicense: mit\n---\n# A card\n\nWith a licence.\n".encode()
+    (src / "README.md").write_bytes(card)
+    (src / "LICENSE").write_bytes(b"MIT License\n")
+    (src / "pytorch_model.bin").write_bytes(b"old weights")
+    result = export(src, tmp_path / "out")
+    assert result.carried == ["LICENSE", "README.md"]
+    assert (result.out / "README.md").read_bytes() == card
+    assert (result.out / "LICENSE").read_bytes() == b"MIT License\n"
+    assert not (result.out / "pytorch_model.bin").exists()
+    report = verify_export(result.out)
+    assert report.ok and 6 not in {c.number for c in report.checks}  # not a sentence-transformers model
+
+
+# ---- safety: nothing from outside the source, nothing written on refusal ---------------------------------
+
+def _copy(st_source: Path, tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    shutil.copytree(st_source, src, symlinks=True)
+    return src
+
+
+@pytest.mark.parametrize("path", ["../outside", "/etc", "1_Pooling/../../outside", "C:\\models\\pool"])
+def test_module_path_leaving_the_directory_is_refused(tmp_path, st_source, path):
+    src = _copy(st_source, tmp_path)
+    modules = json.loads((src / "modules.json").read_text())
+    modules[1]["path"] = path
+    (src / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret.txt").write_text("not yours")
+    with pytest.raises(ConfigError, match=r"entry 1 .*leaves the model directory"):
+        export(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and _no_scratch(tmp_path)
+
+
+@pytest.mark.parametrize("what", ["card", "module file", "module folder"])
+def test_symlink_out_of_the_source_is_refused(tmp_path, st_source, what):
+    src = _copy(st_source, tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "config.json").write_text('{"secret": 1}')
+    if what == "card":
+        (src / "README.md").unlink()
+        (src / "README.md").symlink_to(outside / "config.json")
+    elif what == "module file":
+        (src / "1_Pooling" / "config.json").unlink()
+        (src / "1_Pooling" / "config.json").symlink_to(outside / "config.json")
+    else:
+        shutil.rmtree(src / "1_Pooling")
+        (src / "1_Pooling").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(CheckpointFormatError, match="outside the source"):
+        export(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and _no_scratch(tmp_path)
+
+
+def test_symlink_inside_the_source_is_followed(tmp_path, st_source):
+    src = _copy(st_source, tmp_path)
+    (src / "cards").mkdir()
+    (src / "README.md").rename(src / "cards" / "card.md")
+    (src / "README.md").symlink_to(Path("cards") / "card.md")
+    result = export(src, tmp_path / "out")
+    assert not (result.out / "README.md").is_symlink()
+    assert (result.out / "README.md").read_bytes() == (st_source / "README.md").read_bytes()
+    assert not (result.out / "cards").exists()
+
+
+def test_transformer_outside_the_root_is_not_carried(tmp_path, st_source):
+    src = _copy(st_source, tmp_path)
+    modules = json.loads((src / "modules.json").read_text())
+    modules[0]["path"] = "0_Transformer"  # the older layout: its weights would come from there
+    (src / "modules.json").write_text(json.dumps(modules))
+    result = export(src, tmp_path / "out")
+    assert "modules.json" not in result.carried and not any(n.startswith("1_Pooling") for n in result.carried)
+    assert any("places the Transformer in 0_Transformer/" in n for n in result.notes)
+    assert "README.md" in result.carried
+
+
+# ---- trainer checkpoints ---------------------------------------------------------------------------------
+
+def _train_one_step(source: Path, directory: Path) -> Path:
+    model = load_model(source, "base")
+    data = [{"input_ids": torch.tensor([2, 5, 6, 3]), "attention_mask": torch.ones(4, dtype=torch.long)}] * 4
+
+    def step(m, batch):
+        return m(**batch).last_hidden_state.pow(2).mean()
+
+    Trainer(model, step, lambda p: torch.optim.SGD(p, lr=0.01), data, batch_size=2, max_steps=1,
+            checkpoint_dir=directory, progress=False, report=False).fit()
+    return next(directory.glob("step-*.pt"))
+
+
+def test_checkpoint_carries_from_its_recorded_source(tmp_path, st_source):
+    ckpt = _train_one_step(st_source, tmp_path / "run")
+    assert torch.load(ckpt, weights_only=True)["source"] == str(st_source.absolute())
+    result = export_checkpoint(ckpt, tmp_path / "out")
+    assert any("the checkpoint's recorded source" in n for n in result.notes)
+    ours, theirs = _files(result.out), _files(st_source)
+    assert {"README.md", "modules.json", "2_Dense/model.safetensors", "vocab.txt"} <= set(result.carried)
+    assert all(ours[n] == theirs[n] for n in result.carried)
+    assert not set(ours) & set(STRAY)
+    report = verify_export(result.out)
+    assert report.ok, report.format_table()
+    assert report.check(6).status == PASS and "embeddings not compared" in report.check(6).detail
+    assert report.check(3).status == SKIP
+
+
+def test_checkpoint_like_dir_and_no_source(tmp_path, st_source):
+    ckpt = _train_one_step(st_source, tmp_path / "run")
+    data = torch.load(ckpt, weights_only=True)
+    card_only = tmp_path / "card"
+    card_only.mkdir()
+    (card_only / "README.md").write_text("# the fine-tune\n")
+    result = export_checkpoint(ckpt, tmp_path / "like", like=card_only)
+    assert result.carried == ["README.md"] and any("(--like)" in n for n in result.notes)
+    del data["source"]
+    bare = tmp_path / "bare.pt"
+    torch.save(data, bare)
+    result = export_checkpoint(bare, tmp_path / "bare")
+    assert result.carried == [] and any("records no source" in n for n in result.notes)
+    os.remove(bare)
