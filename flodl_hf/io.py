@@ -26,7 +26,7 @@ BIN_SINGLE = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 CONFIG_NAME = "config.json"
 # Files a model directory may carry besides weights; fetched from the hub with the weights.
-SIDE_PATTERNS = ["*.json", "*.txt", "*.model"]
+SIDE_PATTERNS = ["*.json", "*.txt", "*.model", "*.jinja", "README.md", "LICENSE*", "NOTICE"]
 
 
 @dataclass

@@ -26,7 +26,8 @@ from flodl_hf.trainer import Trainer
 from flodl_hf.verify import PASS, SKIP, tiny_config, verify_export
 from helpers import make_checkpoint
 
-st = pytest.importorskip("sentence_transformers")
+pytest.importorskip("sentence_transformers")
+from sentence_transformers import SentenceTransformer, models  # noqa: E402
 
 WORDS = "the quick brown fox jumps over lazy dog near river bank hello world".split()
 PROMPTS = ["the quick brown fox jumps over the lazy dog", "hello world", "near the river bank"]
@@ -42,12 +43,12 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 def _modules(directory: Path) -> list[str]:
-    model = st.SentenceTransformer(str(directory), device="cpu")
+    model = SentenceTransformer(str(directory), device="cpu")
     return [type(m).__name__ for m in model]
 
 
 def _encode(directory: Path) -> torch.Tensor:
-    model = st.SentenceTransformer(str(directory), device="cpu")
+    model = SentenceTransformer(str(directory), device="cpu")
     return model.encode(PROMPTS, convert_to_tensor=True, show_progress_bar=False)
 
 
@@ -66,10 +67,10 @@ def st_source(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        transformer = st.models.Transformer(str(base), max_seq_length=32)
-        modules = [transformer, st.models.Pooling(transformer.get_word_embedding_dimension(), "mean"),
-                   st.models.Dense(32, 16), st.models.Normalize()]
-        st.SentenceTransformer(modules=modules, device="cpu").save(str(work / "src"))
+        transformer = models.Transformer(str(base), max_seq_length=32)
+        modules = [transformer, models.Pooling(transformer.get_word_embedding_dimension(), "mean"),
+                   models.Dense(32, 16), models.Normalize()]
+        SentenceTransformer(modules=modules, device="cpu").save(str(work / "src"))
     src = work / "src"
     quiet_transformers().AutoTokenizer.from_pretrained(str(base)).save_pretrained(str(src))
     shutil.copyfile(base / "vocab.txt", src / "vocab.txt")
