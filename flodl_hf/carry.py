@@ -23,6 +23,7 @@ absolute or has ``..`` is refused. Every check runs in :func:`plan`, before anyt
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import shutil
 import stat
@@ -69,12 +70,11 @@ class CarryPlan:
         for item in self.files:
             source = _checked_file(item.root, item.name)
             target = directory / item.name
-            if item.kind == "module" and target.parent != directory:
-                for parent in reversed(target.relative_to(directory).parents[:-1]):
-                    if (directory / parent).exists() and not (directory / parent).is_dir():
-                        raise ConfigError(f"{item.root / MODULES_NAME}: module folder {parent.as_posix()!r} "
-                                          f"would replace the export's file of that name")
+            try:
                 target.parent.mkdir(parents=True, exist_ok=True)
+            except (FileExistsError, NotADirectoryError):
+                raise ConfigError(f"{item.root / MODULES_NAME}: the module folder of {item.name} would replace "
+                                  "a file the export writes; rename the module folder") from None
             shutil.copyfile(source, target)
         return self.names
 
@@ -172,7 +172,6 @@ def read_modules(root: Path) -> list[dict]:
     path = root / MODULES_NAME
     _checked_file(root, MODULES_NAME)
     try:
-        import json
         data = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc}); nothing was written") from exc
@@ -301,11 +300,14 @@ class SentenceCheck:
 
 
 def _load_sentence_model(directory: Path, dtype):
+    """sentence-transformers' model of ``directory`` on CPU, loaded in ``dtype``, run in float32."""
     import logging
+
+    import torch
     from sentence_transformers import SentenceTransformer
     logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
     model = SentenceTransformer(str(directory), device="cpu", model_kwargs={"dtype": dtype})
-    return model.to(dtype=__import__("torch").float32).eval()
+    return model.to(dtype=torch.float32).eval()
 
 
 def is_sentence_model(directory: Path) -> bool:
