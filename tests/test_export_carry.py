@@ -135,6 +135,18 @@ def test_verify_fails_an_export_that_lost_the_layout(tmp_path, st_source):
     assert "has no modules.json" in report.check(6).detail
 
 
+def test_verify_fails_when_embeddings_differ(tmp_path, st_source):
+    result = export(st_source, tmp_path / "out")
+    pooling = result.out / "1_Pooling" / "config.json"
+    config = json.loads(pooling.read_text())
+    assert config["pooling_mode"] == "mean"  # sentence-transformers 6's key
+    config["pooling_mode"] = "cls"
+    pooling.write_text(json.dumps(config))
+    report = verify_export(result.out)
+    check = report.check(6)
+    assert not report.ok and check.status == "FAIL" and "max abs diff" in check.detail and check.max_abs_diff > 0
+
+
 def test_cast_export_matches_the_cast_source(tmp_path, st_source):
     result = export(st_source, tmp_path / "out", dtype="bfloat16")
     report = verify_export(result.out)
@@ -210,6 +222,23 @@ def test_symlink_inside_the_source_is_followed(tmp_path, st_source):
     assert not (result.out / "README.md").is_symlink()
     assert (result.out / "README.md").read_bytes() == (st_source / "README.md").read_bytes()
     assert not (result.out / "cards").exists()
+
+
+def test_hub_snapshot_links_into_blobs_are_followed(tmp_path, st_source):
+    # huggingface_hub's cache: snapshots/<commit>/<file> are symlinks to ../../blobs/<hash>.
+    repo = tmp_path / "models--acme--tiny"
+    snapshot = repo / "snapshots" / ("c" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    for i, (name, data) in enumerate(_files(st_source).items()):
+        blob = repo / "blobs" / f"{i:040d}"
+        blob.write_bytes(data)
+        link = snapshot / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    result = export(snapshot, tmp_path / "out")
+    assert {"README.md", "modules.json", "2_Dense/model.safetensors"} <= set(result.carried)
+    ours, theirs = _files(result.out), _files(st_source)
+    assert all(ours[n] == theirs[n] and not (result.out / n).is_symlink() for n in result.carried)
 
 
 def test_transformer_outside_the_root_is_not_carried(tmp_path, st_source):
