@@ -5,8 +5,9 @@ native model for its head, and writes ``out`` as transformers' ``save_pretrained
 would: ``config.json`` (the source's, lossless, with ``architectures`` naming the class
 exported and a ``flodl_hf`` stamp naming the source), ``model.safetensors`` (sharded
 above ``max_shard_size``, tied tensors written once under the name transformers keeps)
-and the tokenizer files. ``export_checkpoint(ckpt, out)`` does the same for a
-checkpoint written by our trainer.
+and the tokenizer files; the files that describe the model (model card, sentence-transformers
+layout, the tokenizer's own files) are copied byte-identical by ``flodl_hf.carry``.
+``export_checkpoint(ckpt, out)`` does the same for a checkpoint written by our trainer.
 
 Every write is atomic: the directory is built as a hidden sibling of ``out`` and
 renamed into place only when complete, so a failure or a kill never leaves a
