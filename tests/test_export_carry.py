@@ -281,7 +281,7 @@ def test_checkpoint_carries_from_its_recorded_source(tmp_path, st_source):
     assert report.check(3).status == SKIP
 
 
-def test_checkpoint_like_dir_and_no_source(tmp_path, st_source):
+def test_checkpoint_like_dir_and_no_source(tmp_path, st_source, capsys):
     ckpt = _train_one_step(st_source, tmp_path / "run")
     data = torch.load(ckpt, weights_only=True)
     card_only = tmp_path / "card"
@@ -289,6 +289,9 @@ def test_checkpoint_like_dir_and_no_source(tmp_path, st_source):
     (card_only / "README.md").write_text("# the fine-tune\n")
     result = export_checkpoint(ckpt, tmp_path / "like", like=card_only)
     assert result.carried == ["README.md"] and any("(--like)" in n for n in result.notes)
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "cli"), "--like", str(card_only)]) == 0
+    assert f"README.md from {card_only} (--like)" in capsys.readouterr().out
+    assert (tmp_path / "cli" / "README.md").read_text() == "# the fine-tune\n"
     del data["source"]
     bare = tmp_path / "bare.pt"
     torch.save(data, bare)
