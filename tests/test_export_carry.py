@@ -298,3 +298,26 @@ def test_checkpoint_like_dir_and_no_source(tmp_path, st_source, capsys):
     result = export_checkpoint(bare, tmp_path / "bare")
     assert result.carried == [] and any("records no source" in n for n in result.notes)
     os.remove(bare)
+
+
+def test_sentencepiece_model_and_tokenizer_config_are_the_sources(tmp_path):
+    import sentencepiece as spm
+    src = tmp_path / "src"
+    shutil.copytree(make_checkpoint(tiny_config("albert"), "mlm"), src)
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(" ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(8)) for i in range(200)))
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "sp"), vocab_size=40, pad_id=0,
+                                   unk_id=1, bos_id=-1, eos_id=-1, minloglevel=2,
+                                   user_defined_symbols=["[CLS]", "[SEP]", "[MASK]"])
+    shutil.copyfile(tmp_path / "sp.model", src / "spiece.model")
+    config = b'{"tokenizer_class": "AlbertTokenizer", "do_lower_case": true, "model_max_length": 64}'
+    (src / "tokenizer_config.json").write_bytes(config)
+    result = export(src, tmp_path / "out")
+    assert {"spiece.model", "tokenizer_config.json"} <= set(result.carried)
+    assert (result.out / "spiece.model").read_bytes() == (src / "spiece.model").read_bytes()
+    assert (result.out / "tokenizer_config.json").read_bytes() == config  # transformers' rewrite is replaced
+    assert "tokenizer.json" in result.tokenizer_files  # converted by transformers: the source has none
+    transformers = quiet_transformers()
+    texts = ["the quick brown fox", "hello river world near the bank"]
+    ours = transformers.AutoTokenizer.from_pretrained(str(result.out))(texts)
+    assert dict(ours) == dict(transformers.AutoTokenizer.from_pretrained(str(src))(texts))
