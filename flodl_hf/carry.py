@@ -247,6 +247,10 @@ def plan(description_root: Path | None, tokenizer_root: Path | None, why: str = 
         result.files += described
     if tokenizer_root is not None and Path(tokenizer_root).is_dir():
         result.files += _root_files(Path(tokenizer_root), TOKENIZER_NAMES, "tokenizer")
+    unique: dict[str, Carried] = {}
+    for item in result.files:  # two module entries may name one folder, or nested ones
+        unique.setdefault(item.name, item)
+    result.files = list(unique.values())
     return result
 
 

@@ -241,6 +241,16 @@ def test_hub_snapshot_links_into_blobs_are_followed(tmp_path, st_source):
     assert all(ours[n] == theirs[n] and not (result.out / n).is_symlink() for n in result.carried)
 
 
+def test_module_folders_named_twice_are_carried_once(tmp_path, st_source):
+    src = _copy(st_source, tmp_path)
+    modules = json.loads((src / "modules.json").read_text())
+    modules.insert(2, {**modules[1], "idx": 9, "name": "again", "path": "./1_Pooling"})
+    (src / "modules.json").write_text(json.dumps(modules))
+    result = export(src, tmp_path / "out")
+    assert result.carried.count("1_Pooling/config.json") == 1
+    assert (result.out / "modules.json").read_bytes() == (src / "modules.json").read_bytes()
+
+
 def test_transformer_outside_the_root_is_not_carried(tmp_path, st_source):
     src = _copy(st_source, tmp_path)
     modules = json.loads((src / "modules.json").read_text())
