@@ -147,8 +147,11 @@ def test_verify_fails_when_embeddings_differ(tmp_path, st_source):
     assert not report.ok and check.status == "FAIL" and "max abs diff" in check.detail and check.max_abs_diff > 0
 
 
-def test_cast_export_matches_the_cast_source(tmp_path, st_source):
-    result = export(st_source, tmp_path / "out", dtype="bfloat16")
+@pytest.mark.parametrize("dtype,head", [("bfloat16", "auto"), ("keep", "seqcls")])
+def test_cast_or_other_head_encodes_as_the_source(tmp_path, st_source, dtype, head):
+    # a cast export against the source cast alike; a fresh head: sentence-transformers reads the backbone
+    result = export(st_source, tmp_path / "out", dtype=dtype, head=head)
+    assert "modules.json" in result.carried
     report = verify_export(result.out)
     assert report.ok, report.format_table()
     assert report.check(6).status == PASS
