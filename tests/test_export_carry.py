@@ -334,3 +334,14 @@ def test_sentencepiece_model_and_tokenizer_config_are_the_sources(tmp_path):
     texts = ["the quick brown fox", "hello river world near the bank"]
     ours = transformers.AutoTokenizer.from_pretrained(str(result.out))(texts)
     assert dict(ours) == dict(transformers.AutoTokenizer.from_pretrained(str(src))(texts))
+
+
+def test_hub_export_like_takes_the_layout_from_there(tmp_path, st_source):
+    src = tmp_path / "plain"
+    shutil.copytree(make_checkpoint(tiny_config("bert"), "base"), src)
+    result = export(src, tmp_path / "out", like=st_source)
+    assert {"modules.json", "2_Dense/model.safetensors", "vocab.txt"} <= set(result.carried)
+    assert any(f"from {st_source} (--like)" in n for n in result.notes)
+    report = verify_export(result.out)
+    assert report.ok, report.format_table()
+    assert report.check(6).status == PASS and "the layout came from" in report.check(6).detail
