@@ -27,6 +27,8 @@ def config_from_dict(data: dict[str, Any], where: str = "config.json") -> BaseCo
     if "auto_map" in data:
         raise ConfigError(f"{where}: declares auto_map (custom code on the hub). flodl-hf never runs remote "
                           "code; use a checkpoint of a supported family without auto_map.")
+    from .validate import check_config_dict
+    check_config_dict(data, where)
     model_type = data.get("model_type")
     if not model_type:
         architectures = data.get("architectures") or []
@@ -38,7 +40,10 @@ def config_from_dict(data: dict[str, Any], where: str = "config.json") -> BaseCo
             raise ConfigError(f"{where}: no model_type, and {exc}") from None
         model_type = family.model_type
     family = get_family(model_type)
-    config = family.config_class.from_dict(data)
+    try:
+        config = family.config_class.from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
     if not config.raw.get("model_type"):
         config.raw["model_type"] = family.model_type
     return config
@@ -103,6 +108,8 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | N
         raise UnsupportedModelError(f"{source} holds a {config.model_type!r} model; {expect.__name__} cannot load it "
                                     f"(use the Auto classes or {cls.__name__})")
     tensors = io.load_tensors(ckpt, dtype)
+    from .validate import check_config_fits
+    check_config_fits(config, tensors, str(ckpt.config_path))
     with meta_device():
         if task == "base":
             model = cls(config, add_pooling_layer=any(POOLER_KEY.search(k) for k in tensors))

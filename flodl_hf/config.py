@@ -51,6 +51,74 @@ class ProblemType(str, Enum):
 
 _RUNTIME_FIELDS = {"raw", "attn_implementation"}
 
+# Value checks by field name, for whichever family declares the field (HF's names; DistilBERT has its own).
+POSITIVE_FIELDS = ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "max_position_embeddings",
+                   "embedding_size", "num_hidden_groups", "inner_group_num", "n_heads", "dim", "hidden_dim",
+                   "pooler_hidden_size")
+NON_NEGATIVE_FIELDS = ("num_hidden_layers", "n_layers", "type_vocab_size", "conv_kernel_size")
+HEAD_SPLITS = (("hidden_size", "num_attention_heads"), ("dim", "n_heads"))
+# No real checkpoint has a dimension near 2**31; a larger one would overflow size computations.
+MAX_SIZE = 2**31 - 1
+
+
+def _plain_type(annotation: Any) -> tuple[type | None, bool]:
+    """('int | None') -> (int, True): the scalar type a field's annotation names, and whether None is allowed."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    parts = [p.strip() for p in text.split("|")]
+    optional = "None" in parts
+    parts = [p for p in parts if p != "None"]
+    scalar = {"int": int, "float": float, "bool": bool, "str": str}
+    return (scalar.get(parts[0]) if len(parts) == 1 else None), optional
+
+
+def validate_config(config: "BaseConfig") -> None:
+    """Typed checks of a config's values, each a ConfigError naming the field: integers are ints (not
+    floats, strings or lists), sizes are positive and fit, heads divide the width, ``pad_token_id`` is
+    in the vocabulary, ``layer_norm_eps`` is finite and positive, dropouts lie in [0, 1]."""
+    import math
+    where = f"config ({config.model_type or type(config).__name__})"
+    for f in fields(config):
+        if f.name in _RUNTIME_FIELDS or f.name in config.enum_fields:
+            continue
+        kind, optional = _plain_type(f.type)
+        value = getattr(config, f.name)
+        if kind is None or (value is None and optional):
+            continue
+        if value is None:
+            raise ConfigError(f"{where}: field {f.name} is null, expected {kind.__name__}")
+        ok = {int: isinstance(value, int) and not isinstance(value, bool),
+              float: isinstance(value, (int, float)) and not isinstance(value, bool),
+              bool: isinstance(value, bool), str: isinstance(value, str)}[kind]
+        if not ok:
+            raise ConfigError(f"{where}: field {f.name}={value!r} is a {type(value).__name__}, expected "
+                              f"{'an' if kind is int else 'a'} {kind.__name__}")
+    names = {f.name for f in fields(config)}
+    for name in POSITIVE_FIELDS + NON_NEGATIVE_FIELDS:
+        value = getattr(config, name, None) if name in names else None
+        if value is None:
+            continue
+        low = 1 if name in POSITIVE_FIELDS else 0
+        if value < low or value > MAX_SIZE:
+            raise ConfigError(f"{where}: field {name}={value} must be {'> 0' if low else '>= 0'} and at most {MAX_SIZE}")
+    for width, heads in HEAD_SPLITS:
+        if width in names and heads in names and getattr(config, width) % getattr(config, heads):
+            raise ConfigError(f"{where}: field {width}={getattr(config, width)} is not a multiple of "
+                              f"{heads}={getattr(config, heads)}")
+    vocab = getattr(config, "vocab_size", None)
+    pad = config.pad_token_id
+    if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool) or pad < 0
+                            or (vocab is not None and pad >= vocab)):
+        raise ConfigError(f"{where}: field pad_token_id={pad!r} must be an id in [0, vocab_size={vocab})")
+    eps = getattr(config, "layer_norm_eps", None)
+    if eps is not None and not (math.isfinite(eps) and eps > 0):
+        raise ConfigError(f"{where}: field layer_norm_eps={eps!r} must be finite and > 0")
+    for name in sorted(n for n in names if "dropout" in n):
+        value = getattr(config, name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{where}: field {name}={value!r} is a dropout probability: it must lie in [0, 1]")
+    if not (isinstance(config.initializer_range, (int, float)) and math.isfinite(config.initializer_range)):
+        raise ConfigError(f"{where}: field initializer_range={config.initializer_range!r} must be a finite number")
+
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, Enum):
@@ -88,7 +156,9 @@ class BaseConfig:
             self.id2label = {0: "LABEL_0", 1: "LABEL_1"}
         try:
             self.id2label = {int(k): str(v) for k, v in self.id2label.items()}
-        except (TypeError, ValueError, AttributeError):
+            if self.label2id is not None and not isinstance(self.label2id, dict):
+                raise TypeError
+        except (TypeError, ValueError, AttributeError, OverflowError):
             raise ConfigError(f"config field id2label={self.id2label!r} must map integer ids to names") from None
         if self.label2id is None:
             self.label2id = {v: k for k, v in self.id2label.items()}
@@ -101,7 +171,13 @@ class BaseConfig:
         for name, enum_cls in self.enum_fields.items():
             value = getattr(self, name)
             if value is not None:
-                setattr(self, name, enum_cls.parse(value, name) if hasattr(enum_cls, "parse") else enum_cls(value))
+                try:
+                    parsed = enum_cls.parse(value, name) if hasattr(enum_cls, "parse") else enum_cls(value)
+                except (ValueError, TypeError):
+                    raise ConfigError(f"config field {name}={value!r} is not one of "
+                                      + ", ".join(str(getattr(e, "value", e)) for e in enum_cls)) from None
+                setattr(self, name, parsed)
+        validate_config(self)
 
     # ---- labels -------------------------------------------------------------------------
     @property

@@ -22,7 +22,7 @@ import torch
 
 from . import io
 from .errors import CheckpointFormatError
-from .export import atomic_directory, check_out, same_bytes
+from .export import WRITTEN_MARK, _version, atomic_directory, check_out, protected_paths, same_bytes
 
 
 @dataclass
@@ -47,16 +47,28 @@ def shared_groups(tensors: dict[str, torch.Tensor]) -> list[list[str]]:
 
 
 def _side_files(ckpt: io.Checkpoint, single_file: bool) -> list[Path]:
-    """Every other file of the checkpoint (relative paths kept); hidden entries and .bin weights skipped."""
+    """Every other regular file of the checkpoint (relative paths kept); hidden entries and .bin weights
+    skipped. Directory links are not followed, and a file link pointing out of the checkpoint (a hub
+    snapshot's links into its own blobs excepted) is refused: nothing outside the source is copied."""
+    from .validate import is_within
     weights = {p.resolve() for p in ckpt.weight_files}
     if single_file:
         candidates = [p for pattern in io.SIDE_PATTERNS for p in ckpt.root.glob(pattern)]
     else:
-        candidates = [p for p in ckpt.root.rglob("*")]
+        candidates = []
+        for folder, dirs, files in os.walk(ckpt.root, followlinks=False):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            candidates += [Path(folder) / f for f in files]
     out = []
     for path in sorted(set(candidates)):
         rel = path.relative_to(ckpt.root)
-        if any(part.startswith(".") for part in rel.parts) or not path.is_file():
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        if path.is_symlink() and not is_within(path, ckpt.link_root):
+            raise CheckpointFormatError(f"{path}: a symbolic link pointing out of the checkpoint "
+                                        f"({os.path.realpath(path)}); convert copies only the checkpoint's own "
+                                        "files. Replace the link by the file, or remove it (nothing was written)")
+        if not path.is_file():
             continue
         if path.resolve() in weights or path.name == io.BIN_INDEX:
             continue
@@ -84,12 +96,15 @@ def convert(source: str | os.PathLike, out: str | os.PathLike, revision: str | N
     if ckpt.format != "bin":
         raise CheckpointFormatError(f"{source}: already safetensors ({', '.join(p.name for p in ckpt.weight_files)}); "
                                     "there is nothing to convert")
-    if out_path == ckpt.root.resolve():
-        raise CheckpointFormatError(f"--out {out_path} is the source directory: convert into another path")
+    single_file = Path(source).expanduser().is_file()
+    protect = protected_paths(ckpt, not single_file)
+    check_out(out_path, force, protect)
+    side = _side_files(ckpt, single_file)
+    protect += [(p, True) for p in side]
+    check_out(out_path, force, protect)
     tensors = io.load_tensors(ckpt)
     shared = shared_groups(tensors)
-    side = _side_files(ckpt, single_file=Path(source).expanduser().is_file())
-    with atomic_directory(out_path, force) as tmp:
+    with atomic_directory(out_path, force, protect) as tmp:
         files = io.save_safetensors(tensors, tmp, max_shard_size)  # writes contiguous copies: sharing is harmless
         verify_written(tmp, tensors)
         copied = []
@@ -98,6 +113,9 @@ def convert(source: str | os.PathLike, out: str | os.PathLike, revision: str | N
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, tmp / rel)
             copied.append(str(rel))
+        # convert copies config.json as it is, so its stamp (what --force may replace) is a file of its own
+        (tmp / WRITTEN_MARK).write_text(json.dumps({"written_by": "flodl-hf convert", "version": _version(),
+                                                    "source": str(source)}) + "\n")
         weight_files = sorted(p.name for p in files) + ([io.SAFE_INDEX] if len(files) > 1 else [])
     return ConvertResult(out_path, weight_files, len(tensors), shared, copied)
 

@@ -42,6 +42,14 @@ class WeightsMismatchError(FlodlHFError, ValueError):
         super().__init__("\n".join(lines))
 
 
+class MissingHeadError(FlodlHFError, ValueError):
+    """A task one-liner was given a checkpoint without that task's head; it never predicts with a random one."""
+
+
+class RegistryError(FlodlHFError, ImportError):
+    """The model families could not be imported: the registry would be partial, so nothing is served."""
+
+
 class InputError(FlodlHFError, ValueError):
     """User input to a task or a model forward is unusable (e.g. a text with no mask token)."""
 

@@ -144,7 +144,19 @@ def has_tokenizer(root: Path) -> bool:
 
 # ---- atomic directories ---------------------------------------------------------------------------
 
-_SCRATCH = re.compile(r"^\.(?P<name>.+)\.(?:partial|old)-(?P<pid>\d+)-[0-9a-f]+$")
+_SCRATCH = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<pid>\d+)-[0-9a-f]+$")
+# A file a directory written by flodl-hf carries when its config.json cannot carry the stamp (convert).
+WRITTEN_MARK = ".flodl-hf"
+# Test hook: FLODL_HF_KILL_AT=<stage> SIGKILLs this process when the write reaches that stage, so a test
+# can prove that a kill at any point leaves DIR old or new, never neither. STAGES lists them in order.
+KILL_ENV = "FLODL_HF_KILL_AT"
+STAGES = ("scratch", "weights", "config", "tokenizer", "written", "old-moved", "swapped", "cleaned")
+
+
+def _stage(name: str) -> None:
+    if os.environ.get(KILL_ENV) == name:
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
@@ -157,56 +169,156 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_scratch(out: Path) -> None:
-    """Hidden siblings a killed writer left behind (its pid is gone) are removed."""
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``). False where the
+    platform or file system has no such call (then the caller falls back to two renames)."""
+    if os.environ.get("FLODL_HF_NO_EXCHANGE") or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import errno
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def recover_scratch(out: Path) -> list[str]:
+    """Settle what a killed writer (its pid is gone) left beside ``out``; returns what was done.
+
+    An orphaned ``.NAME.old-*`` is the previous DIR, moved aside just before the new one was renamed
+    in: when DIR is missing it is renamed back (restored), never deleted; when DIR is there (the swap
+    completed) it is removed. A ``.NAME.partial-*`` is an unfinished or superseded write: removed.
+    """
+    done: list[str] = []
     if not out.parent.is_dir():
-        return
+        return done
+    orphans = []
     for entry in out.parent.iterdir():
         match = _SCRATCH.match(entry.name)
-        if match and match["name"] == out.name and not _alive(int(match["pid"])):
-            shutil.rmtree(entry, ignore_errors=True)
+        if match and match["name"] == out.name and not _alive(int(match["pid"])) and not entry.is_symlink():
+            orphans.append((match["kind"], entry))
+    olds = sorted((e for k, e in orphans if k == "old"), key=lambda e: e.stat().st_mtime, reverse=True)
+    if olds and not out.exists() and not out.is_symlink():
+        olds[0].rename(out)
+        done.append(f"restored {out} from {olds[0].name}")
+        olds = olds[1:]
+    for entry in [*olds, *(e for k, e in orphans if k == "partial")]:
+        shutil.rmtree(entry, ignore_errors=True)
+        done.append(f"removed {entry.name}")
+    return done
 
 
-def check_out(out: str | os.PathLike, force: bool) -> Path:
-    """Refuse an ``out`` that is a file, or an existing directory without ``force``. Nothing is written."""
+def written_by_us(path: Path) -> bool:
+    """An empty directory, or one carrying flodl-hf's stamp (config.json's ``flodl_hf`` or WRITTEN_MARK)."""
+    try:
+        if not any(path.iterdir()):
+            return True
+    except OSError:
+        return False
+    if (path / WRITTEN_MARK).is_file():
+        return True
+    try:
+        config = json.loads((path / io.CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get(STAMP_KEY), dict)
+
+
+Protected = tuple[Path, bool]  # (a path --out must keep clear of, also refuse --out inside it?)
+
+
+def protected_paths(ckpt: io.Checkpoint, directory_source: bool, extra: list[Path] | None = None) -> list[Protected]:
+    """What an export or convert reads: --out may neither be, contain, nor (for a directory source) lie
+    inside any of it. Weight files count by their resolved path too (a hub snapshot links into blobs)."""
+    out: list[Protected] = [(ckpt.root, directory_source), (ckpt.config_path, True)]
+    out += [(f, True) for f in ckpt.weight_files]
+    out += [(p, True) for p in extra or []]
+    return out
+
+
+def carried_paths(plan: "carry.CarryPlan") -> list[Protected]:
+    """Every file an export copies from its source, its --like or its --tokenizer: --out must keep clear of them."""
+    return [(item.root / item.name, True) for item in plan.files]
+
+
+def check_out(out: str | os.PathLike, force: bool, protect: list[Protected] | None = None) -> Path:
+    """Refuse an unusable ``out`` before anything is written: a file, a symlink, an existing directory
+    without ``force`` or (with it) one flodl-hf did not write, or a path overlapping what is read."""
+    from .validate import overlap, real
     path = Path(out).expanduser().absolute()
+    for src, both_ways in protect or []:
+        how = overlap(path, src)
+        if how == "is inside" and not both_ways:
+            continue
+        if how:
+            where = f" ({real(src)})" if real(src) != Path(src).absolute() else ""
+            raise OutputExistsError(f"--out {path} {how} the source {src}{where}: choose a path outside the source "
+                                    "(nothing was written or deleted)")
+    if path.is_symlink():
+        raise OutputExistsError(f"--out {path} is a symbolic link: pass the directory itself or another path "
+                                "(nothing was written)")
     if path.exists() and not path.is_dir():
         raise OutputExistsError(f"--out {path} is an existing file, not a directory: choose another path "
                                 "(nothing was written, the file is untouched)")
     if path.exists() and not force:
         raise OutputExistsError(f"--out {path} already exists: pass --force (force=True) to replace it, "
                                 "or choose another path (nothing was written)")
+    if path.exists() and not written_by_us(path):
+        raise OutputExistsError(f"--out {path} is a directory flodl-hf did not write (no '{STAMP_KEY}' stamp in its "
+                                "config.json): --force replaces only an empty directory or an earlier export or "
+                                "convert; choose another path (nothing was written or deleted)")
     return path
 
 
 @contextlib.contextmanager
-def atomic_directory(out: str | os.PathLike, force: bool = False) -> Iterator[Path]:
-    """Yield a hidden sibling of ``out`` to fill; rename it into place only if the block succeeds.
+def atomic_directory(out: str | os.PathLike, force: bool = False,
+                     protect: list[Protected] | None = None) -> Iterator[Path]:
+    """Yield a hidden sibling of ``out`` to fill; swap it into place only if the block succeeds.
 
-    On any exception (KeyboardInterrupt included) the sibling is removed and ``out``, if it
-    existed, is untouched. A kill leaves only a hidden ``.NAME.partial-PID-*`` sibling,
-    which the next write to the same ``out`` removes.
+    At every instant ``out`` is the old directory or the complete new one: on Linux the two are
+    exchanged in one ``renameat2(RENAME_EXCHANGE)``; elsewhere the old one is renamed aside first,
+    and a writer killed between the two renames leaves it as ``.NAME.old-PID-*``, which the next
+    write to ``out`` (``recover_scratch``) renames back. On any exception (KeyboardInterrupt included)
+    the sibling is removed and ``out``, if it existed, is untouched.
     """
-    path = check_out(out, force)
+    path = check_out(out, force, protect)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_scratch(path)
+    recover_scratch(path)
+    check_out(path, force, protect)  # a restored DIR is judged like any other
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
     tmp = path.with_name(f".{path.name}.partial-{tag}")
     tmp.mkdir()  # plain mkdir: the umask applies, as for a directory save_pretrained creates
+    _stage("scratch")
     try:
         yield tmp
-        check_out(path, force)  # it may have appeared meanwhile
-        if path.exists():
+        _stage("written")
+        check_out(path, force, protect)  # it may have appeared meanwhile
+        if not path.exists():
+            tmp.rename(path)
+            _stage("swapped")
+        elif _exchange(tmp, path):  # tmp now holds the old directory
+            _stage("swapped")
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
             old = path.with_name(f".{path.name}.old-{tag}")
             path.rename(old)
+            _stage("old-moved")
             try:
                 tmp.rename(path)
             except BaseException:
                 old.rename(path)
                 raise
+            _stage("swapped")
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(path)
+        _stage("cleaned")
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -309,17 +421,20 @@ class ExportResult:
 
 def _write(model: PreTrainedModel, out: Path, force: bool, task: str, stamp: dict, cast: torch.dtype | None,
            max_shard_size: int | str, tok_root: Path | None, fresh: list[str], dropped: list[str],
-           carried: carry.CarryPlan | None = None) -> ExportResult:
+           carried: carry.CarryPlan | None = None, protect: list[Protected] | None = None) -> ExportResult:
     notes: list[str] = []
     carried = carried or carry.CarryPlan()
     stamp = {**stamp, "task": task, "dtype": dtype_name(cast) if cast is not None else "keep",
              "fresh": fresh, "dropped": dropped, "carried_from": str(carried.description_root or "") or None}
     config = export_config(model, task, stamp, cast)
-    with atomic_directory(out, force) as tmp:
+    with atomic_directory(out, force, protect) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        _stage("weights")
         (tmp / io.CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _stage("config")
         tokenizer_files = write_tokenizer(tok_root, tmp) if tok_root is not None else []
         carried.copy_into(tmp)  # the model card, sentence-transformers layout, the tokenizer's own files
+        _stage("tokenizer")
         files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
     if tok_root is None:
         notes.append("no tokenizer source: exported without tokenizer files (pass tokenizer= / --tokenizer)")
@@ -347,13 +462,16 @@ def export(source: str | os.PathLike, out: str | os.PathLike, head: str = "auto"
     cast = parse_dtype(dtype)
     out_path = check_out(out, force)  # fail before any heavy work
     ckpt = io.resolve(source, revision)
-    if out_path == ckpt.root.resolve() or out_path in [f.resolve().parent for f in ckpt.weight_files]:
-        raise OutputExistsError(f"--out {out_path} is the source directory: export to another path")
-    config = config_from_dict(io.read_json(ckpt.config_path, "config.json"), str(ckpt.config_path))
-    task = resolve_task(config, head, str(ckpt.config_path))
     like_dir = carry.like_root(like) if like is not None else None
     tok_root = tokenizer_root(tokenizer) if tokenizer is not None else like_dir or ckpt.root
+    protect = protected_paths(ckpt, ckpt.root.is_dir() and not Path(source).expanduser().is_file(),
+                              [tok_root] + ([like_dir] if like_dir is not None else []))
+    check_out(out_path, force, protect)
+    config = config_from_dict(io.read_json(ckpt.config_path, "config.json"), str(ckpt.config_path))
+    task = resolve_task(config, head, str(ckpt.config_path))
     carried = carry.plan(like_dir or ckpt.root, tok_root, "--like" if like_dir else "the source")
+    protect += carried_paths(carried)
+    check_out(out_path, force, protect)
     on_disk = Path(source).expanduser().exists()  # else a hub id, now in the local cache at ckpt.root
     local = source if on_disk else ckpt.root
     with warnings.catch_warnings():
@@ -374,7 +492,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, head: str = "auto"
         "weights_sha256": {f.name: sha256_file(f) for f in ckpt.weight_files},
     }
     return _write(model, out_path, force, task, stamp, cast, max_shard_size, tok_root, fresh,
-                  _hf_names(model, report.unused), carried)
+                  _hf_names(model, report.unused), carried, protect)
 
 
 def _version() -> str:
@@ -414,6 +532,8 @@ def read_trainer_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], di
     if not isinstance(state, dict) or not state:
         raise CheckpointFormatError(f"{path}: entry 'model' is not a non-empty state_dict")
     for key, value in state.items():
+        if not isinstance(key, str):
+            raise CheckpointFormatError(f"{path}: model entry {key!r} has a {type(key).__name__} key, not a tensor name")
         if not isinstance(value, torch.Tensor):
             raise CheckpointFormatError(f"{path}: model entry {key!r} is a {type(value).__name__}, not a tensor")
     return config, state
@@ -464,12 +584,19 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, head: str
     cast = parse_dtype(dtype)
     out_path = check_out(out, force)
     path = Path(ckpt).expanduser().absolute()
+    tok_root = tokenizer_root(tokenizer) if tokenizer is not None else None
+    protect: list[Protected] = [(path, True)] + ([(tok_root, True)] if tok_root is not None else [])
+    check_out(out_path, force, protect)
     config_dict, state = read_trainer_checkpoint(path)
     config = config_from_dict(config_dict, f"{path} (config)")
+    from .validate import check_config_fits
+    check_config_fits(config, state, f"{path} (config)")
     task = checkpoint_task(config, state, head, str(path))
     tok_given = tokenizer_root(tokenizer) if tokenizer is not None else None
     desc_root, tok_root, why = carry.checkpoint_roots(path, tok_given, carry.like_root(like) if like else None)
     carried = carry.plan(desc_root, tok_root, why)
+    protect += [(r, True) for r in (desc_root, tok_root) if r is not None] + carried_paths(carried)
+    check_out(out_path, force, protect)
     if cast is not None:
         state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
     with torch.device("meta"):
@@ -487,7 +614,7 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, head: str
     stamp = {"version": _version(), "source": str(path), "revision": None, "commit": None,
              "format": "flodl-checkpoint", "weights_sha256": {path.name: sha256_file(path)}}
     return _write(model, out_path, force, task, stamp, cast, max_shard_size, tok_root, fresh,
-                  _hf_names(model, report.unused), carried)
+                  _hf_names(model, report.unused), carried, protect)
 
 
 # ---- CLI ------------------------------------------------------------------------------------------------

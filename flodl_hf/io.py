@@ -44,6 +44,58 @@ class Checkpoint:
     def config_path(self) -> Path:
         return self.root / CONFIG_NAME
 
+    @property
+    def link_root(self) -> Path:
+        """Where the checkpoint's files may resolve to: its directory, or for a hub cache snapshot
+        (``models--X/snapshots/REV``, whose files link into ``models--X/blobs``) the repo's cache."""
+        return link_root(self.root)
+
+
+def link_root(root: Path) -> Path:
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--")):
+        return root.parent.parent
+    return root
+
+
+def read_index(index_path: Path) -> dict[str, str]:
+    """The ``weight_map`` of a shard index, checked: a JSON object whose ``weight_map`` maps string keys
+    to shard file names that stay inside the checkpoint (no absolute path, no ``..``, no link out)."""
+    from .validate import safe_member
+    try:
+        raw = Path(index_path).read_bytes()
+    except OSError as exc:
+        raise CheckpointFormatError(f"{index_path}: cannot read the shard index ({exc.strerror or exc})") from exc
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CheckpointFormatError(f"{index_path}: the shard index is not UTF-8 text ({exc})") from exc
+    except json.JSONDecodeError as exc:
+        raise CheckpointFormatError(f"{index_path}: not a valid shard index (not JSON: {exc})") from exc
+    except RecursionError:
+        raise CheckpointFormatError(f"{index_path}: not a valid shard index (JSON nested too deeply)") from None
+    if not isinstance(data, dict):
+        raise CheckpointFormatError(f"{index_path}: not a valid shard index (a JSON {type(data).__name__}, "
+                                    "expected an object with a 'weight_map')")
+    if "weight_map" not in data:
+        raise CheckpointFormatError(f"{index_path}: not a valid shard index (no 'weight_map')")
+    weight_map = data["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise CheckpointFormatError(f"{index_path}: 'weight_map' is a {type(weight_map).__name__}, expected an "
+                                    "object mapping each tensor name to its shard file")
+    if not weight_map:
+        raise CheckpointFormatError(f"{index_path}: 'weight_map' is empty: the index names no tensors")
+    root = Path(index_path).parent
+    allowed = link_root(root)
+    for key, name in weight_map.items():
+        if not isinstance(name, str):
+            raise CheckpointFormatError(f"{index_path}: weight_map entry {key!r} is a {type(name).__name__}, "
+                                        "expected a shard file name")
+        if safe_member(root, name, allowed) is None:
+            raise CheckpointFormatError(
+                f"{index_path}: weight_map entry {key!r} names shard {name!r}, which is not inside {root} "
+                "(absolute, '..' or a link out of the checkpoint): refused, nothing outside a checkpoint is read")
+    return dict(weight_map)
+
 
 def _is_hub_id(source: str) -> bool:
     parts = source.split("/")
@@ -57,10 +109,7 @@ def _weights_in_dir(root: Path, source: str) -> tuple[list[Path], str, dict[str,
             return [root / single], fmt, None
         if (root / index_name).is_file():
             index_path = root / index_name
-            try:
-                weight_map = json.loads(index_path.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise CheckpointFormatError(f"{index_path}: not a valid shard index ({exc})") from exc
+            weight_map = read_index(index_path)
             files = sorted(set(weight_map.values()))
             missing = [f for f in files if not (root / f).is_file()]
             if missing:
@@ -117,14 +166,24 @@ def resolve(source: str | os.PathLike, revision: str | None = None) -> Checkpoin
 
 
 def read_json(path: Path, what: str = "file") -> dict:
+    """A JSON object from ``path``; anything else (missing, a directory, unreadable, not UTF-8 JSON,
+    not an object) is a ConfigError naming the file."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_bytes().decode("utf-8"))
     except FileNotFoundError as exc:
         raise ConfigError(f"{path}: {what} not found") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except IsADirectoryError as exc:
+        raise ConfigError(f"{path}: {what} is a directory, not a file") from exc
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read {what} ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: {what} is not UTF-8 text ({exc})") from exc
+    except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
+        raise ConfigError(f"{path}: expected a JSON object, found a JSON {type(data).__name__}")
     return data
 
 
@@ -141,19 +200,31 @@ def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _iter_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    # torch.save's zip format is memory-mapped; the legacy (torch < 1.6, non-zip) format cannot be, so it is
+    # read whole. map_location="cpu": checkpoints saved from a GPU name CUDA storages, loaded here onto the CPU.
+    import zipfile
     try:
-        data = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        zipped = zipfile.is_zipfile(path)
+    except OSError as exc:
+        raise CheckpointFormatError(f"{path}: cannot read .bin checkpoint ({exc.strerror or exc})") from exc
+    try:
+        data = torch.load(str(path), map_location="cpu", weights_only=True, mmap=zipped)
     except pickle.UnpicklingError as exc:
         raise CheckpointFormatError(
             f"{path}: refused to unpickle: it holds objects other than tensors, which could run "
             f"code. Convert it to safetensors where you trust it. ({str(exc).splitlines()[0]})") from exc
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise CheckpointFormatError(f"{path}: corrupt or truncated .bin checkpoint ({exc})") from exc
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        what = "zip archive" if zipped else "legacy (non-zip) torch file"
+        raise CheckpointFormatError(f"{path}: corrupt or truncated .bin checkpoint: cannot read it as a torch "
+                                    f"{what} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+                                    ) from exc
     if isinstance(data, dict) and "state_dict" in data and isinstance(data["state_dict"], dict):
         data = data["state_dict"]
     if not isinstance(data, dict):
         raise CheckpointFormatError(f"{path}: expected a dict of tensors, found {type(data).__name__}")
     for key, value in data.items():
+        if not isinstance(key, str):
+            raise CheckpointFormatError(f"{path}: key {key!r} is a {type(key).__name__}, not a tensor name (str)")
         if not isinstance(value, torch.Tensor):
             raise CheckpointFormatError(f"{path}: entry {key!r} is a {type(value).__name__}, not a tensor")
         yield key, value
@@ -163,17 +234,59 @@ def load_tensors(ckpt: Checkpoint, dtype: torch.dtype | None = None) -> dict[str
     """All tensors of a checkpoint, as stored (or cast to ``dtype`` when given)."""
     reader = _iter_safetensors if ckpt.format == "safetensors" else _iter_bin
     out: dict[str, torch.Tensor] = {}
+    found_in: dict[str, str] = {}
+    index = ckpt.root / (SAFE_INDEX if ckpt.format == "safetensors" else BIN_INDEX)
     for path in ckpt.weight_files:
         for key, tensor in reader(path):
+            # The index is the truth: a key lives in the one shard it names, once.
+            if key in found_in:
+                raise CheckpointFormatError(f"{path}: key {key!r} is also in {found_in[key]}: a tensor held by two "
+                                            "shards (or twice) is ambiguous; nothing was loaded")
+            if ckpt.weight_map is not None and Path(ckpt.weight_map.get(key, "")) != path.relative_to(ckpt.root):
+                named = ckpt.weight_map.get(key)
+                raise CheckpointFormatError(
+                    f"{path}: holds key {key!r}, which {index} "
+                    + (f"assigns to {named}" if named else "does not name") + "; nothing was loaded")
+            found_in[key] = path.name
             if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
                 tensor = tensor.to(dtype)
             out[key] = tensor
+    if dtype is None:
+        _unify_dtypes(out, ckpt)
     if ckpt.weight_map is not None:
         absent = sorted(k for k in ckpt.weight_map if k not in out)
         if absent:
             raise CheckpointFormatError(
-                f"{ckpt.source}: the shard index names keys its shards do not hold: {', '.join(absent[:10])}")
+                f"{index}: names keys its shards do not hold: "
+                + ", ".join(f"{k!r} (in {ckpt.weight_map[k]})" for k in absent[:10]))
     return out
+
+
+_FLOAT_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def _unify_dtypes(tensors: dict[str, torch.Tensor], ckpt: Checkpoint) -> None:
+    """One floating dtype per model, as transformers 5 loads with its default ``dtype="auto"``: the
+    config's ``dtype`` (or ``torch_dtype``) when it names one, else the first floating tensor's; the other
+    floating tensors are cast to it. A file whose floating tensors already share one dtype is kept as is."""
+    floats = [(k, t) for k, t in tensors.items() if t.is_floating_point()]
+    if len({t.dtype for _, t in floats}) < 2:
+        return
+    target = None
+    try:
+        config = json.loads(ckpt.config_path.read_text(encoding="utf-8"))
+        named = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+        target = _FLOAT_NAMES.get(str(named).removeprefix("torch."))
+    except (OSError, ValueError, RecursionError):
+        pass
+    target = target or floats[0][1].dtype
+    cast = [k for k, t in floats if t.dtype != target]
+    for key in cast:
+        tensors[key] = tensors[key].to(target)
+    import warnings
+    warnings.warn(f"{ckpt.source}: floating tensors of several dtypes; cast to {str(target).removeprefix('torch.')} "
+                  f"(the config's dtype, else the first tensor's, as transformers does): {', '.join(cast[:10])}"
+                  + (f" and {len(cast) - 10} more" if len(cast) > 10 else ""), stacklevel=3)
 
 
 def parse_size(size: int | str) -> int:

@@ -26,7 +26,7 @@ from torch import nn
 
 from . import io
 from .config import BaseConfig
-from .errors import WeightsMismatchError
+from .errors import CheckpointFormatError, InputError, WeightsMismatchError
 from .layers import check_attn_implementation
 
 if TYPE_CHECKING:
@@ -69,10 +69,14 @@ class PreTrainedModel(nn.Module):
     # Keys of a backbone that may be freshly initialised when the head around them is new
     # (HF's MLM checkpoints have no pooler, for example).
     fresh_ok_prefixes: ClassVar[tuple[str, ...]] = ("pooler.",)
+    # Backbones check their forward inputs (check_forward_inputs); a task model leaves it to its backbone.
+    validates_inputs: ClassVar[bool] = True
 
     def __init__(self, config: BaseConfig) -> None:
         super().__init__()
         self.config = config
+        if type(self).validates_inputs:
+            self.register_forward_pre_hook(_forward_input_hook, with_kwargs=True)
 
     # ---- identity ---------------------------------------------------------------------
     @property
@@ -137,6 +141,68 @@ class PreTrainedModel(nn.Module):
         return directory
 
 
+_FORWARD_NAMES: dict[type, list[str]] = {}
+
+
+def _forward_input_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    names = _FORWARD_NAMES.get(type(module))
+    if names is None:
+        import inspect
+        names = _FORWARD_NAMES[type(module)] = list(inspect.signature(type(module).forward).parameters)[1:]
+    inputs = dict(zip(names, args))
+    inputs.update(kwargs)
+    check_forward_inputs(module, inputs.get("input_ids"), inputs.get("attention_mask"),
+                         inputs.get("token_type_ids"), inputs.get("inputs_embeds"))
+
+
+def check_forward_inputs(model: nn.Module, input_ids: object, attention_mask: object = None,
+                         token_type_ids: object = None, inputs_embeds: object = None) -> None:
+    """InputError, naming the argument and the limit, for inputs torch would fail on deep inside (or,
+    for a token id past the table on some devices, not fail on): a non-tensor or float ``input_ids``,
+    ids outside ``[0, vocab_size)``, a sequence longer than the position table, an ``attention_mask``
+    or ``token_type_ids`` whose shape differs from the input's, a token type past ``type_vocab_size``."""
+    config = model.config
+    if input_ids is not None:
+        if not isinstance(input_ids, torch.Tensor):
+            raise InputError(f"input_ids is a {type(input_ids).__name__}: expected a tensor of token ids")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise InputError(f"input_ids has dtype {input_ids.dtype}: expected an integer tensor of token ids")
+        if input_ids.dim() != 2:
+            raise InputError(f"input_ids has shape {tuple(input_ids.shape)}: expected (batch, sequence)")
+        shape = tuple(input_ids.shape)
+    elif isinstance(inputs_embeds, torch.Tensor):
+        if inputs_embeds.dim() != 3:
+            raise InputError(f"inputs_embeds has shape {tuple(inputs_embeds.shape)}: expected (batch, sequence, hidden)")
+        shape = tuple(inputs_embeds.shape[:2])
+    else:
+        return
+    family = getattr(model, "family", None)
+    limit = family.max_sequence_length(config) if family is not None else None
+    if limit is not None and shape[1] > limit:
+        raise InputError(f"input of {shape[1]} tokens is longer than the model's position table allows "
+                         f"({limit}, from max_position_embeddings={getattr(config, 'max_position_embeddings', None)}): "
+                         "truncate it (tokenizer truncation=True, max_length=...)")
+    vocab = getattr(config, "vocab_size", None)
+    if input_ids is not None and input_ids.numel() and vocab is not None and not input_ids.is_meta:
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab:
+            raise InputError(f"input_ids holds token id {low if low < 0 else high}, outside the vocabulary "
+                             f"[0, vocab_size={vocab}): was it made by another model's tokenizer?")
+    for name, value in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise InputError(f"{name} is a {type(value).__name__}: expected a tensor shaped like input_ids {shape}")
+        if tuple(value.shape) != shape:
+            raise InputError(f"{name} has shape {tuple(value.shape)}, but input_ids has {shape}: they must match")
+    types = getattr(config, "type_vocab_size", None)
+    if isinstance(token_type_ids, torch.Tensor) and token_type_ids.numel() and types and not token_type_ids.is_meta:
+        low, high = int(token_type_ids.min()), int(token_type_ids.max())
+        if low < 0 or high >= types:
+            raise InputError(f"token_type_ids holds type {low if low < 0 else high}, outside "
+                             f"[0, type_vocab_size={types})")
+
+
 class HeadPart(nn.Module):
     """A head's modules, mounted at the task model's root under HF's names.
 
@@ -160,6 +226,7 @@ class TaskModel(PreTrainedModel):
     """A backbone plus one head part. Subclasses (in ``flodl_hf.heads``) write each head shape once."""
 
     head_factory: ClassVar[str]  # the Family classmethod that builds this task's HeadPart
+    validates_inputs: ClassVar[bool] = False
 
     def __init__(self, config: BaseConfig) -> None:
         super().__init__(config)
@@ -243,11 +310,19 @@ def _expected(model: nn.Module) -> tuple[dict[str, torch.Size], dict[str, str]]:
 
 
 def _normalise_keys(model: PreTrainedModel, tensors: dict[str, torch.Tensor],
-                    shapes: dict[str, torch.Size], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+                    shapes: dict[str, torch.Size], aliases: dict[str, str],
+                    untied: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under our canonical names. A tied alias the file holds with *different*
+    values than its canonical key goes to ``untied`` (when given): transformers 5 keeps such a file tensor
+    and unties the pair, so we do too."""
     renames = KeyRenamer(model.family.key_renames)
     known = set(shapes) | set(aliases)
     state: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
+        if not isinstance(key, str):
+            raise CheckpointFormatError(f"state_dict key {key!r} is a {type(key).__name__}, not a tensor name (str)")
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointFormatError(f"state_dict entry {key!r} is a {type(tensor).__name__}, not a tensor")
         if IGNORED_KEY.search(key):
             continue
         for old, new in LEGACY_SUFFIX.items():
@@ -265,8 +340,32 @@ def _normalise_keys(model: PreTrainedModel, tensors: dict[str, torch.Tensor],
     for alias, canonical in aliases.items():
         if alias in state:
             tensor = state.pop(alias)
-            state.setdefault(canonical, tensor)  # a tied copy in the file is redundant
+            if canonical not in state:
+                state[canonical] = tensor
+            elif untied is not None and not _same_values(tensor, state[canonical]):
+                untied[alias] = tensor
+            # else: a tied copy in the file is redundant
     return state
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    if a.dtype != b.dtype:
+        b = b.to(a.dtype)
+    return bool(torch.equal(a, b))
+
+
+def _check_kinds(model: nn.Module, state: dict[str, torch.Tensor], untied: dict[str, torch.Tensor],
+                 source: str) -> None:
+    """A floating parameter needs a floating tensor: an integer or bool tensor in its place is refused,
+    naming the key (transformers would cast it silently)."""
+    expected = dict(model.state_dict(keep_vars=True))
+    for key, tensor in [*state.items(), *untied.items()]:
+        want = expected.get(key)
+        if want is not None and want.is_floating_point() and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise CheckpointFormatError(f"{source}: key {key!r} holds a {str(tensor.dtype).removeprefix('torch.')} "
+                                        "tensor where the model has a floating-point parameter; nothing was loaded")
 
 
 def _init_fresh(owner: nn.Module, name: str, std: float) -> None:
@@ -291,10 +390,14 @@ def load_weights(model: PreTrainedModel, tensors: dict[str, torch.Tensor], sourc
     warning that lists them.
     """
     shapes, aliases = _expected(model)
-    state = _normalise_keys(model, tensors, shapes, aliases)
+    untied: dict[str, torch.Tensor] = {}
+    state = _normalise_keys(model, tensors, shapes, aliases, untied)
     missing = [k for k in shapes if k not in state]
     mismatched = [(k, tuple(shapes[k]), tuple(state[k].shape)) for k in shapes
                   if k in state and state[k].shape != shapes[k]]
+    mismatched += [(k, tuple(shapes[aliases[k]]), tuple(t.shape)) for k, t in untied.items()
+                   if t.shape != shapes[aliases[k]]]
+    _check_kinds(model, state, untied, source)
     unused = sorted(k for k in state if k not in shapes)
 
     fresh: list[str] = []
@@ -316,7 +419,15 @@ def load_weights(model: PreTrainedModel, tensors: dict[str, torch.Tensor], sourc
     model.load_state_dict(loadable, strict=False, assign=True)
     for alias, canonical in aliases.items():  # assign replaced the tied objects: tie them again
         owner, _, name = alias.rpartition(".")
-        setattr(model.get_submodule(owner), name, model.get_parameter(canonical))
+        if alias in untied:
+            tied = model.get_parameter(canonical)
+            setattr(model.get_submodule(owner), name, nn.Parameter(untied[alias], requires_grad=tied.requires_grad))
+        else:
+            setattr(model.get_submodule(owner), name, model.get_parameter(canonical))
+    if untied:
+        warnings.warn(f"{source}: holds " + ", ".join(f"{a} (different from {aliases[a]})" for a in sorted(untied))
+                      + ", which the model ties: the file's tensors are kept and the pair is untied, as transformers "
+                      "does (config tie_word_embeddings says otherwise)", stacklevel=3)
     std = getattr(model.config, "initializer_range", 0.02)
     for key in fresh:
         owner, _, name = key.rpartition(".")

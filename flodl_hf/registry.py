@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from .errors import UnsupportedModelError
+from .errors import RegistryError, UnsupportedModelError
 
 if TYPE_CHECKING:
     import torch
@@ -106,10 +106,17 @@ def register(family: type[Family]) -> type[Family]:
 
 
 def _ensure_loaded() -> None:
+    """Import every family once. The flag is set only after the import succeeded: a family that fails to
+    import raises here on every call, never leaving a silently partial registry behind."""
     global _loaded
-    if not _loaded:
-        _loaded = True
+    if _loaded:
+        return
+    try:
         import flodl_hf.families  # noqa: F401  (importing registers every family)
+    except Exception as exc:
+        raise RegistryError(f"flodl_hf.families failed to import, so no model family is available "
+                            f"({type(exc).__name__}: {exc}); reinstall flodl-hf or fix the family named above") from exc
+    _loaded = True
 
 
 def supported_model_types() -> list[str]:

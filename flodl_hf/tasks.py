@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from . import batching
-from .errors import InputError, SourceNotFoundError
+from .errors import InputError, MissingHeadError, SourceNotFoundError
 from .tokenizer import LARGE_INTEGER, AutoTokenizer, BatchEncoding, Tokenizer
 
 DEFAULT_FILL_MASK_MODEL = "bert-base-uncased"
@@ -84,6 +84,48 @@ def max_input_length(model: nn.Module, tokenizer: Tokenizer) -> int:
     return min(limits) if limits else LARGE_INTEGER
 
 
+def _load_with_head(source: str, task: str) -> nn.Module:
+    """``load_model`` for a task one-liner: a checkpoint without the task's head is refused (the Auto
+    classes would initialise one at random, with a warning; a one-liner would then predict noise)."""
+    from .auto import load_model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load_model(source, task)
+    report = getattr(model, "load_report", None)
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    head = [k for k in (report.fresh if report else []) if task != "base" and not k.startswith(prefix)]
+    if head:
+        raise MissingHeadError(f"{source}: has no {task} head (missing {', '.join(head)}), so "
+                               f"{_TASK_FUNCTION.get(task, task)} cannot run on it: a head initialised at random "
+                               "would predict noise. Pass a checkpoint fine-tuned for this task, or train one "
+                               "(flodl_hf.AutoModelFor... with num_labels=) first")
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return model
+
+
+_TASK_FUNCTION = {"mlm": "fill_mask", "seqcls": "classify", "tokcls": "tag", "qa": "answer", "base": "embed"}
+
+
+def _check_top_k(top_k: object, name: str = "top_k", limit: int | None = None, allow_none: bool = False) -> None:
+    if top_k is None and allow_none:
+        return
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+        raise InputError(f"{name}={top_k!r}: must be an integer >= 1" + (" (or None)" if allow_none else ""))
+    if limit is not None and top_k > limit:
+        raise InputError(f"{name}={top_k}: larger than the {limit} candidates (the vocabulary size)")
+
+
+def _check_texts(items: list, what: str = "texts") -> None:
+    for i, text in enumerate(items):
+        if not isinstance(text, str):
+            raise InputError(f"{what}[{i}] is a {type(text).__name__}: expected a string")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InputError(f"{what}[{i}] is not valid Unicode text (a lone surrogate at {exc.start})") from None
+
+
 def _check_precision(precision: str) -> str:
     if precision not in PRECISIONS:
         raise InputError(f"precision={precision!r}: expected one of {', '.join(map(repr, PRECISIONS))}")
@@ -124,7 +166,7 @@ def load(model: Source, task: str, tokenizer: str | Path | Tokenizer | None = No
         source = str(model)
         key = (source, task, "exact")
         if key not in _MODELS:
-            _MODELS[key] = load_model(source, task)
+            _MODELS[key] = _load_with_head(source, task)
         if precision == "int8":
             if (source, task, "int8") not in _MODELS:
                 _MODELS[(source, task, "int8")] = quantize_int8(_MODELS[key])
@@ -283,12 +325,22 @@ def fill_mask(text_or_texts: str | Sequence[str], model: Source | None = None, t
     tok = loaded.tokenizer
     if tok.mask_token is None:
         raise InputError(f"{loaded.source}: the tokenizer defines no mask token, so it cannot fill masks")
+    vocab = getattr(getattr(loaded.model, "config", None), "vocab_size", None)
+    _check_top_k(top_k, limit=vocab)
     single = isinstance(text_or_texts, str)
-    texts = [text_or_texts] if single else list(text_or_texts)
+    texts = [text_or_texts] if single else _as_list(text_or_texts)
+    _check_texts(texts)
+    if not texts:
+        return []
     texts = [_with_model_mask(t, tok) for t in texts]
     enc = _encode(loaded, texts)
     for text, ids in zip(texts, enc["input_ids"]):
         if tok.mask_token_id not in ids:
+            whole = tok(text, truncation=False, return_tensors=None, return_attention_mask=False)["input_ids"]
+            if tok.mask_token_id in whole:
+                raise InputError(f"the mask token ({tok.mask_token}) in {text[:60]!r}... is at token "
+                                 f"{whole.index(tok.mask_token_id)}, past the model's maximum of {loaded.max_length} "
+                                 "tokens: it was cut off by truncation. Shorten the text before the mask")
             raise InputError(f"no mask token ({tok.mask_token}) in {text!r}: write {' or '.join(MASK_SPELLINGS)} "
                              "where the word to predict goes")
     target_ids = _target_ids(tok, targets) if targets is not None else None
@@ -336,6 +388,12 @@ def _np_softmax(x: np.ndarray) -> np.ndarray:
     return shifted / shifted.sum(axis=-1, keepdims=True)
 
 
+def _as_list(texts: object, what: str = "texts") -> list:
+    if isinstance(texts, (str, bytes, dict)) or not isinstance(texts, Iterable):
+        raise InputError(f"{what} is a {type(texts).__name__}: expected a string or a list of strings")
+    return list(texts)
+
+
 def _split_pairs(texts: list) -> tuple[list[str], list[str] | None]:
     if all(isinstance(t, dict) for t in texts):
         try:
@@ -357,10 +415,16 @@ def classify(texts: str | dict | Sequence[str | dict], model: Source, top_k: int
     the softmax (single-label), the sigmoid (multi-label, or one label) or the raw logits (regression),
     unless ``function_to_apply`` ("softmax", "sigmoid", "none") says otherwise.
     """
+    _check_top_k(top_k, allow_none=True)
     loaded = load(model, "seqcls", tokenizer, precision)
     single = isinstance(texts, (str, dict))
-    items = [texts] if single else list(texts)
+    items = [texts] if single else _as_list(texts)
+    if not items:
+        return []
     firsts, seconds = _split_pairs(items)
+    _check_texts(firsts)
+    if seconds is not None:
+        _check_texts(seconds, "text_pair")
     enc = _encode(loaded, firsts, seconds)
     outputs = _run(loaded, _rows(enc, _MODEL_KEYS), batch_size, {"logits": False})
     config = loaded.model.config
@@ -511,7 +575,10 @@ def tag(texts: str | Sequence[str], model: Source, aggregation_strategy: str = "
     if strategy in ("first", "average", "max") and not tok.is_fast:
         raise InputError("word aggregation needs a tokenizer with offsets")
     single = isinstance(texts, str)
-    items = [texts] if single else list(texts)
+    items = [texts] if single else _as_list(texts)
+    _check_texts(items)
+    if not items:
+        return []
     enc = _encode(loaded, items, return_offsets_mapping=True, return_special_tokens_mask=True)
     outputs = _run(loaded, _rows(enc, _MODEL_KEYS), batch_size, {"logits": True})
     ignore = list(ignore_labels) if ignore_labels is not None else ["O"]
@@ -588,8 +655,8 @@ def answer(question: str | Sequence[str], context: str | Sequence[str], model: S
     ``max_seq_len`` tokens (default ``min(384, model_max_length)``) overlapping by ``doc_stride``
     (default ``min(max_seq_len // 2, 128)``), and the best spans over all windows win.
     """
-    if top_k < 1:
-        raise InputError(f"top_k={top_k}: must be at least 1")
+    _check_top_k(top_k)
+    _check_top_k(max_answer_len, "max_answer_len")
     if max_answer_len < 1:
         raise InputError(f"max_answer_len={max_answer_len}: must be at least 1")
     loaded = load(model, "qa", tokenizer, precision)
@@ -603,6 +670,8 @@ def answer(question: str | Sequence[str], context: str | Sequence[str], model: S
         if len(questions) != len(context):
             raise InputError(f"{len(questions)} questions for {len(context)} contexts")
         examples, single = list(zip(questions, context)), False
+    _check_texts([q for q, _ in examples], "question")
+    _check_texts([c for _, c in examples], "context")
     for q, c in examples:
         if not q or not c:
             raise InputError("question and context must both be non-empty")
@@ -710,11 +779,14 @@ def embed(texts: str | Sequence[str], model: Source, pooling: str | None = None,
         loaded = Loaded(loaded.model, loaded.tokenizer, min(loaded.max_length, int(settings["max_seq_length"])),
                         loaded.source, loaded.precision)
     single = isinstance(texts, str)
-    items = [texts] if single else list(texts)
+    items = [texts] if single else _as_list(texts)
+    _check_texts(items)
     if settings.get("do_lower_case"):
         items = [t.lower() for t in items]
-    if not items:
-        raise InputError("embed: no texts")
+    if not items:  # an empty batch: an empty (0, dim) result, as sentence-transformers gives
+        config = loaded.model.config
+        width = getattr(config, "hidden_size", None) or getattr(config, "dim", 0)
+        return torch.empty((0, width), dtype=torch.float32)
     enc = _encode(loaded, items)
     rows = _rows(enc, _MODEL_KEYS)
     outputs = _run(loaded, rows, batch_size, {"last_hidden_state": True})
@@ -738,7 +810,10 @@ def embed(texts: str | Sequence[str], model: Source, pooling: str | None = None,
 
 def rank(query: str, texts: Sequence[str], model: Source, top_k: int | None = None, **embed_options: Any) -> list[dict]:
     """Texts ranked by cosine similarity of their embeddings to ``query``: ``{index, text, score}``, best first."""
-    texts = list(texts)
+    texts = _as_list(texts)
+    _check_texts([query], "query")
+    _check_texts(texts)
+    _check_top_k(top_k, allow_none=True)
     if not texts:
         raise InputError("rank: no texts to rank")
     vectors = embed([query, *texts], model, **{"normalize": True, **embed_options})
