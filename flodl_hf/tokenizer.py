@@ -32,7 +32,7 @@ import torch
 from tokenizers import AddedToken, Encoding, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from .errors import ConfigError, InputError, SourceNotFoundError
+from .errors import ConfigError, FlodlHFError, InputError, SourceNotFoundError
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -434,9 +434,12 @@ class Tokenizer:
             else:
                 inputs = list(text)
         elif isinstance(text, str):
+            if text_pair is not None and not isinstance(text_pair, str):
+                raise InputError(f"text_pair is a {type(text_pair).__name__}: with a single text it must be a string")
             inputs = [(text, text_pair)] if text_pair else [text]
         else:
             raise InputError(f"text must be a string or a list of strings, not {type(text).__name__}")
+        _check_inputs(inputs)
 
         backend = self.backend_tokenizer
         if trunc == "do_not_truncate":
@@ -501,6 +504,18 @@ class Tokenizer:
         return BatchEncoding(fields, flat)
 
 
+def _check_inputs(inputs: list) -> None:
+    """Each input is a string or a (string, string) pair of valid Unicode (no lone surrogates)."""
+    for i, item in enumerate(inputs):
+        for part, name in ((item, "text"),) if not isinstance(item, tuple) else zip(item, ("text", "text_pair")):
+            if not isinstance(part, str):
+                raise InputError(f"{name}[{i}] is a {type(part).__name__}: expected a string")
+            try:
+                part.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InputError(f"{name}[{i}] is not valid Unicode text (a lone surrogate at {exc.start})") from None
+
+
 def _as_tensor(key: str, value: list, kind: str) -> Any:
     lengths = {len(v) for v in value if isinstance(v, list)}
     if len(lengths) > 1:
@@ -513,11 +528,15 @@ def _as_tensor(key: str, value: list, kind: str) -> Any:
 # ---- loading -----------------------------------------------------------------------------------
 
 def _read_json(path: Path) -> dict:
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory, not a JSON file")
     if not path.is_file():
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object")
@@ -572,10 +591,19 @@ class AutoTokenizer:
         class_name = class_name_for(root, tok_config)
         recipe = RECIPES.get(class_name or "")
         tokenizer_json = root / TOKENIZER_FILE
-        if recipe is not None and tokenizer_json.is_file():
-            data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
-            if (data.get("model") or {}).get("type") == recipe.model_type:
+        data = _read_json(tokenizer_json) if tokenizer_json.exists() else None
+        if data is not None and not isinstance(data.get("model"), dict):
+            raise ConfigError(f"{tokenizer_json}: not a tokenizers file: 'model' is "
+                              f"{type(data.get('model')).__name__}, expected an object with a 'type'")
+        if recipe is not None and data is not None and data["model"].get("type") == recipe.model_type:
+            try:
                 return _from_recipe(root, data, tok_config, class_name, recipe, str(source))
+            except Exception as exc:  # noqa: BLE001 - tokenizers and our recipes raise many kinds on a bad file
+                if isinstance(exc, FlodlHFError):
+                    raise
+                raise ConfigError(f"{tokenizer_json}: cannot build the {class_name} tokenizer from it "
+                                  f"({type(exc).__name__}: {exc})") from exc
+        _check_vocab_txt(root)
         return _from_transformers(root, str(source), options)
 
 
@@ -655,6 +683,26 @@ def _from_recipe(root: Path, data: dict, tok_config: dict, class_name: str, reci
 
 
 VOCABULARY_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "*.model")
+
+
+def _check_vocab_txt(root: Path) -> None:
+    """A WordPiece ``vocab.txt`` must be UTF-8 text with at least one token: an empty one would give a
+    tokenizer mapping everything to [UNK], a binary one garbage."""
+    path = root / "vocab.txt"
+    if not path.exists() or (root / TOKENIZER_FILE).is_file():
+        return
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory, not a vocabulary file")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text, so not a vocabulary ({exc})") from exc
+    if "\x00" in text:
+        raise ConfigError(f"{path}: holds NUL bytes: a binary file, not a vocabulary")
+    if not any(line.strip() for line in text.splitlines()):
+        raise ConfigError(f"{path}: is empty: a vocabulary needs at least one token")
 
 
 def _from_transformers(root: Path, source: str, options: dict) -> Tokenizer:

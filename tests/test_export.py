@@ -29,6 +29,7 @@ from flodl_hf.errors import (CheckpointFormatError, ConfigError, OutputExistsErr
 from flodl_hf.export import export, export_checkpoint, sha256_file
 from flodl_hf.parity import REFERENCE_CLASSES
 from flodl_hf.registry import TASKS, supported_model_types
+from flodl_hf.validate import tree_hash
 from flodl_hf.verify import FAIL, PASS, SKIP, tiny_config, verify_export, verify_matrix
 from helpers import make_checkpoint, quiet_transformers
 
@@ -260,12 +261,14 @@ def test_failure_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="injected"):
         export(_tiny("qa"), tmp_path / "out")
     assert not (tmp_path / "out").exists() and _no_scratch(tmp_path)
-    # with --force over an existing DIR, the old DIR survives a failed export untouched
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "keep.txt").write_text("old")
+    # with --force over an earlier export, the old DIR survives a failed export untouched
+    monkeypatch.undo()
+    export(_tiny("seqcls"), tmp_path / "out")
+    before = tree_hash(tmp_path / "out")
+    monkeypatch.setattr(_module("flodl_hf.export"), "write_tokenizer", boom)
     with pytest.raises(RuntimeError, match="injected"):
         export(_tiny("qa"), tmp_path / "out", force=True)
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"] and _no_scratch(tmp_path)
+    assert tree_hash(tmp_path / "out") == before and _no_scratch(tmp_path)
 
 
 def test_kill_leaves_no_dir(tmp_path):
@@ -286,11 +289,18 @@ e.export({str(src)!r}, {str(out)!r})
 
 
 def test_force_replaces(tmp_path):
+    """--force replaces an empty directory or an earlier export; a directory of the user's is refused."""
     (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "stale.txt").write_text("x")
+    result = export(_tiny("seqcls"), tmp_path / "out", force=True)
+    (result.out / "stale.txt").write_text("x")
     result = export(_tiny("qa"), tmp_path / "out", force=True)
     assert not (result.out / "stale.txt").exists() and verify_export(result.out).ok
     assert _no_scratch(tmp_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(OutputExistsError, match="did not write"):
+        export(_tiny("qa"), tmp_path / "mine", force=True)
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
 
 
 # ---- verify-export notices what changed --------------------------------------------------------------------
