@@ -22,7 +22,8 @@ import torch
 
 from . import io
 from .errors import CheckpointFormatError
-from .export import WRITTEN_MARK, _version, atomic_directory, check_out, protected_paths, same_bytes
+from .export import (WRITTEN_MARK, _version, atomic_directory, check_out, local_source, protected_paths,
+                     same_bytes)
 
 
 @dataclass
@@ -91,7 +92,7 @@ def verify_written(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
 def convert(source: str | os.PathLike, out: str | os.PathLike, revision: str | None = None,
             max_shard_size: int | str = "5GB", force: bool = False) -> ConvertResult:
     """Convert a ``.bin`` checkpoint (directory, file or hub id) to safetensors in ``out``."""
-    out_path = check_out(out, force)
+    out_path = check_out(out, force, local_source(source))
     ckpt = io.resolve(source, revision)
     if ckpt.format != "bin":
         raise CheckpointFormatError(f"{source}: already safetensors ({', '.join(p.name for p in ckpt.weight_files)}); "

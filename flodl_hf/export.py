@@ -249,6 +249,12 @@ def carried_paths(plan: "carry.CarryPlan") -> list[Protected]:
     return [(item.root / item.name, True) for item in plan.files]
 
 
+def local_source(source: str | os.PathLike) -> list[Protected]:
+    """The protected path of a source given as a local path (before it is resolved); [] for a hub id."""
+    path = Path(source).expanduser()
+    return [(path, path.is_dir())] if path.exists() else []
+
+
 def check_out(out: str | os.PathLike, force: bool, protect: list[Protected] | None = None) -> Path:
     """Refuse an unusable ``out`` before anything is written: a file, a symlink, an existing directory
     without ``force`` or (with it) one flodl-hf did not write, or a path overlapping what is read."""
@@ -460,7 +466,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, head: str = "auto"
     take the model card and sentence-transformers layout from (default: the source); see flodl_hf.carry.
     """
     cast = parse_dtype(dtype)
-    out_path = check_out(out, force)  # fail before any heavy work
+    out_path = check_out(out, force, local_source(source))  # fail before any heavy work (a download)
     ckpt = io.resolve(source, revision)
     like_dir = carry.like_root(like) if like is not None else None
     tok_root = tokenizer_root(tokenizer) if tokenizer is not None else like_dir or ckpt.root
@@ -582,11 +588,10 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, head: str
     Without either, they come from the source the checkpoint records (flodl_hf.carry).
     """
     cast = parse_dtype(dtype)
-    out_path = check_out(out, force)
     path = Path(ckpt).expanduser().absolute()
     tok_root = tokenizer_root(tokenizer) if tokenizer is not None else None
     protect: list[Protected] = [(path, True)] + ([(tok_root, True)] if tok_root is not None else [])
-    check_out(out_path, force, protect)
+    out_path = check_out(out, force, protect)
     config_dict, state = read_trainer_checkpoint(path)
     config = config_from_dict(config_dict, f"{path} (config)")
     from .validate import check_config_fits
