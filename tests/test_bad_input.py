@@ -764,3 +764,185 @@ def test_the_table_is_large_enough() -> None:
     for c in CASES:
         by_entry[c.entry] = by_entry.get(c.entry, 0) + 1
     assert len(CASES) >= 150 and len({c.id for c in CASES}) == len(CASES), by_entry
+
+
+# ---- 1. atomicity: a real `flodl-hf export` SIGKILLed at every stage of its write and swap --------------
+
+def _cli() -> str:
+    found = shutil.which("flodl-hf", path=str(Path(sys.executable).parent)) or shutil.which("flodl-hf")
+    assert found, "the flodl-hf console script is not installed in this environment"
+    return found
+
+
+def test_kill_at_every_stage_leaves_old_or_new(tmp_path: Path) -> None:
+    """DIR holds an earlier export; `flodl-hf export --force` of another head is killed at each stage.
+    After every kill DIR is, by tree hash, exactly the old export (killed before the swap) or exactly the
+    new one (at or after it), never missing or mixed; the next export settles the scratch it left. With
+    the exchange syscall disabled (the two-rename fallback), a kill between the renames leaves the old
+    DIR aside, and the next write restores it."""
+    old_src, new_src = _tiny("seqcls"), _tiny("qa")
+    export(old_src, tmp_path / "old")
+    export(new_src, tmp_path / "new")
+    old, new = tree_hash(tmp_path / "old"), tree_hash(tmp_path / "new")
+    assert old != new
+    runs = [(stage, False) for stage in STAGES if stage != "old-moved"] + [("old-moved", True), ("swapped", True)]
+    procs = []
+    for stage, fallback in runs:
+        work = tmp_path / f"{stage}-{'fallback' if fallback else 'exchange'}"
+        work.mkdir()
+        shutil.copytree(tmp_path / "old", work / "out", symlinks=True)
+        env = {**os.environ, KILL_ENV: stage, **({"FLODL_HF_NO_EXCHANGE": "1"} if fallback else {})}
+        cmd = [_cli(), "export", "--hub", str(new_src), "--out", str(work / "out"), "--force"]
+        procs.append((stage, fallback, work, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                                              stderr=subprocess.PIPE)))
+    swapped_at = STAGES.index("swapped")
+    for stage, fallback, work, proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == -signal.SIGKILL, (stage, fallback, err.decode()[-2000:])
+        out = work / "out"
+        left = sorted(p.name for p in work.iterdir() if p.name != "out")
+        if fallback and stage == "old-moved":
+            # the one instant the fallback cannot cover: DIR is aside, and is restored by the next write
+            assert not out.exists() and any(".old-" in n for n in left), left
+            assert recover_scratch(out) and tree_hash(out) == old
+        else:
+            assert tree_hash(out) == (new if STAGES.index(stage) >= swapped_at else old), (stage, fallback)
+        export(new_src, out, force=True)  # the next write settles the scratch and succeeds
+        assert tree_hash(out) == new
+        assert [p.name for p in work.iterdir()] == ["out"], (stage, fallback)
+
+
+def test_orphan_is_restored_never_deleted(tmp_path: Path) -> None:
+    """What a writer killed between the fallback's two renames leaves (DIR missing, `.DIR.old-PID-*` beside
+    it, PID gone) is renamed back by the next write, never deleted as stale scratch."""
+    export(_tiny("seqcls"), tmp_path / "out")
+    before = tree_hash(tmp_path / "out")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "out").rename(tmp_path / f".out.old-{dead.pid}-0badc0de")
+    (tmp_path / f".out.partial-{dead.pid}-0badc0de").mkdir()  # the unfinished new one
+    with pytest.raises(OutputExistsError, match="already exists"):
+        export(_tiny("qa"), tmp_path / "out")  # restored first, then judged like any existing DIR
+    assert tree_hash(tmp_path / "out") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# ---- 2. hub snapshots (links into blobs are inside) and directory links are not followed ------------------
+
+def test_hub_snapshot_links_into_blobs_load(tmp_path: Path) -> None:
+    src = source(tmp_path, shards=2)
+    repo = tmp_path / "hub" / "models--someone--tiny"
+    snap = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in src.iterdir():
+        blob = repo / "blobs" / f"sha-{f.name}"
+        shutil.copy(f, blob)
+        (snap / f.name).symlink_to(Path("..", "..", "blobs", blob.name))
+    ours = load_model(snap)
+    reference = load_model(src)
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), reference.state_dict().values()))
+
+
+def test_convert_does_not_follow_a_linked_directory(tmp_path: Path) -> None:
+    src = source(tmp_path, fmt="bin")
+    (tmp_path / "private").mkdir()
+    (tmp_path / "private" / "key.txt").write_text("secret")
+    (src / "extra").symlink_to(tmp_path / "private", target_is_directory=True)
+    result = convert(src, tmp_path / "out")
+    assert not (result.out / "extra").exists() and "extra/key.txt" not in result.copied
+
+
+# ---- 3. the tied flag against a different decoder in the file: as transformers 5 -------------------------
+
+def test_tied_flag_with_a_different_decoder_keeps_the_files_tensor(tmp_path: Path) -> None:
+    transformers = quiet_transformers()
+    src = source(tmp_path)
+    assert json.loads((src / "config.json").read_text()).get("tie_word_embeddings", True)
+    tensors = load_file(src / "model.safetensors")
+    tensors["cls.predictions.decoder.weight"] = tensors["bert.embeddings.word_embeddings.weight"] + 1.0
+    _save(tensors, src / "model.safetensors", "safetensors")
+    with pytest.warns(UserWarning, match="cls.predictions.decoder.weight"):
+        ours = load_model(src)
+    theirs = transformers.AutoModelForMaskedLM.from_pretrained(str(src)).eval()
+    ids = _ids(8)
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=ids).logits, theirs(input_ids=ids).logits)
+    assert torch.equal(ours.cls.predictions.decoder.weight, tensors["cls.predictions.decoder.weight"])
+    # the same file with an equal copy stays tied
+    tensors["cls.predictions.decoder.weight"] = tensors["bert.embeddings.word_embeddings.weight"].clone()
+    _save(tensors, src / "model.safetensors", "safetensors")
+    tied = load_model(src)
+    assert tied.cls.predictions.decoder.weight is tied.bert.embeddings.word_embeddings.weight
+
+
+# ---- 5. formats real checkpoints use ------------------------------------------------------------------------
+
+def _same_logits_as_transformers(src: Path) -> None:
+    transformers = quiet_transformers()
+    ours = load_model(src)
+    theirs = transformers.AutoModelForMaskedLM.from_pretrained(str(src)).eval()
+    ids = _ids(8)
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=ids).logits, theirs(input_ids=ids).logits)
+
+
+def test_legacy_non_zip_bin_loads(tmp_path: Path) -> None:
+    src = source(tmp_path, fmt="bin")
+    torch.save(torch.load(src / "pytorch_model.bin", weights_only=True), src / "pytorch_model.bin",
+               _use_new_zipfile_serialization=False)
+    assert not __import__("zipfile").is_zipfile(src / "pytorch_model.bin")
+    _same_logits_as_transformers(src)
+
+
+def test_cuda_storage_bin_loads_on_cpu(tmp_path: Path, monkeypatch) -> None:
+    """A .bin saved from a GPU names CUDA storages; here (no GPU needed) the storages are tagged 'cuda:0'."""
+    import torch.serialization as serialization
+    src = source(tmp_path, fmt="bin")
+    state = torch.load(src / "pytorch_model.bin", weights_only=True)
+    monkeypatch.setattr(serialization, "location_tag", lambda storage: "cuda:0")
+    torch.save(state, src / "pytorch_model.bin")
+    monkeypatch.undo()
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(src / "pytorch_model.bin", weights_only=True)  # what a load without map_location does
+    model = load_model(src)
+    assert model.device.type == "cpu"
+    _same_logits_as_transformers(src)
+
+
+def test_mixed_dtypes_give_a_working_model_cast_as_transformers_does(tmp_path: Path) -> None:
+    src = source(tmp_path)
+    edit_config(src, dtype=DELETE, torch_dtype=DELETE)
+    tensors = load_file(src / "model.safetensors")
+    tensors["bert.encoder.layer.0.attention.self.query.weight"] = \
+        tensors["bert.encoder.layer.0.attention.self.query.weight"].half()
+    _save(tensors, src / "model.safetensors", "safetensors")
+    with pytest.warns(UserWarning, match="several dtypes"):
+        model = load_model(src)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    _same_logits_as_transformers(src)
+
+
+# ---- 6. empty inputs give empty results; the registry fails loudly every time -------------------------------
+
+def test_empty_task_inputs_give_empty_results() -> None:
+    mlm, seqcls, tokcls = _task(BERT, "mlm"), _task(BERT, "seqcls"), _task(BERT, "tokcls")
+    assert classify([], seqcls) == []
+    assert tag([], tokcls) == []
+    assert fill_mask([], mlm) == []
+    vectors = embed([], mlm)
+    assert vectors.shape == (0, json.loads((mlm / "config.json").read_text())["hidden_size"])
+
+
+def test_registry_fails_loudly_every_time(monkeypatch) -> None:
+    from flodl_hf import registry
+    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setitem(sys.modules, "flodl_hf.families", None)  # importing it now raises ImportError
+    for _ in range(2):
+        with pytest.raises(RegistryError, match="flodl_hf.families"):
+            registry.get_family("bert")
+        with pytest.raises(RegistryError):
+            registry.supported_model_types()
+    monkeypatch.undo()
+    assert "bert" in registry.supported_model_types()
