@@ -127,6 +127,7 @@ class Case:
     call: Callable[[Path, Path], Any]            # (source, tmp) -> the call
     error: type[BaseException]
     named: Callable[[Path, Path], str] | str     # what the message must name (file, key or field)
+    kind: int                                    # the issue's case class (1 data loss ... 6 typed errors)
 
     @property
     def id(self) -> str:
@@ -134,10 +135,13 @@ class Case:
 
 
 CASES: list[Case] = []
+KIND = 0  # the class of the cases declared next
+KINDS = {1: "data loss in export/convert", 2: "reads outside the checkpoint", 3: "silently wrong model",
+         4: "hang or huge allocation", 5: "formats real checkpoints use", 6: "typed errors elsewhere"}
 
 
-def case(entry: str, name: str, make, call, error, named) -> None:
-    CASES.append(Case(entry, name, make, call, error, named))
+def case(entry: str, name: str, make, call, error, named, kind: int | None = None) -> None:
+    CASES.append(Case(entry, name, make, call, error, named, kind or KIND))
 
 
 # Entry points a checkpoint source goes through.
@@ -253,6 +257,7 @@ def keys_of_original(fmt: str, shard: str) -> list[str]:
     return keys[:half] if shard == shard_name(fmt, 1) else keys[half:]
 
 
+KIND = 2
 for _fmt in ("safetensors", "bin"):
     for _name, _make, _error, _named in _index_cases(_fmt):
         for _entry, _call in LOADERS.items():
@@ -303,6 +308,7 @@ def _with_tokenizer_dir(tmp: Path) -> Path:
     return src
 
 
+KIND = 1
 OUT_CASES = [
     ("out-is-source", lambda s, t: s, "is the source"),
     ("out-is-source-no-force", lambda s, t: s, "is the source"),
@@ -353,13 +359,14 @@ def _bin_with_link_out(tmp: Path) -> Path:
 
 
 case("convert", "side-file-symlink-out", _bin_with_link_out, lambda s, t: convert(s, t / "out"),
-     CheckpointFormatError, "notes.txt")
+     CheckpointFormatError, "notes.txt", kind=2)
 case("convert", "already-safetensors", source, lambda s, t: convert(s, t / "out"), CheckpointFormatError,
-     "model.safetensors")
+     "model.safetensors", kind=6)
 
 
 # ---- 3/4. config.json: typed errors naming the field -----------------------------------------------------
 
+KIND = 3
 CONFIG_CASES: list[tuple[str, dict, str, type]] = [
     ("layers-float", {"num_hidden_layers": 2.0}, "num_hidden_layers", ConfigError),
     ("layers-string", {"num_hidden_layers": "2"}, "num_hidden_layers", ConfigError),
@@ -432,12 +439,14 @@ def _config_src(changes: dict, model_type: str = "bert"):
 
 
 for _name, _changes, _named, _error in CONFIG_CASES:
+    _kind = 4 if _name in ("hidden-2pow40", "vocab-huge") else 3
     case("AutoConfig.from_pretrained", _name, _config_src(_changes), lambda s, t: AutoConfig.from_pretrained(s),
-         _error, _named)
-    case("load_model", _name, _config_src(_changes), lambda s, t: load_model(s), _error, _named)
+         _error, _named, _kind)
+    case("load_model", _name, _config_src(_changes), lambda s, t: load_model(s), _error, _named, _kind)
 for _mt, _name, _changes, _named in FAMILY_CONFIG_CASES:
     case("AutoConfig.from_pretrained", f"{_mt}-{_name}", _config_src(_changes, _mt),
          lambda s, t: AutoConfig.from_pretrained(s), ConfigError, _named)
+KIND = 4
 for _name, _changes, _named in [("layers-10e6", {"num_hidden_layers": 10**6}, "num_hidden_layers"),
                                 ("layers-one-too-many", {"num_hidden_layers": 3}, "num_hidden_layers")]:
     case("load_model", _name, _config_src(_changes), lambda s, t: load_model(s), ConfigError, _named)
@@ -446,6 +455,7 @@ case("load_model", "distilbert-layers-10e6", _config_src({"n_layers": 10**6}, "d
      lambda s, t: load_model(s), ConfigError, "n_layers")
 case("load_model", "albert-groups-10e6", _config_src({"num_hidden_groups": 10**6}, "albert"),
      lambda s, t: load_model(s), ConfigError, "num_hidden_groups")
+KIND = 3
 case("load_model", "hidden-wider-than-file", _config_src({"hidden_size": 64}), lambda s, t: load_model(s),
      WeightsMismatchError, "bert.embeddings.word_embeddings.weight")
 
@@ -462,6 +472,7 @@ def _config_file(content: bytes | None):
     return make
 
 
+KIND = 6
 for _name, _content in [("config-is-a-directory", None), ("config-not-utf8", b"\xff\xfe{}"),
                         ("config-not-json", b"{model_type: bert"), ("config-array", b"[1, 2]"),
                         ("config-empty", b""), ("config-deep-nesting", b"[" * 100000 + b"]" * 100000),
@@ -497,6 +508,7 @@ def _int_tensor(key: str):
     return mutate
 
 
+KIND = 5
 LN = "bert.embeddings.LayerNorm.weight"
 for _fmt in ("safetensors", "bin"):
     case("load_model", f"{_fmt}-int-tensor-for-float", _weights(_int_tensor(LN), _fmt), lambda s, t: load_model(s),
@@ -559,6 +571,7 @@ def _trainer(payload: Callable[[dict, dict], Any]):
     return make
 
 
+KIND = 6
 case("export_checkpoint", "int-keys", _trainer(lambda s, c: {"model": {i: v for i, v in enumerate(s.values())},
                                                               "config": c}),
      lambda s, t: export_checkpoint(s, t / "out"), CheckpointFormatError, "model entry 0")
@@ -570,9 +583,10 @@ case("export_checkpoint", "config-bad-field", _trainer(lambda s, c: {"model": s,
      lambda s, t: export_checkpoint(s, t / "out"), ConfigError, "hidden_size")
 case("export_checkpoint", "config-10e6-layers",
      _trainer(lambda s, c: {"model": s, "config": {**c, "num_hidden_layers": 10**6}}),
-     lambda s, t: export_checkpoint(s, t / "out"), ConfigError, "num_hidden_layers")
+     lambda s, t: export_checkpoint(s, t / "out"), ConfigError, "num_hidden_layers", kind=4)
 case("export_checkpoint", "config-int-keys", _trainer(lambda s, c: {"model": s, "config": {**c, 7: "x"}}),
      lambda s, t: export_checkpoint(s, t / "out"), ConfigError, "7")
+KIND = 1
 case("export_checkpoint", "out-is-the-checkpoint", _trainer(lambda s, c: {"model": s, "config": c}),
      lambda s, t: export_checkpoint(s, s, force=True), OutputExistsError, "ckpt.pt")
 case("export_checkpoint", "out-contains-the-checkpoint", _trainer(lambda s, c: {"model": s, "config": c}),
@@ -599,6 +613,7 @@ def _nothing(tmp: Path) -> Path:
     return tmp
 
 
+KIND = 3
 FORWARD_CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("mask-shape", lambda: _model()(input_ids=_ids(), attention_mask=torch.ones(2, 5, dtype=torch.long)),
      "attention_mask"),
@@ -643,6 +658,7 @@ def _tokenizer_src(files: dict[str, bytes | None]):
     return make
 
 
+KIND = 6
 TOKENIZER_FILE_CASES = [
     ("tokenizer-json-not-json", {"tokenizer.json": b"{\"model\": "}, "tokenizer.json"),
     ("tokenizer-json-array", {"tokenizer.json": b"[]"}, "tokenizer.json"),
@@ -759,11 +775,20 @@ def test_bad_input(bad: Case, tmp_path: Path) -> None:
     assert _hashes(tmp_path, src) == before, f"{bad.id}: something under {tmp_path} was written or deleted"
 
 
-def test_the_table_is_large_enough() -> None:
+def table_counts() -> dict[str, dict[str, int]]:
+    """Cases per class and per entry point (docs/reliability.md quotes them)."""
+    by_kind: dict[str, int] = {}
     by_entry: dict[str, int] = {}
     for c in CASES:
+        by_kind[f"{c.kind}. {KINDS[c.kind]}"] = by_kind.get(f"{c.kind}. {KINDS[c.kind]}", 0) + 1
         by_entry[c.entry] = by_entry.get(c.entry, 0) + 1
-    assert len(CASES) >= 150 and len({c.id for c in CASES}) == len(CASES), by_entry
+    return {"class": dict(sorted(by_kind.items())), "entry": by_entry}
+
+
+def test_the_table_is_large_enough() -> None:
+    counts = table_counts()
+    assert len(CASES) >= 150 and len({c.id for c in CASES}) == len(CASES), counts
+    assert set(c.kind for c in CASES) == set(KINDS), counts
 
 
 # ---- 1. atomicity: a real `flodl-hf export` SIGKILLed at every stage of its write and swap --------------
