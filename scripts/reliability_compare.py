@@ -86,6 +86,8 @@ def _unchanged(path: Path, call: Callable[[], Any]) -> str:
     effects = ([f"deletes {', '.join(deleted)}"] if deleted else []) + \
               ([f"overwrites {', '.join(changed)}"] if changed else []) + \
               ([f"writes {len(added)} files among them"] if added else [])
+    if not effects and result == "loads":
+        return "succeeds, files unchanged (same bytes rewritten)"
     return result if not effects else ("; ".join(effects) if result.startswith("loads") else f"{result}; " + "; ".join(effects))
 
 
@@ -187,7 +189,7 @@ def limited(src: Path, ours: bool) -> str:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
         return "still building after 60 s (killed)"
-    return (proc.stdout.strip().splitlines() or [f"exit {proc.returncode}: {proc.stderr.strip()[-90:]}"])[-1]
+    return (proc.stdout.replace("\r", "\n").strip().splitlines() or [f"exit {proc.returncode}: {proc.stderr.strip()[-90:]}"])[-1]
 
 
 for _changes, _label in [({"num_hidden_layers": 10**6}, "num_hidden_layers: 10**6"),
@@ -277,9 +279,9 @@ def main() -> None:
             tmp = Path(tmp_name)
             (tmp / "a").mkdir()
             (tmp / "b").mkdir()
-            TMP[:] = [str(tmp / "a"), str((tmp / "a").resolve())]
+            TMP[:] = [str(tmp / "a"), str((tmp / "a").resolve()), str(t.CACHE_DIR)]
             ours_out = ours(make(tmp / "a"), tmp / "a")
-            TMP[:] = [str(tmp / "b"), str((tmp / "b").resolve())]
+            TMP[:] = [str(tmp / "b"), str((tmp / "b").resolve()), str(t.CACHE_DIR)]
             theirs_out = theirs(make(tmp / "b"), tmp / "b")
         cell = lambda s: s.replace("|", "\\|")  # noqa: E731
         print(f"| {kind} | {name} | {cell(ours_out)} | {cell(theirs_out)} |", flush=True)

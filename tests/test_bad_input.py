@@ -36,7 +36,7 @@ from flodl_hf.errors import (CheckpointFormatError, ConfigError, InputError, Mis
 from flodl_hf.export import KILL_ENV, STAGES, export, export_checkpoint, recover_scratch
 from flodl_hf.validate import tree_hash
 from flodl_hf.verify import tiny_config
-from helpers import make_checkpoint, quiet_transformers
+from helpers import CACHE as CACHE_DIR, make_checkpoint, quiet_transformers
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
