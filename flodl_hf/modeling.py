@@ -178,6 +178,8 @@ def check_forward_inputs(model: nn.Module, input_ids: object, attention_mask: ob
         return
     family = getattr(model, "family", None)
     limit = family.max_sequence_length(config) if family is not None else None
+    if getattr(config, "position_biased_input", True) is False:
+        limit = None  # DeBERTa-v3: relative positions only, no absolute table to run past
     if limit is not None and shape[1] > limit:
         raise InputError(f"input of {shape[1]} tokens is longer than the model's position table allows "
                          f"({limit}, from max_position_embeddings={getattr(config, 'max_position_embeddings', None)}): "

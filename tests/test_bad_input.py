@@ -971,3 +971,16 @@ def test_registry_fails_loudly_every_time(monkeypatch) -> None:
             registry.supported_model_types()
     monkeypatch.undo()
     assert "bert" in registry.supported_model_types()
+
+
+def test_relative_only_deberta_takes_inputs_past_max_position_embeddings() -> None:
+    """DeBERTa-v3 (position_biased_input=false) has no absolute position table: no length limit applies."""
+    transformers = quiet_transformers()
+    fields = tiny_config("deberta-v2", {"relative_attention": True, "position_biased_input": False,
+                                        "position_buckets": 16, "pos_att_type": ["p2c", "c2p"]}, "base")
+    src = make_checkpoint(fields, "base")
+    ours = load_model(src)
+    theirs = transformers.AutoModel.from_pretrained(str(src)).eval()
+    ids = (torch.arange(fields.get("max_position_embeddings", 512) + 8) % 50 + 5)[None]
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=ids).last_hidden_state, theirs(input_ids=ids).last_hidden_state)
