@@ -16,7 +16,8 @@ route leads out of them. Traffic stays on these links (and each namespace's own 
 
 ``tc netem`` (``rate``, ``delay``, ``loss``) shapes both ends of each host's link: what a host
 sends is shaped on its ``eth0``, what it receives on the bridge port, so a 5 ms link adds
-5 ms each way.
+5 ms each way. Kernels built without ``sch_netem`` (this project's CI machines among them)
+get the rate from ``tbf`` and no delay or loss; :attr:`Cluster.shaping` says which.
 
 Cleanup. Leaving the ``with`` block (normally, on an exception, or after a timeout) SIGKILLs
 every process still inside the namespaces and deletes them, which removes their links too.
@@ -126,17 +127,21 @@ class Cluster:
     """``hosts`` network namespaces on one bridge; a context manager that always removes them.
 
     ``rate`` (``"100mbit"``), ``delay`` (``"5ms"``) and ``loss`` (``"0.1%"``) are tc netem
-    arguments applied to every link, each direction.
+    arguments applied to every link, each direction. Where the kernel lacks ``sch_netem``
+    (some container kernels), ``fallback=True`` shapes the rate with ``tbf`` and leaves delay
+    and loss out; :attr:`shaping` says what was applied (``fallback=False``: NetnsError).
     """
 
     def __init__(self, hosts: int, *, rate: str | None = None, delay: str | None = None,
-                 loss: str | None = None, prefix: str = PREFIX) -> None:
+                 loss: str | None = None, fallback: bool = True, prefix: str = PREFIX) -> None:
         if not 1 <= hosts <= 200:
             raise NetnsError(f"hosts must be between 1 and 200, got {hosts}")
         if "-" in prefix or not prefix.isalnum():
             raise NetnsError(f"prefix must be alphanumeric (no '-'), got {prefix!r}")
         self.hosts, self.prefix = hosts, prefix
         self.netem = [a for key, v in (("rate", rate), ("delay", delay), ("loss", loss)) if v for a in (key, v)]
+        self.rate, self.delay, self.loss, self.fallback = rate, delay, loss, fallback
+        self.shaping = "none"  # what was applied to the links, once entered
         self.tag = f"{prefix}-{os.getpid()}-{secrets.token_hex(3)}"
         self.bridge_ns = f"{self.tag}-br"
         self.names = [f"{self.tag}-h{i}" for i in range(hosts)]
@@ -173,13 +178,27 @@ class Cluster:
             _ip("-n", br, "link", "set", f"p{i}", "up")
             _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
-            if self.netem:
-                for where, dev in ((ns, "eth0"), (br, f"p{i}")):
-                    done = subprocess.run(["ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root",
-                                           "netem", *self.netem], capture_output=True, text=True, timeout=30)
-                    if done.returncode != 0:
-                        raise NetnsError(f"tc netem {' '.join(self.netem)} on {where}/{dev} failed: "
-                                         f"{done.stderr.strip()}")
+            for where, dev in ((ns, "eth0"), (br, f"p{i}")) if self.netem else ():
+                self._shape(where, dev)
+
+    def _shape(self, ns: str, dev: str) -> None:
+        """netem on one end of a link; where the kernel has no sch_netem, tbf for the rate alone."""
+        def tc(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *args],
+                                  capture_output=True, text=True, timeout=30)
+        done = tc("netem", *self.netem)
+        if done.returncode == 0:
+            self.shaping = "netem " + " ".join(self.netem)
+            return
+        if "unknown" not in done.stderr or not self.fallback:
+            raise NetnsError(f"tc netem {' '.join(self.netem)} on {ns}/{dev} failed: {done.stderr.strip()}")
+        missing = [f"{k} {v}" for k, v in (("delay", self.delay), ("loss", self.loss)) if v]
+        self.shaping = (f"tbf rate {self.rate}" if self.rate else "none") + \
+            (f" (this kernel has no sch_netem: {', '.join(missing)} not applied)" if missing else "")
+        if self.rate:
+            done = tc("tbf", "rate", self.rate, "burst", "64kb", "latency", "400ms")
+            if done.returncode != 0:
+                raise NetnsError(f"tc tbf rate {self.rate} on {ns}/{dev} failed: {done.stderr.strip()}")
 
     def close(self) -> None:
         """Kill every process in the namespaces and delete them (their links go with them)."""
