@@ -20,8 +20,10 @@ from .errors import (
     WeightsMismatchError,
 )
 
+from .distributed import DiLoCo, ElChe
 from .tasks import answer, classify, embed, fill_mask, rank, tag
 from .tokenizer import AutoTokenizer, Tokenizer
+from .trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -30,5 +32,6 @@ __all__ = [
     "AutoModelForSequenceClassification", "AutoModelForTokenClassification", "load_model",
     "CheckpointFormatError", "ConfigError", "FlodlHFError", "InputError", "SourceNotFoundError",
     "UnsupportedModelError", "WeightsMismatchError",
+    "Trainer", "ElChe", "DiLoCo",
     "AutoTokenizer", "Tokenizer", "answer", "classify", "embed", "fill_mask", "rank", "tag",
 ]

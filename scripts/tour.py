@@ -8,6 +8,11 @@
 4. fine-tune a spam classifier head on MiniLM with the trainer (SMS Spam Collection);
 5. export the trained checkpoint to an HF-canonical directory and verify it with transformers;
 6. classify new messages with the export.
+
+Everything it writes (the training run and its record, the checkpoint, the export) goes to
+one run directory, ./tour-output/<date-time>/ under the current directory (git-ignored), kept
+after the tour so the paths it prints at the end can be opened: the run's report, the
+checkpoint and the exported model. Delete ./tour-output/ when done.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ from __future__ import annotations
 import csv
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -96,21 +100,27 @@ def main() -> int:
     for hit in rank(query, texts, model="samples/minilm"):
         print(f"  {hit['score']:.4f}  {hit['text']}")
 
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        step("4. Fine-tune a spam classifier head on MiniLM with the trainer")
-        checkpoint = fine_tune(work)
+    work = Path.cwd() / "tour-output" / time.strftime("%Y%m%d-%H%M%S")
+    work.mkdir(parents=True, exist_ok=False)
+    step("4. Fine-tune a spam classifier head on MiniLM with the trainer")
+    checkpoint = fine_tune(work)
 
-        step("5. Export the trained checkpoint as an HF directory, then verify it against transformers")
-        staged = work / "staged"
-        run("export", "--checkpoint", str(checkpoint), "--out", str(staged), "--tokenizer", "samples/minilm")
-        run("verify-export", str(staged), "--no-source")
+    step("5. Export the trained checkpoint as an HF directory, then verify it against transformers")
+    staged = work / "staged"
+    run("export", "--checkpoint", str(checkpoint), "--out", str(staged), "--tokenizer", "samples/minilm")
+    run("verify-export", str(staged), "--no-source")
 
-        step("6. Classify new messages with the export")
-        messages = ["WINNER!! You have won a free prize. Call 09061701461 now to claim.",
-                    "Are we still meeting for lunch tomorrow?"]
-        for text, result in zip(messages, classify(messages, model=str(staged))):
-            print(f"  {result['label']:<5} {result['score']:.3f}  {text}")
+    step("6. Classify new messages with the export")
+    messages = ["WINNER!! You have won a free prize. Call 09061701461 now to claim.",
+                "Are we still meeting for lunch tomorrow?"]
+    for text, result in zip(messages, classify(messages, model=str(staged))):
+        print(f"  {result['label']:<5} {result['score']:.3f}  {text}")
+
+    step("What the tour left (kept under ./tour-output/, git-ignored; delete it when done)")
+    for label, path in (("run report", work / "run" / "run.html"), ("run records", work / "run" / "records.jsonl"),
+                        ("checkpoint", checkpoint), ("exported model", staged)):
+        if path.exists():
+            print(f"  {label:<15} {path}")
     print(f"\nTour finished in {time.time() - start:.0f} s.")
     return 0
 
