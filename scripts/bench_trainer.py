@@ -1,29 +1,40 @@
-"""Benchmark: wall time to a target held-out loss with two uneven workers on this machine.
+"""Benchmark: wall time to a target held-out accuracy, fine-tuning MiniLM into a spam classifier
+with uneven workers.
 
-Arms (same model, data, seed and target): the fast worker alone; DDP with equal shards;
-El Che; El Che + DiLoCo. Worker 1 is made 3x slower by sleeping, after each optimizer step,
-twice the time its batch took. Every process runs one thread; workers talk over gloo on
-127.0.0.1. The figure is training time (evaluation excluded) until the held-out loss first
-reaches the target, over several seeds: mean and spread. Also: batches per window, the
-share of a window spent averaging, each worker's idle share, the slowdown El Che measured (the
-sleep also waits for a free core, so on a busy machine it exceeds 3x) and the fast worker's own
-time per batch: both workers share this machine's cores, so the fast one runs slower beside the
-slow one than alone, which a real second device would not cause.
+The task: all-MiniLM-L6-v2 (``samples/minilm``, 22M parameters) with a fresh 2-label head,
+fine-tuned on the SMS Spam Collection (``samples/sms-spam``; deduplicated, shuffled once with
+seed 0: ``--train`` messages to train on, ``--held-out`` to evaluate), AdamW lr 5e-5, batch 16
+per worker, texts cut at 64 tokens. The figure is training time (evaluation excluded) until the
+held-out accuracy first reaches ``--target``, and the held-out accuracy then.
 
-    python scripts/bench_trainer.py                # 3 seeds, table to stdout and out/bench_trainer/
-    python scripts/bench_trainer.py --seeds 1 --cap 30
+Arms, for each cohort: the fast worker alone; DDP; El Che; El Che + DiLoCo. Cohorts: ``2x``
+(speeds 1 : 1/3) and ``3x`` (1 : 1/3 : 1/12, a card behind a PCIe x1 riser as in the flodl
+flagship run). Every worker is one process with one thread, talking gloo on 127.0.0.1.
 
-The task: a 64-256-256-10 GELU MLP (85k parameters) learning the labels a fixed random
-teacher (64-64-10, tanh) draws from its softmax; AdamW lr 3e-4, batch 32 per worker. After a
-quick first drop the held-out loss falls slowly and noisily: the regime where more samples
-per second help, and where the target (default 0.74) sits.
+Making a worker k times slower without letting it take the fast one's CPU:
+- ``sleep`` (default, works everywhere): after each optimizer step the worker sleeps (k - 1)
+  times what that batch took it (forward, backward, step). Sleeping takes no CPU, so the fast
+  worker keeps its core; and since the sleep scales with the worker's own compute, the ratio
+  holds whatever the machine's load does to both.
+- ``cgroup`` (cgroup v2 with the cpu controller, root): the worker runs in its own cgroup with
+  ``cpu.max`` = 1/k of a core. The kernel enforces it, as a slower device would be, but a
+  quota only slows a worker that would otherwise have a whole core: on a machine with fewer
+  free cores than workers the ratio is not k. ``both`` applies the two.
+
+    python scripts/bench_trainer.py                       # 3 seeds, both cohorts, every arm
+    python scripts/bench_trainer.py --seeds 1 --cohorts 2x --target 0.97
+
+Tables go to stdout and ``out/bench_trainer/table.md``; each run's ``run.html`` under
+``out/bench_trainer/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
+import random
 import socket
 import statistics
 import sys
@@ -34,213 +45,237 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flodl_hf.records import load_tree  # noqa: E402
-from flodl_hf.trainer import DiLoCo, Trainer  # noqa: E402
 
-ARMS = {
-    "fast worker alone": {"world": 1, "sync": "none"},
-    "DDP (equal shards)": {"world": 2, "sync": "ddp"},
-    "El Che": {"world": 2, "sync": "el-che"},
-    "El Che + DiLoCo": {"world": 2, "sync": "el-che", "outer": True},
-}
-BATCH = 32
-LR = 3e-4
-EVAL_EVERY_SAMPLES = 3200
-N_TRAIN, N_HELD_OUT = 100_000, 4096
+COHORTS = {"2x": (1.0, 3.0), "3x": (1.0, 3.0, 12.0)}  # each worker's slowdown k
+ARMS = ("fast worker alone", "DDP", "El Che", "El Che + DiLoCo")
+BATCH, LR, MAX_LEN = 16, 5e-5, 64
+CGROUP = Path("/sys/fs/cgroup")
 
 
-# ---- task --------------------------------------------------------------------------------------
+# ---- data ---------------------------------------------------------------------------------------
 
-class TeacherData(torch.utils.data.Dataset):
-    """Inputs from N(0, 1); labels drawn from a fixed random teacher MLP's softmax (so the loss has a floor)."""
-
-    def __init__(self, n: int, split_seed: int) -> None:
-        g = torch.Generator().manual_seed(1234)
-        w1, w2 = torch.randn(64, 64, generator=g) / 8, torch.randn(64, 10, generator=g) / 2
-        g.manual_seed(split_seed)
-        self.x = torch.randn(n, 64, generator=g)
-        logits = torch.tanh(self.x @ w1) @ w2 * 3
-        self.y = torch.multinomial(torch.softmax(logits, -1), 1, generator=g).squeeze(1)
-        self.floor = float(-(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1).mean())
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
+def load_sms(n_train: int, n_held: int) -> tuple[list, list]:
+    from flodl_hf.samples import sample_path
+    with open(sample_path("sms-spam") / "sms-spam.csv", newline="", encoding="utf-8") as f:
+        rows = list({r["text"]: (r["text"], int(r["spam"])) for r in csv.DictReader(f)}.values())
+    random.Random(0).shuffle(rows)
+    if n_train + n_held > len(rows):
+        raise SystemExit(f"--train + --held-out must be at most {len(rows)}")
+    return rows[:n_train], rows[-n_held:]
 
 
-def make_model(seed: int, width: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 10))
+def encode(tok, rows: list) -> list[tuple[list[int], int]]:
+    enc = tok([t for t, _ in rows], truncation=True, max_length=MAX_LEN, return_tensors=None)
+    return [(ids, label) for ids, (_, label) in zip(enc["input_ids"], rows)]
 
 
-def loss_step(model, batch):
-    x, y = batch
-    return nn.functional.cross_entropy(model(x), y)
+def collate(items: list) -> dict:
+    width = max(len(ids) for ids, _ in items)
+    ids = torch.zeros(len(items), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (row, _) in enumerate(items):
+        ids[i, :len(row)] = torch.tensor(row)
+        mask[i, :len(row)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([y for _, y in items])}
 
 
-def calibrate(width: int, batch: int) -> float:
-    """Seconds per training batch on one thread."""
-    torch.set_num_threads(1)
-    model = make_model(0, width)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    data = TeacherData(batch, 7)
-    for i in range(120):
-        if i == 20:
-            start = time.perf_counter()
-        opt.zero_grad()
-        loss_step(model, (data.x, data.y)).backward()
-        opt.step()
-    return (time.perf_counter() - start) / 100
+# ---- throttles ----------------------------------------------------------------------------------
+
+def cgroup_available() -> bool:
+    controllers = CGROUP / "cgroup.controllers"
+    return controllers.is_file() and "cpu" in controllers.read_text().split() and os.access(CGROUP, os.W_OK)
 
 
-# ---- one run -----------------------------------------------------------------------------------
+def cgroup_limit(pid: int, k: float, name: str) -> Path:
+    """Put ``pid`` in a cgroup of its own with ``cpu.max`` = 1/k of a core; return the cgroup."""
+    group = CGROUP / f"flodl-hf-bench-{os.getpid()}-{name}"
+    group.mkdir(exist_ok=True)
+    period = 100_000
+    (group / "cpu.max").write_text(f"{max(1000, int(period / k))} {period}\n")
+    (group / "cgroup.procs").write_text(f"{pid}\n")
+    return group
 
-def worker(rank: int, world: int, port: int, arm: str, seed: int, target: float, cap: float, out: str,
-           width: int, batch: int) -> None:
+
+# ---- one worker ---------------------------------------------------------------------------------
+
+def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], seed: int, args: dict,
+           out: str, throttle: str) -> None:
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
-    spec = ARMS[arm]
-    train, held = TeacherData(N_TRAIN, 1), TeacherData(N_HELD_OUT, 2)
-
+                                timeout=timedelta(seconds=120))
+    from flodl_hf import AutoModelForSequenceClassification, AutoTokenizer, DiLoCo, ElChe, Trainer
+    import warnings
+    tok = AutoTokenizer.from_pretrained("samples/minilm")
+    train_rows, held_rows = load_sms(args["train"], args["held_out"])
+    train, held = encode(tok, train_rows), encode(tok, held_rows)
+    torch.manual_seed(seed)  # the fresh head
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForSequenceClassification.from_pretrained("samples/minilm", num_labels=2)
+    k = ks[rank]
     began = [0.0]
 
     def step(model, batch):
         began[0] = time.perf_counter()
-        return loss_step(model, batch)
+        return model(**batch)
 
     def optimizer(params):
         opt = torch.optim.AdamW(params, lr=LR)
-        if rank == 1:
-            # The injected slowness: after each optimizer step, sleep twice what the batch took
-            # (forward, backward, step), so this worker is 3x slower whatever the machine's load.
-            opt.register_step_post_hook(lambda *_: time.sleep(2 * (time.perf_counter() - began[0])))
+        if k > 1 and throttle in ("sleep", "both"):
+            # (k - 1) times this batch's own compute: the worker is k times slower whatever the load.
+            opt.register_step_post_hook(lambda *_: time.sleep((k - 1) * (time.perf_counter() - began[0])))
         return opt
 
+    @torch.no_grad()
     def evaluate(model):
-        return {"eval_loss": nn.functional.cross_entropy(model(held.x), held.y).item()}
+        correct, loss = 0, 0.0
+        for i in range(0, len(held), 64):
+            batch = collate(held[i:i + 64])
+            out_ = model(**batch)
+            loss += out_.loss.item() * len(batch["labels"])
+            correct += (out_.logits.argmax(-1) == batch["labels"]).sum().item()
+        return {"accuracy": correct / len(held), "eval_loss": loss / len(held)}
 
+    sync = {"fast worker alone": "none", "DDP": "ddp"}.get(arm, ElChe(anchor=2))
     started = time.monotonic()
-    trainer = Trainer(make_model(seed, width), step, optimizer, train,
-                      batch_size=batch, max_steps=10**7, sync=spec["sync"],
-                      outer=DiLoCo() if spec.get("outer") else None, seed=seed,
-                      eval_fn=evaluate, eval_every=max(1, EVAL_EVERY_SAMPLES // (world * batch)),
-                      stop_when=lambda m: m["eval_loss"] <= target or time.monotonic() - started > cap,
-                      log_dir=out, log_every=20, progress=False, report=True, timeout=60)
+    trainer = Trainer(model, step, optimizer, train, batch_size=BATCH, epochs=args["epochs"], sync=sync,
+                      outer=DiLoCo() if arm == "El Che + DiLoCo" else None, seed=seed, collate_fn=collate,
+                      eval_fn=evaluate, eval_every=max(1, args["eval_every"] // (world * BATCH)),
+                      stop_when=lambda m: m["accuracy"] >= args["target"] or time.monotonic() - started > args["cap"],
+                      log_dir=out, log_every=5, progress=False, report=True, timeout=120)
     trainer.fit()
     if world > 1:
         dist.destroy_process_group()
 
 
-def run_once(arm: str, seed: int, target: float, cap: float, out: Path, width: int, batch: int) -> dict:
-    world = ARMS[arm]["world"]
+def run_once(cohort: str, arm: str, seed: int, args: dict, out: Path, throttle: str) -> dict:
+    ks = COHORTS[cohort][:1] if arm == "fast worker alone" else COHORTS[cohort]
+    world = len(ks)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(r, world, port, arm, seed, target, cap, str(out), width, batch))
+    procs = [ctx.Process(target=worker, args=(r, world, port, arm, ks, seed, args, str(out), throttle))
              for r in range(world)]
-    for p in procs:
+    groups = []
+    for r, p in enumerate(procs):
         p.start()
-    for p in procs:
-        p.join(cap * 3 + 120)
-        if p.is_alive():
-            p.kill()
-            raise RuntimeError(f"{arm} seed {seed}: a worker did not finish")
-        if p.exitcode != 0:
-            raise RuntimeError(f"{arm} seed {seed}: a worker failed (exit {p.exitcode})")
-    return summarize(out, target)
+        if throttle in ("cgroup", "both") and ks[r] > 1:
+            groups.append(cgroup_limit(p.pid, ks[r], f"{out.name}-r{r}"))
+    try:
+        for p in procs:
+            p.join(args["cap"] * 3 + 300)
+            if p.is_alive():
+                p.kill()
+                raise RuntimeError(f"{cohort} {arm} seed {seed}: a worker did not finish")
+            if p.exitcode != 0:
+                raise RuntimeError(f"{cohort} {arm} seed {seed}: a worker failed (exit {p.exitcode})")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for g in groups:
+            try:
+                g.rmdir()
+            except OSError:
+                pass
+    return summarize(out, args["target"], world)
 
 
-def summarize(out: Path, target: float) -> dict:
+def summarize(out: Path, target: float, world: int) -> dict:
     tree = load_tree(out)
     evals = [r for r in tree[""] if r.get("event") == "eval"]
-    hit = next((r for r in evals if r["eval_loss"] <= target), None)
-    ranks = [[r for r in tree[p] if r.get("event") == "train"] for p in tree if p.count("/") == 1]
-    fast = ranks[0]
-    result = {"time": hit["time"] if hit else None, "steps": hit["step"] if hit else None,
-              # worker 0's own speed; under DDP its compute includes waiting in the all-reduce
-              "fast_ms": statistics.median(r["ms_per_batch"] for r in fast if r.get("ms_per_batch")),
-              "last_time": evals[-1]["time"] if evals else None, "windows": None, "sync": None, "idle": {},
-              "slowdown": None}
+    hit = next((r for r in evals if r["accuracy"] >= target), None)
+    ranks = [[r for r in tree[p] if r.get("event") == "train"] for p in sorted(tree) if p.count("/") == 1]
+    result = {"time": hit["time"] if hit else None, "accuracy": (hit or (evals[-1] if evals else {})).get("accuracy"),
+              "last_time": evals[-1]["time"] if evals else None, "windows": None, "sync": None, "idle": None,
+              "fast_ms": statistics.median(r["ms_per_batch"] for r in ranks[0] if r.get("ms_per_batch"))}
     timed = [[r for r in rank if r.get("window_ms")] for rank in ranks]  # El Che windows
-    if timed[0]:
-        world = len(ranks)
+    if timed and timed[0]:
         result["windows"] = [statistics.mean(r["batches"] for r in timed[w]) for w in range(world)]
         result["sync"] = sum(r["sync_ms"] for r in timed[0]) / sum(r["window_ms"] for r in timed[0])
-        result["idle"] = {w: sum(r["idle_ms"] for r in timed[w]) / sum(r["window_ms"] for r in timed[w])
-                          for w in range(world)}
-        pairs = [(a["ms_per_batch"], b["ms_per_batch"]) for a, b in zip(timed[0], timed[-1])
-                 if a.get("ms_per_batch") and b.get("ms_per_batch")]
-        result["slowdown"] = statistics.median(b / a for a, b in pairs) if pairs else None
+        result["idle"] = [sum(r["idle_ms"] for r in timed[w]) / sum(r["window_ms"] for r in timed[w])
+                          for w in range(world)]
     return result
 
 
-# ---- table -------------------------------------------------------------------------------------
+# ---- tables -------------------------------------------------------------------------------------
 
-def fmt_times(times: list[float | None], cap: float) -> str:
-    done = [t for t in times if t is not None]
-    if len(done) < len(times):
-        return f"not reached in {len(times) - len(done)}/{len(times)} (cap {cap:.0f} s)" + (
-            f"; others {statistics.mean(done):.1f} s" if done else "")
-    spread = f" ± {statistics.stdev(done):.1f}" if len(done) > 1 else ""
-    return f"{statistics.mean(done):.1f}{spread} s (min {min(done):.1f}, max {max(done):.1f})"
+def mean_sd(values: list[float], fmt: str) -> str:
+    if not values:
+        return "-"
+    sd = f" ± {format(statistics.stdev(values), fmt)}" if len(values) > 1 else ""
+    return f"{format(statistics.mean(values), fmt)}{sd}"
 
 
-def table(results: dict[str, list[dict]], cap: float) -> str:
-    lines = ["| arm | time to target (mean ± sd) | fast worker ms / batch | batches per window (fast / slow) "
-             "| measured slowdown | sync share | idle (fast / slow) |", "|---|---|---|---|---|---|---|"]
+def table(cohort: str, results: dict[str, list[dict]]) -> str:
+    base = [r["time"] for r in results.get("fast worker alone", []) if r["time"] is not None]
+    lines = [f"Cohort {cohort} (speeds " + " : ".join(f"1/{k:g}" if k > 1 else "1" for k in COHORTS[cohort]) + ")",
+             "", "| arm | time to target, s | vs fast alone | held-out accuracy | per-seed times, s "
+             "| batches per window | sync share | idle share |", "|---|---|---|---|---|---|---|---|"]
     for arm, runs in results.items():
-        windows = [r["windows"] for r in runs if r["windows"]]
-        win = " / ".join(f"{statistics.mean(w[i] for w in windows):.1f}" for i in range(2)) if windows else "-"
-        slow = [r["slowdown"] for r in runs if r.get("slowdown")]
-        slowdown = f"{statistics.mean(slow):.2f}x" if slow else "-"
+        times = [r["time"] for r in runs if r["time"] is not None]
+        missing = len(runs) - len(times)
+        ratio = f"{statistics.mean(times) / statistics.mean(base):.2f}x" if times and base else "-"
+        shown = mean_sd(times, ".1f") + (f" ({missing} not reached)" if missing else "")
+        per_seed = ", ".join(f"{r['time']:.1f}" if r["time"] is not None else "-" for r in runs)
+        acc = mean_sd([100 * r["accuracy"] for r in runs if r["accuracy"] is not None], ".2f")
+        wins = [r["windows"] for r in runs if r["windows"]]
+        win = " / ".join(f"{statistics.mean(w[i] for w in wins):.1f}" for i in range(len(wins[0]))) if wins else "-"
         syncs = [r["sync"] for r in runs if r["sync"] is not None]
-        sync = f"{statistics.mean(syncs):.1%}" if syncs else ("in backward" if ARMS[arm]["world"] > 1 else "-")
+        sync = f"{statistics.mean(syncs):.1%}" if syncs else ("in backward" if arm == "DDP" else "-")
         idles = [r["idle"] for r in runs if r["idle"]]
-        idle = " / ".join(f"{statistics.mean(i[k] for i in idles):.1%}" for k in (0, 1)) if idles else "-"
-        fast_ms = "-" if arm.startswith("DDP") else f"{statistics.mean(r['fast_ms'] for r in runs):.2f}"
-        lines.append(f"| {arm} | {fmt_times([r['time'] for r in runs], cap)} | {fast_ms} | {win} | {slowdown} "
-                     f"| {sync} | {idle} |")
+        idle = " / ".join(f"{statistics.mean(i[w] for i in idles):.0%}" for w in range(len(idles[0]))) if idles else "-"
+        lines.append(f"| {arm} | {shown} | {ratio} | {acc}% | {per_seed} | {win} | {sync} | {idle} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--target", type=float, default=0.74, help="held-out cross-entropy to reach")
-    parser.add_argument("--cap", type=float, default=60.0, help="give up on a run after this many seconds")
+    parser.add_argument("--cohorts", nargs="*", default=list(COHORTS), choices=list(COHORTS))
     parser.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--width", type=int, default=256, help="hidden width of the MLP")
-    parser.add_argument("--batch", type=int, default=BATCH, help="batch size per worker")
+    parser.add_argument("--target", type=float, default=0.975, help="held-out accuracy to reach")
+    parser.add_argument("--train", type=int, default=3000, help="training messages")
+    parser.add_argument("--held-out", type=int, default=500, help="held-out messages")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--eval-every", type=int, default=160, help="evaluate every this many samples")
+    parser.add_argument("--cap", type=float, default=600.0, help="stop a run after this many seconds")
+    parser.add_argument("--throttle", choices=["sleep", "cgroup", "both"], default="sleep")
     parser.add_argument("--out", type=Path, default=Path("out/bench_trainer"))
     args = parser.parse_args(argv)
-
-    per_batch = calibrate(args.width, args.batch)
-    print(f"one batch takes {per_batch * 1e3:.2f} ms on one thread here; load average {os.getloadavg()[0]:.1f}",
-          flush=True)
-    results: dict[str, list[dict]] = {arm: [] for arm in args.arms}
-    for seed in range(args.seeds):
-        for arm in args.arms:
-            out = args.out / f"{arm.split(' (')[0].replace(' ', '-').replace('+', 'plus').lower()}-seed{seed}"
-            out.mkdir(parents=True, exist_ok=True)
-            result = run_once(arm, seed, args.target, args.cap, out, args.width, args.batch)
-            results[arm].append(result)
-            shown = f"{result['time']:.1f} s" if result["time"] is not None else "not reached"
-            print(f"seed {seed} {arm}: {shown} (report: {out / 'run.html'})", flush=True)
-    text = (f"Target held-out loss {args.target} (floor {TeacherData(N_HELD_OUT, 2).floor:.3f}); {args.seeds} "
-            f"seed(s); MLP width {args.width}; batch {args.batch} per worker; about {per_batch * 1e3:.1f} ms per batch on the fast worker, "
-            f"worker 1 3x slower; load average {os.getloadavg()[0]:.1f} at the end.\n\n"
-            + table(results, args.cap))
+    if args.throttle != "sleep" and not cgroup_available():
+        raise SystemExit("--throttle cgroup needs cgroup v2 with the cpu controller, writable (root)")
+    conf = {"target": args.target, "train": args.train, "held_out": args.held_out, "epochs": args.epochs,
+            "eval_every": args.eval_every, "cap": args.cap}
+    load_start = os.getloadavg()[0]
+    texts = []
+    for cohort in args.cohorts:
+        results: dict[str, list[dict]] = {arm: [] for arm in args.arms}
+        for seed in range(args.seeds):
+            for arm in args.arms:
+                out = args.out / f"{cohort}-{arm.replace(' + ', '-').replace(' ', '-').lower()}-seed{seed}"
+                out.mkdir(parents=True, exist_ok=True)
+                for old in out.rglob("records.jsonl"):
+                    old.unlink()
+                result = run_once(cohort, arm, seed, conf, out, args.throttle)
+                results[arm].append(result)
+                shown = f"{result['time']:.1f} s" if result["time"] is not None else "not reached"
+                print(f"{cohort} seed {seed} {arm}: {shown}, accuracy {result['accuracy']} "
+                      f"(load {os.getloadavg()[0]:.1f}; {out / 'run.html'})", flush=True)
+        texts.append(table(cohort, results))
+        (args.out / f"results-{cohort}.json").write_text(json.dumps(results, indent=1))
+    head = (f"MiniLM spam fine-tune: target held-out accuracy {args.target:.1%} on {args.held_out} messages; "
+            f"{args.train} training messages, {args.epochs} epoch(s) at most; {args.seeds} seed(s); batch {BATCH} "
+            f"per worker; throttle {args.throttle}; load average {load_start:.1f} at the start, "
+            f"{os.getloadavg()[0]:.1f} at the end.")
+    text = head + "\n\n" + "\n\n".join(texts)
     print("\n" + text)
     (args.out / "table.md").write_text(text + "\n")
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
     return 0
 
 
