@@ -241,3 +241,25 @@ def test_host_that_comes_back_resumes_from_last_checkpoint(tmp_path):
     summary = _summary(tmp_path)
     assert summary["summary"]["step"] == 150
     assert "step-" in summary["resumed_from"]  # the restarted run began from the last checkpoint
+
+
+def test_cluster_removed_after_an_error_and_stale_ones_cleaned():
+    with pytest.raises(RuntimeError, match="boom"):
+        with netns.Cluster(2) as cluster:
+            sleeper = cluster.popen(1, ["sleep", "600"])
+            names = list(cluster.names) + [cluster.bridge_ns]
+            raise RuntimeError("boom")
+    assert sleeper.wait(timeout=10) is not None  # killed with its namespace
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(n in left for n in names)
+    # A namespace left by a harness process that is gone (pid 2**22 + 1 is above pid_max's default).
+    stale, other = f"{netns.PREFIX}-{2**22 + 1}-dead-h0", "otherprefix-1-h0"
+    for ns in (stale, other):
+        subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        assert stale in netns.cleanup_stale()
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert stale not in left and other in left  # only its own prefix is touched
+    finally:
+        for ns in (stale, other):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
