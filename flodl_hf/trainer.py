@@ -83,7 +83,7 @@ from .distributed import (Comm, DiLoCo, ElChe, OuterOptimizer, Plan, TrainerConf
 from .errors import InputError
 
 __all__ = ["Trainer", "ElChe", "DiLoCo", "TrainerError", "TrainerConfigError", "WorkerLostError",
-           "latest_checkpoint", "load_checkpoint", "launch", "register_cli"]
+           "length_batches", "latest_checkpoint", "load_checkpoint", "launch", "register_cli"]
 
 CHECKPOINT_FORMAT = "flodl-hf/trainer-checkpoint"
 CHECKPOINT_VERSION = 1
@@ -110,7 +110,7 @@ class Trainer:
     """
 
     def __init__(self, model: nn.Module, step: StepFn, optimizer: OptimizerFactory, data: Sequence, *,
-                 batch_size: int, epochs: int | None = None, max_steps: int | None = None,
+                 batch_size: int | None = None, epochs: int | None = None, max_steps: int | None = None,
                  scheduler: SchedulerFactory | None = None, eval_fn: Callable[[nn.Module], Any] | None = None,
                  eval_every: int | None = None, sync: str | ElChe = "ddp", outer: DiLoCo | None = None,
                  checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None,
@@ -119,12 +119,15 @@ class Trainer:
                  device: str | torch.device | None = None, log_dir: str | os.PathLike | None = None,
                  log_every: int = 10, progress: bool = True, report: bool = True, tensorboard: bool = False,
                  stop_when: Callable[[dict], bool] | None = None, timeout: float = 300.0,
-                 verify_sync: bool = False, portal: bool | int = False) -> None:
+                 verify_sync: bool = False, portal: bool | int = False, batching: str = "fixed",
+                 max_tokens: int | None = None, lengths: Sequence[int] | None = None) -> None:
         if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
             raise TrainerConfigError("data must be sized and indexable (a list, a map-style Dataset); "
                                      f"got {type(data).__name__}")
         if len(data) == 0:
             raise TrainerConfigError("data is empty")
+        if batch_size is None and batching != "length":
+            raise TrainerConfigError("give batch_size= (per worker), or batching='length' with max_tokens=")
         if epochs is None and max_steps is None:
             raise TrainerConfigError("give epochs= or max_steps= (or both: the run stops at the first)")
         for name, value in (("batch_size", batch_size), ("epochs", epochs), ("max_steps", max_steps),
@@ -142,6 +145,17 @@ class Trainer:
             raise TrainerConfigError(f"sync must be 'ddp', 'el-che', 'none' or an ElChe, got {type(sync).__name__}")
         if outer is not None and sync != "el-che":
             raise TrainerConfigError("outer=DiLoCo(...) averages windows: it needs sync='el-che'")
+        if batching not in ("fixed", "length"):
+            raise TrainerConfigError(f"batching must be 'fixed' or 'length', got {batching!r}")
+        if batching == "length":
+            if not isinstance(max_tokens, int) or max_tokens < 1:
+                raise TrainerConfigError(f"batching='length' needs max_tokens, a positive int; got {max_tokens!r}")
+            lengths = list(lengths) if lengths is not None else [_item_length(data, i) for i in range(len(data))]
+            if len(lengths) != len(data) or any(not isinstance(n, int) or n < 1 for n in lengths):
+                raise TrainerConfigError(f"lengths must hold one positive int per item of data ({len(data)})")
+        elif max_tokens is not None or lengths is not None:
+            raise TrainerConfigError("max_tokens= and lengths= are for batching='length'")
+        self.batching, self.max_tokens, self.lengths = batching, max_tokens, lengths
         if checkpoint_every is not None and checkpoint_dir is None:
             raise TrainerConfigError("checkpoint_every needs checkpoint_dir")
         self.model, self.step_fn, self.optimizer_factory, self.data = model, step, optimizer, data
@@ -205,8 +219,14 @@ class Trainer:
         if self.sync == "ddp" and comm.world > 1 and not comm.same_device_type:
             raise TrainerConfigError("sync='ddp' needs every worker on the same kind of device; "
                                      "a cohort mixing CPU and GPU workers can use sync='el-che'")
-        self.global_batch = comm.world * self.batch_size
-        self.steps_per_epoch = math.ceil(len(self.data) / self.global_batch)
+        if self.batching == "length":
+            # The unit of dealing is a batch: one per worker per DDP step, the plan's counts per window.
+            self._batches = length_batches(self.lengths, self.max_tokens, self.seed, max_size=self.batch_size)
+            self._units, self._unit_batch = len(self._batches), 1
+        else:
+            self._batches, self._units, self._unit_batch = None, len(self.data), self.batch_size
+        self.global_batch = comm.world * self._unit_batch
+        self.steps_per_epoch = math.ceil(self._units / self.global_batch)
         ends = []
         if self.epochs is not None:
             ends.append((self.epochs, 0))
@@ -276,6 +296,8 @@ class Trainer:
 
     def _describe(self) -> dict:
         return {"sync": self.sync, "world_size": self.comm.world, "batch_size": self.batch_size,
+                "batching": self.batching, "max_tokens": self.max_tokens,
+                "batches_per_epoch": self._units if self._batches is not None else None,
                 "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
                 "samples_per_epoch": len(self.data), "seed": self.seed, "device": str(self.device),
                 "el_che": dataclasses.asdict(self.el_che) if self.el_che else None,
@@ -287,25 +309,41 @@ class Trainer:
         if self._perm_epoch != self.epoch:
             if self.shuffle:
                 gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-                self._perm = torch.randperm(len(self.data), generator=gen)
+                self._perm = torch.randperm(self._units, generator=gen)
             else:
-                self._perm = torch.arange(len(self.data))
+                self._perm = torch.arange(self._units)
             self._perm_epoch = self.epoch
         return self._perm
 
     def _remaining(self) -> int:
         """Samples left in this epoch before the run's end."""
-        stop = self.end[1] if self.epoch == self.end[0] else len(self.data)
+        stop = self.end[1] if self.epoch == self.end[0] else self._units
         return stop - self.position
 
     def _done(self) -> bool:
         return self._stop or (self.epoch, self.position) >= self.end
 
-    def _advance(self, samples: int) -> None:
-        self.position += samples
-        self.samples += samples
-        if self.position >= len(self.data):
+    def _advance(self, units: int, samples: int | None = None) -> None:
+        """Move the epoch's position by ``units`` (samples, or batches under batching='length')."""
+        self.position += units
+        self.samples += units if samples is None else samples
+        if self.position >= self._units:
             self.epoch, self.position = self.epoch + 1, 0
+
+    def _chunks(self, start: int, count: int, split: bool = False) -> list[torch.Tensor]:
+        """The index tensors of ``count`` units from ``start`` of this epoch's order: one tensor of
+        samples (``split``: cut into batches), or under batching='length' one tensor per batch."""
+        order = self._order()[start:start + count]
+        if self._batches is not None:
+            return [self._batches[int(b)] for b in order]
+        if not len(order):
+            return []
+        return list(order.split(self.batch_size)) if split else [order]
+
+    def _samples_in(self, start: int, count: int) -> int:
+        if self._batches is None:
+            return count
+        return sum(len(self._batches[int(b)]) for b in self._order()[start:start + count])
 
     def _batch(self, indices: torch.Tensor) -> Any:
         return _to_device(self.collate_fn([self.data[i] for i in indices.tolist()]), self.device)
@@ -329,26 +367,24 @@ class Trainer:
 
     # ---- DDP and none: one batch per worker per step -----------------------------------------
     def _run_steps(self) -> None:
-        comm, bs = self.comm, self.batch_size
+        comm = self.comm
         loss_sum = torch.zeros((), dtype=self._acc_dtype, device=self.device)
         acc = self._fresh_acc()
         logged = self.step
         while not self._done():
-            sizes = deal([1] * comm.world, bs, self._remaining())
-            order = self._order()
-            start = self.position + sum(sizes[:comm.rank])
-            indices = order[start:start + sizes[comm.rank]]
-            if len(indices) == 0 and self.sync == "ddp":
-                indices = order[:1]  # every DDP worker must join the step's all-reduce
+            sizes = deal([1] * comm.world, self._unit_batch, self._remaining())
+            chunks = self._chunks(self.position + sum(sizes[:comm.rank]), sizes[comm.rank])
+            if not chunks and self.sync == "ddp":
+                chunks = [self._chunks(0, 1)[0][:1]]  # every DDP worker must join the step's all-reduce
             t0 = time.perf_counter()
-            if len(indices):
+            for indices in chunks:
                 loss = self._train_batch(indices)
                 loss_sum += loss.to(self._acc_dtype) * len(indices)
                 acc["batches"] += 1
                 acc["samples"] += len(indices)
             acc["compute_ms"] += (time.perf_counter() - t0) * 1e3
             before = self.step
-            self._advance(sum(sizes))
+            self._advance(sum(sizes), self._samples_in(self.position, sum(sizes)))
             if self._crossed(before, self.log_every) or self._done():
                 self._log_steps(loss_sum, acc)
                 loss_sum.zero_()
@@ -378,7 +414,7 @@ class Trainer:
 
     # ---- El Che: windows paced by the slowest worker -----------------------------------------
     def _run_windows(self) -> None:
-        comm, bs = self.comm, self.batch_size
+        comm = self.comm
         # This worker's previous window: its collective (waiting included), its length, and
         # the pause before it (evaluation, checkpoint), reported to all in the next window's row.
         prev = {"collective_ms": 0.0, "window_ms": 0.0, "pause_ms": 0.0}
@@ -386,13 +422,14 @@ class Trainer:
         first = True  # the first window after (re)starting: warm-up, and no sync measured yet
         while not self._done():
             window_start = time.perf_counter()
-            sizes = deal(self.plan.counts, bs, self._remaining())
+            units = deal(self.plan.counts, self._unit_batch, self._remaining())
+            # Samples per worker (the averaging weights), known to all from the shared order.
+            sizes = [self._samples_in(self.position + sum(units[:r]), units[r]) for r in range(comm.world)]
             total = sum(sizes)
-            start = self.position + sum(sizes[:comm.rank])
-            indices = self._order()[start:start + sizes[comm.rank]]
+            chunks = self._chunks(self.position + sum(units[:comm.rank]), units[comm.rank], split=True)
             loss_sum = torch.zeros((), dtype=self._acc_dtype, device=self.device)
             batches = 0
-            for chunk in indices.split(bs):
+            for chunk in chunks:
                 loss_sum += self._train_batch(chunk).to(self._acc_dtype) * len(chunk)
                 batches += 1
             self._sync_device()
@@ -420,7 +457,7 @@ class Trainer:
             self.train_time += wall
             prev = {"collective_ms": collective_ms, "window_ms": wall * 1e3, "pause_ms": pause_ms}
             before = self.step
-            self._advance(total)
+            self._advance(sum(units), total)
             n = sizes[comm.rank]
             mine = {"batches": batches, "samples": n, "loss": local_loss / n if n else None,
                     "compute_ms": compute_ms, "ms_per_batch": compute_ms / batches if batches else None,
@@ -540,7 +577,7 @@ class Trainer:
             "source": str(getattr(self.model, "source_root", "") or "") or None,  # where it was loaded from
             "step": self.step, "epoch": self.epoch, "position": self.position, "samples": self.samples,
             "train_time": self.train_time, "seed": self.seed, "batch_size": self.batch_size,
-            "world_size": comm.world, "sync": self.sync,
+            "world_size": comm.world, "sync": self.sync, "batching": self.batching, "max_tokens": self.max_tokens,
             "el_che": {"anchor": self.plan.anchor, "counts": list(self.plan.counts), "ms_per_batch": self._ms}
             if self.plan is not None else None,
             "outer": self.outer.state_dict() if self.outer is not None else None,
@@ -561,8 +598,10 @@ class Trainer:
         if path is None:
             return None
         state = load_checkpoint(path)
-        for key, mine in (("batch_size", self.batch_size), ("sync", self.sync), ("seed", self.seed)):
-            if state.get(key) != mine:
+        for key, mine, old in (("batch_size", self.batch_size, None), ("sync", self.sync, None),
+                               ("seed", self.seed, None), ("batching", self.batching, "fixed"),
+                               ("max_tokens", self.max_tokens, None)):
+            if state.get(key, old) != mine:
                 raise TrainerError(f"{path}: checkpoint has {key}={state.get(key)!r} but this Trainer has "
                                    f"{key}={mine!r}; pass the same value, or resume=False to start fresh")
         worker = state["worker"]
@@ -687,6 +726,42 @@ def _window_timing(prev: torch.Tensor) -> dict:
     return {"sync_ms": sync, "idle_ms": (collective - sync - lag).clamp(min=0).tolist(),
             "window_ms": (window - lag).clamp(min=1e-9).tolist()}
 
+
+
+def length_batches(lengths: Sequence[int], max_tokens: int, seed: int = 0,
+                   max_size: int | None = None) -> list[torch.Tensor]:
+    """Index batches of texts of similar length, each padded to its longest under ``max_tokens``.
+
+    Items are sorted by length (ties broken by a permutation drawn from ``seed``) and cut
+    greedily: a batch takes the next item while ``count x longest <= max_tokens`` (and, with
+    ``max_size``, ``count <= max_size``); an item longer than the budget is a batch alone. The
+    set of batches is fixed for the run (the trainer shuffles their order each epoch), so a
+    resumed run deals exactly the same batches.
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + 17)
+    tiebreak = torch.randperm(len(lengths), generator=gen).tolist()
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], tiebreak[i]))
+    batches, current, longest = [], [], 0
+    for i in order:
+        wide = max(longest, lengths[i])
+        if current and ((len(current) + 1) * wide > max_tokens or (max_size and len(current) >= max_size)):
+            batches.append(torch.tensor(current))
+            current, wide = [], lengths[i]
+        current.append(i)
+        longest = wide
+    if current:
+        batches.append(torch.tensor(current))
+    return batches
+
+
+def _item_length(data: Sequence, i: int) -> int:
+    """An item's token count for batching='length': its ``input_ids`` (a mapping's, or a tuple's first part)."""
+    item = data[i]
+    ids = item.get("input_ids") if isinstance(item, Mapping) else (item[0] if isinstance(item, (tuple, list)) else None)
+    if ids is None or not hasattr(ids, "__len__"):
+        raise TrainerConfigError(f"batching='length' cannot tell data[{i}]'s length ({type(item).__name__}); pass "
+                                 "lengths= (one token count per item) or items with input_ids")
+    return len(ids)
 
 
 def _loss_of(out: Any) -> torch.Tensor:
