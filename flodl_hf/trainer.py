@@ -23,6 +23,12 @@ workers, in rank order, each its share (DDP: one batch each; El Che: the plan's 
 The last window of an epoch is clamped to what remains, so no sample is skipped or repeated;
 under DDP a worker left without a sample at the tail repeats the epoch's first one.
 
+Padding-free batches (``batching="length", max_tokens=N``). :func:`length_batches` cuts the
+data, sorted by length, into batches of at most ``N`` padded tokens, once per run; each epoch
+shuffles their order with ``(seed, epoch)``. The unit of dealing is then a batch: a DDP step is
+one batch per worker, an El Che window the plan's count of batches per worker (averaged by the
+samples they hold), ``steps_per_epoch = ceil(batches / world_size)`` and ``position`` counts batches.
+
 Checkpoint format
 -----------------
 ``checkpoint_dir/step-XXXXXXXX.pt`` (``torch.save``, loadable with ``weights_only=True``),
@@ -36,7 +42,8 @@ written by worker 0 to a temporary file and renamed into place::
       "step": int, "epoch": int, "position": int,   # samples of the epoch already dealt
       "samples": int,                               # samples trained on, all workers
       "train_time": float,                          # seconds, evaluation excluded
-      "seed": int, "batch_size": int, "world_size": int, "sync": str,
+      "seed": int, "batch_size": int | None, "world_size": int, "sync": str,
+      "batching": "fixed" | "length", "max_tokens": int | None,
       "el_che": {"anchor": int, "counts": [int], "ms_per_batch": [float | None]} | None,
       "outer": DiLoCo outer SGD state_dict | None,
       "worker": worker 0's {"optimizer", "scheduler", "rng", "batches"},
