@@ -164,7 +164,7 @@ def _equivalences_and_uneven(rank: int, out: str) -> dict:
 
 
 def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
-    res = spawn(_equivalences_and_uneven, tmp_path)
+    res = spawn(_equivalences_and_uneven, tmp_path, deadline=180.0)  # several trainers in a row; slow under load
     r0, r1 = res[0], res[1]
     for key in ("ddp", "el_che_1", "plain", "diloco_identity"):
         assert torch.equal(r0[key], r1[key]), f"{key}: workers differ"
