@@ -94,12 +94,12 @@ class AlbertTransformer(nn.Module):
         self.embedding_hidden_mapping_in = nn.Linear(config.embedding_size, config.hidden_size)
         self.albert_layer_groups = nn.ModuleList(AlbertLayerGroup(config) for _ in range(config.num_hidden_groups))
 
-    def forward(self, hidden_states: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
         hidden_states = self.embedding_hidden_mapping_in(hidden_states)
         for i in range(self.num_hidden_layers):
             # AlbertTransformer.forward's rule, float division and all
             group_idx = int(i / (self.num_hidden_layers / self.num_hidden_groups))
-            hidden_states = self.albert_layer_groups[group_idx](hidden_states, mask)
+            hidden_states = self.albert_layer_groups[group_idx](hidden_states, masks[i])
         return hidden_states
 
 

@@ -15,9 +15,9 @@ from torch import nn
 
 from flodl_hf.config import Activation, BaseConfig
 from flodl_hf.errors import ConfigError
-from flodl_hf.layers import activation, attend, extended_attention_mask, split_heads
-from flodl_hf.modeling import HeadPart, PreTrainedModel
-from flodl_hf.outputs import BaseModelOutput
+from flodl_hf.keys import LEGACY_LAYERNORM
+from flodl_hf.layers import activation, attend, split_heads
+from flodl_hf.modeling import Backbone, HeadPart
 from flodl_hf.registry import Family, register
 
 
@@ -158,8 +158,8 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(self.layer_class(config) for _ in range(config.num_hidden_layers))
 
-    def forward(self, hidden_states: torch.Tensor, mask: torch.Tensor | None, **extra) -> torch.Tensor:
-        for layer in self.layer:
+    def forward(self, hidden_states: torch.Tensor, masks: list[torch.Tensor | None], **extra) -> torch.Tensor:
+        for layer, mask in zip(self.layer, masks, strict=True):
             hidden_states = layer(hidden_states, mask, **extra)
         return hidden_states
 
@@ -176,7 +176,7 @@ class BertPooler(nn.Module):
         return self.activation(self.dense(hidden_states[:, 0]))
 
 
-class BertModel(PreTrainedModel):
+class BertModel(Backbone):
     """The bare encoder: ``last_hidden_state`` and, with the pooler, ``pooler_output``."""
 
     embeddings_class: ClassVar[type[nn.Module]] = BertEmbeddings
@@ -192,17 +192,18 @@ class BertModel(PreTrainedModel):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings.word_embeddings
 
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> BaseModelOutput:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        hidden = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids,
-                                 position_ids=position_ids, inputs_embeds=inputs_embeds)
-        mask = extended_attention_mask(attention_mask, self.config.attn_implementation, hidden.dtype)
-        hidden = self.encoder(hidden, mask)
-        pooled = self.pooler(hidden) if self.pooler is not None else None
-        return BaseModelOutput(last_hidden_state=hidden, pooler_output=pooled)
+    def embed(self, input_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids,
+                               position_ids=position_ids, inputs_embeds=inputs_embeds)
+
+    def encode(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.encoder(hidden, self.layer_masks(attention_mask, hidden))
+
+    def pool(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.pooler(hidden) if self.pooler is not None else None
 
 
 class BertPredictionHeadTransform(nn.Module):
@@ -259,6 +260,7 @@ class Bert(Family):
     prefix = "bert"
     config_class = BertConfig
     backbone_class = BertModel
+    legacy_suffixes = LEGACY_LAYERNORM  # TF-era checkpoints (samples/splade) name LayerNorm gamma/beta
 
     @classmethod
     def lm_head(cls, config: BertConfig) -> HeadPart:

@@ -25,7 +25,7 @@ from flodl_hf.errors import ConfigError
 from flodl_hf.heads import PooledClassifier, TokenClassifier
 from flodl_hf.layers import activation
 from flodl_hf.modeling import HeadPart, PreTrainedModel
-from flodl_hf.outputs import BaseModelOutput
+from flodl_hf.keys import LEGACY_LAYERNORM
 from flodl_hf.registry import Family, register
 
 from .bert import (BertAttention, BertConfig, BertEncoder, BertLayer, BertLMPredictionHead, BertMLMHead,
@@ -331,15 +331,18 @@ class DebertaV2Model(BertModel):
         # The flag is part of the backbone contract; a checkpoint's "pooler.*" keys belong to a head here.
         super().__init__(config, add_pooling_layer=False)
 
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> BaseModelOutput:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+    def embed(self, input_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError(f"attention_mask must be (batch, seq); got shape {tuple(attention_mask.shape)}")
-        hidden = self.embeddings(input_ids, token_type_ids, position_ids, attention_mask, inputs_embeds)
-        return BaseModelOutput(last_hidden_state=self.encoder(hidden, attention_mask))
+        # the embeddings are multiplied by the mask after LayerNorm (DebertaV2Embeddings.forward)
+        return self.embeddings(input_ids, token_type_ids, position_ids, attention_mask, inputs_embeds)
+
+    def encode(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # its own pairwise mask, built inside the encoder (DebertaV2Encoder.get_attention_mask)
+        return self.encoder(hidden, attention_mask)
 
 
 # ---- heads -------------------------------------------------------------------------------
@@ -422,6 +425,7 @@ class DebertaV2(Family):
     model_type = "deberta-v2"
     arch = "DebertaV2"
     prefix = "deberta"
+    legacy_suffixes = LEGACY_LAYERNORM
     config_class = DebertaV2Config
     backbone_class = DebertaV2Model
     attn_implementations = ("eager",)

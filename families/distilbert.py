@@ -19,9 +19,9 @@ from torch import nn
 from flodl_hf.config import Activation, BaseConfig
 from flodl_hf.errors import ConfigError
 from flodl_hf.families.bert import BertEncoder
-from flodl_hf.layers import activation, attend, extended_attention_mask, split_heads
-from flodl_hf.modeling import HeadPart, PreTrainedModel
-from flodl_hf.outputs import BaseModelOutput
+from flodl_hf.keys import LEGACY_LAYERNORM
+from flodl_hf.layers import activation, attend, split_heads
+from flodl_hf.modeling import Backbone, HeadPart
 from flodl_hf.registry import Family, register
 
 EPS = 1e-12  # DistilBERT hard-codes it; there is no config field
@@ -133,7 +133,7 @@ class Transformer(BertEncoder):
     layer_class = TransformerBlock
 
 
-class DistilBertModel(PreTrainedModel):
+class DistilBertModel(Backbone):
     """The bare encoder: ``last_hidden_state`` only (DistilBERT has no pooler)."""
 
     def __init__(self, config: DistilBertConfig, add_pooling_layer: bool = False) -> None:
@@ -144,15 +144,17 @@ class DistilBertModel(PreTrainedModel):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings.word_embeddings
 
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> BaseModelOutput:
-        """``token_type_ids`` is accepted for the shared task models and ignored: DistilBERT has none."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        hidden = self.embeddings(input_ids, inputs_embeds, position_ids)
-        mask = extended_attention_mask(attention_mask, self.config.attn_implementation, hidden.dtype)
-        return BaseModelOutput(last_hidden_state=self.transformer(hidden, mask))
+    def num_layers(self) -> int:
+        return self.config.n_layers
+
+    def embed(self, input_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.embeddings(input_ids, inputs_embeds, position_ids)
+
+    def encode(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.transformer(hidden, self.layer_masks(attention_mask, hidden))
 
 
 class PreClassifierHead(HeadPart):
@@ -192,6 +194,7 @@ class DistilBert(Family):
     model_type = "distilbert"
     arch = "DistilBert"
     prefix = "distilbert"
+    legacy_suffixes = LEGACY_LAYERNORM
     config_class = DistilBertConfig
     backbone_class = DistilBertModel
 

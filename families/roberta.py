@@ -53,7 +53,9 @@ class RobertaModel(BertModel):
 
 
 class RobertaClassificationHead(nn.Module):
-    """``out_proj(dropout(tanh(dense(dropout(h[:, 0])))))``."""
+    """``out_proj(dropout(tanh(dense(dropout(h[:, 0])))))``; ELECTRA's differs only in ``activation``."""
+
+    activation = staticmethod(torch.tanh)
 
     def __init__(self, config: RobertaConfig, dropout: float) -> None:
         super().__init__()
@@ -63,16 +65,18 @@ class RobertaClassificationHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x = self.dropout(hidden_states[:, 0, :])
-        x = torch.tanh(self.dense(x))
+        x = self.activation(self.dense(x))
         return self.out_proj(self.dropout(x))
 
 
 class RobertaSequenceHead(HeadPart):
     """Mounts ``classifier.{dense,out_proj}`` at the root of the sequence-classification model."""
 
+    head_class: ClassVar[type[nn.Module]] = RobertaClassificationHead
+
     def __init__(self, config: RobertaConfig, dropout: float) -> None:
         super().__init__()
-        self.classifier = RobertaClassificationHead(config, dropout)
+        self.classifier = self.head_class(config, dropout)
 
     def forward(self, hidden_states: torch.Tensor, pooler_output: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,6 +5,7 @@ from .auto import (
     AutoModel,
     AutoModelForMaskedLM,
     AutoModelForMultipleChoice,
+    AutoModelForPreTraining,
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
@@ -21,17 +22,18 @@ from .errors import (
 )
 
 from .distributed import DiLoCo, ElChe
-from .tasks import answer, classify, embed, fill_mask, rank, tag
+from .tasks import answer, classify, detect_replaced, embed, fill_mask, rank, tag
 from .tokenizer import AutoTokenizer, Tokenizer
 from .trainer import Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AutoConfig", "AutoModel", "AutoModelForMaskedLM", "AutoModelForMultipleChoice", "AutoModelForQuestionAnswering",
+    "AutoConfig", "AutoModel", "AutoModelForMaskedLM", "AutoModelForMultipleChoice", "AutoModelForPreTraining",
+    "AutoModelForQuestionAnswering",
     "AutoModelForSequenceClassification", "AutoModelForTokenClassification", "load_model",
     "CheckpointFormatError", "ConfigError", "FlodlHFError", "InputError", "SourceNotFoundError",
     "UnsupportedModelError", "WeightsMismatchError",
     "Trainer", "ElChe", "DiLoCo",
-    "AutoTokenizer", "Tokenizer", "answer", "classify", "embed", "fill_mask", "rank", "tag",
+    "AutoTokenizer", "Tokenizer", "answer", "classify", "detect_replaced", "embed", "fill_mask", "rank", "tag",
 ]

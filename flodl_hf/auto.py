@@ -6,7 +6,6 @@ directory, a single weights file, or a hub id (``revision=``).
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +14,11 @@ import torch
 from . import io
 from .config import BaseConfig
 from .errors import ConfigError, UnsupportedModelError
+from .keys import has_pooler
 from .layers import check_attn_implementation, init_weights
 from .modeling import PreTrainedModel, load_weights, meta_device
-from .registry import TASKS, get_family, parse_architecture
-
-POOLER_KEY = re.compile(r"(^|\.)pooler\.")
+from .registry import Family, get_family, parse_architecture
+from .task_registry import task_names, tasks
 
 
 def config_from_dict(data: dict[str, Any], where: str = "config.json") -> BaseConfig:
@@ -67,12 +66,9 @@ class AutoConfig:
         return config_from_dict({"model_type": model_type, **fields}, "config")
 
 
-def model_class(config: BaseConfig, task: str) -> type[PreTrainedModel]:
-    family = get_family(config.model_type)
-    if task == "base":
-        return family.backbone_class
-    from flodl_hf.heads import TASK_MODELS
-    return TASK_MODELS[task]
+def model_class(config: BaseConfig, task: str, family: type[Family] | None = None) -> type[PreTrainedModel]:
+    """The class that runs ``task`` for the config's family (or the ``family`` given)."""
+    return (family or get_family(config.model_type)).model_class(task)
 
 
 def task_of(config: BaseConfig) -> str:
@@ -84,9 +80,10 @@ def task_of(config: BaseConfig) -> str:
     return task
 
 
-def build_model(config: BaseConfig, task: str, add_pooling_layer: bool = True) -> PreTrainedModel:
-    cls = model_class(config, task)
-    return cls(config, add_pooling_layer=add_pooling_layer) if task == "base" else cls(config)
+def build_model(config: BaseConfig, task: str, add_pooling_layer: bool = True,
+                family: type[Family] | None = None) -> PreTrainedModel:
+    """An uninitialised model; the family is resolved here once (or given) and passed to the model."""
+    return (family or get_family(config.model_type)).build(config, task, add_pooling_layer=add_pooling_layer)
 
 
 def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | None = None,
@@ -98,12 +95,13 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | N
         config = config_from_dict(io.read_json(ckpt.config_path, "config.json"), str(ckpt.config_path))
     if num_labels is not None:
         config.num_labels = num_labels
-    config.attn_implementation = check_attn_implementation(attn_implementation)
+    family = get_family(config.model_type)  # resolved once; the model carries it from here on
+    config.attn_implementation = check_attn_implementation(attn_implementation, family)
     if task == "auto":
         task = task_of(config)
-    if task not in TASKS:
-        raise ValueError(f"task {task!r}: expected one of {', '.join(TASKS)} or 'auto'")
-    cls = model_class(config, task)
+    if task not in task_names():
+        raise ValueError(f"task {task!r}: expected one of {', '.join(task_names())} or 'auto'")
+    cls = family.model_class(task)
     if expect is not None and expect is not PreTrainedModel and not issubclass(cls, expect):
         raise UnsupportedModelError(f"{source} holds a {config.model_type!r} model; {expect.__name__} cannot load it "
                                     f"(use the Auto classes or {cls.__name__})")
@@ -111,10 +109,7 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | N
     from .validate import check_config_fits
     check_config_fits(config, tensors, str(ckpt.config_path))
     with meta_device():
-        if task == "base":
-            model = cls(config, add_pooling_layer=any(POOLER_KEY.search(k) for k in tensors))
-        else:
-            model = cls(config)
+        model = family.build(config, task, add_pooling_layer=has_pooler(tensors))
     load_weights(model, tensors, ckpt.source)
     model.source_root = ckpt.root.absolute()  # the trainer records it, so an export of a fine-tune carries the source's card
     return model.eval()
@@ -133,8 +128,9 @@ class _AutoModel:
     @classmethod
     def from_config(cls, config: BaseConfig, attn_implementation: str = "sdpa") -> PreTrainedModel:
         """A freshly initialised model (transformers' init: normal(initializer_range), zero bias)."""
-        config.attn_implementation = check_attn_implementation(attn_implementation)
-        model = build_model(config, cls.task)
+        family = get_family(config.model_type)
+        config.attn_implementation = check_attn_implementation(attn_implementation, family)
+        model = family.build(config, cls.task)
         init_weights(model, config.initializer_range)
         return model
 
@@ -163,5 +159,18 @@ class AutoModelForMultipleChoice(_AutoModel):
     task = "mc"
 
 
-AUTO_CLASSES = {c.task: c for c in (AutoModel, AutoModelForSequenceClassification, AutoModelForTokenClassification,
-                                    AutoModelForQuestionAnswering, AutoModelForMaskedLM, AutoModelForMultipleChoice)}
+class AutoModelForPreTraining(_AutoModel):
+    """ELECTRA's replaced-token discriminator (the ``pretraining`` task ELECTRA adds)."""
+
+    task = "pretraining"
+
+
+_NAMED = (AutoModel, AutoModelForSequenceClassification, AutoModelForTokenClassification,
+          AutoModelForQuestionAnswering, AutoModelForMaskedLM, AutoModelForMultipleChoice, AutoModelForPreTraining)
+
+
+def auto_classes() -> dict[str, type[_AutoModel]]:
+    """Task -> Auto class, for every registered task; a task a family added without a class here gets
+    one named as transformers names its Auto class."""
+    named = {c.task: c for c in _NAMED}
+    return {t.name: named.get(t.name) or type(t.auto_class, (_AutoModel,), {"task": t.name}) for t in tasks()}

@@ -40,21 +40,17 @@ from . import carry, io
 from .auto import build_model, config_from_dict, load_model
 from .config import BaseConfig
 from .errors import CheckpointFormatError, InputError, OutputExistsError, UnsupportedModelError
-from .modeling import PreTrainedModel, _init_fresh, load_weights
+from .keys import expected, has_pooler, init_fresh, normalise
+from .modeling import PreTrainedModel, load_weights
 from .parity import quiet_transformers
-from .registry import TASKS, get_family, parse_architecture
+from .registry import get_family, parse_architecture
+from .task_registry import TaskField, hf_mapping, task_names
 
 STAMP_KEY = "flodl_hf"
 DTYPES = {"keep": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# transformers' Auto mapping per task: the class name it writes into ``architectures`` for a model_type.
-HF_MAPPINGS = {
-    "base": "MODEL_MAPPING_NAMES",
-    "seqcls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
-    "tokcls": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
-    "qa": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
-    "mlm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
-    "mc": "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES",
-}
+# transformers' Auto mapping per task (the class name it writes into ``architectures`` for a
+# model_type), read from the task registry.
+HF_MAPPINGS = TaskField("hf_mapping")
 # Files that make a directory carry a tokenizer; any *.model (SentencePiece) counts too.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "merges.txt")
 TRAINER_KEYS = ("model", "config")
@@ -64,8 +60,7 @@ TRAINER_FORMAT = "flodl-hf/trainer-checkpoint"  # flodl_hf.trainer writes it
 # ---- names: which class a (model_type, task) is, and back -------------------------------------
 
 def _hf_mapping(task: str) -> dict[str, str]:
-    from transformers.models.auto import modeling_auto
-    return getattr(modeling_auto, HF_MAPPINGS[task], {})
+    return hf_mapping(task)
 
 
 def architecture_name(model_type: str, task: str) -> str:
@@ -78,7 +73,7 @@ def architecture_task(name: str, model_type: str) -> str:
     try:
         return parse_architecture(name)[1]
     except UnsupportedModelError as exc:
-        for task in TASKS:  # an alias family (camembert under roberta) is named by transformers' class
+        for task in task_names():  # an alias family (camembert under roberta) is named by transformers' class
             if _hf_mapping(task).get(model_type) == name:
                 return task
         raise UnsupportedModelError(f"{exc}. Pass head= (--head) to export another head.") from None
@@ -86,8 +81,8 @@ def architecture_task(name: str, model_type: str) -> str:
 
 def resolve_task(config: BaseConfig, head: str, where: str) -> str:
     if head != "auto":
-        if head not in TASKS:
-            raise InputError(f"head {head!r}: expected auto or one of {', '.join(TASKS)}")
+        if head not in task_names():
+            raise InputError(f"head {head!r}: expected auto or one of {', '.join(task_names())}")
         return head
     architectures = config.architectures or []
     if not architectures:
@@ -380,7 +375,7 @@ def _complete_backbone(model: PreTrainedModel) -> tuple[PreTrainedModel, list[st
         owner = full.get_submodule(owner_name)
         meta = getattr(owner, name)
         setattr(owner, name, torch.nn.Parameter(torch.empty(meta.shape, dtype=dtype), requires_grad=meta.requires_grad))
-        _init_fresh(owner, name, getattr(model.config, "initializer_range", 0.02))
+        init_fresh(owner, name, getattr(model.config, "initializer_range", 0.02))
     warnings.warn(f"{', '.join(extra)} were not in the source and are newly initialised, as transformers' "
                   "AutoModel would do", stacklevel=3)
     return full.eval(), extra
@@ -402,9 +397,8 @@ def export_config(model: PreTrainedModel, task: str, stamp: dict[str, Any], cast
 
 
 def _hf_names(model: PreTrainedModel, native_keys: list[str]) -> list[str]:
-    from .modeling import KeyRenamer
-    renames = KeyRenamer(model.family.key_renames)
-    return [renames.to_hf(k) for k in native_keys]
+    key_map = model.family.key_map()
+    return [key_map.to_hf(k) for k in native_keys]
 
 
 @dataclass
@@ -553,21 +547,21 @@ def checkpoint_task(config: BaseConfig, state: dict[str, torch.Tensor], head: st
     """
     if head != "auto":
         return resolve_task(config, head, where)
-    from .modeling import _expected, _normalise_keys
     fits = []
-    for task in TASKS:
+    family = get_family(config.model_type)
+    for task in family.tasks:
         try:
             with torch.device("meta"):
-                model = build_model(config, task, add_pooling_layer=any(".pooler." in f".{k}" for k in state))
+                model = build_model(config, task, add_pooling_layer=has_pooler(state), family=family)
         except UnsupportedModelError:
             continue
-        shapes, aliases = _expected(model)
-        norm = _normalise_keys(model, dict(state), shapes, aliases)
+        shapes, aliases = expected(model)
+        norm = normalise(model, dict(state), shapes, aliases)
         if set(norm) == set(shapes) and all(norm[k].shape == shapes[k] for k in shapes):
             fits.append(task)
     if not fits:
         raise CheckpointFormatError(f"{where}: its state_dict fits none of the {config.model_type} heads "
-                                    f"({', '.join(TASKS)}) exactly; pass head= (--head) to choose one")
+                                    f"({', '.join(family.tasks)}) exactly; pass head= (--head) to choose one")
     if len(fits) > 1:
         named = resolve_task(config, "auto", where) if config.architectures else None
         if named in fits:
@@ -605,7 +599,7 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, head: str
     if cast is not None:
         state = {k: v.to(cast) if v.is_floating_point() else v for k, v in state.items()}
     with torch.device("meta"):
-        model = build_model(config, task, add_pooling_layer=any(".pooler." in f".{k}" for k in state))
+        model = build_model(config, task, add_pooling_layer=has_pooler(state))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = load_weights(model, state, str(path), allow_fresh_head=False)
@@ -657,7 +651,7 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--hub", metavar="SOURCE", help="hub id or local directory / weights file")
     src.add_argument("--checkpoint", metavar="CKPT", help="a checkpoint written by the flodl-hf trainer")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to create (atomically)")
-    p.add_argument("--head", default="auto", choices=["auto", *TASKS], help="head to export (auto: architectures)")
+    p.add_argument("--head", default="auto", choices=["auto", *task_names()], help="head to export (auto: architectures)")
     p.add_argument("--revision", default=None, help="hub revision (with --hub)")
     p.add_argument("--dtype", default="keep", choices=list(DTYPES), help="cast floating tensors")
     p.add_argument("--max-shard-size", default="5GB", help="shard above this size (default 5GB)")

@@ -10,7 +10,8 @@ for eager.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,11 @@ from torch import nn
 
 from .config import Activation
 
+if TYPE_CHECKING:
+    from .registry import Family
+
+# The attention paths attend() computes. Which of them a family has is declared once, in
+# Family.attn_implementations; a model asked for a path its family lacks runs the family's first.
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
@@ -59,30 +65,82 @@ def activation(act: Activation | str) -> Callable[[torch.Tensor], torch.Tensor]:
     return ACTIVATIONS[Activation.parse(act)]
 
 
-def check_attn_implementation(name: str) -> str:
-    if name not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(f"attn_implementation={name!r}: expected one of {', '.join(ATTN_IMPLEMENTATIONS)}")
+def check_attn_implementation(name: str, family: "type[Family] | None" = None) -> str:
+    """``name`` if attend() has that path (and, given a family, the family declares it); else ValueError."""
+    known = ATTN_IMPLEMENTATIONS if family is None else tuple(family.attn_implementations)
+    if name not in ATTN_IMPLEMENTATIONS or (family is not None and name not in known and len(known) > 1):
+        raise ValueError(f"attn_implementation={name!r}: expected one of {', '.join(known)}")
     return name
 
 
-def extended_attention_mask(attention_mask: torch.Tensor | None, impl: str, dtype: torch.dtype) -> torch.Tensor | None:
-    """The 2-D padding mask in the form each attention path takes, or None when nothing is padded.
+# ---- masks ------------------------------------------------------------------------------------------
 
-    sdpa: bool (B, 1, 1, S), True = attend. eager: additive float (B, 1, 1, S) with
-    ``finfo.min`` at padded keys, as ``transformers.masking_utils`` builds it.
-    """
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() == 4:  # already prepared by the caller
-        return attention_mask
-    keep = attention_mask.bool()
-    if bool(keep.all()):
-        return None
-    keep = keep[:, None, None, :]
+@dataclass(frozen=True)
+class MaskSpec:
+    """What one layer may attend to: ``padding`` (every real token), or ``sliding`` (real tokens within
+    ``window`` positions either side, ``|q - k| <= window``, as transformers'
+    ``sliding_window_bidirectional_overlay``). A causal kind belongs here when a decoder needs it."""
+
+    kind: str = "padding"
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("padding", "sliding"):
+            raise ValueError(f"mask kind {self.kind!r}: expected padding or sliding")
+        if (self.kind == "sliding") != (self.window is not None):
+            raise ValueError("a sliding mask needs a window; a padding mask takes none")
+
+
+PADDING = MaskSpec()
+
+
+def _as_impl(keep: torch.Tensor, impl: str, dtype: torch.dtype) -> torch.Tensor:
     if impl == "sdpa":
         return keep
     return torch.where(keep, torch.tensor(0.0, dtype=dtype, device=keep.device),
                        torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=keep.device))
+
+
+def build_mask(attention_mask: torch.Tensor | None, spec: MaskSpec, impl: str, dtype: torch.dtype,
+               length: int, device: torch.device | None = None) -> torch.Tensor | None:
+    """One layer's mask in the form its attention path takes, or None when it masks nothing.
+
+    sdpa: bool, True = attend. eager: additive float with ``finfo.min`` where masked, as
+    ``transformers.masking_utils`` builds it. Padding alone is (B, 1, 1, S); a window makes it (B, 1, S, S).
+    """
+    if attention_mask is not None and attention_mask.dim() == 4:  # already prepared by the caller
+        return attention_mask
+    keep = None
+    if attention_mask is not None:
+        keep = attention_mask.bool()
+        if bool(keep.all()):
+            keep = None
+        else:
+            keep = keep[:, None, None, :]
+    if spec.kind == "sliding" and length > spec.window:
+        device = device if attention_mask is None else attention_mask.device
+        pos = torch.arange(length, device=device)
+        band = ((pos[:, None] - pos[None, :]).abs() <= spec.window)[None, None]
+        keep = band if keep is None else keep & band
+    if keep is None:
+        return None
+    return _as_impl(keep, impl, dtype)
+
+
+def build_masks(attention_mask: torch.Tensor | None, specs: Sequence[MaskSpec], impl: str, dtype: torch.dtype,
+                length: int, device: torch.device | None = None) -> list[torch.Tensor | None]:
+    """Every layer's mask, each distinct spec built once (layers with the same spec share one tensor)."""
+    built: dict[MaskSpec, torch.Tensor | None] = {}
+    for spec in specs:
+        if spec not in built:
+            built[spec] = build_mask(attention_mask, spec, impl, dtype, length, device)
+    return [built[spec] for spec in specs]
+
+
+def extended_attention_mask(attention_mask: torch.Tensor | None, impl: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """The 2-D padding mask in the form each attention path takes, or None when nothing is padded."""
+    length = attention_mask.shape[-1] if attention_mask is not None else 0
+    return build_mask(attention_mask, PADDING, impl, dtype, length)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl: str,
@@ -250,3 +308,34 @@ def head_at_rows(head: Callable[..., torch.Tensor], module: nn.Module, hidden: t
 
 def _rows_of(out: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor:
     return out.reshape(-1, out.shape[-1]).index_select(0, flat_index)
+
+
+# ---- rotary position embeddings -----------------------------------------------------------------------
+
+def rope_inverse_frequencies(theta: float, head_dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """Default RoPE inverse frequencies, as transformers' ``compute_default_rope_parameters``:
+    ``1 / theta ** (arange(0, d, 2) / d)`` in float32."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (B, S, head_dim), as the rotary modules' forward computes them (default RoPE,
+    whose attention scaling is 1.0 and multiplies nothing)."""
+    freqs = position_ids[..., None].float() * inv_freq.to(device=position_ids.device, dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_rotary_pos_emb`` on (B, heads, S, head_dim), computed in float32."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q_embed = (q.float() * cos) + (rotate_half(q.float()) * sin)
+    k_embed = (k.float() * cos) + (rotate_half(k.float()) * sin)
+    return q_embed.to(q.dtype), k_embed.to(k.dtype)

@@ -14,7 +14,6 @@ Tied weights are found by identity (``cls.predictions.decoder.weight`` *is*
 
 from __future__ import annotations
 
-import re
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,13 +23,15 @@ from typing import TYPE_CHECKING, ClassVar, Iterator
 import torch
 from torch import nn
 
-from . import io
+from . import io, keys
 from .config import BaseConfig
 from .errors import CheckpointFormatError, InputError, WeightsMismatchError
-from .layers import check_attn_implementation
+from .layers import PADDING, MaskSpec, build_masks, check_attn_implementation
+from .outputs import BaseModelOutput
 
 if TYPE_CHECKING:
     from .registry import Family
+    from .task_registry import Task
 
 
 # The initialisers modules call in reset_parameters(); on the meta device they compute nothing.
@@ -75,14 +76,22 @@ class PreTrainedModel(nn.Module):
     def __init__(self, config: BaseConfig) -> None:
         super().__init__()
         self.config = config
+        self._family: type["Family"] | None = None
         if type(self).validates_inputs:
             self.register_forward_pre_hook(_forward_input_hook, with_kwargs=True)
 
     # ---- identity ---------------------------------------------------------------------
+    def bind_family(self, family: type["Family"]) -> None:
+        """Record the family this model was built for (resolved once, at load or build)."""
+        self._family = family
+
     @property
     def family(self) -> type["Family"]:
-        from .registry import get_family
-        return get_family(self.config.model_type)
+        """The family given at build; a model built without one looks its model_type up once."""
+        if self._family is None:
+            from .registry import get_family
+            self._family = get_family(self.config.model_type)
+        return self._family
 
     @property
     def architecture(self) -> str:
@@ -93,7 +102,7 @@ class PreTrainedModel(nn.Module):
         return self.config.attn_implementation
 
     def set_attn_implementation(self, name: str) -> None:
-        self.config.attn_implementation = check_attn_implementation(name)
+        self.config.attn_implementation = check_attn_implementation(name, self.family)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -119,14 +128,14 @@ class PreTrainedModel(nn.Module):
     # ---- saving -----------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors under HF's names, each tied tensor once (under its first name), as save_pretrained writes them."""
-        renames = KeyRenamer(self.family.key_renames)
+        key_map = self.family.key_map()
         seen: set[int] = set()
         out: dict[str, torch.Tensor] = {}
         for name, tensor in self.state_dict(keep_vars=True).items():
             if id(tensor) in seen:
                 continue
             seen.add(id(tensor))
-            out[renames.to_hf(name)] = tensor.detach()
+            out[key_map.to_hf(name)] = tensor.detach()
         return out
 
     def save_pretrained(self, directory: str | Path, max_shard_size: int | str = "5GB") -> Path:
@@ -205,6 +214,60 @@ def check_forward_inputs(model: nn.Module, input_ids: object, attention_mask: ob
                              f"[0, type_vocab_size={types})")
 
 
+class Backbone(PreTrainedModel):
+    """A family's bare encoder, in three hooks that a family overrides one at a time.
+
+    ``embed`` turns the inputs into the first hidden states; ``encode`` runs the layers, each
+    with the mask its ``MaskSpec`` asks for (``layer_masks``); ``pool`` is the optional pooler.
+    A family that changes only its embeddings (ELECTRA's projection) overrides ``embed``; one
+    that changes only its layers overrides ``encode`` or the encoder class. ``input_names``
+    lists the inputs the backbone takes: task models pass it those and no others.
+    """
+
+    input_names: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask", "token_type_ids", "position_ids",
+                                              "inputs_embeds")
+
+    def mask_specs(self) -> list[MaskSpec]:
+        """One MaskSpec per layer (padding everywhere, unless the family's layers say otherwise)."""
+        return [PADDING] * self.num_layers()
+
+    def num_layers(self) -> int:
+        return int(getattr(self.config, "num_hidden_layers", 1))
+
+    def layer_masks(self, attention_mask: torch.Tensor | None, hidden: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each layer's mask in the form the configured attention path takes (None: nothing masked)."""
+        impl = self.config.attn_implementation
+        if impl not in self.family.attn_implementations:
+            impl = self.family.attn_implementations[0]
+        return build_masks(attention_mask, self.mask_specs(), impl, hidden.dtype, hidden.shape[1], hidden.device)
+
+    def embed(self, input_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def encode(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The layers over ``hidden``; ``position_ids`` for families whose layers read positions (RoPE)."""
+        raise NotImplementedError
+
+    def pool(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> BaseModelOutput:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if token_type_ids is not None and "token_type_ids" not in self.input_names:
+            from .errors import InputError
+            raise InputError(f"{type(self).__name__} has no token types: pass no token_type_ids")
+        hidden = self.embed(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
+                            inputs_embeds=inputs_embeds, attention_mask=attention_mask)
+        hidden = self.encode(hidden, attention_mask, position_ids)
+        return BaseModelOutput(last_hidden_state=hidden, pooler_output=self.pool(hidden))
+
+
 class HeadPart(nn.Module):
     """A head's modules, mounted at the task model's root under HF's names.
 
@@ -227,18 +290,21 @@ class HeadPart(nn.Module):
 class TaskModel(PreTrainedModel):
     """A backbone plus one head part. Subclasses (in ``flodl_hf.heads``) write each head shape once."""
 
-    head_factory: ClassVar[str]  # the Family classmethod that builds this task's HeadPart
     validates_inputs: ClassVar[bool] = False
 
-    def __init__(self, config: BaseConfig) -> None:
+    def __init__(self, config: BaseConfig, family: type["Family"] | None = None) -> None:
         super().__init__(config)
-        from .registry import get_family
-        family = get_family(config.model_type)
-        part: HeadPart = getattr(family, self.head_factory)(config)
+        if family is None:
+            from .registry import get_family
+            family = get_family(config.model_type)
+        self.bind_family(family)
+        part: HeadPart = getattr(family, self.spec.head_factory)(config)
         if list(part.parameters(recurse=False)):
             raise TypeError(f"{type(part).__name__}: a HeadPart holds no bare parameters, only children")
         self.base_model_prefix = family.prefix
-        self.add_module(family.prefix, family.backbone_class(config, add_pooling_layer=part.uses_pooler))
+        backbone = family.backbone_class(config, add_pooling_layer=part.uses_pooler)
+        backbone.bind_family(family)
+        self.add_module(family.prefix, backbone)
         for name, child in part.named_children():
             self.add_module(name, child)
         object.__setattr__(self, "head", part)  # not registered: its children already are
@@ -248,45 +314,32 @@ class TaskModel(PreTrainedModel):
             decoder.weight = self.backbone.get_input_embeddings().weight
 
     @property
-    def backbone(self) -> PreTrainedModel:
+    def spec(self) -> "Task":
+        """This task's entry in the task registry."""
+        from .task_registry import get_task
+        return get_task(self.task)
+
+    @property
+    def backbone(self) -> "Backbone":
         return getattr(self, self.base_model_prefix)
+
+    def run_backbone(self, **inputs: torch.Tensor | None):
+        """The backbone on the inputs it accepts. An input it has no use for (token types on a family
+        without them) is dropped when absent and refused when given."""
+        accepted = self.backbone.input_names
+        extra = [k for k, v in inputs.items() if v is not None and k not in accepted]
+        if extra:
+            from .errors import InputError
+            raise InputError(f"{type(self.backbone).__name__} takes no {', '.join(extra)} "
+                             f"(it takes {', '.join(accepted)})")
+        return self.backbone(**{k: v for k, v in inputs.items() if k in accepted})
+
+    def compute_loss(self, logits, **labels: torch.Tensor) -> torch.Tensor:
+        """The task's loss, as the task registry declares it."""
+        return self.spec.loss(self, logits, **labels)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.backbone.get_input_embeddings()
-
-
-# ---- key renames -------------------------------------------------------------------------
-
-class KeyRenamer:
-    """One family's declarative, invertible (hf, native) patterns; ``{}`` stands for one key segment."""
-
-    def __init__(self, pairs: tuple[tuple[str, str], ...]) -> None:
-        self._fwd = [(self._compile(hf), native) for hf, native in pairs]
-        self._rev = [(self._compile(native), hf) for hf, native in pairs]
-
-    @staticmethod
-    def _compile(pattern: str) -> re.Pattern:
-        return re.compile("^" + re.escape(pattern).replace(r"\{\}", r"([^.]+)") + "$")
-
-    @staticmethod
-    def _apply(table: list, key: str) -> str:
-        for regex, target in table:
-            match = regex.match(key)
-            if match:
-                return target.format(*match.groups())
-        return key
-
-    def to_native(self, key: str) -> str:
-        return self._apply(self._fwd, key)
-
-    def to_hf(self, key: str) -> str:
-        return self._apply(self._rev, key)
-
-
-# Keys HF checkpoints carry that are not weights (buffers HF recomputes).
-IGNORED_KEY = re.compile(r"(^|\.)(position_ids|token_type_ids)$")
-# Old TF-era checkpoints name LayerNorm parameters gamma/beta.
-LEGACY_SUFFIX = {".gamma": ".weight", ".beta": ".bias"}
 
 
 @dataclass
@@ -295,67 +348,6 @@ class LoadReport:
 
     fresh: list[str]
     unused: list[str]
-
-
-def _expected(model: nn.Module) -> tuple[dict[str, torch.Size], dict[str, str]]:
-    """Canonical key -> shape, and alias -> canonical key for every tied tensor, found by identity."""
-    first: dict[int, str] = {}
-    shapes: dict[str, torch.Size] = {}
-    aliases: dict[str, str] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in first:
-            aliases[name] = first[id(tensor)]
-        else:
-            first[id(tensor)] = name
-            shapes[name] = tensor.shape
-    return shapes, aliases
-
-
-def _normalise_keys(model: PreTrainedModel, tensors: dict[str, torch.Tensor],
-                    shapes: dict[str, torch.Size], aliases: dict[str, str],
-                    untied: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors under our canonical names. A tied alias the file holds with *different*
-    values than its canonical key goes to ``untied`` (when given): transformers 5 keeps such a file tensor
-    and unties the pair, so we do too."""
-    renames = KeyRenamer(model.family.key_renames)
-    known = set(shapes) | set(aliases)
-    state: dict[str, torch.Tensor] = {}
-    for key, tensor in tensors.items():
-        if not isinstance(key, str):
-            raise CheckpointFormatError(f"state_dict key {key!r} is a {type(key).__name__}, not a tensor name (str)")
-        if not isinstance(tensor, torch.Tensor):
-            raise CheckpointFormatError(f"state_dict entry {key!r} is a {type(tensor).__name__}, not a tensor")
-        if IGNORED_KEY.search(key):
-            continue
-        for old, new in LEGACY_SUFFIX.items():
-            if key.endswith(old):
-                key = key[: -len(old)] + new
-        state[renames.to_native(key)] = tensor
-    prefix = model.family.prefix + "."
-    if model.base_model_prefix:
-        # A backbone saved without its prefix, loaded into a head model.
-        if not any(k.startswith(prefix) for k in state):
-            state = {(prefix + k if prefix + k in known else k): t for k, t in state.items()}
-    elif any(k.startswith(prefix) for k in state):
-        # A head checkpoint loaded into a bare backbone: the backbone is under the prefix, the rest is unused.
-        state = {(k[len(prefix):] if k.startswith(prefix) else k): t for k, t in state.items()}
-    for alias, canonical in aliases.items():
-        if alias in state:
-            tensor = state.pop(alias)
-            if canonical not in state:
-                state[canonical] = tensor
-            elif untied is not None and not _same_values(tensor, state[canonical]):
-                untied[alias] = tensor
-            # else: a tied copy in the file is redundant
-    return state
-
-
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape:
-        return False
-    if a.dtype != b.dtype:
-        b = b.to(a.dtype)
-    return bool(torch.equal(a, b))
 
 
 def _check_kinds(model: nn.Module, state: dict[str, torch.Tensor], untied: dict[str, torch.Tensor],
@@ -370,17 +362,6 @@ def _check_kinds(model: nn.Module, state: dict[str, torch.Tensor], untied: dict[
                                         "tensor where the model has a floating-point parameter; nothing was loaded")
 
 
-def _init_fresh(owner: nn.Module, name: str, std: float) -> None:
-    tensor = getattr(owner, name)
-    with torch.no_grad():
-        if isinstance(owner, nn.LayerNorm):
-            tensor.fill_(1.0 if name == "weight" else 0.0)
-        elif isinstance(owner, (nn.Linear, nn.Embedding)) and name == "weight":
-            tensor.normal_(mean=0.0, std=std)
-        else:
-            tensor.zero_()
-
-
 def load_weights(model: PreTrainedModel, tensors: dict[str, torch.Tensor], source: str,
                  allow_fresh_head: bool = True) -> LoadReport:
     """Strictly load ``tensors`` into ``model`` (which may live on the meta device).
@@ -391,9 +372,9 @@ def load_weights(model: PreTrainedModel, tensors: dict[str, torch.Tensor], sourc
     and the pooler it may need, are initialised fresh as transformers does, with a
     warning that lists them.
     """
-    shapes, aliases = _expected(model)
+    shapes, aliases = keys.expected(model)
     untied: dict[str, torch.Tensor] = {}
-    state = _normalise_keys(model, tensors, shapes, aliases, untied)
+    state = keys.normalise(model, tensors, shapes, aliases, untied)
     missing = [k for k in shapes if k not in state]
     mismatched = [(k, tuple(shapes[k]), tuple(state[k].shape)) for k in shapes
                   if k in state and state[k].shape != shapes[k]]
@@ -433,7 +414,7 @@ def load_weights(model: PreTrainedModel, tensors: dict[str, torch.Tensor], sourc
     std = getattr(model.config, "initializer_range", 0.02)
     for key in fresh:
         owner, _, name = key.rpartition(".")
-        _init_fresh(model.get_submodule(owner), name, std)
+        keys.init_fresh(model.get_submodule(owner), name, std)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"internal error: {', '.join(left)} were neither loaded nor initialised")

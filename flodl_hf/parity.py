@@ -21,16 +21,11 @@ from . import io
 from .auto import AutoConfig, load_model, task_of
 from .errors import WeightsMismatchError
 from .config import BaseConfig
-from .registry import TASKS, get_family
+from .registry import get_family
+from .task_registry import TaskField, get_task, task_names
 
-REFERENCE_CLASSES = {
-    "base": "AutoModel",
-    "seqcls": "AutoModelForSequenceClassification",
-    "tokcls": "AutoModelForTokenClassification",
-    "qa": "AutoModelForQuestionAnswering",
-    "mlm": "AutoModelForMaskedLM",
-    "mc": "AutoModelForMultipleChoice",
-}
+# task -> transformers' Auto class name, read from the task registry
+REFERENCE_CLASSES = TaskField("auto_class")
 
 
 @dataclass
@@ -83,7 +78,7 @@ def reference_model(source: str | Path, task: str, attn_implementation: str, rev
     """transformers' AutoModelFor* on the same files we load (resolved by our loader: samples/, a
     weights file's directory, a hub snapshot), float32, eval mode."""
     transformers = quiet_transformers()
-    cls = getattr(transformers, REFERENCE_CLASSES[task])
+    cls = getattr(transformers, get_task(task).auto_class)
     source = io.resolve(source, revision).root
     kwargs = {"dtype": torch.float32}
     if attn_implementation:
@@ -139,9 +134,9 @@ def check_parity(source: str | Path, task: str = "auto", attn_implementation: st
     return ParityResult(str(source), task, attn_implementation, diffs, equal)
 
 
-def _tasks_for(source: str, head: str) -> list[str]:
+def _tasks_for(family, head: str) -> list[str]:
     if head == "all":
-        return list(TASKS)
+        return list(family.tasks)
     return [head]
 
 
@@ -150,7 +145,7 @@ def run_cli(args: argparse.Namespace) -> int:
     config = AutoConfig.from_pretrained(args.source, revision=args.revision)
     family = get_family(config.model_type)
     impls = list(family.attn_implementations) if args.attn == "all" else [args.attn]
-    heads = [task_of(config)] if args.head == "auto" else _tasks_for(args.source, args.head)
+    heads = [task_of(config)] if args.head == "auto" else _tasks_for(family, args.head)
     results = []
     for task in heads:
         for impl in impls:
@@ -175,7 +170,7 @@ def run_cli(args: argparse.Namespace) -> int:
 def register_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("parity", help="compare our model with transformers' on a padded batch; exit 1 unless exact")
     p.add_argument("source", help="local directory, weights file, or hub id")
-    p.add_argument("--head", default="auto", choices=["auto", "all", *TASKS],
+    p.add_argument("--head", default="auto", choices=["auto", "all", *task_names()],
                    help="head to build (auto: from config architectures; all: every head)")
     p.add_argument("--attn", default="all", choices=["sdpa", "eager", "all"], help="attention path(s)")
     p.add_argument("--revision", default=None)

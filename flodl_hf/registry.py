@@ -11,23 +11,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from .errors import RegistryError, UnsupportedModelError
+from .task_registry import CORE_TASKS, get_task
 
 if TYPE_CHECKING:
     import torch
 
     from .config import BaseConfig
+    from .keys import KeyMap
     from .modeling import HeadPart, PreTrainedModel
 
-# Task names, as used by the CLI and the Auto classes, and HF's class-name suffix of each.
-TASK_SUFFIX = {
-    "base": "Model",
-    "seqcls": "ForSequenceClassification",
-    "tokcls": "ForTokenClassification",
-    "qa": "ForQuestionAnswering",
-    "mlm": "ForMaskedLM",
-    "mc": "ForMultipleChoice",
-}
-TASKS = tuple(TASK_SUFFIX)
+# The core task names (the task registry, flodl_hf.task_registry, holds every task and its facts).
+TASKS = CORE_TASKS
 
 _FAMILIES: dict[str, type["Family"]] = {}
 _loaded = False
@@ -44,8 +38,48 @@ class Family:
     backbone_class: ClassVar[type["PreTrainedModel"]]
     # (hf_key, native_key) patterns with "{}" for one dotted-free segment; load and export both use them.
     key_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
-    # Attention paths transformers has for this family (DeBERTa has only its own, "eager").
+    # Old spellings a checkpoint may use, mapped one way on load (suffix -> suffix); export writes today's.
+    legacy_suffixes: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # Attention paths transformers has for this family, declared once (DeBERTa has only its own, "eager").
+    # Parity runs each; a model asked for a path its family lacks runs the first one.
     attn_implementations: ClassVar[tuple[str, ...]] = ("sdpa", "eager")
+    # The tasks this family supports (names in flodl_hf.task_registry), and its own task models
+    # where the registry's default does not fit.
+    tasks: ClassVar[tuple[str, ...]] = CORE_TASKS
+    task_models: ClassVar[dict[str, type["PreTrainedModel"]]] = {}
+
+    # ---- building ---------------------------------------------------------------------------
+    @classmethod
+    def supports(cls, task: str) -> bool:
+        return task in cls.tasks
+
+    @classmethod
+    def model_class(cls, task: str) -> type["PreTrainedModel"]:
+        """The class that runs ``task`` for this family: its own task model, the backbone, or the default."""
+        if task not in cls.tasks:
+            raise UnsupportedModelError(f"{cls.model_type}: no {task!r} task is declared for this family "
+                                        f"(it has {', '.join(cls.tasks)})")
+        if task in cls.task_models:
+            return cls.task_models[task]
+        spec = get_task(task)
+        return cls.backbone_class if spec.model is None else spec.model_class()
+
+    @classmethod
+    def build(cls, config: "BaseConfig", task: str = "base", add_pooling_layer: bool = True) -> "PreTrainedModel":
+        """A model of this family for ``task``, uninitialised. The family is passed in, not looked up, so a
+        family that is not registered builds too."""
+        model_cls = cls.model_class(task)
+        if issubclass(model_cls, _task_model_base()):
+            return model_cls(config, family=cls)
+        model = model_cls(config, add_pooling_layer=add_pooling_layer)
+        model.bind_family(cls)
+        return model
+
+    @classmethod
+    def key_map(cls) -> "KeyMap":
+        """How this family's checkpoint keys map to module keys (prefix, renames, legacy spellings)."""
+        from .keys import KeyMap
+        return KeyMap(cls.prefix, cls.key_renames, cls.legacy_suffixes)
 
     # ---- head parts: defaults shared by the BERT lineage; families override what differs ----
     @classmethod
@@ -91,11 +125,16 @@ class Family:
     # ---- names ----------------------------------------------------------------------------
     @classmethod
     def architecture(cls, task: str) -> str:
-        return cls.arch + TASK_SUFFIX[task]
+        return cls.arch + get_task(task).suffix
 
     @classmethod
     def model_types(cls) -> tuple[str, ...]:
         return (cls.model_type, *cls.aliases)
+
+
+def _task_model_base() -> type:
+    from .modeling import TaskModel
+    return TaskModel
 
 
 def register(family: type[Family]) -> type[Family]:
@@ -138,9 +177,9 @@ def parse_architecture(name: str) -> tuple[type[Family], str]:
     """'RobertaForMaskedLM' -> (Roberta family, 'mlm'); raises when no family/head matches."""
     _ensure_loaded()
     for family in dict.fromkeys(_FAMILIES.values()):
-        for task in TASKS:
+        for task in family.tasks:
             if family.architecture(task) == name:
                 return family, task
     raise UnsupportedModelError(
         f"architecture {name!r} is not supported; supported: "
-        + ", ".join(sorted(f.architecture(t) for f in set(_FAMILIES.values()) for t in TASKS)))
+        + ", ".join(sorted(f.architecture(t) for f in set(_FAMILIES.values()) for t in f.tasks)))

@@ -195,7 +195,10 @@ def _encode(loaded: Loaded, texts: Sequence[Any], pairs: Sequence[Any] | None = 
 
 
 def _accepted(model: nn.Module) -> set[str]:
-    return set(inspect.signature(model.forward).parameters)
+    """The inputs the model's forward takes, less those its backbone has no use for (token types)."""
+    params = set(inspect.signature(model.forward).parameters)
+    names = getattr(getattr(model, "backbone", model), "input_names", None)
+    return params & set(names) if names is not None else params
 
 
 def _run(loaded: Loaded, rows: list[dict[str, list]], batch_size: BatchSize, fields: dict[str, bool],
@@ -754,6 +757,34 @@ def _pooling_from(settings: dict) -> str:
     if settings.get("pooling_mode_max_tokens"):
         return "max"
     return "mean"
+
+
+# ---- replaced-token detection (ELECTRA's discriminator) --------------------------------------------
+
+def detect_replaced(texts: str | Sequence[str], model: Source, threshold: float = 0.5,
+                    tokenizer: str | Path | Tokenizer | None = None, batch_size: BatchSize = BATCH_SIZE,
+                    precision: str = "exact") -> list:
+    """Per token, the probability that it was replaced (ELECTRA's ``pretraining`` discriminator).
+
+    Each token (special tokens left out) is ``{"token", "score", "replaced", "start", "end"}``:
+    ``score`` is ``sigmoid(logit)`` of ``ElectraForPreTraining``, ``replaced`` is ``score > threshold``,
+    ``start``/``end`` are character offsets into the text. A list of texts gives one list per text.
+    """
+    loaded = load(model, "pretraining", tokenizer, precision)
+    tok = loaded.tokenizer
+    single = isinstance(texts, str)
+    items = [texts] if single else list(texts)
+    enc = _encode(loaded, items, return_offsets_mapping=True, return_special_tokens_mask=True)
+    outputs = _run(loaded, _rows(enc, _MODEL_KEYS), batch_size, {"logits": True})
+    results = []
+    for i in range(len(items)):
+        scores = torch.sigmoid(outputs[i]["logits"]).tolist()
+        ids, special = enc["input_ids"][i], enc["special_tokens_mask"][i]
+        tokens = tok.convert_ids_to_tokens(ids)
+        results.append([{"token": tokens[j], "score": scores[j], "replaced": scores[j] > threshold,
+                         "start": int(enc["offset_mapping"][i][j][0]), "end": int(enc["offset_mapping"][i][j][1])}
+                        for j in range(len(ids)) if not special[j]])
+    return results[0] if single else results
 
 
 def embed(texts: str | Sequence[str], model: Source, pooling: str | None = None, normalize: bool = True,

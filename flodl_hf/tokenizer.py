@@ -51,6 +51,7 @@ CLASS_FOR_MODEL_TYPE = {
     "xlm-roberta": "XLMRobertaTokenizer",
     "albert": "AlbertTokenizer",
     "deberta-v2": "DebertaV2Tokenizer",
+    "mpnet": "MPNetTokenizer",
 }
 
 

@@ -99,7 +99,8 @@ def check_config_dict(data: object, where: str) -> None:
 # Config fields that count stacked layers, and the key pattern that holds one per layer.
 _LAYER_FIELDS = (("num_hidden_layers", re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.")),
                  ("n_layers", re.compile(r"(?:^|\.)transformer\.layer\.(\d+)\.")),
-                 ("num_hidden_groups", re.compile(r"(?:^|\.)albert_layer_groups\.(\d+)\.")))
+                 ("num_hidden_groups", re.compile(r"(?:^|\.)albert_layer_groups\.(\d+)\.")),
+                 ("num_hidden_layers", re.compile(r"(?:^|\.)model\.layers\.(\d+)\.|^layers\.(\d+)\.")))  # ModernBERT
 
 
 def check_config_fits(config: object, tensors: dict, where: str) -> None:
@@ -112,7 +113,7 @@ def check_config_fits(config: object, tensors: dict, where: str) -> None:
         asked = getattr(config, name, None)
         if not isinstance(asked, int):
             continue
-        held = {int(m.group(1)) for k in keys for m in [pattern.search(k)] if m}
+        held = {int(m.group(m.lastindex)) for k in keys for m in [pattern.search(k)] if m}
         if held and asked > len(held):
             raise ConfigError(f"{where}: field {name}={asked}, but the checkpoint holds keys for {len(held)} "
                               f"layer(s) (indices {min(held)}..{max(held)}): fix {name} in config.json")

@@ -42,9 +42,10 @@ from .config import BaseConfig
 from .errors import ConfigError, FlodlHFError, InputError, SourceNotFoundError, UnsupportedModelError
 from .export import (STAMP_KEY, architecture_task, export, has_tokenizer,
                      read_trainer_checkpoint, same_bytes, sha256_file)
-from .modeling import _expected, _normalise_keys
+from .keys import expected, has_pooler, normalise
 from .parity import REFERENCE_CLASSES, check_parity, compare_outputs, make_batch, quiet_transformers
-from .registry import TASKS, get_family, supported_model_types
+from .registry import get_family, supported_model_types
+from .task_registry import get_task, task_names
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 DEFAULT_PROMPTS = ("The quick brown fox jumps over the lazy dog near the river bank.", "Hello world!")
@@ -173,7 +174,7 @@ def _inputs(directory: Path, config: BaseConfig, task: str, prompts: list[str] |
 
 def _check_loadable(directory: Path, task: str, architecture: str):
     transformers = quiet_transformers()
-    cls = getattr(transformers, REFERENCE_CLASSES[task])
+    cls = getattr(transformers, get_task(task).auto_class)
     model, info = cls.from_pretrained(str(directory), dtype=torch.float32, output_loading_info=True)
     problems = {name: sorted(map(str, info.get(name) or [])) for name in
                 ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")}
@@ -199,13 +200,12 @@ def _check_weights(directory: Path, config: BaseConfig, task: str, stamp: dict, 
                                         f"from the stamp): {src.label}")
     exported = io.load_tensors(io.resolve(directory))
     with torch.device("meta"):
-        skeleton = build_model(config, task, add_pooling_layer=any(".pooler." in f".{k}" for k in exported))
-    shapes, aliases = _expected(skeleton)
-    ours = _normalise_keys(skeleton, exported, shapes, aliases)
-    theirs = _normalise_keys(skeleton, src.tensors(), shapes, aliases)
-    from .modeling import KeyRenamer
-    renames = KeyRenamer(skeleton.family.key_renames)
-    fresh = {renames.to_native(k) for k in stamp.get("fresh", [])}
+        skeleton = build_model(config, task, add_pooling_layer=has_pooler(exported))
+    shapes, aliases = expected(skeleton)
+    ours = normalise(skeleton, exported, shapes, aliases)
+    theirs = normalise(skeleton, src.tensors(), shapes, aliases)
+    key_map = skeleton.family.key_map()
+    fresh = {key_map.to_native(k) for k in stamp.get("fresh", [])}
     differ, absent, compared, nbytes = [], [], 0, 0
     for key, tensor in ours.items():
         if key not in shapes:
@@ -235,7 +235,7 @@ def _check_weights(directory: Path, config: BaseConfig, task: str, stamp: dict, 
 
 def _source_reference(src: _Source, task: str, cast: torch.dtype | None):
     transformers = quiet_transformers()
-    cls = getattr(transformers, REFERENCE_CLASSES[task])
+    cls = getattr(transformers, get_task(task).auto_class)
     model = cls.from_pretrained(str(src.ckpt.root), dtype=cast or torch.float32)
     return model.to(torch.float32).eval()
 
@@ -412,7 +412,7 @@ def generate_checkpoint(fields: dict[str, Any], task: str, out: Path, seed: int 
     fields = dict(fields)
     config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
-    model = getattr(transformers, REFERENCE_CLASSES[task]).from_config(config)
+    model = getattr(transformers, get_task(task).auto_class).from_config(config)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * perturb)
@@ -446,8 +446,9 @@ class MatrixResult:
         ran = [c for c in self.cells if c.status != "n/a"]
         return bool(ran) and all(c.status == PASS for c in ran)
 
-    def cell(self, model_type: str, head: str) -> Cell:
-        return next(c for c in self.cells if c.model_type == model_type and c.head == head)
+    def cell(self, model_type: str, head: str) -> Cell | None:
+        """The cell, or None where the head is another family's own task (not part of this family)."""
+        return next((c for c in self.cells if c.model_type == model_type and c.head == head), None)
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -468,6 +469,9 @@ class MatrixResult:
             row = f"{mt:14}"
             for head in self.heads:
                 c = self.cell(mt, head)
+                if c is None:
+                    row += f"{'-':{width}}"
+                    continue
                 diff = "" if c.max_abs_diff is None else f" {c.max_abs_diff:.2g}"
                 row += f"{c.status + diff:{width}}"
             lines.append(row)
@@ -479,27 +483,40 @@ class MatrixResult:
         return "\n".join(lines)
 
 
-def _head_available(model_type: str, head: str, fields: dict) -> str | None:
-    """None when the cell can run, else why it is n/a."""
-    from .export import _hf_mapping
-    if not _hf_mapping(head).get(model_type):
-        return f"transformers has no {head} class for {model_type}"
+def cell_gate(model_type: str, head: str, fields: dict) -> tuple[str | None, str]:
+    """(None, "") when the cell runs. ("n/a", why) only where transformers itself has no class for it;
+    ("FAIL", why) where transformers has one and the family does not declare the task or cannot build it
+    (a family that forgets a head fails the matrix instead of passing it)."""
+    from .task_registry import hf_mapping
+    theirs = hf_mapping(head).get(model_type)
+    if not theirs:
+        return "n/a", f"transformers has no {head} class for {model_type}"
+    family = get_family(model_type)
+    if not family.supports(head):
+        return FAIL, f"transformers has {theirs}; the {family.model_type} family declares no {head} task"
     config = config_from_dict(quiet_transformers().AutoConfig.for_model(
         model_type, **{k: v for k, v in fields.items() if k != "model_type"}).to_dict())
     try:
         with torch.device("meta"):
             build_model(config, head)
     except UnsupportedModelError as exc:
-        return str(exc)
-    return None
+        return FAIL, f"transformers has {theirs}; ours cannot be built: {exc}"
+    return None, ""
+
+
+def matrix_pairs(model_types: list[str], heads: list[str]) -> list[tuple[str, str]]:
+    """The (model_type, head) cells: every core task for every family; a task a family added
+    (``core=False``) only for the families that declare it."""
+    return [(mt, h) for mt in model_types for h in heads
+            if get_task(h).core or get_family(mt).supports(h)]
 
 
 def _run_cell(model_type: str, head: str, fields: dict, work: Path) -> Cell:
     start = time.perf_counter()
     fields = tiny_config(model_type, fields, head)
-    why = _head_available(model_type, head, fields)
-    if why:
-        return Cell(model_type, head, "n/a", None, 0.0, why)
+    status, why = cell_gate(model_type, head, fields)
+    if status:
+        return Cell(model_type, head, status, None, 0.0, why)
     src = generate_checkpoint(fields, head, work / "sources" / f"{model_type}-{head}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -522,15 +539,16 @@ def verify_matrix(families: list[str] | None = None, heads: list[str] | None = N
     model_types = list(families or supported_model_types())
     for mt in model_types:
         get_family(mt)  # unknown names fail here, listing the supported ones
-    heads = list(heads or TASKS)
+    heads = list(heads or [t for t in task_names()
+                           if get_task(t).core or any(get_family(mt).supports(t) for mt in model_types)])
     for head in heads:
-        if head not in TASKS:
-            raise InputError(f"head {head!r}: expected one of {', '.join(TASKS)}")
+        if head not in task_names():
+            raise InputError(f"head {head!r}: expected one of {', '.join(task_names())}")
     out = Path(out_dir).expanduser().absolute() if out_dir is not None else None
     work = out / "work" if keep and out is not None else Path(tempfile.mkdtemp(prefix="flodl-hf-matrix-"))
     cells: list[Cell] = []
     start = time.perf_counter()
-    pairs = [(mt, h) for mt in model_types for h in heads]
+    pairs = matrix_pairs(model_types, heads)
     from tqdm.auto import tqdm
     try:
         for mt, head in tqdm(pairs, desc="verify-matrix", unit="cell", disable=not progress):
@@ -563,6 +581,9 @@ def render_html(result: MatrixResult) -> str:
         tds = []
         for head in result.heads:
             c = result.cell(mt, head)
+            if c is None:
+                tds.append("<td>-</td>")
+                continue
             diff = "" if c.max_abs_diff is None else f"<br><small>max |diff| {c.max_abs_diff:.2g}</small>"
             checks = "\n".join(f"{k['number']} {k['name']}: {k['status']} ({k['detail']})" for k in c.checks)
             title = html.escape(checks or c.detail, quote=True)
@@ -627,7 +648,8 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("verify-matrix", help="export + verify-export over every family x head, generated locally")
     p.add_argument("--families", nargs="+", default=None, metavar="MODEL_TYPE", help="default: every registered one")
-    p.add_argument("--heads", nargs="+", default=None, choices=list(TASKS), help="default: all six")
+    p.add_argument("--heads", nargs="+", default=None, choices=list(task_names()),
+                   help="default: the six core tasks and the tasks the chosen families add")
     p.add_argument("--out", default="verify-matrix", help="where matrix.json and matrix.html go")
     p.add_argument("--keep", action="store_true", help="keep the generated sources and exports in OUT/work")
     p.add_argument("--json", action="store_true", help="print the matrix as JSON")

@@ -2,7 +2,8 @@
 
 A task model is a backbone plus a HeadPart the family builds (``Family.sequence_head``
 and friends). The defaults here serve the BERT lineage; a family overrides a
-factory only where its head differs.
+factory only where its head differs. Which task model runs which task is the task
+registry's (``flodl_hf.task_registry``) and the family's (``Family.task_models``).
 """
 
 from .masked_lm import ModelForMaskedLM
@@ -11,16 +12,8 @@ from .question_answering import ModelForQuestionAnswering, SpanClassifier
 from .sequence_classification import ModelForSequenceClassification, PooledClassifier, sequence_classification_loss
 from .token_classification import ModelForTokenClassification, TokenClassifier
 
-TASK_MODELS = {
-    "seqcls": ModelForSequenceClassification,
-    "tokcls": ModelForTokenClassification,
-    "qa": ModelForQuestionAnswering,
-    "mlm": ModelForMaskedLM,
-    "mc": ModelForMultipleChoice,
-}
-
 __all__ = [
-    "TASK_MODELS", "ModelForMaskedLM", "ModelForMultipleChoice", "ModelForQuestionAnswering",
+    "ModelForMaskedLM", "ModelForMultipleChoice", "ModelForQuestionAnswering",
     "ModelForSequenceClassification", "ModelForTokenClassification", "PooledClassifier", "SpanClassifier",
     "TokenClassifier", "sequence_classification_loss",
 ]

@@ -7,7 +7,6 @@ decoder is tied to the input embeddings unless ``tie_word_embeddings`` is false.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from flodl_hf.layers import head_at_rows
 from flodl_hf.modeling import TaskModel
@@ -16,7 +15,6 @@ from flodl_hf.outputs import MaskedLMOutput
 
 class ModelForMaskedLM(TaskModel):
     task = "mlm"
-    head_factory = "lm_head"
 
     def get_output_embeddings(self):
         return self.head.output_embeddings()
@@ -24,12 +22,12 @@ class ModelForMaskedLM(TaskModel):
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> MaskedLMOutput:
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                            position_ids=position_ids, inputs_embeds=inputs_embeds)
+        out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                position_ids=position_ids, inputs_embeds=inputs_embeds)
         logits = self.head(out.last_hidden_state, out.pooler_output, attention_mask)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), labels.to(logits.device).view(-1))
+            loss = self.compute_loss(logits, labels=labels)
         return MaskedLMOutput(loss=loss, logits=logits)
 
     def logits_at(self, rows: torch.Tensor, columns: torch.Tensor, input_ids: torch.Tensor | None = None,
@@ -40,8 +38,8 @@ class ModelForMaskedLM(TaskModel):
         product, a quarter of a BERT-base forward) runs on those tokens only where that was proven
         bit-equal on this machine for this shape class (``flodl_hf.layers.head_at_rows``); otherwise on
         every token. ``exact=False`` (fast precisions) always takes the shortcut."""
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                            **inputs)
+        out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                **inputs)
         hidden = out.last_hidden_state
         return head_at_rows(lambda picked: self.head(picked, None, None), self.head, hidden,
                             rows * hidden.shape[1] + columns,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from flodl_hf.modeling import TaskModel
 from flodl_hf.outputs import MultipleChoiceModelOutput
@@ -15,19 +14,18 @@ def _flat(t: torch.Tensor | None, keep: int) -> torch.Tensor | None:
 
 class ModelForMultipleChoice(TaskModel):
     task = "mc"
-    head_factory = "multiple_choice_head"
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 ) -> MultipleChoiceModelOutput:
         num_choices = input_ids.shape[1] if input_ids is not None else inputs_embeds.shape[1]
-        out = self.backbone(input_ids=_flat(input_ids, 1), attention_mask=_flat(attention_mask, 1),
-                            token_type_ids=_flat(token_type_ids, 1), position_ids=_flat(position_ids, 1),
-                            inputs_embeds=_flat(inputs_embeds, 2))
+        out = self.run_backbone(input_ids=_flat(input_ids, 1), attention_mask=_flat(attention_mask, 1),
+                                token_type_ids=_flat(token_type_ids, 1), position_ids=_flat(position_ids, 1),
+                                inputs_embeds=_flat(inputs_embeds, 2))
         logits = self.head(out.last_hidden_state, out.pooler_output, _flat(attention_mask, 1))
         logits = logits.view(-1, num_choices)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits, labels.to(logits.device))
+            loss = self.compute_loss(logits, labels=labels)
         return MultipleChoiceModelOutput(loss=loss, logits=logits)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flodl_hf.modeling import HeadPart, TaskModel
@@ -26,28 +25,19 @@ class SpanClassifier(HeadPart):
 
 class ModelForQuestionAnswering(TaskModel):
     task = "qa"
-    head_factory = "span_head"
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None, start_positions: torch.Tensor | None = None,
                 end_positions: torch.Tensor | None = None) -> QuestionAnsweringModelOutput:
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                            position_ids=position_ids, inputs_embeds=inputs_embeds)
+        out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                position_ids=position_ids, inputs_embeds=inputs_embeds)
         logits = self.head(out.last_hidden_state, out.pooler_output, attention_mask)
         start_logits, end_logits = logits.split(1, dim=-1)
         start_logits = start_logits.squeeze(-1).contiguous()
         end_logits = end_logits.squeeze(-1).contiguous()
         loss = None
         if start_positions is not None and end_positions is not None:
-            # As transformers: positions outside the sequence are clamped to an ignored index.
-            if start_positions.dim() > 1:
-                start_positions = start_positions.squeeze(-1)
-            if end_positions.dim() > 1:
-                end_positions = end_positions.squeeze(-1)
-            ignored = start_logits.size(1)
-            start_positions = start_positions.to(start_logits.device).clamp(0, ignored)
-            end_positions = end_positions.to(end_logits.device).clamp(0, ignored)
-            loss = (F.cross_entropy(start_logits, start_positions, ignore_index=ignored)
-                    + F.cross_entropy(end_logits, end_positions, ignore_index=ignored)) / 2
+            loss = self.compute_loss((start_logits, end_logits), start_positions=start_positions,
+                                     end_positions=end_positions)
         return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)

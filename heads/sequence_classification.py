@@ -48,16 +48,15 @@ def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor,
 
 class ModelForSequenceClassification(TaskModel):
     task = "seqcls"
-    head_factory = "sequence_head"
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 ) -> SequenceClassifierOutput:
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                            position_ids=position_ids, inputs_embeds=inputs_embeds)
+        out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                position_ids=position_ids, inputs_embeds=inputs_embeds)
         logits = self.head(out.last_hidden_state, out.pooler_output, attention_mask)
         loss = None
         if labels is not None:
-            loss = self.family.sequence_loss(logits, labels.to(logits.device), self.config)
+            loss = self.compute_loss(logits, labels=labels)
         return SequenceClassifierOutput(loss=loss, logits=logits)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flodl_hf.modeling import HeadPart, TaskModel
@@ -25,16 +24,15 @@ class TokenClassifier(HeadPart):
 
 class ModelForTokenClassification(TaskModel):
     task = "tokcls"
-    head_factory = "token_head"
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 ) -> TokenClassifierOutput:
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                            position_ids=position_ids, inputs_embeds=inputs_embeds)
+        out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                position_ids=position_ids, inputs_embeds=inputs_embeds)
         logits = self.head(out.last_hidden_state, out.pooler_output, attention_mask)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), labels.to(logits.device).view(-1))
+            loss = self.compute_loss(logits, labels=labels)
         return TokenClassifierOutput(loss=loss, logits=logits)

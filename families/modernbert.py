@@ -1,0 +1,303 @@
+"""ModernBERT (``model_type: modernbert``): pre-norm layers, fused QKV, GLU MLP, RoPE, sliding windows.
+
+Mirrors ``transformers.models.modernbert.modeling_modernbert``:
+- embeddings are ``tok_embeddings``, LayerNorm, dropout (no positions, no token types);
+- each layer is pre-norm: ``h + attn(attn_norm(h))`` then ``h + mlp(mlp_norm(h))``, with layer 0's
+  ``attn_norm`` the identity; ``final_norm`` closes the stack; LayerNorms have a bias only with
+  ``norm_bias``, linears only with ``attention_bias`` / ``mlp_bias``;
+- ``Wqkv`` is one fused projection; the MLP is a GLU: ``Wi`` splits into input and gate;
+- RoPE on q and k, with ``rope_theta`` per layer kind (full or sliding attention);
+- sliding layers attend to tokens within ``local_attention // 2`` positions either side, a per-layer
+  MaskSpec; full layers to every real token.
+The config is read in both spellings transformers reads: ``layer_types`` / ``rope_parameters``, and
+the older ``global_attn_every_n_layers`` / ``global_rope_theta`` / ``local_rope_theta``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from flodl_hf.config import Activation, BaseConfig
+from flodl_hf.errors import ConfigError
+from flodl_hf.layers import (PADDING, MaskSpec, activation, apply_rotary, attend, rope_cos_sin,
+                             rope_inverse_frequencies)
+from flodl_hf.modeling import Backbone, HeadPart
+from flodl_hf.registry import Family, register
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+DEFAULT_THETA = {FULL: 160_000.0, SLIDING: 10_000.0}  # ModernBertConfig.default_theta
+POOLINGS = ("cls", "mean")
+
+
+@dataclass
+class ModernBertConfig(BaseConfig):
+    model_type: ClassVar[str] = "modernbert"
+    enum_fields: ClassVar[dict[str, type]] = {"hidden_activation": Activation, "classifier_activation": Activation}
+
+    vocab_size: int = 50368
+    hidden_size: int = 768
+    intermediate_size: int = 1152
+    num_hidden_layers: int = 22
+    num_attention_heads: int = 12
+    hidden_activation: Activation = Activation.GELU
+    max_position_embeddings: int = 8192
+    norm_eps: float = 1e-5
+    norm_bias: bool = False
+    pad_token_id: int | None = 50283
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    layer_types: list[str] | None = None
+    rope_parameters: dict[str, Any] | None = None
+    local_attention: int = 128
+    embedding_dropout: float = 0.0
+    mlp_bias: bool = False
+    mlp_dropout: float = 0.0
+    decoder_bias: bool = True
+    classifier_pooling: str = "cls"
+    classifier_dropout: float | None = 0.0
+    classifier_bias: bool = False
+    classifier_activation: Activation = Activation.GELU
+    # the older spelling (still on the hub): read when layer_types / rope_parameters lack them
+    global_attn_every_n_layers: int | None = None
+    global_rope_theta: float | None = None
+    local_rope_theta: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"config: hidden_size={self.hidden_size} is not a multiple of "
+                              f"num_attention_heads={self.num_attention_heads}")
+        if self.classifier_pooling not in POOLINGS:
+            raise ConfigError(f"config: classifier_pooling={self.classifier_pooling!r}: expected cls or mean")
+        kinds = self.layer_kinds()
+        if len(kinds) != self.num_hidden_layers or set(kinds) - {FULL, SLIDING}:
+            raise ConfigError(f"config: layer_types={self.layer_types!r} must list {self.num_hidden_layers} "
+                              f"entries of {FULL!r} or {SLIDING!r}")
+        for kind in set(kinds):
+            rope_type = ((self.rope_parameters or {}).get(kind) or {}).get("rope_type", "default")
+            if rope_type != "default":
+                raise ConfigError(f"config: rope_parameters[{kind!r}].rope_type={rope_type!r} is not supported "
+                                  "(only 'default')")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def sliding_window(self) -> int:
+        """Tokens either side a sliding layer sees: half of ``local_attention`` (ModernBertConfig.sliding_window)."""
+        return self.local_attention // 2
+
+    def layer_kinds(self) -> list[str]:
+        """Each layer's attention kind (ModernBertConfig.__post_init__: full every n-th layer, n = 3 by default)."""
+        if self.layer_types is not None:
+            return list(self.layer_types)
+        every = self.global_attn_every_n_layers or 3
+        return [SLIDING if i % every else FULL for i in range(self.num_hidden_layers)]
+
+    def rope_theta(self, kind: str) -> float:
+        """``rope_parameters[kind].rope_theta``, else the older global/local field, else the default."""
+        given = ((self.rope_parameters or {}).get(kind) or {}).get("rope_theta")
+        if given is not None:
+            return float(given)
+        old = self.global_rope_theta if kind == FULL else self.local_rope_theta
+        return float(old) if old is not None else DEFAULT_THETA[kind]
+
+
+def _norm(config: ModernBertConfig) -> nn.LayerNorm:
+    return nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
+
+
+class ModernBertEmbeddings(nn.Module):
+    def __init__(self, config: ModernBertConfig) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.norm = _norm(config)
+        self.drop = nn.Dropout(config.embedding_dropout)
+
+    def forward(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.tok_embeddings(input_ids)
+        return self.drop(self.norm(inputs_embeds))
+
+
+class ModernBertAttention(nn.Module):
+    def __init__(self, config: ModernBertConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.head_dim = config.head_dim
+        self.Wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.attention_bias)
+        self.Wo = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
+        self.out_drop = nn.Dropout(config.attention_dropout)
+
+    def forward(self, hidden_states: torch.Tensor, mask: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # ModernBertAttention.forward: view(B, S, 3, heads, d).unbind(-3), transpose, RoPE, attend, Wo
+        qkv = self.Wqkv(hidden_states).view(*hidden_states.shape[:-1], 3, -1, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=-3))
+        q, k = apply_rotary(q, k, *rope)
+        p = self.config.attention_dropout if self.training else 0.0
+        out = attend(q, k, v, mask, self.config.attn_implementation, p, self.head_dim ** -0.5)
+        return self.out_drop(self.Wo(out))
+
+
+class ModernBertMLP(nn.Module):
+    """GLU: ``Wo(drop(act(input) * gate))`` with ``input, gate = Wi(h).chunk(2)``."""
+
+    def __init__(self, config: ModernBertConfig) -> None:
+        super().__init__()
+        self.Wi = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.act = activation(config.hidden_activation)
+        self.drop = nn.Dropout(config.mlp_dropout)
+        self.Wo = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        inputs, gate = self.Wi(hidden_states).chunk(2, dim=-1)
+        return self.Wo(self.drop(self.act(inputs) * gate))
+
+
+class ModernBertEncoderLayer(nn.Module):
+    def __init__(self, config: ModernBertConfig, index: int) -> None:
+        super().__init__()
+        self.attn_norm = nn.Identity() if index == 0 else _norm(config)  # layer 0: the embeddings' norm suffices
+        self.attn = ModernBertAttention(config)
+        self.mlp_norm = _norm(config)
+        self.mlp = ModernBertMLP(config)
+
+    def forward(self, hidden_states: torch.Tensor, mask: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        hidden_states = hidden_states + self.attn(self.attn_norm(hidden_states), mask, rope)
+        return hidden_states + self.mlp(self.mlp_norm(hidden_states))
+
+
+class ModernBertModel(Backbone):
+    """``last_hidden_state`` after ``final_norm``; no pooler."""
+
+    input_names = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
+
+    def __init__(self, config: ModernBertConfig, add_pooling_layer: bool = False) -> None:
+        super().__init__(config)
+        self.embeddings = ModernBertEmbeddings(config)
+        self.layers = nn.ModuleList(ModernBertEncoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.final_norm = _norm(config)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.tok_embeddings
+
+    def mask_specs(self) -> list[MaskSpec]:
+        window = MaskSpec("sliding", self.config.sliding_window)
+        return [window if kind == SLIDING else PADDING for kind in self.config.layer_kinds()]
+
+    def embed(self, input_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.embeddings(input_ids, inputs_embeds)
+
+    def encode(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        positions = position_ids
+        if positions is None:
+            positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        kinds = self.config.layer_kinds()
+        # ModernBertRotaryEmbedding.forward: one (cos, sin) per layer kind, shared by its layers
+        rope = {kind: rope_cos_sin(rope_inverse_frequencies(self.config.rope_theta(kind), self.config.head_dim,
+                                                            hidden.device), positions, hidden.dtype)
+                for kind in set(kinds)}
+        masks = self.layer_masks(attention_mask, hidden)
+        for layer, kind, mask in zip(self.layers, kinds, masks, strict=True):
+            hidden = layer(hidden, mask, rope[kind])
+        return self.final_norm(hidden)
+
+
+# ---- heads ------------------------------------------------------------------------------------------
+
+class ModernBertPredictionHead(nn.Module):
+    """``norm(act(dense(h)))`` with ``classifier_bias`` / ``classifier_activation``."""
+
+    def __init__(self, config: ModernBertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=config.classifier_bias)
+        self.act = activation(config.classifier_activation)
+        self.norm = _norm(config)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.act(self.dense(hidden_states)))
+
+
+def _pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None, pooling: str, choice: bool) -> torch.Tensor:
+    if pooling == "mean":
+        if attention_mask is None:
+            attention_mask = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+        # ModernBertForSequenceClassification.forward: (h * m).sum(1) / m.sum(1, keepdim=True)
+        return (hidden * attention_mask.unsqueeze(-1)).sum(dim=1) / attention_mask.sum(dim=1, keepdim=True)
+    if choice and attention_mask is not None:
+        # ModernBertForMultipleChoice.forward: the first attended token of each row
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), attention_mask.argmax(dim=-1)]
+    return hidden[:, 0]
+
+
+class ModernBertClassifier(HeadPart):
+    """Mounts ``head`` and ``classifier`` at the root: (pool), head, dropout, classifier.
+    ``pooling`` None: per token (token classification, question answering)."""
+
+    def __init__(self, config: ModernBertConfig, outputs: int, pooling: str | None, choice: bool = False) -> None:
+        super().__init__()
+        self.pooling, self.choice = pooling, choice
+        self.head = ModernBertPredictionHead(config)
+        self.drop = nn.Dropout(config.classifier_dropout or 0.0)
+        self.classifier = nn.Linear(config.hidden_size, outputs)
+
+    def forward(self, hidden_states: torch.Tensor, pooler_output: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.pooling is not None:
+            hidden_states = _pool(hidden_states, attention_mask, self.pooling, self.choice)
+        return self.classifier(self.drop(self.head(hidden_states)))
+
+
+class ModernBertMLMHead(HeadPart):
+    """Mounts ``head`` and ``decoder`` (tied to the embeddings; bias with ``decoder_bias``) at the root."""
+
+    def __init__(self, config: ModernBertConfig) -> None:
+        super().__init__()
+        self.head = ModernBertPredictionHead(config)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=config.decoder_bias)
+
+    def output_embeddings(self) -> nn.Module:
+        return self.decoder
+
+    def forward(self, hidden_states: torch.Tensor, pooler_output: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.decoder(self.head(hidden_states))
+
+
+@register
+class ModernBert(Family):
+    model_type = "modernbert"
+    arch = "ModernBert"
+    prefix = "model"
+    config_class = ModernBertConfig
+    backbone_class = ModernBertModel
+
+    @classmethod
+    def sequence_head(cls, config: ModernBertConfig) -> HeadPart:
+        return ModernBertClassifier(config, config.num_labels, config.classifier_pooling)
+
+    @classmethod
+    def multiple_choice_head(cls, config: ModernBertConfig) -> HeadPart:
+        return ModernBertClassifier(config, 1, config.classifier_pooling, choice=True)
+
+    @classmethod
+    def token_head(cls, config: ModernBertConfig) -> HeadPart:
+        return ModernBertClassifier(config, config.num_labels, None)
+
+    @classmethod
+    def span_head(cls, config: ModernBertConfig) -> HeadPart:
+        return ModernBertClassifier(config, config.num_labels, None)
+
+    @classmethod
+    def lm_head(cls, config: ModernBertConfig) -> HeadPart:
+        return ModernBertMLMHead(config)

@@ -1,0 +1,152 @@
+"""Checkpoint keys: how a file's tensor names map onto a model's ``state_dict()`` keys, and back.
+
+Our modules are named as transformers names them, so most keys map to themselves. What
+does not is declared once per family, in its :class:`KeyMap`:
+
+- the prefix (``bert.``) a task model puts its backbone under: a backbone saved without it
+  loads into a task model, and a task model's file loads into a bare backbone;
+- renames: invertible ``(hf, native)`` patterns, ``{}`` standing for one key segment; load
+  maps hf -> native, export native -> hf, from the same table;
+- legacy spellings: old names a checkpoint may still use (TF-era ``LayerNorm.gamma`` /
+  ``beta``), mapped one way on load; an export writes today's names, as transformers does.
+
+Loading (``flodl_hf.modeling.load_weights``), export and verify-export all go through this
+module; nothing else maps a key.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from .errors import CheckpointFormatError
+
+# Keys HF checkpoints carry that are not weights (buffers HF recomputes).
+IGNORED_KEY = re.compile(r"(^|\.)(position_ids|token_type_ids)$")
+# A backbone's pooler, wherever it is mounted.
+POOLER_KEY = re.compile(r"(^|\.)pooler\.")
+# transformers reads these TF-era spellings of LayerNorm parameters in any model, so every family's
+# table starts with them (tests/test_keys.py loads and exports a checkpoint written with them).
+LEGACY_LAYERNORM = ((".gamma", ".weight"), (".beta", ".bias"))
+
+
+def has_pooler(keys: Iterable[str]) -> bool:
+    """Whether a checkpoint's keys hold a pooler (so a bare backbone is built with one)."""
+    return any(POOLER_KEY.search(k) for k in keys)
+
+
+class KeyMap:
+    """One family's key table: backbone prefix, invertible renames, one-way legacy suffixes."""
+
+    def __init__(self, prefix: str, renames: tuple[tuple[str, str], ...] = (),
+                 legacy: tuple[tuple[str, str], ...] = ()) -> None:
+        self.prefix = prefix
+        self.renames = tuple(renames)
+        self.legacy = tuple(legacy)
+        self._fwd = [(self._compile(hf), native) for hf, native in self.renames]
+        self._rev = [(self._compile(native), hf) for hf, native in self.renames]
+
+    @staticmethod
+    def _compile(pattern: str) -> re.Pattern:
+        return re.compile("^" + re.escape(pattern).replace(r"\{\}", r"([^.]+)") + "$")
+
+    @staticmethod
+    def _apply(table: list, key: str) -> str:
+        for regex, target in table:
+            match = regex.match(key)
+            if match:
+                return target.format(*match.groups())
+        return key
+
+    def to_native(self, key: str) -> str:
+        """A checkpoint key (today's or a legacy spelling) -> the module key."""
+        for old, new in self.legacy:
+            if key.endswith(old):
+                key = key[: -len(old)] + new
+                break
+        return self._apply(self._fwd, key)
+
+    def to_hf(self, key: str) -> str:
+        """A module key -> the key transformers writes."""
+        return self._apply(self._rev, key)
+
+    def normalise(self, tensors: dict[str, torch.Tensor], shapes: dict[str, torch.Size],
+                  aliases: dict[str, str], under_prefix: bool,
+                  untied: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """A checkpoint's tensors under the model's keys. ``under_prefix``: the model is a task model
+        (its backbone sits under ``prefix``); else a bare backbone. Tied copies fold into one key; a tied
+        alias the file holds with *different* values than its canonical key goes to ``untied`` (when
+        given): transformers 5 keeps such a file tensor and unties the pair, so we do too."""
+        known = set(shapes) | set(aliases)
+        state: dict[str, torch.Tensor] = {}
+        for key, tensor in tensors.items():
+            if not isinstance(key, str):
+                raise CheckpointFormatError(f"state_dict key {key!r} is a {type(key).__name__}, not a tensor name (str)")
+            if not isinstance(tensor, torch.Tensor):
+                raise CheckpointFormatError(f"state_dict entry {key!r} is a {type(tensor).__name__}, not a tensor")
+            if IGNORED_KEY.search(key):
+                continue
+            state[self.to_native(key)] = tensor
+        prefix = self.prefix + "."
+        if under_prefix:
+            # A backbone saved without its prefix, loaded into a head model.
+            if not any(k.startswith(prefix) for k in state):
+                state = {(prefix + k if prefix + k in known else k): t for k, t in state.items()}
+        elif any(k.startswith(prefix) for k in state):
+            # A head checkpoint loaded into a bare backbone: the backbone is under the prefix, the rest is unused.
+            state = {(k[len(prefix):] if k.startswith(prefix) else k): t for k, t in state.items()}
+        for alias, canonical in aliases.items():
+            if alias in state:
+                tensor = state.pop(alias)
+                if canonical not in state:
+                    state[canonical] = tensor
+                elif untied is not None and not _same_values(tensor, state[canonical]):
+                    untied[alias] = tensor
+                # else: a tied copy in the file is redundant
+        return state
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    if a.dtype != b.dtype:
+        b = b.to(a.dtype)
+    return bool(torch.equal(a, b))
+
+
+def expected(model: nn.Module) -> tuple[dict[str, torch.Size], dict[str, str]]:
+    """Canonical key -> shape, and alias -> canonical key for every tied tensor, found by identity."""
+    first: dict[int, str] = {}
+    shapes: dict[str, torch.Size] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+            shapes[name] = tensor.shape
+    return shapes, aliases
+
+
+def normalise(model: nn.Module, tensors: dict[str, torch.Tensor], shapes: dict[str, torch.Size] | None = None,
+              aliases: dict[str, str] | None = None,
+              untied: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """``tensors`` under ``model``'s keys, by its family's KeyMap (see ``KeyMap.normalise``)."""
+    if shapes is None or aliases is None:
+        shapes, aliases = expected(model)
+    return model.family.key_map().normalise(tensors, shapes, aliases, bool(model.base_model_prefix), untied)
+
+
+def init_fresh(owner: nn.Module, name: str, std: float) -> None:
+    """Initialise one parameter that the checkpoint lacks, as transformers' ``_init_weights`` does."""
+    tensor = getattr(owner, name)
+    with torch.no_grad():
+        if isinstance(owner, nn.LayerNorm):
+            tensor.fill_(1.0 if name == "weight" else 0.0)
+        elif isinstance(owner, (nn.Linear, nn.Embedding)) and name == "weight":
+            tensor.normal_(mean=0.0, std=std)
+        else:
+            tensor.zero_()

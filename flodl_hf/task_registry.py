@@ -1,0 +1,171 @@
+"""The task registry: every task a model can be built for, declared once.
+
+A task is its name (as the CLI and the Auto classes spell it), transformers' class-name
+suffix (``ForMaskedLM``), transformers' Auto class and Auto mapping (for parity, export and
+the verify matrix), our output record, its loss, and the default task model with the
+``Family`` factory that builds its head part. Everything that lists tasks reads this table:
+the registry's architecture names, ``auto``, ``parity``, ``export``, ``verify``, the CLI's
+``--head`` choices and the parity tests.
+
+The six core tasks are registered here. A family may add its own (ELECTRA's
+``pretraining``) with :func:`register_task` and list it in ``Family.tasks``; such a task
+belongs to the families that declare it (``core=False``), so the verify matrix only asks
+those families for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .errors import UnsupportedModelError
+from .outputs import (BaseModelOutput, MaskedLMOutput, ModelOutput, MultipleChoiceModelOutput,
+                      QuestionAnsweringModelOutput, SequenceClassifierOutput, TokenClassifierOutput)
+
+if TYPE_CHECKING:
+    from .modeling import PreTrainedModel
+
+# loss(model, logits, **labels) -> scalar; the labels are the task model's keyword arguments.
+Loss = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task: names on both sides, output record, loss, and the default model that runs it."""
+
+    name: str                      # "mlm": the CLI's and our Auto classes' spelling
+    suffix: str                    # "ForMaskedLM": arch + suffix is transformers' class name
+    auto_class: str                # "AutoModelForMaskedLM": transformers' Auto class (parity reference)
+    hf_mapping: str                # transformers.models.auto.modeling_auto mapping of model_type -> class
+    output: type[ModelOutput]
+    head_factory: str | None       # the Family classmethod that builds the head part (None: bare backbone)
+    model: str | None = None       # "package.module:Class" of the default task model (None: the backbone)
+    loss: Loss | None = None
+    core: bool = True              # False: added by a family; only families declaring it have the cell
+
+    def model_class(self) -> type["PreTrainedModel"]:
+        """The default task model (imported lazily: the heads import the model contract)."""
+        if self.model is None:
+            raise UnsupportedModelError(f"task {self.name!r} runs the family's backbone, not a task model")
+        module, _, name = self.model.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+_TASKS: dict[str, Task] = {}
+
+
+def register_task(task: Task) -> Task:
+    """Add a task (a family adding its own calls this at import). Re-registering the same task is a no-op."""
+    known = _TASKS.get(task.name)
+    if known is not None and known != task:
+        raise ValueError(f"task {task.name!r} is already registered differently")
+    _TASKS[task.name] = task
+    return task
+
+
+def get_task(name: str) -> Task:
+    _ensure_families()
+    try:
+        return _TASKS[name]
+    except KeyError:
+        raise UnsupportedModelError(f"task {name!r} is not known; known tasks: {', '.join(task_names())}") from None
+
+
+def task_names(core_only: bool = False) -> tuple[str, ...]:
+    """Every registered task name (core first, then those families added), or the core ones only."""
+    _ensure_families()
+    return tuple(t.name for t in _TASKS.values() if t.core or not core_only)
+
+
+def tasks() -> tuple[Task, ...]:
+    _ensure_families()
+    return tuple(_TASKS.values())
+
+
+def _ensure_families() -> None:
+    from .registry import _ensure_loaded  # families register their own tasks when imported
+    _ensure_loaded()
+
+
+# ---- losses, as transformers computes them ----------------------------------------------------------
+
+def token_loss(model: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross entropy over every token, label -100 ignored (masked LM, token classification)."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.to(logits.device).view(-1))
+
+
+def choice_loss(model: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, labels.to(logits.device))
+
+
+def sequence_loss(model: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The family's rule (transformers' shared one unless the family has its own, as DeBERTa does)."""
+    return model.family.sequence_loss(logits, labels.to(logits.device), model.config)
+
+
+def span_loss(model: Any, logits: tuple[torch.Tensor, torch.Tensor], start_positions: torch.Tensor,
+              end_positions: torch.Tensor) -> torch.Tensor:
+    """Mean of start and end cross entropies; positions outside the sequence are clamped to an ignored index."""
+    start_logits, end_logits = logits
+    if start_positions.dim() > 1:
+        start_positions = start_positions.squeeze(-1)
+    if end_positions.dim() > 1:
+        end_positions = end_positions.squeeze(-1)
+    ignored = start_logits.size(1)
+    start_positions = start_positions.to(start_logits.device).clamp(0, ignored)
+    end_positions = end_positions.to(end_logits.device).clamp(0, ignored)
+    return (F.cross_entropy(start_logits, start_positions, ignore_index=ignored)
+            + F.cross_entropy(end_logits, end_positions, ignore_index=ignored)) / 2
+
+
+_HEADS = "flodl_hf.heads"
+for _task in (
+    Task("base", "Model", "AutoModel", "MODEL_MAPPING_NAMES", BaseModelOutput, None),
+    Task("seqcls", "ForSequenceClassification", "AutoModelForSequenceClassification",
+         "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", SequenceClassifierOutput, "sequence_head",
+         f"{_HEADS}.sequence_classification:ModelForSequenceClassification", sequence_loss),
+    Task("tokcls", "ForTokenClassification", "AutoModelForTokenClassification",
+         "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", TokenClassifierOutput, "token_head",
+         f"{_HEADS}.token_classification:ModelForTokenClassification", token_loss),
+    Task("qa", "ForQuestionAnswering", "AutoModelForQuestionAnswering",
+         "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", QuestionAnsweringModelOutput, "span_head",
+         f"{_HEADS}.question_answering:ModelForQuestionAnswering", span_loss),
+    Task("mlm", "ForMaskedLM", "AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", MaskedLMOutput,
+         "lm_head", f"{_HEADS}.masked_lm:ModelForMaskedLM", token_loss),
+    Task("mc", "ForMultipleChoice", "AutoModelForMultipleChoice", "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES",
+         MultipleChoiceModelOutput, "multiple_choice_head",
+         f"{_HEADS}.multiple_choice:ModelForMultipleChoice", choice_loss),
+):
+    register_task(_task)
+
+CORE_TASKS = tuple(_TASKS)
+
+
+def hf_mapping(task: str) -> dict[str, str]:
+    """transformers' model_type -> class name mapping for ``task`` ({} where transformers has none)."""
+    from transformers.models.auto import modeling_auto
+    return getattr(modeling_auto, get_task(task).hf_mapping, {})
+
+
+class TaskField(Mapping):
+    """A read-only view ``task name -> one field of its Task`` over the live registry (for code that
+    wants a table, such as ``parity.REFERENCE_CLASSES``)."""
+
+    def __init__(self, field: str) -> None:
+        self._field = field
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in task_names():
+            raise KeyError(name)
+        return getattr(get_task(name), self._field)
+
+    def __iter__(self):
+        return iter(task_names())
+
+    def __len__(self) -> int:
+        return len(task_names())
