@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import json
 import os
-import pickle
 import re
 import secrets
 import shutil
@@ -36,7 +35,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import carry, io
+from . import carry, checkpoint_schema, io
 from .auto import build_model, config_from_dict, load_model
 from .config import BaseConfig
 from .errors import CheckpointFormatError, InputError, OutputExistsError, UnsupportedModelError
@@ -53,8 +52,8 @@ DTYPES = {"keep": None, "float32": torch.float32, "float16": torch.float16, "bfl
 HF_MAPPINGS = TaskField("hf_mapping")
 # Files that make a directory carry a tokenizer; any *.model (SentencePiece) counts too.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "merges.txt")
-TRAINER_KEYS = ("model", "config")
-TRAINER_FORMAT = "flodl-hf/trainer-checkpoint"  # flodl_hf.trainer writes it
+TRAINER_KEYS = checkpoint_schema.MODEL_KEYS
+TRAINER_FORMAT = checkpoint_schema.FORMAT  # flodl_hf.trainer writes it
 
 
 # ---- names: which class a (model_type, task) is, and back -------------------------------------
@@ -503,40 +502,10 @@ def _version() -> str:
 # ---- trainer checkpoints ------------------------------------------------------------------------------
 
 def read_trainer_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config dict, state_dict) of a checkpoint written by flodl_hf's trainer; anything else is refused."""
+    """(config dict, state_dict) of a checkpoint written by flodl_hf's trainer; anything else is refused
+    (the rules are flodl_hf.checkpoint_schema's, shared with the trainer's own reader)."""
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise CheckpointFormatError(f"{path}: no such checkpoint file")
-    try:
-        data = torch.load(str(path), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise CheckpointFormatError(
-            f"{path}: not a flodl-hf trainer checkpoint: it holds objects other than tensors and plain "
-            f"containers, which are refused, never unpickled ({str(exc).splitlines()[0]})") from exc
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise CheckpointFormatError(f"{path}: not a readable torch checkpoint ({exc})") from exc
-    found = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
-    if not isinstance(data, dict) or any(k not in data for k in TRAINER_KEYS):
-        raise CheckpointFormatError(
-            f"{path}: not a flodl-hf trainer checkpoint (expected a dict with keys 'model' (a state_dict) and "
-            f"'config' (config.to_dict()); found {found}). For a HuggingFace checkpoint use "
-            "`flodl-hf export --hub PATH`.")
-    if data.get("format", TRAINER_FORMAT) != TRAINER_FORMAT:
-        raise CheckpointFormatError(f"{path}: format {data['format']!r} is not {TRAINER_FORMAT!r}")
-    state, config = data["model"], data["config"]
-    if config is None:
-        raise CheckpointFormatError(f"{path}: the checkpoint has no config (the trained model had none), so "
-                                    "the family and head are unknown; only flodl-hf models can be exported")
-    if not isinstance(config, dict):
-        raise CheckpointFormatError(f"{path}: entry 'config' is a {type(config).__name__}, not a config dict")
-    if not isinstance(state, dict) or not state:
-        raise CheckpointFormatError(f"{path}: entry 'model' is not a non-empty state_dict")
-    for key, value in state.items():
-        if not isinstance(key, str):
-            raise CheckpointFormatError(f"{path}: model entry {key!r} has a {type(key).__name__} key, not a tensor name")
-        if not isinstance(value, torch.Tensor):
-            raise CheckpointFormatError(f"{path}: model entry {key!r} is a {type(value).__name__}, not a tensor")
-    return config, state
+    return checkpoint_schema.model_part(checkpoint_schema.read(path), path)
 
 
 def checkpoint_task(config: BaseConfig, state: dict[str, torch.Tensor], head: str, where: str) -> str:

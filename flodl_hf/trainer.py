@@ -87,13 +87,14 @@ from torch import nn
 
 from .distributed import (Comm, DiLoCo, ElChe, OuterOptimizer, Plan, TrainerConfigError, TrainerError,
                           WorkerLostError, deal, plan_window)
+from . import checkpoint_schema
 from .errors import InputError
 
 __all__ = ["Trainer", "ElChe", "DiLoCo", "TrainerError", "TrainerConfigError", "WorkerLostError",
            "length_batches", "latest_checkpoint", "load_checkpoint", "launch", "register_cli"]
 
-CHECKPOINT_FORMAT = "flodl-hf/trainer-checkpoint"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_FORMAT = checkpoint_schema.FORMAT    # flodl_hf.checkpoint_schema holds the schema
+CHECKPOINT_VERSION = checkpoint_schema.VERSION
 _CHECKPOINT_RE = re.compile(r"^step-(\d{8,})\.pt$")
 
 StepFn = Callable[[nn.Module, Any], Any]
@@ -694,18 +695,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
         if found is None:
             raise CheckpointFormatError(f"{path}: no trainer checkpoint (step-XXXXXXXX.pt) in this directory")
         path = found
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise
-    except Exception as exc:
-        raise CheckpointFormatError(f"{path}: not a readable trainer checkpoint: {exc}") from exc
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointFormatError(f"{path}: not a flodl-hf trainer checkpoint (no format={CHECKPOINT_FORMAT!r})")
-    if state.get("version", 0) > CHECKPOINT_VERSION:
-        raise CheckpointFormatError(f"{path}: checkpoint version {state['version']} is newer than this flodl-hf "
-                                    f"reads ({CHECKPOINT_VERSION}); upgrade flodl-hf")
-    return state
+    return checkpoint_schema.read(path)  # the one reader, shared with export --checkpoint
 
 
 def _atomic_save(obj: dict, path: Path) -> None:

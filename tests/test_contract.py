@@ -163,3 +163,24 @@ def test_parity_cli_head_choices_read_the_registry(capsys):
     text = build_parser().format_help()
     sub = build_parser()._subparsers._group_actions[0].choices["parity"].format_help()
     assert "pretraining" in sub and "mlm" in sub and "parity" in text
+
+
+# ---- the trainer checkpoint schema ----------------------------------------------------------------
+
+@pytest.mark.parametrize("data", [
+    {"model": {"w": torch.zeros(1)}, "config": {"model_type": "bert"}},            # no format
+    {"format": "someone-else", "model": {"w": torch.zeros(1)}, "config": {}},       # another format
+    {"format": "flodl-hf/trainer-checkpoint", "version": 99, "model": {}, "config": {}},  # newer
+], ids=["no-format", "other-format", "newer-version"])
+def test_trainer_and_export_read_checkpoints_by_one_schema(data, tmp_path):
+    from flodl_hf.errors import CheckpointFormatError
+    from flodl_hf.export import export_checkpoint
+    from flodl_hf.trainer import load_checkpoint
+    path = tmp_path / "step-00000001.pt"
+    torch.save(data, path)
+    with pytest.raises(CheckpointFormatError) as by_trainer:
+        load_checkpoint(path)
+    with pytest.raises(CheckpointFormatError) as by_export:
+        export_checkpoint(path, tmp_path / "out")
+    assert str(by_trainer.value) == str(by_export.value)
+    assert not (tmp_path / "out").exists()
