@@ -72,7 +72,7 @@ def architecture_task(name: str, model_type: str) -> str:
     try:
         return parse_architecture(name)[1]
     except UnsupportedModelError as exc:
-        for task in task_names():  # an alias family (camembert under roberta) is named by transformers' class
+        for task in get_family(model_type).tasks:  # an alias family (camembert under roberta) is named by transformers' class
             if _hf_mapping(task).get(model_type) == name:
                 return task
         raise UnsupportedModelError(f"{exc}. Pass head= (--head) to export another head.") from None

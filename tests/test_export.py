@@ -28,7 +28,7 @@ from flodl_hf.errors import (CheckpointFormatError, ConfigError, OutputExistsErr
                              UnsupportedModelError)
 from flodl_hf.export import export, export_checkpoint, sha256_file
 from flodl_hf.parity import REFERENCE_CLASSES
-from flodl_hf.registry import TASKS, supported_model_types
+from flodl_hf.registry import get_family, supported_model_types
 from flodl_hf.validate import tree_hash
 from flodl_hf.verify import FAIL, PASS, SKIP, tiny_config, verify_export, verify_matrix
 from helpers import make_checkpoint, quiet_transformers
@@ -50,7 +50,7 @@ def _round_trip_params():
     variants = _variants()
     for model_type in supported_model_types():
         for i, (variant, fields) in enumerate(variants.get(model_type) or [(model_type, {})]):
-            for task in TASKS if i == 0 else ("seqcls", "mlm"):
+            for task in get_family(model_type).tasks if i == 0 else ("seqcls", "mlm"):
                 yield pytest.param(task, tiny_config(model_type, fields, task), id=f"{variant}-{task}")
 
 
@@ -467,5 +467,5 @@ def test_verify_matrix_reports_a_broken_cell(tmp_path, monkeypatch):
     result = verify_matrix(families=["bert"], heads=["base"], out_dir=tmp_path / "m", progress=False)
     assert not result.ok and result.cells[0].status == "ERROR" and "injected" in result.cells[0].detail
     assert "ERROR" in result.html_path.read_text()
-    with pytest.raises(UnsupportedModelError, match="mpnet"):
-        verify_matrix(families=["mpnet"], out_dir=None)
+    with pytest.raises(UnsupportedModelError, match="funnel"):
+        verify_matrix(families=["funnel"], out_dir=None)

@@ -236,8 +236,8 @@ def _edit_config(directory: Path, **changes) -> None:
 
 
 def test_unknown_model_type_lists_supported(mlm_dir):
-    _edit_config(mlm_dir, model_type="mpnet", architectures=["MPNetForMaskedLM"])
-    with pytest.raises(UnsupportedModelError, match=r"'mpnet' is not supported; supported families: .*bert"):
+    _edit_config(mlm_dir, model_type="funnel", architectures=["FunnelForMaskedLM"])
+    with pytest.raises(UnsupportedModelError, match=r"'funnel' is not supported; supported families: .*bert"):
         AutoModelForMaskedLM.from_pretrained(mlm_dir)
 
 
