@@ -1,7 +1,7 @@
 """The ``flodl-hf`` command. Thin: it parses arguments and calls library functions.
 
-Each library module that offers commands defines ``register_cli(subparsers)``; the
-subcommand's ``func(args) -> int`` is the exit code. Modules are listed here once.
+Each module of ``flodl_hf.commands`` defines ``register_cli(subparsers)``; the subcommand's
+``func(args) -> int`` is the exit code. Modules are listed here once.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import sys
 from .errors import FlodlHFError
 
 COMMAND_MODULES = (
-    "flodl_hf.parity",
-    "flodl_hf.export",
-    "flodl_hf.tasks",
-    "flodl_hf.samples",
-    "flodl_hf.trainer",
+    "flodl_hf.commands.parity",
+    "flodl_hf.commands.export",   # registers verify-export, verify-matrix and convert too
+    "flodl_hf.commands.tasks",
+    "flodl_hf.commands.samples",
+    "flodl_hf.commands.train",
     "flodl_hf.commands.doctor",
-    "flodl_hf.portal",
+    "flodl_hf.commands.portal",
 )
 
 

@@ -19,7 +19,6 @@ address needs a token, checked on every request (``?token=`` or ``Authorization:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import ipaddress
@@ -287,27 +286,3 @@ def serve(run: str | Path, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
     app = create_app(run, token=token)
     print(f"flodl-hf portal: http://{host}:{port}/" + (f"?token={token}" if token else ""), flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
-
-
-def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("portal", help="watch a run (live or finished) in the browser, or save it as one file",
-                              description="Serve RUN's record tree: the same page at the root, each host and "
-                                          "each rank, live over server-sent events. --save writes the "
-                                          "self-contained page instead of serving.")
-    p.add_argument("run", help="the run directory (the trainer's log_dir)")
-    p.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default 127.0.0.1; any other needs --token)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    p.add_argument("--token", default=None, help="a secret every request must carry (?token= or Bearer)")
-    p.add_argument("--save", metavar="FILE", default=None, help="write the self-contained page to FILE and exit")
-    p.set_defaults(func=_cmd_portal)
-
-
-def _cmd_portal(args: argparse.Namespace) -> int:
-    if args.save:
-        from .report import write_report
-        if not Path(args.run).is_dir():
-            raise SourceNotFoundError(f"{args.run}: no such run directory")
-        print(write_report(args.run, args.save))
-        return 0
-    serve(args.run, host=args.host, port=args.port, token=args.token)
-    return 0

@@ -97,7 +97,7 @@ def quiet_transformers():
 
 def checkpoint(task: str) -> Path:
     """A BERT-base checkpoint for ``task`` (random weights, generated once), with MiniLM's tokenizer beside it."""
-    from flodl_hf.verify import generate_checkpoint
+    from flodl_hf.matrix import generate_checkpoint
     transformers = quiet_transformers()
     out = CACHE / f"bert-base-{task}-tf{transformers.__version__}"
     if (out / ".done").is_file():
@@ -366,7 +366,7 @@ def _check_batches(loaded, reference, enc, count: int) -> dict:
     how many give torch.equal logits."""
     import torch
     from flodl_hf import batching
-    from flodl_hf.tasks import _logits_at
+    from flodl_hf.tasks.runtime import _logits_at
     rows = [{k: enc[k][i] for k in batching.MODEL_INPUTS if k in enc} for i in range(min(count, len(enc["input_ids"])))]
     mask_id = loaded.tokenizer.mask_token_id
     equal = total = 0

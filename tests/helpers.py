@@ -9,14 +9,14 @@ import os
 from pathlib import Path
 
 from flodl_hf.parity import quiet_transformers
-from flodl_hf.verify import generate_checkpoint
+from flodl_hf.matrix import generate_checkpoint
 
 CACHE = Path(os.environ.get("FLODL_HF_TEST_CACHE", Path(__file__).resolve().parent.parent / ".test-cache"))
 
 
 def make_checkpoint(config_fields: dict, task: str, seed: int = 0, root: Path | None = None,
                     perturb: float = 0.05) -> Path:
-    """flodl_hf.verify.generate_checkpoint, cached by (config, task, seed, transformers version)."""
+    """flodl_hf.matrix.generate_checkpoint, cached by (config, task, seed, transformers version)."""
     transformers = quiet_transformers()
     key = hashlib.sha1(json.dumps([config_fields, task, seed, perturb, transformers.__version__],
                                   sort_keys=True).encode()).hexdigest()[:16]

@@ -4,7 +4,6 @@ transformers has no class)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import warnings
 
@@ -18,10 +17,11 @@ from flodl_hf.auto import AutoConfig, auto_classes
 from flodl_hf.export import export
 from flodl_hf.families.bert import Bert
 from flodl_hf.keys import KeyMap, expected
-from flodl_hf.parity import check_parity, make_batch, quiet_transformers, reference_model
+from flodl_hf.parity import make_batch, quiet_transformers
 from flodl_hf.registry import get_family, parse_architecture, supported_model_types
 from flodl_hf.task_registry import get_task, hf_mapping, task_names
-from flodl_hf.verify import cell_gate, matrix_pairs, verify_export
+from flodl_hf.matrix import cell_gate, matrix_pairs
+from flodl_hf.verify import verify_export
 
 from cases import CASES
 from helpers import make_checkpoint

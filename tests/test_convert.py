@@ -17,7 +17,7 @@ from flodl_hf.convert import convert
 from flodl_hf.errors import CheckpointFormatError, OutputExistsError
 from flodl_hf.parity import make_batch
 from flodl_hf.auto import AutoConfig
-from flodl_hf.verify import tiny_config
+from flodl_hf.matrix import tiny_config
 from helpers import make_checkpoint, quiet_transformers
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

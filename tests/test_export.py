@@ -1,7 +1,7 @@
 """Round trip: export then verify-export for every registered family x head, and every bad input.
 
 Checkpoints are generated locally with transformers (``helpers.make_checkpoint``), from each
-family's parity configs (``tests/cases``) shrunk to tiny sizes by ``flodl_hf.verify.tiny_config``:
+family's parity configs (``tests/cases``) shrunk to tiny sizes by ``flodl_hf.matrix.tiny_config``:
 the first variant of a family with every head, the other variants with seqcls and mlm.
 """
 
@@ -29,8 +29,9 @@ from flodl_hf.errors import (CheckpointFormatError, ConfigError, OutputExistsErr
 from flodl_hf.export import export, export_checkpoint, sha256_file
 from flodl_hf.parity import REFERENCE_CLASSES
 from flodl_hf.registry import get_family, supported_model_types
+from flodl_hf.matrix import tiny_config, verify_matrix
 from flodl_hf.validate import tree_hash
-from flodl_hf.verify import FAIL, PASS, SKIP, tiny_config, verify_export, verify_matrix
+from flodl_hf.verify import FAIL, PASS, SKIP, verify_export
 from helpers import make_checkpoint, quiet_transformers
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -463,7 +464,7 @@ def test_verify_matrix_reports_a_broken_cell(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(_module("flodl_hf.verify"), "export", broken)
+    monkeypatch.setattr(_module("flodl_hf.matrix"), "export", broken)
     result = verify_matrix(families=["bert"], heads=["base"], out_dir=tmp_path / "m", progress=False)
     assert not result.ok and result.cells[0].status == "ERROR" and "injected" in result.cells[0].detail
     assert "ERROR" in result.html_path.read_text()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,7 +177,7 @@ def test_modernbert_padding_free_batches_equal_transformers_on_those_batches():
 
 # ---- tokenizers -------------------------------------------------------------------------------------
 
-def _tokenizer_dir(name: str, build) -> "Path":
+def _tokenizer_dir(name: str, build) -> Path:
     out = CACHE / "tokenizers" / name
     if not (out / "tokenizer_config.json").is_file():
         work = out.with_name(out.name + ".tmp")

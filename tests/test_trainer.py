@@ -15,8 +15,9 @@ from flodl_hf.distributed import ElChe, Plan, deal, plan_window
 from flodl_hf.records import load_tree
 from flodl_hf.report import write_report
 from flodl_hf.errors import CheckpointFormatError, FlodlHFError, InputError
+from flodl_hf.commands.train import register_cli
 from flodl_hf.trainer import (DiLoCo, Trainer, TrainerConfigError, TrainerError, latest_checkpoint, launch,
-                              load_checkpoint, register_cli)
+                              load_checkpoint)
 
 
 # ---- El Che plan (pure) --------------------------------------------------------------------------

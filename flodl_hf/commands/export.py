@@ -1,0 +1,58 @@
+"""The ``export`` command (and, through their modules here, ``verify-export``, ``verify-matrix``, ``convert``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..export import DTYPES, export, export_checkpoint
+from ..task_registry import task_names
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    common = dict(head=args.head, dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,
+                  tokenizer=args.tokenizer, like=args.like)
+    if args.checkpoint:
+        result = export_checkpoint(args.checkpoint, args.out, **common)
+    else:
+        result = export(args.hub, args.out, revision=args.revision, **common)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    print(f"exported {args.checkpoint or args.hub} as {result.architecture} to {result.out}")
+    for name in result.files:
+        print(f"  {name:40} {_human((result.out / name).stat().st_size):>10}")
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"check it: flodl-hf verify-export {result.out}")
+    return 0
+
+
+def register_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a checkpoint out again through our native modules, HF-canonical")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hub", metavar="SOURCE", help="hub id or local directory / weights file")
+    src.add_argument("--checkpoint", metavar="CKPT", help="a checkpoint written by the flodl-hf trainer")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory to create (atomically)")
+    p.add_argument("--head", default="auto", choices=["auto", *task_names()], help="head to export (auto: architectures)")
+    p.add_argument("--revision", default=None, help="hub revision (with --hub)")
+    p.add_argument("--dtype", default="keep", choices=list(DTYPES), help="cast floating tensors")
+    p.add_argument("--max-shard-size", default="5GB", help="shard above this size (default 5GB)")
+    p.add_argument("--tokenizer", default=None, metavar="SOURCE", help="take tokenizer files from here")
+    p.add_argument("--like", default=None, metavar="DIR",
+                   help="take the model card, sentence-transformers layout and tokenizer from here")
+    p.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run_export)
+
+    import importlib  # by module name: the package may re-export functions called export or convert
+    for name in ("verify", "convert"):
+        importlib.import_module(f"{__package__}.{name}").register_cli(sub)

@@ -1,0 +1,35 @@
+"""Tasks in one line: ``fill_mask``, ``classify``, ``tag``, ``answer``, ``embed`` (and ``rank``).
+
+Each gives what transformers' pipeline gives for the same checkpoint and inputs (for ``answer``:
+transformers 4's question-answering pipeline, which transformers 5 dropped; for ``embed``:
+sentence-transformers' pooling), with our native models underneath. Post-processing copies the
+pipelines' own numpy/torch operations, in their order, so scores are equal, not merely close.
+
+Beyond the pipelines: models and tokenizers are loaded once per process (keyed by source), many
+texts are batched automatically without padding (sorted by length, equal lengths together:
+``flodl_hf.batching``), and texts longer than the model's maximum are truncated with a warning
+instead of failing inside the model. ``precision="exact"`` (the default) is float32, bit-identical
+to transformers on every batch; ``"bf16"`` and ``"int8"`` are faster and change scores (opt-in,
+measured in docs/benchmarks.md).
+
+One module per task (``fill_mask``, ``classify``, ``tag``, ``answer``, ``embed`` with ``rank``, and
+ELECTRA's ``detect_replaced``) over a shared runtime (``runtime``: loading, batching, precisions,
+the forward loop). The commands are in ``flodl_hf.commands.tasks``.
+"""
+
+from __future__ import annotations
+
+from .answer import answer
+from .classify import classify
+from .detect_replaced import detect_replaced
+from .embed import embed, rank
+from .fill_mask import DEFAULT_FILL_MASK_MODEL, MASK_SPELLINGS, fill_mask
+from .runtime import (BATCH_SIZE, PRECISIONS, BatchSize, Loaded, Source, clear_cache, load, max_input_length,
+                      quantize_int8)
+from .tag import AGGREGATIONS, tag
+
+__all__ = [
+    "AGGREGATIONS", "BATCH_SIZE", "DEFAULT_FILL_MASK_MODEL", "MASK_SPELLINGS", "PRECISIONS", "BatchSize", "Loaded",
+    "Source", "answer", "classify", "clear_cache", "detect_replaced", "embed", "fill_mask", "load",
+    "max_input_length", "quantize_int8", "rank", "tag",
+]

@@ -1,0 +1,37 @@
+"""``detect_replaced``: ELECTRA's discriminator, a replaced-token score per token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..tokenizer import Tokenizer
+from .runtime import BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _encode, _rows, _run, load
+
+
+def detect_replaced(texts: str | Sequence[str], model: Source, threshold: float = 0.5,
+                    tokenizer: str | Path | Tokenizer | None = None, batch_size: BatchSize = BATCH_SIZE,
+                    precision: str = "exact") -> list:
+    """Per token, the probability that it was replaced (ELECTRA's ``pretraining`` discriminator).
+
+    Each token (special tokens left out) is ``{"token", "score", "replaced", "start", "end"}``:
+    ``score`` is ``sigmoid(logit)`` of ``ElectraForPreTraining``, ``replaced`` is ``score > threshold``,
+    ``start``/``end`` are character offsets into the text. A list of texts gives one list per text.
+    """
+    loaded = load(model, "pretraining", tokenizer, precision)
+    tok = loaded.tokenizer
+    single = isinstance(texts, str)
+    items = [texts] if single else list(texts)
+    enc = _encode(loaded, items, return_offsets_mapping=True, return_special_tokens_mask=True)
+    outputs = _run(loaded, _rows(enc, _MODEL_KEYS), batch_size, {"logits": True})
+    results = []
+    for i in range(len(items)):
+        scores = torch.sigmoid(outputs[i]["logits"]).tolist()
+        ids, special = enc["input_ids"][i], enc["special_tokens_mask"][i]
+        tokens = tok.convert_ids_to_tokens(ids)
+        results.append([{"token": tokens[j], "score": scores[j], "replaced": scores[j] > threshold,
+                         "start": int(enc["offset_mapping"][i][j][0]), "end": int(enc["offset_mapping"][i][j][1])}
+                        for j in range(len(ids)) if not special[j]])
+    return results[0] if single else results
