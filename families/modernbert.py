@@ -25,7 +25,9 @@ from flodl_hf.config import Activation, BaseConfig
 from flodl_hf.errors import ConfigError
 from flodl_hf.layers import (PADDING, MaskSpec, activation, apply_rotary, attend, rope_cos_sin,
                              rope_inverse_frequencies)
+from flodl_hf.heads import ModelForMaskedLM
 from flodl_hf.modeling import Backbone, HeadPart
+from flodl_hf.outputs import MaskedLMOutput
 from flodl_hf.registry import Family, register
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -61,6 +63,8 @@ class ModernBertConfig(BaseConfig):
     classifier_dropout: float | None = 0.0
     classifier_bias: bool = False
     classifier_activation: Activation = Activation.GELU
+    sparse_prediction: bool = False
+    sparse_pred_ignore_index: int = -100
     # the older spelling (still on the hub): read when layer_types / rope_parameters lack them
     global_attn_every_n_layers: int | None = None
     global_rope_theta: float | None = None
@@ -274,6 +278,25 @@ class ModernBertMLMHead(HeadPart):
         return self.decoder(self.head(hidden_states))
 
 
+class ModernBertForMaskedLM(ModelForMaskedLM):
+    """The shared masked LM, plus ``sparse_prediction``: given labels, the head runs on the labelled tokens
+    only and the logits are theirs, (N, vocab), as ModernBertForMaskedLM.forward does."""
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> MaskedLMOutput:
+        if not (self.config.sparse_prediction and labels is not None):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                   position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels)
+        out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                position_ids=position_ids, inputs_embeds=inputs_embeds)
+        labels = labels.view(-1)
+        hidden = out.last_hidden_state.view(labels.shape[0], -1)
+        keep = labels != self.config.sparse_pred_ignore_index
+        logits = self.head(hidden[keep], None, None)
+        return MaskedLMOutput(loss=self.compute_loss(logits, labels=labels[keep]), logits=logits)
+
+
 @register
 class ModernBert(Family):
     model_type = "modernbert"
@@ -281,6 +304,7 @@ class ModernBert(Family):
     prefix = "model"
     config_class = ModernBertConfig
     backbone_class = ModernBertModel
+    task_models = {"mlm": ModernBertForMaskedLM}
 
     @classmethod
     def sequence_head(cls, config: ModernBertConfig) -> HeadPart:

@@ -1,4 +1,4 @@
-"""flodl-hf against transformers on this machine: five cases, one command, one table.
+"""flodl-hf against transformers on this machine: six cases, one command, one table.
 
     python scripts/bench.py                  # every case, the issue's sizes (see docs/benchmarks.md for how long)
     python scripts/bench.py --quick          # 300 messages, fewer repeats: a smoke run of a few minutes
@@ -14,6 +14,9 @@ Cases (ratios are ours / transformers for times, ours ÷ theirs for throughput):
      fast precisions (bf16, int8) measured against our exact path.
   4. train step: forward + backward + AdamW, batch 8 x 128; loss and gradients torch.equal first.
   5. roofline: this machine's float32 matmul rate, and the share of it cases 2 and 3 reach.
+  6. ModernBERT: a ModernBERT-base-size forward (22 layers, hidden 768, intermediate 1152, one padded
+     batch 8 x 512, half the rows padded, sdpa; outputs torch.equal), and classify on the SMS messages
+     with that model against the text-classification pipeline (batch_size=32).
 
 The two sides always alternate in the same run (A B, B A, A B ...) so machine drift cancels and neither
 side always runs second; the figure is the median of the per-pair ratios (case 3: the ratio of total
@@ -49,6 +52,10 @@ BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 CACHE = Path(os.environ.get("FLODL_HF_BENCH_CACHE", Path.home() / ".cache" / "flodl-hf" / "bench"))
 BERT_BASE = dict(model_type="bert", vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                  intermediate_size=3072, max_position_embeddings=512)
+# ModernBERT-base's shape (answerdotai/ModernBERT-base config), with MiniLM's vocabulary and special ids.
+MODERNBERT_BASE = dict(model_type="modernbert", vocab_size=30522, hidden_size=768, num_hidden_layers=22,
+                       num_attention_heads=12, intermediate_size=1152, max_position_embeddings=8192,
+                       pad_token_id=0, cls_token_id=101, bos_token_id=101, sep_token_id=102, eos_token_id=102)
 SMS_LABELS = {0: "ham", 1: "spam"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 PIPELINE_BATCH = 32
@@ -95,21 +102,26 @@ def quiet_transformers():
 
 # ---- checkpoints and data ----------------------------------------------------------------------------------
 
-def checkpoint(task: str) -> Path:
-    """A BERT-base checkpoint for ``task`` (random weights, generated once), with MiniLM's tokenizer beside it."""
+def checkpoint(task: str, base: dict | None = None, stem: str = "bert-base") -> Path:
+    """A BERT-base checkpoint for ``task`` (random weights, generated once), with MiniLM's tokenizer beside it
+    (``base``/``stem``: another shape; a family without token types gets a tokenizer that makes none)."""
     from flodl_hf.matrix import generate_checkpoint
     transformers = quiet_transformers()
-    out = CACHE / f"bert-base-{task}-tf{transformers.__version__}"
+    out = CACHE / f"{stem}-{task}-tf{transformers.__version__}"
     if (out / ".done").is_file():
         return out
     tokenizer = _sample("minilm")
     say(f"  generating {out.name} (once) ...")
-    fields = dict(BERT_BASE, **({"id2label": SMS_LABELS} if task == "seqcls" else {}))
+    fields = dict(base or BERT_BASE, **({"id2label": SMS_LABELS} if task == "seqcls" else {}))
     work = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
     generate_checkpoint(fields, task, work)
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer / name, work / name)
+    if base is not None and "type_vocab_size" not in base:
+        config = json.loads((work / "tokenizer_config.json").read_text())
+        config["model_input_names"] = ["input_ids", "attention_mask"]
+        (work / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (work / ".done").write_text("ok")
     shutil.rmtree(out, ignore_errors=True)
     work.rename(out)
@@ -242,6 +254,52 @@ def case_forward(repeats: int) -> dict:
     return {"repeats": repeats, "exact": exact, "times": times, "ratios": ratios, "flops": flops,
             "ours_s": median(times["ours"]), "transformers_s": median(times["transformers"]),
             "ratio": median(ratios), "goal": exact and median(ratios) <= 1.0}
+
+
+# ---- case 6: ModernBERT --------------------------------------------------------------------------------------
+
+def case_modernbert(repeats: int, messages: int, chunks: int) -> dict:
+    """ModernBERT-base size: one padded 8 x 512 forward (sdpa, both sides), then classify on SMS messages
+    against the text-classification pipeline, alternated per chunk as in case 3."""
+    import torch
+    from flodl_hf import AutoModel, classify
+    transformers = quiet_transformers()
+    directory = checkpoint("base", MODERNBERT_BASE, "modernbert-base")
+    ours = AutoModel.from_pretrained(directory)
+    theirs = transformers.AutoModel.from_pretrained(str(directory), dtype=torch.float32).eval()
+    batch = padded_batch(8, 512)
+    del batch["token_type_ids"]  # ModernBERT has none
+    with torch.inference_mode():
+        exact = torch.equal(ours(**batch).last_hidden_state, theirs(**batch).last_hidden_state)
+        times = alternate({"ours": lambda: ours(**batch), "transformers": lambda: theirs(**batch)}, repeats)
+    ratios = pair_ratios(times["ours"], times["transformers"])
+    out: dict[str, Any] = {"forward": {"repeats": repeats, "exact": exact, "times": times, "ratios": ratios,
+                                       "ours_s": median(times["ours"]), "transformers_s": median(times["transformers"]),
+                                       "ratio": median(ratios), "goal": exact and median(ratios) <= 1.0}}
+    directory = checkpoint("seqcls", MODERNBERT_BASE, "modernbert-base")
+    texts = sms_messages(messages)
+    warnings.simplefilter("ignore")
+    pipe = transformers.pipeline("text-classification", model=str(directory), device="cpu", dtype=torch.float32)
+    systems = {"ours": lambda xs: classify(xs, directory),
+               "transformers": lambda xs: pipe(xs, batch_size=PIPELINE_BATCH, truncation=True)}
+    for run in systems.values():
+        run(texts[:8])
+    size = -(-len(texts) // chunks)
+    times = {name: [] for name in systems}
+    results: dict[str, list] = {name: [] for name in systems}
+    for n, start in enumerate(range(0, len(texts), size), 1):
+        say(f"  modernbert classify: chunk {n} ({len(texts[start:start + size])} messages)")
+        for name, run in systems.items():
+            began = time.perf_counter()
+            results[name].extend(run(texts[start:start + size]))
+            times[name].append(time.perf_counter() - began)
+    agreement = _compare("classify", results["ours"], results["transformers"])
+    ratio = sum(times["transformers"]) / sum(times["ours"])
+    out["classify"] = {"times": times, "throughput_ratio": ratio, "agreement": agreement,
+                       "messages_per_s": {k: len(texts) / sum(v) for k, v in times.items()},
+                       "goal": ratio >= 3.0 and agreement["same_prediction"] == agreement["n"]
+                       and agreement["max_abs_diff"] <= 1e-5}
+    return out
 
 
 # ---- case 3: the SMS workload ------------------------------------------------------------------------------
@@ -544,6 +602,17 @@ def table(results: dict) -> str:
             t = r["tokens"]
             rows.append(f"| 3 SMS {task} | tokens computed (real: {t['real']}) | {t['ours_computed']} | "
                         f"{t['transformers_computed']} | {fmt(t['ours_computed'] / t['transformers_computed'])} | | |")
+    if "modernbert" in results:
+        r = results["modernbert"]["forward"]
+        rows.append(f"| 6 ModernBERT-base forward 8×512, half padded | seconds (outputs torch.equal: {r['exact']}) | "
+                    f"{fmt(r['ours_s'], 3)} | {fmt(r['transformers_s'], 3)} | {fmt(r['ratio'], 3)} | "
+                    f"≤ 1.00, equal | {yes(r['goal'])} |")
+        r = results["modernbert"]["classify"]
+        a = r["agreement"]
+        rows.append(f"| 6 ModernBERT SMS classify, {a['n']} messages | messages/s (throughput ÷; same prediction "
+                    f"{a['same_prediction']}/{a['n']}, max abs diff {a['max_abs_diff']:.1e}) | "
+                    f"{fmt(r['messages_per_s']['ours'], 1)} | {fmt(r['messages_per_s']['transformers'], 1)} | "
+                    f"{fmt(r['throughput_ratio'])} | ≥ 3.0 | {yes(r['goal'])} |")
     if "train" in results:
         r = results["train"]
         q = statistics.quantiles(r["ratios"], n=4) if len(r["ratios"]) >= 2 else [r["ratio"]] * 3
@@ -631,7 +700,7 @@ def write_doc(results: dict, meta: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default="1,2,3,4,5", help="comma-separated case numbers (default: all)")
+    parser.add_argument("--cases", default="1,2,3,4,5,6", help="comma-separated case numbers (default: all)")
     parser.add_argument("--quick", action="store_true", help="300 messages, fewer repeats (a smoke run)")
     parser.add_argument("--messages", type=int, default=None, help="SMS messages for case 3 (default 2000)")
     parser.add_argument("--chunks", type=int, default=None, help="case 3 alternates ours/theirs per chunk (default 8)")
@@ -683,6 +752,9 @@ def main() -> int:
     if 4 in cases:
         say("case 4: training step 8x128")
         results["train"] = case_train(2 * repeats)  # more pairs: the two sides run the same kernels
+    if 6 in cases:
+        say("case 6: ModernBERT-base size: forward 8x512, SMS classify")
+        results["modernbert"] = case_modernbert(max(3, repeats // 2), messages, chunks)
     if 5 in cases:
         say("case 5: roofline")
         results["roofline"] = case_roofline(results)

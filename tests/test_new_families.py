@@ -231,3 +231,23 @@ def test_tokenizer_equals_transformers(name, build):
         for key in b:
             assert torch.equal(a[key], b[key]), key
     assert ours.mask_token == theirs.mask_token and ours.pad_token_id == theirs.pad_token_id
+
+
+def test_modernbert_sparse_prediction_is_its_own_task_model():
+    """sparse_prediction (ModernBERT's own masked-LM forward, a Family.task_models entry): with labels, the
+    logits at the labelled tokens only and the loss on them, equal to transformers'; without, the full head."""
+    from flodl_hf.families.modernbert import ModernBertForMaskedLM
+    task, fields = _case("modernbert-bias-mean-hd24-mlm")
+    src = make_checkpoint({**fields, "sparse_prediction": True}, task)
+    ours = load_model(src, "mlm", dtype=torch.float32)
+    assert type(ours) is ModernBertForMaskedLM
+    theirs = quiet_transformers().AutoModelForMaskedLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    batch = make_batch(ours.config, "mlm")
+    labels = torch.full_like(batch["input_ids"], -100)
+    labels[0, [1, 4, 7]] = torch.tensor([5, 6, 7])
+    labels[1, 2] = 9
+    a, b = ours(**batch, labels=labels), theirs(**batch, labels=labels)
+    assert a.logits.shape == (4, ours.config.vocab_size)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)
+    with torch.inference_mode():
+        assert torch.equal(ours(**batch).logits, theirs(**batch).logits)

@@ -1,7 +1,8 @@
 """The parity table: (family config variant x head) cases, collected from one module per family.
 
 Each family module defines ``CONFIGS: dict[str, dict]`` (variant name -> transformers config
-fields, ``model_type`` included) and ``HEADS`` (the head shapes it has). A variant at real
+fields, ``model_type`` included) and ``HEADS`` (every task the family declares, its own included:
+tests/test_contract.py fails while one is missing). A variant at real
 width (hidden 768, head_dim 64) and one at an odd head size (head_dim 24) at least.
 """
 
