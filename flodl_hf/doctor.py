@@ -105,7 +105,7 @@ def parity_self_test(work: Path | None = None) -> list[dict]:
     """Generate a BERT-base-width checkpoint with transformers; compare our models with transformers'
     on sdpa and eager for the base and masked-LM heads (torch.equal on every output field)."""
     from .parity import check_parity
-    from .verify import generate_checkpoint
+    from .matrix import generate_checkpoint
     results = []
     with tempfile.TemporaryDirectory(prefix="flodl-hf-doctor-", dir=work) as tmp:
         source = generate_checkpoint(dict(SELF_TEST_FIELDS), "mlm", Path(tmp) / "bert-mlm")

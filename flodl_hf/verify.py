@@ -363,3 +363,16 @@ def verify_export(directory: str | os.PathLike, source: str | None = None, no_so
         check6 = _guard(6, _check_sentence, directory, src, stamp, cast, list(prompts or DEFAULT_PROMPTS))[0]
         report.checks += [check6] if check6 is not None else []
     return report
+
+
+# The verify-matrix builder (tiny_config, generate_checkpoint, verify_matrix ...) lives in flodl_hf.matrix;
+# its names stay reachable here for code written against the old location.
+_MOVED_TO_MATRIX = frozenset({"TINY", "TASK_LABELS", "tiny_config", "generate_checkpoint", "Cell", "MatrixResult",
+                              "cell_gate", "matrix_pairs", "verify_matrix", "render_html"})
+
+
+def __getattr__(name: str):
+    if name in _MOVED_TO_MATRIX:
+        from . import matrix
+        return getattr(matrix, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,7 +23,8 @@ from flodl_hf.errors import CheckpointFormatError, ConfigError
 from flodl_hf.export import export, export_checkpoint
 from flodl_hf.parity import quiet_transformers
 from flodl_hf.trainer import Trainer
-from flodl_hf.verify import PASS, SKIP, tiny_config, verify_export
+from flodl_hf.matrix import tiny_config
+from flodl_hf.verify import PASS, SKIP, verify_export
 from helpers import make_checkpoint
 
 pytest.importorskip("sentence_transformers")
