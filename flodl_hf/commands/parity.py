@@ -32,12 +32,12 @@ def run_cli(args: argparse.Namespace) -> int:
         print(json.dumps([{**asdict(r), "exact": r.exact} for r in results], indent=2))
     else:
         print(f"parity of {args.source} ({config.model_type}) against transformers, CPU float32")
-        print(f"{'head':8} {'attention':9} {'field':18} {'max abs diff':>13}  exact")
+        print(f"{'head':11} {'attention':9} {'field':18} {'max abs diff':>13}  exact")
         for r in results:
             if r.skipped:
-                print(f"{r.task:8} {r.attn_implementation:9} {'-':18} {'skipped':>13}  ({r.skipped})")
+                print(f"{r.task:11} {r.attn_implementation:9} {'-':18} {'skipped':>13}  ({r.skipped})")
             for name, diff in r.diffs.items():
-                print(f"{r.task:8} {r.attn_implementation:9} {name:18} {diff:13.3g}  {'yes' if r.equal[name] else 'NO'}")
+                print(f"{r.task:11} {r.attn_implementation:9} {name:18} {diff:13.3g}  {'yes' if r.equal[name] else 'NO'}")
     compared = [r for r in results if not r.skipped]
     ok = bool(compared) and all(r.exact for r in compared)
     if not args.json:
