@@ -23,6 +23,11 @@ from .task_registry import task_names, tasks
 
 def config_from_dict(data: dict[str, Any], where: str = "config.json") -> BaseConfig:
     """Validate a config dict and build the family's config dataclass from it."""
+    return family_and_config(data, where)[1]
+
+
+def family_and_config(data: dict[str, Any], where: str = "config.json") -> tuple[type[Family], BaseConfig]:
+    """The family a config dict names (looked up once, here) and its config dataclass."""
     if "auto_map" in data:
         raise ConfigError(f"{where}: declares auto_map (custom code on the hub). flodl-hf never runs remote "
                           "code; use a checkpoint of a supported family without auto_map.")
@@ -45,7 +50,7 @@ def config_from_dict(data: dict[str, Any], where: str = "config.json") -> BaseCo
         raise ConfigError(f"{where}: {exc}") from None
     if not config.raw.get("model_type"):
         config.raw["model_type"] = family.model_type
-    return config
+    return family, config
 
 
 class AutoConfig:
@@ -71,13 +76,17 @@ def model_class(config: BaseConfig, task: str, family: type[Family] | None = Non
     return (family or get_family(config.model_type)).model_class(task)
 
 
-def task_of(config: BaseConfig) -> str:
-    """The head a checkpoint was saved with, from ``architectures[0]`` ("base" when absent)."""
+def task_of(config: BaseConfig, family: type[Family] | None = None) -> str:
+    """The head a checkpoint was saved with, from ``architectures[0]`` ("base" when absent); the
+    config's own family's class names first, then every family's."""
     architectures = config.architectures or []
     if not architectures:
         return "base"
-    family, task = parse_architecture(architectures[0])
-    return task
+    if family is not None:
+        for task in family.tasks:
+            if family.architecture(task) == architectures[0]:
+                return task
+    return parse_architecture(architectures[0])[1]
 
 
 def build_model(config: BaseConfig, task: str, add_pooling_layer: bool = True,
@@ -91,14 +100,16 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | N
                config: BaseConfig | None = None, expect: type | None = None) -> PreTrainedModel:
     """Resolve, read and strictly load a checkpoint into the native model for ``task``."""
     ckpt = io.resolve(source, revision)
+    # The family is resolved once, here; the model carries it from here on.
     if config is None:
-        config = config_from_dict(io.read_json(ckpt.config_path, "config.json"), str(ckpt.config_path))
+        family, config = family_and_config(io.read_json(ckpt.config_path, "config.json"), str(ckpt.config_path))
+    else:
+        family = get_family(config.model_type)
     if num_labels is not None:
         config.num_labels = num_labels
-    family = get_family(config.model_type)  # resolved once; the model carries it from here on
     config.attn_implementation = check_attn_implementation(attn_implementation, family)
     if task == "auto":
-        task = task_of(config)
+        task = task_of(config, family)
     if task not in task_names():
         raise ValueError(f"task {task!r}: expected one of {', '.join(task_names())} or 'auto'")
     cls = family.model_class(task)

@@ -184,3 +184,22 @@ def test_trainer_and_export_read_checkpoints_by_one_schema(data, tmp_path):
         export_checkpoint(path, tmp_path / "out")
     assert str(by_trainer.value) == str(by_export.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_load_looks_the_family_up_once(monkeypatch):
+    """Loading resolves the family once; the forward (with a sequence loss) never looks it up again."""
+    import flodl_hf.auto as auto
+    import flodl_hf.registry as registry
+    calls = []
+    real = registry.get_family
+
+    def counting(model_type):
+        calls.append(model_type)
+        return real(model_type)
+    monkeypatch.setattr(auto, "get_family", counting)
+    monkeypatch.setattr(registry, "get_family", counting)
+    fields = next(f for _, t, f in CASES if t == "seqcls" and f["model_type"] == "electra")
+    model = load_model(make_checkpoint(fields, "seqcls"), "auto", dtype=torch.float32)
+    assert calls == ["electra"]
+    model(**make_batch(model.config, "seqcls"), labels=torch.tensor([0, 1]))
+    assert calls == ["electra"]
