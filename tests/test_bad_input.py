@@ -35,7 +35,7 @@ from flodl_hf.errors import (CheckpointFormatError, ConfigError, InputError, Mis
                              RegistryError, SourceNotFoundError, UnsupportedModelError, WeightsMismatchError)
 from flodl_hf.export import KILL_ENV, STAGES, export, export_checkpoint, recover_scratch
 from flodl_hf.validate import tree_hash
-from flodl_hf.verify import tiny_config
+from flodl_hf.matrix import tiny_config
 from helpers import CACHE as CACHE_DIR, make_checkpoint, quiet_transformers
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -566,7 +566,8 @@ def _trainer(payload: Callable[[dict, dict], Any]):
         state = load_file(orig / "model.safetensors")
         config = json.loads((orig / "config.json").read_text())
         path = tmp / "ckpt.pt"
-        torch.save(payload(state, config), path)
+        # the trainer's header (flodl_hf.checkpoint_schema): a file without it is not a trainer checkpoint
+        torch.save({"format": "flodl-hf/trainer-checkpoint", "version": 1, **payload(state, config)}, path)
         return path
     return make
 
