@@ -1,7 +1,6 @@
-"""ELECTRA: real width with embedding_size == hidden_size (no projection, as electra-base),
-head_dim 24 with embedding_size 40 < hidden 96 (embeddings_project, as electra-small), and the last-token
-summary with tanh for multiple choice; every core
-head plus the discriminator (pretraining)."""
+"""ELECTRA: real width with embedding_size == hidden_size (no projection, as electra-base), head_dim 24
+with embedding_size 40 < hidden 96 (embeddings_project, as electra-small), and the last-token summary
+with tanh for multiple choice; every core head plus the discriminator (pretraining)."""
 
 HEADS = ("base", "seqcls", "tokcls", "qa", "mlm", "mc", "pretraining")
 
