@@ -251,3 +251,12 @@ def test_modernbert_sparse_prediction_is_its_own_task_model():
     assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)
     with torch.inference_mode():
         assert torch.equal(ours(**batch).logits, theirs(**batch).logits)
+
+
+def test_cli_detect_replaced_json_is_the_library_result(capsys):
+    from flodl_hf.cli import main
+    directory = task_dir(BERT_TOK, "pretraining", model_type="electra", embedding_size=16)
+    assert main(["detect-replaced", TEXTS[0], TEXTS[1], "--model", str(directory), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == detect_replaced(TEXTS[:2], directory)
+    assert main(["detect-replaced", TEXTS[0], "--model", str(directory)]) == 0
+    assert "replaced" in capsys.readouterr().out

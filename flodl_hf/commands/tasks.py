@@ -10,6 +10,7 @@ from typing import Any, Sequence
 from ..errors import InputError
 from ..tasks.answer import answer
 from ..tasks.classify import classify
+from ..tasks.detect_replaced import detect_replaced
 from ..tasks.embed import embed, rank
 from ..tasks.fill_mask import DEFAULT_FILL_MASK_MODEL, fill_mask
 from ..tasks.runtime import PRECISIONS
@@ -84,6 +85,19 @@ def _cmd_tag(args: argparse.Namespace) -> int:
     for text, entities in zip(texts, results):
         print(text)
         _table([{"label": e[key], **e} for e in entities], ("label", "score", "word", "start", "end"))
+        print()
+    return 0
+
+
+def _cmd_detect_replaced(args: argparse.Namespace) -> int:
+    texts = _texts(args)
+    results = detect_replaced(texts, args.model, threshold=args.threshold, precision=args.precision)
+    if args.json:
+        _print_json(results)
+        return 0
+    for text, tokens in zip(texts, results):
+        print(text)
+        _table(tokens, ("token", "score", "replaced", "start", "end"))
         print()
     return 0
 
@@ -164,6 +178,11 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-answer-len", type=int, default=15)
     p.add_argument("--allow-no-answer", action="store_true", help="handle_impossible_answer")
     p.set_defaults(func=_cmd_answer)
+
+    p = subparsers.add_parser("detect-replaced", help="per token, was it replaced? (ELECTRA's discriminator)")
+    common(p)
+    p.add_argument("--threshold", type=float, default=0.5, help="score above which a token counts as replaced")
+    p.set_defaults(func=_cmd_detect_replaced)
 
     p = subparsers.add_parser("embed", help="sentence embeddings, or rank texts by similarity to --query")
     common(p)
