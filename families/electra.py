@@ -128,11 +128,12 @@ class ElectraChoiceHead(HeadPart):
 
     def forward(self, hidden_states: torch.Tensor, pooler_output: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        # ElectraForMultipleChoice.forward: sequence_summary, then classifier
         return self.classifier(self.sequence_summary(hidden_states))
 
 
 class ElectraGeneratorPredictions(nn.Module):
-    """dense (H -> E), GELU (always), LayerNorm(E)."""
+    """dense (H -> E), GELU (always), LayerNorm(E): ElectraGeneratorPredictions.forward's order."""
 
     def __init__(self, config: ElectraConfig) -> None:
         super().__init__()
@@ -156,11 +157,13 @@ class ElectraGeneratorHead(HeadPart):
 
     def forward(self, hidden_states: torch.Tensor, pooler_output: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        # ElectraForMaskedLM.forward: generator_predictions, then generator_lm_head
         return self.generator_lm_head(self.generator_predictions(hidden_states))
 
 
 class ElectraDiscriminatorPredictions(nn.Module):
-    """dense, ``hidden_act``, ``dense_prediction`` (H -> 1), squeezed to one logit per token."""
+    """dense, ``hidden_act``, ``dense_prediction`` (H -> 1), squeezed to one logit per token
+    (ElectraDiscriminatorPredictions.forward)."""
 
     def __init__(self, config: ElectraConfig) -> None:
         super().__init__()

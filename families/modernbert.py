@@ -160,6 +160,7 @@ class ModernBertMLP(nn.Module):
         self.Wo = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # ModernBertMLP.forward
         inputs, gate = self.Wi(hidden_states).chunk(2, dim=-1)
         return self.Wo(self.drop(self.act(inputs) * gate))
 
@@ -174,6 +175,7 @@ class ModernBertEncoderLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, mask: torch.Tensor | None,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # ModernBertEncoderLayer.forward: pre-norm, residual after each sub-layer
         hidden_states = hidden_states + self.attn(self.attn_norm(hidden_states), mask, rope)
         return hidden_states + self.mlp(self.mlp_norm(hidden_states))
 
@@ -229,7 +231,7 @@ class ModernBertPredictionHead(nn.Module):
         self.norm = _norm(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.act(self.dense(hidden_states)))
+        return self.norm(self.act(self.dense(hidden_states)))  # ModernBertPredictionHead.forward
 
 
 def _pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None, pooling: str, choice: bool) -> torch.Tensor:
