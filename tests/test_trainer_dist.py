@@ -273,6 +273,8 @@ RESTART_SCRIPT = textwrap.dedent('''
     if rank == 0:
         (out / "summary.json").write_text(json.dumps({**summary, "attempt": attempt,
                                                       "resumed_from": str(t.resumed_from)}))
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)  # torch 2.13 + gloo can abort at interpreter exit after a finished run (docs/trainer.md)
 ''')
 
 
