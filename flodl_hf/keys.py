@@ -137,7 +137,10 @@ def normalise(model: nn.Module, tensors: dict[str, torch.Tensor], shapes: dict[s
     """``tensors`` under ``model``'s keys, by its family's KeyMap (see ``KeyMap.normalise``)."""
     if shapes is None or aliases is None:
         shapes, aliases = expected(model)
-    return model.family.key_map().normalise(tensors, shapes, aliases, bool(model.base_model_prefix), untied)
+    key_map = model.family.key_map()
+    if model.base_model_prefix and model.base_model_prefix != key_map.prefix:  # a task model's own mount point
+        key_map = KeyMap(model.base_model_prefix, key_map.renames, key_map.legacy)
+    return key_map.normalise(tensors, shapes, aliases, bool(model.base_model_prefix), untied)
 
 
 def init_fresh(owner: nn.Module, name: str, std: float) -> None:

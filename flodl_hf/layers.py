@@ -77,16 +77,20 @@ def check_attn_implementation(name: str, family: "type[Family] | None" = None) -
 
 @dataclass(frozen=True)
 class MaskSpec:
-    """What one layer may attend to: ``padding`` (every real token), or ``sliding`` (real tokens within
+    """What one layer may attend to: ``padding`` (every real token), ``sliding`` (real tokens within
     ``window`` positions either side, ``|q - k| <= window``, as transformers'
-    ``sliding_window_bidirectional_overlay``). A causal kind belongs here when a decoder needs it."""
+    ``sliding_window_bidirectional_overlay``), or ``causal`` (real tokens at or before the query; with a
+    ``window``, only the ``window - 1`` before it, as ``sliding_window_causal_mask_function``). Causal masks
+    depend on the KV cache, so decoders build them with ``flodl_hf.decoder.causal_mask``."""
 
     kind: str = "padding"
     window: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("padding", "sliding"):
-            raise ValueError(f"mask kind {self.kind!r}: expected padding or sliding")
+        if self.kind not in ("padding", "sliding", "causal"):
+            raise ValueError(f"mask kind {self.kind!r}: expected padding, sliding or causal")
+        if self.kind == "causal":
+            return
         if (self.kind == "sliding") != (self.window is not None):
             raise ValueError("a sliding mask needs a window; a padding mask takes none")
 
@@ -110,6 +114,8 @@ def build_mask(attention_mask: torch.Tensor | None, spec: MaskSpec, impl: str, d
     """
     if attention_mask is not None and attention_mask.dim() == 4:  # already prepared by the caller
         return attention_mask
+    if spec.kind == "causal":
+        raise ValueError("a causal mask depends on the KV cache: build it with flodl_hf.decoder.causal_mask")
     keep = None
     if attention_mask is not None:
         keep = attention_mask.bool()

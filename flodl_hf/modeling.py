@@ -291,6 +291,8 @@ class TaskModel(PreTrainedModel):
     """A backbone plus one head part. Subclasses (in ``flodl_hf.heads``) write each head shape once."""
 
     validates_inputs: ClassVar[bool] = False
+    # Where this task model mounts its backbone when it is not the family's prefix.
+    backbone_prefix: ClassVar[str | None] = None
 
     def __init__(self, config: BaseConfig, family: type["Family"] | None = None) -> None:
         super().__init__(config)
@@ -301,10 +303,11 @@ class TaskModel(PreTrainedModel):
         part: HeadPart = getattr(family, self.spec.head_factory)(config)
         if list(part.parameters(recurse=False)):
             raise TypeError(f"{type(part).__name__}: a HeadPart holds no bare parameters, only children")
-        self.base_model_prefix = family.prefix
+        # transformers mounts a few task models' backbones elsewhere (LLaMA's and Qwen2's QA: "transformer")
+        self.base_model_prefix = self.backbone_prefix or family.prefix
         backbone = family.backbone_class(config, add_pooling_layer=part.uses_pooler)
         backbone.bind_family(family)
-        self.add_module(family.prefix, backbone)
+        self.add_module(self.base_model_prefix, backbone)
         for name, child in part.named_children():
             self.add_module(name, child)
         object.__setattr__(self, "head", part)  # not registered: its children already are

@@ -69,3 +69,17 @@ class QuestionAnsweringModelOutput(ModelOutput):
     loss: torch.Tensor | None = None
     start_logits: torch.Tensor | None = None
     end_logits: torch.Tensor | None = None
+
+
+@dataclass
+class BaseModelOutputWithPast(BaseModelOutput):
+    """A decoder backbone's output: ``past_key_values`` is the KV cache after this step (None without one)."""
+
+    past_key_values: Any = None
+
+
+@dataclass
+class CausalLMOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    past_key_values: Any = None

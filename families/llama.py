@@ -1,0 +1,299 @@
+"""LLaMA (``model_type: llama``): a pre-norm causal decoder with RMSNorm, RoPE, grouped-query attention,
+the SwiGLU MLP and a KV cache.
+
+Mirrors ``transformers.models.llama.modeling_llama`` (5.24):
+- ``embed_tokens``; each layer is ``h + self_attn(input_layernorm(h))`` then
+  ``h + mlp(post_attention_layernorm(h))``; ``norm`` closes the stack;
+- ``q_proj k_proj v_proj o_proj`` (bias with ``attention_bias``), ``num_key_value_heads`` <= heads,
+  ``head_dim`` given or ``hidden / heads``; ``gate_proj up_proj down_proj`` (bias with ``mlp_bias``);
+- RoPE, ``default`` or ``llama3``, read from ``rope_parameters`` or the older ``rope_scaling`` + ``rope_theta``;
+- causal masks per layer (``MaskSpec("causal", window)``), a KV cache as ``DynamicCache`` keeps it;
+  ``use_cache`` defaults to the config's, as transformers' (so a plain forward runs through the cache too);
+- heads: ``lm_head`` (causal_lm, tied with ``tie_word_embeddings``), ``score`` on the last non-pad token
+  (seqcls), ``score`` per token (tokcls), ``qa_outputs`` with the backbone under ``transformer`` (qa).
+Mistral and Qwen2 (families/mistral.py, families/qwen2.py) are this file with other defaults, biases
+and windows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from flodl_hf.config import Activation, BaseConfig
+from flodl_hf.decoder import (KVCache, Rope, RMSNorm, SwiGLU, apply_rotary_pos_emb, as_cache, causal_mask,
+                              grouped_attend, rotary_cos_sin)
+from flodl_hf.errors import ConfigError, InputError
+from flodl_hf.heads import ModelForQuestionAnswering, ModelForSequenceClassification, SpanClassifier
+from flodl_hf.heads.causal_lm import LMHead
+from flodl_hf.layers import MaskSpec, activation
+from flodl_hf.modeling import Backbone, HeadPart
+from flodl_hf.outputs import BaseModelOutputWithPast, SequenceClassifierOutput
+from flodl_hf.registry import Family, register
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass
+class LlamaConfig(BaseConfig):
+    model_type: ClassVar[str] = "llama"
+    enum_fields: ClassVar[dict[str, type]] = {"hidden_act": Activation}
+    default_theta: ClassVar[float] = 10_000.0
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: Activation = Activation.SILU
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+    tie_word_embeddings: bool = False
+    rope_parameters: dict[str, Any] | None = None
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    mlp_bias: bool = False
+    # the older spelling, read when rope_parameters is absent (transformers writes rope_parameters)
+    rope_scaling: dict[str, Any] | None = None
+    rope_theta: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError(f"config: hidden_size={self.hidden_size} is not a multiple of "
+                                  f"num_attention_heads={self.num_attention_heads}")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"config: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                              f"num_key_value_heads={self.num_key_value_heads}")
+        self.rope()  # a bad rope field fails at load, naming itself
+
+    def rope(self) -> Rope:
+        return Rope.resolve(self.rope_parameters, self.rope_scaling, self.rope_theta, self.default_theta,
+                            self.max_position_embeddings)
+
+    def layer_kinds(self) -> list[str]:
+        """Each layer's attention kind: full everywhere for LLaMA."""
+        return [FULL] * self.num_hidden_layers
+
+    def window(self, kind: str) -> int | None:
+        """The sliding window of a layer kind (None: full causal attention)."""
+        return None
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int, qkv_bias: bool | None = None,
+                 o_bias: bool | None = None) -> None:
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.head_dim = config.head_dim
+        self.groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim ** -0.5
+        qkv_bias = config.attention_bias if qkv_bias is None else qkv_bias
+        o_bias = config.attention_bias if o_bias is None else o_bias
+        heads, kv = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, heads, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv, bias=qkv_bias)
+        self.o_proj = nn.Linear(heads, config.hidden_size, bias=o_bias)
+
+    def forward(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                cache: KVCache | None) -> torch.Tensor:
+        # LlamaAttention.forward: view + transpose, RoPE, cache update, attention, reshape, o_proj
+        input_shape = hidden_states.shape[:-1]
+        shape = (*input_shape, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *rope)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        p = self.config.attention_dropout if self.training else 0.0
+        out = grouped_attend(q, k, v, mask, self.config.attn_implementation, self.groups, self.scaling, p)
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous())
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_class: ClassVar[type[nn.Module]] = LlamaAttention
+
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = self.attention_class(config, layer_idx)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, activation(config.hidden_act),
+                          bias=getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                cache: KVCache | None) -> torch.Tensor:
+        # LlamaDecoderLayer.forward: residual + attn(norm(h)), residual + mlp(norm(h))
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), rope, mask, cache)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LlamaModel(Backbone):
+    """``last_hidden_state`` after ``norm``, and the KV cache (``past_key_values``) when ``use_cache``."""
+
+    input_names = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "past_key_values", "use_cache")
+    layer_class: ClassVar[type[nn.Module]] = LlamaDecoderLayer
+
+    def __init__(self, config: LlamaConfig, add_pooling_layer: bool = False) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def mask_specs(self) -> list[MaskSpec]:
+        return [MaskSpec("causal", self.config.window(kind)) for kind in self.config.layer_kinds()]
+
+    def cache_windows(self) -> list[int | None]:
+        """Each layer's window, as ``DynamicCache(config=...)`` lays its layers out."""
+        return [spec.window for spec in self.mask_specs()]
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.cache_windows())
+
+    def inverse_frequencies(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            self._inv_freq[device] = self.config.rope().inverse_frequencies(self.config.head_dim, device)
+        return self._inv_freq[device]
+
+    def embed(self, input_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+
+    def encode(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+               position_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = (torch.arange(hidden.shape[1], device=hidden.device) + past).unsqueeze(0)
+        impl = self.config.attn_implementation
+        specs = self.mask_specs()
+        masks: dict[MaskSpec, torch.Tensor | None] = {}
+        for spec in dict.fromkeys(specs):
+            # create_causal_mask sizes against the first full layer, the sliding one against the first sliding
+            layer = specs.index(spec)
+            masks[spec] = causal_mask(spec, attention_mask, hidden.shape[0], hidden.shape[1], impl, hidden.dtype,
+                                      hidden.device, cache, layer)
+        rope = rotary_cos_sin(self.inverse_frequencies(hidden.device), position_ids, hidden.dtype)
+        for layer, spec in zip(self.layers, specs, strict=True):
+            hidden = layer(hidden, rope, masks[spec], cache)
+        return self.norm(hidden)
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None, past_key_values: Any = None,
+                use_cache: bool | None = None) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if token_type_ids is not None:
+            raise InputError(f"{type(self).__name__} has no token types: pass no token_type_ids")
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        cache = as_cache(past_key_values, self.cache_windows())
+        if use_cache and cache is None:
+            cache = self.new_cache()
+        hidden = self.embed(input_ids=input_ids, inputs_embeds=inputs_embeds)
+        hidden = self.encode(hidden, attention_mask, position_ids, cache)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=cache if use_cache else None)
+
+
+# ---- task models and heads ---------------------------------------------------------------------------
+
+class ScoreHead(HeadPart):
+    """``score(dropout(h))`` per token: the generic sequence (no bias, no dropout) and token heads."""
+
+    def __init__(self, hidden_size: int, num_labels: int, bias: bool, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.score = nn.Linear(hidden_size, num_labels, bias=bias)
+
+    def forward(self, hidden_states: torch.Tensor, pooler_output: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.score(self.dropout(hidden_states))
+
+
+def last_token_index(input_ids: torch.Tensor | None, pad_token_id: int | None, batch: int,
+                     device: torch.device) -> torch.Tensor | int:
+    """GenericForSequenceClassification's pick: the last token that is not the pad id (right or left padding),
+    -1 without a pad id (one row only) or from embeddings."""
+    if pad_token_id is None:
+        if batch != 1:
+            raise InputError("a batch of more than one row needs pad_token_id in the config to find each row's "
+                             "last token")
+        return -1
+    if input_ids is None:
+        return -1
+    non_pad = (input_ids != pad_token_id).to(device, torch.int32)
+    indices = torch.arange(input_ids.shape[-1], device=device, dtype=torch.int32)
+    return (indices * non_pad).argmax(-1)
+
+
+class DecoderForSequenceClassification(ModelForSequenceClassification):
+    """The score head on every token, then each row's last non-pad token (transformers' generic head)."""
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                past_key_values: Any = None, use_cache: bool | None = None) -> SequenceClassifierOutput:
+        out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                position_ids=position_ids, inputs_embeds=inputs_embeds,
+                                past_key_values=past_key_values, use_cache=use_cache)
+        logits = self.head(out.last_hidden_state, None, attention_mask)
+        batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+        last = last_token_index(input_ids, self.config.pad_token_id, batch, logits.device)
+        pooled = logits[torch.arange(batch, device=logits.device), last]
+        loss = self.compute_loss(pooled, labels=labels) if labels is not None else None
+        return SequenceClassifierOutput(loss=loss, logits=pooled)
+
+
+class LlamaForQuestionAnswering(ModelForQuestionAnswering):
+    backbone_prefix = "transformer"  # LlamaForQuestionAnswering.base_model_prefix, kept by transformers for BC
+
+
+@register
+class Llama(Family):
+    model_type = "llama"
+    arch = "Llama"
+    prefix = "model"
+    config_class = LlamaConfig
+    backbone_class = LlamaModel
+    tasks = ("base", "causal_lm", "seqcls", "tokcls", "qa")
+    task_models = {"seqcls": DecoderForSequenceClassification, "qa": LlamaForQuestionAnswering}
+
+    @classmethod
+    def causal_lm_head(cls, config: LlamaConfig) -> HeadPart:
+        return LMHead(config.hidden_size, config.vocab_size)
+
+    @classmethod
+    def sequence_head(cls, config: LlamaConfig) -> HeadPart:
+        return ScoreHead(config.hidden_size, config.num_labels, bias=False)
+
+    @classmethod
+    def token_head(cls, config: LlamaConfig) -> HeadPart:
+        # GenericForTokenClassification: classifier_dropout, else hidden_dropout, else 0.1; bias unless told
+        dropout = config.raw.get("classifier_dropout")
+        if dropout is None:
+            dropout = config.raw.get("hidden_dropout")
+        return ScoreHead(config.hidden_size, config.num_labels, bias=config.raw.get("token_classification_bias", True),
+                         dropout=0.1 if dropout is None else dropout)
+
+    @classmethod
+    def span_head(cls, config: LlamaConfig) -> HeadPart:
+        return SpanClassifier(config.hidden_size, 2)

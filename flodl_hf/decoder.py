@@ -1,0 +1,298 @@
+"""Building blocks shared by the decoder families (LLaMA, Mistral, Qwen2): RMSNorm, RoPE with its
+scalings, grouped-query attention on both paths, causal (and sliding causal) masks, the KV cache.
+
+Each mirrors the transformers 5.24 function named in its comment, op for op, so a decoder built from
+them is ``torch.equal`` to transformers on CPU float32 (../shared/PARITY_NOTES.md): the cache mirrors
+``DynamicCache`` (its ``torch.cat`` makes the keys contiguous, and the attention sees them so), the
+masks mirror ``masking_utils`` (when sdpa gets ``None`` and ``is_causal``, when it gets a bool mask),
+and the attention mirrors ``sdpa_attention_forward``'s three GQA routes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import ConfigError
+from .layers import MaskSpec
+
+
+class RMSNorm(nn.Module):
+    """transformers.models.llama.modeling_llama.LlamaRMSNorm: float32 variance, ``x * rsqrt(var + eps)``,
+    back to the input dtype, then ``weight *`` (weight on the left)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class SwiGLU(nn.Module):
+    """transformers' LlamaMLP: ``down_proj(act(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ---- RoPE -------------------------------------------------------------------------------------------
+
+ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class Rope:
+    """A resolved RoPE: type, theta, and the llama3 scaling fields (None for default)."""
+
+    rope_type: str
+    theta: float
+    factor: float | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+    @classmethod
+    def resolve(cls, rope_parameters: dict | None, rope_scaling: dict | None, rope_theta: float | None,
+                default_theta: float, max_position_embeddings: int) -> "Rope":
+        """As ``PreTrainedConfig.standardize_rope_params`` reads them: ``rope_parameters`` (today's), else the
+        older ``rope_scaling`` (``type`` or ``rope_type``) with a top-level ``rope_theta``."""
+        params = dict(rope_parameters or rope_scaling or {})
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        theta = params.get("rope_theta", rope_theta if rope_theta is not None else default_theta)
+        if rope_type not in ROPE_TYPES:
+            raise ConfigError(f"config: rope_parameters.rope_type={rope_type!r} is not supported "
+                              f"(supported: {', '.join(ROPE_TYPES)})")
+        if rope_type == "default":
+            return cls("default", float(theta))
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
+        if missing:
+            raise ConfigError(f"config: rope_parameters (llama3) lacks {', '.join(missing)}")
+        return cls("llama3", float(theta), float(params["factor"]), float(params["low_freq_factor"]),
+                   float(params["high_freq_factor"]),
+                   int(params.get("original_max_position_embeddings", max_position_embeddings)))
+
+    def inverse_frequencies(self, head_dim: int, device: torch.device | None = None) -> torch.Tensor:
+        # modeling_rope_utils: compute_default_rope_parameters / _compute_llama3_parameters, in their order
+        if self.rope_type == "default":
+            return 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device,
+                                                                                             dtype=torch.float) / head_dim))
+        factor, low, high, old = (self.factor, self.low_freq_factor, self.high_freq_factor,
+                                  self.original_max_position_embeddings)
+        low_freq_wavelen = old / low
+        high_freq_wavelen = old / high
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth_factor = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def rotary_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype,
+                   attention_scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """LlamaRotaryEmbedding.forward: elementwise ``positions * inv_freq``, cat, cos/sin times the scaling."""
+    freqs = position_ids[..., None].float() * inv_freq.to(device=position_ids.device, dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos() * attention_scaling
+    sin = emb.sin() * attention_scaling
+    return cos.to(dtype=dtype), sin.to(dtype=dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """modeling_llama.apply_rotary_pos_emb, in q's dtype (no float32 round trip, unlike ModernBERT's)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
+
+
+# ---- the KV cache ------------------------------------------------------------------------------------
+
+class KVCache:
+    """Per-layer keys and values, (B, kv_heads, S, head_dim), as transformers' ``DynamicCache`` keeps them:
+    a full layer keeps everything (``DynamicLayer``); a sliding layer keeps the last ``window - 1`` tokens and
+    returns the full states of the step (``DynamicSlidingWindowLayer``)."""
+
+    def __init__(self, windows: Sequence[int | None]) -> None:
+        self.windows = list(windows)
+        self.keys: list[torch.Tensor | None] = [None] * len(self.windows)
+        self.values: list[torch.Tensor | None] = [None] * len(self.windows)
+        self.seen = [0] * len(self.windows)  # tokens each layer has seen (cumulative_length)
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def update(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # DynamicLayer.update: cat onto an empty tensor first (the result is contiguous, as transformers')
+        if self.keys[layer] is None:
+            self.keys[layer] = torch.tensor([], dtype=key.dtype, device=key.device)
+            self.values[layer] = torch.tensor([], dtype=value.dtype, device=value.device)
+        self.seen[layer] += key.shape[-2]
+        full_k = torch.cat([self.keys[layer], key], dim=-2)
+        full_v = torch.cat([self.values[layer], value], dim=-2)
+        window = self.windows[layer]
+        if window is None:
+            self.keys[layer], self.values[layer] = full_k, full_v
+        else:  # DynamicSlidingWindowLayer.update: keep the last window - 1, return the full states
+            self.keys[layer], self.values[layer] = full_k[:, :, -window + 1:, :], full_v[:, :, -window + 1:, :]
+        return full_k, full_v
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        """Tokens seen so far by ``layer`` (the query offset of the next step)."""
+        return self.seen[layer]
+
+    def mask_sizes(self, query_length: int, layer: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the next step, as ``DynamicLayer`` / ``DynamicSlidingWindowLayer.get_mask_sizes``."""
+        window, seen = self.windows[layer], self.seen[layer]
+        if window is None:
+            return seen + query_length, 0
+        kv_offset = max(seen - window + 1, 0)
+        kv_length = window - 1 + query_length if seen >= window else seen + query_length
+        return kv_length, kv_offset
+
+    def nbytes(self) -> int:
+        """Bytes held by the cached keys and values."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+
+    def to_legacy(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        return tuple((k, v) for k, v in zip(self.keys, self.values))
+
+    @classmethod
+    def from_legacy(cls, layers: Iterable[tuple[torch.Tensor, torch.Tensor]], windows: Sequence[int | None]) -> "KVCache":
+        """A cache filled with ``(keys, values)`` per layer (a full layer's whole history)."""
+        cache = cls(windows)
+        for i, (k, v) in enumerate(layers):
+            cache.update(i, k, v)
+        return cache
+
+
+def as_cache(past: Any, windows: Sequence[int | None]) -> KVCache | None:
+    """``past_key_values`` as given: our KVCache, None, or a sequence of per-layer (keys, values)."""
+    if past is None or isinstance(past, KVCache):
+        return past
+    try:
+        return KVCache.from_legacy([(layer[0], layer[1]) for layer in past], windows)
+    except (TypeError, IndexError):
+        from .errors import InputError
+        raise InputError("past_key_values: expected a KVCache or a sequence of (keys, values) per layer") from None
+
+
+# ---- causal masks --------------------------------------------------------------------------------------
+
+def _ignore_causal_mask_sdpa(padding: torch.Tensor | None, q_length: int, kv_length: int, q_offset: int,
+                             kv_offset: int, local_size: int | None) -> bool:
+    # masking_utils._ignore_causal_mask_sdpa: sdpa gets None and is_causal instead of a mask
+    if padding is not None and padding.shape[-1] > kv_length:
+        padding = padding[:, torch.arange(kv_length, device=padding.device) + kv_offset]
+    if local_size is not None and kv_length >= local_size:
+        return False
+    if (q_length == 1 or kv_length == q_length) and (padding is None or bool(padding.all())):
+        return True
+    if q_offset == 0 and (padding is None or (bool(padding[:, :q_length].all()) and bool((~padding[:, q_length:]).all()))):
+        return True
+    return False
+
+
+def causal_mask(spec: MaskSpec, attention_mask: torch.Tensor | None, batch: int, q_length: int, impl: str,
+                dtype: torch.dtype, device: torch.device, cache: KVCache | None = None,
+                cache_layer: int = 0) -> torch.Tensor | None:
+    """One causal spec's mask, as ``masking_utils.create_causal_mask`` / ``create_sliding_window_causal_mask``
+    build it: sdpa a bool (B, 1, q, kv) or None (then the attention runs ``is_causal``); eager always an
+    additive float mask with ``finfo.min``. ``spec.window``: keys within ``window - 1`` positions behind."""
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return attention_mask
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device=device, dtype=torch.bool)
+    if cache is not None:
+        q_offset = cache.get_seq_length(cache_layer)
+        kv_length, kv_offset = cache.mask_sizes(q_length, cache_layer)
+    else:
+        q_offset, kv_offset = 0, 0
+        kv_length = attention_mask.shape[-1] if attention_mask is not None else q_length
+    padding = attention_mask  # masking_utils.prepare_padding_mask
+    if padding is not None and (extra := kv_length + kv_offset - padding.shape[-1]) > 0:
+        padding = F.pad(padding, (0, extra))
+    if impl == "sdpa" and _ignore_causal_mask_sdpa(padding, q_length, kv_length, q_offset, kv_offset, spec.window):
+        return None
+    # masking_utils.sdpa_mask (non-vmap): and_masks over broadcast indices, then expand
+    b = torch.arange(batch, device=device)[:, None, None, None]
+    q = (torch.arange(q_length, device=device) + q_offset)[None, None, :, None]
+    kv = (torch.arange(kv_length, device=device) + kv_offset)[None, None, None, :]
+    keep = q.new_ones((), dtype=torch.bool)
+    if spec.window is not None:
+        keep = keep & (kv > q - spec.window)
+    keep = keep & (kv <= q)
+    if padding is not None:
+        keep = keep & padding[b, kv]
+    keep = keep.expand(batch, -1, q_length, kv_length)
+    if impl == "sdpa":
+        return keep
+    # masking_utils.eager_mask
+    return torch.where(keep, torch.zeros((), device=device, dtype=dtype), torch.finfo(dtype).min)
+
+
+# ---- attention -----------------------------------------------------------------------------------------
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """modeling_llama.repeat_kv: (B, kv_heads, S, d) -> (B, kv_heads * n_rep, S, d) by expand + reshape."""
+    batch, kv_heads, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, kv_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, kv_heads * n_rep, slen, head_dim)
+
+
+def grouped_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl: str,
+                   groups: int, scaling: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal grouped-query attention over q (B, heads, q, d) and k, v (B, kv_heads, kv, d); returns
+    (B, q, heads, d), contiguous, as the attention interface returns it."""
+    q_length = q.shape[2]
+    if impl == "sdpa":
+        # integrations.sdpa_attention.sdpa_attention_forward: enable_gqa, pack_gqa (one query) or repeat_kv
+        extra = {}
+        if groups > 1:
+            if mask is None and k.shape[-1] == v.shape[-1] <= 256:
+                extra["enable_gqa"] = True
+            elif q_length == 1:
+                q = q.reshape(q.shape[0], q.shape[1] // groups, groups, q.shape[-1])
+            else:
+                k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        is_causal = q_length > 1 and mask is None
+        if is_causal and k.shape[2] > q_length:
+            k, v = k[:, :, :q_length, :], v[:, :, :q_length, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scaling,
+                                             is_causal=is_causal, **extra)
+        out = out.reshape(out.shape[0], -1, q_length, v.shape[-1])
+        return out.transpose(1, 2).contiguous()
+    # modeling_llama.eager_attention_forward: repeat_kv, (q k^T) * s, + mask, float32 softmax, @ v
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    weights = torch.matmul(q, k.transpose(2, 3)) * scaling
+    if mask is not None:
+        weights = weights + mask
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout_p:
+        weights = F.dropout(weights, p=dropout_p, training=True)
+    return torch.matmul(weights, v).transpose(1, 2).contiguous()
