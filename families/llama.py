@@ -84,6 +84,10 @@ class LlamaConfig(BaseConfig):
         return Rope.resolve(self.rope_parameters, self.rope_scaling, self.rope_theta, self.default_theta,
                             self.max_position_embeddings)
 
+    def biases(self) -> tuple[bool, bool, bool]:
+        """(q/k/v, o_proj, MLP) biases: ``attention_bias`` and ``mlp_bias`` for LLaMA."""
+        return self.attention_bias, self.attention_bias, self.mlp_bias
+
     def layer_kinds(self) -> list[str]:
         """Each layer's attention kind: full everywhere for LLaMA."""
         return [FULL] * self.num_hidden_layers
@@ -94,15 +98,13 @@ class LlamaConfig(BaseConfig):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_idx: int, qkv_bias: bool | None = None,
-                 o_bias: bool | None = None) -> None:
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
         self.head_dim = config.head_dim
         self.groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim ** -0.5
-        qkv_bias = config.attention_bias if qkv_bias is None else qkv_bias
-        o_bias = config.attention_bias if o_bias is None else o_bias
+        qkv_bias, o_bias, _ = config.biases()
         heads, kv = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, heads, bias=qkv_bias)
         self.k_proj = nn.Linear(config.hidden_size, kv, bias=qkv_bias)
@@ -126,13 +128,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    attention_class: ClassVar[type[nn.Module]] = LlamaAttention
-
     def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = self.attention_class(config, layer_idx)
+        self.self_attn = LlamaAttention(config, layer_idx)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, activation(config.hidden_act),
-                          bias=getattr(config, "mlp_bias", False))
+                          bias=config.biases()[2])
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -147,12 +147,11 @@ class LlamaModel(Backbone):
     """``last_hidden_state`` after ``norm``, and the KV cache (``past_key_values``) when ``use_cache``."""
 
     input_names = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "past_key_values", "use_cache")
-    layer_class: ClassVar[type[nn.Module]] = LlamaDecoderLayer
 
     def __init__(self, config: LlamaConfig, add_pooling_layer: bool = False) -> None:
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
