@@ -116,12 +116,16 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | N
     if expect is not None and expect is not PreTrainedModel and not issubclass(cls, expect):
         raise UnsupportedModelError(f"{source} holds a {config.model_type!r} model; {expect.__name__} cannot load it "
                                     f"(use the Auto classes or {cls.__name__})")
-    tensors = io.load_tensors(ckpt, dtype)
-    from .validate import check_config_fits
-    check_config_fits(config, tensors, str(ckpt.config_path))
-    with meta_device():
-        model = family.build(config, task, add_pooling_layer=has_pooler(tensors))
-    load_weights(model, tensors, ckpt.source)
+    # Outside inference mode even when called inside it: parameters made there are inference tensors, which
+    # cannot be trained and on which F.linear of a sliced input (logits_to_keep=1) took another kernel than
+    # transformers' (measured: ulps apart on a tied LLaMA head).
+    with torch.inference_mode(False):
+        tensors = io.load_tensors(ckpt, dtype)
+        from .validate import check_config_fits
+        check_config_fits(config, tensors, str(ckpt.config_path))
+        with meta_device():
+            model = family.build(config, task, add_pooling_layer=has_pooler(tensors))
+        load_weights(model, tensors, ckpt.source)
     model.source_root = ckpt.root.absolute()  # the trainer records it, so an export of a fine-tune carries the source's card
     return model.eval()
 

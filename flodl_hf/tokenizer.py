@@ -52,6 +52,9 @@ CLASS_FOR_MODEL_TYPE = {
     "albert": "AlbertTokenizer",
     "deberta-v2": "DebertaV2Tokenizer",
     "mpnet": "MPNetTokenizer",
+    "llama": "LlamaTokenizer",
+    "mistral": "LlamaTokenizer",
+    "qwen2": "Qwen2Tokenizer",
 }
 
 

@@ -1,0 +1,265 @@
+"""The decoder families against transformers in the same run: left-padded forwards, logits at every step of
+incremental decoding with the KV cache, ``logits_to_keep``, greedy and seeded sampled ``generate``, eos
+stopping, the LLaMA tokenizers (a SentencePiece model and a BPE-with-byte-fallback tokenizer.json), the
+``generate`` command, and a short causal-LM fine-tune with the trainer.
+
+Right padding, every head and the losses are in the shared tables (tests/cases/llama.py, mistral.py,
+qwen2.py through test_parity.py, test_losses.py, test_export.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from flodl_hf.auto import load_model
+from flodl_hf.decoder import KVCache
+from flodl_hf.generate import generate, generate_ids
+from flodl_hf.parity import check_parity, quiet_transformers, reference_model
+from flodl_hf.samples import sample_path
+
+from cases import CASES
+from helpers import make_checkpoint
+
+SMALL = {"llama": "llama-hd24-bias-tied-llama3", "mistral": "mistral-hd24-window4", "qwen2": "qwen2-hd24-sliding"}
+
+
+def _fields(variant: str) -> dict:
+    return next(f for case_id, t, f in CASES if case_id.startswith(variant + "-") and t == "causal_lm")
+
+
+def _left_padded(vocab: int, lengths=(9, 6, 3), seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, vocab, (len(lengths), width), generator=gen)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, width - n:] = 1
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def _pair(variant: str, impl: str):
+    source = make_checkpoint(_fields(variant), "causal_lm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = load_model(source, "causal_lm", dtype=torch.float32, attn_implementation=impl).eval()
+        theirs = reference_model(source, "causal_lm", impl)
+    return source, ours, theirs
+
+
+# the real-width model on both paths, the windowed families on one each (both paths are in the parity table)
+CELLS = [("llama-1024-gqa", "sdpa"), ("llama-1024-gqa", "eager"), (SMALL["llama"], "sdpa"),
+         (SMALL["mistral"], "eager"), (SMALL["qwen2"], "sdpa")]
+
+
+@pytest.mark.parametrize("variant,impl", CELLS, ids=[f"{v}-{i}" for v, i in CELLS])
+def test_left_padded_forward_is_exact(variant, impl):
+    fields = _fields(variant)
+    source = make_checkpoint(fields, "causal_lm")
+    ids, mask = _left_padded(fields["vocab_size"])
+    result = check_parity(source, "causal_lm", impl, batch={"input_ids": ids, "attention_mask": mask})
+    assert result.exact, result.diffs
+
+
+@pytest.mark.parametrize("variant,impl", CELLS, ids=[f"{v}-{i}" for v, i in CELLS])
+@torch.inference_mode()
+def test_every_decoding_step_equals_transformers_with_its_cache(variant, impl):
+    """Prefill a left-padded batch, then feed one token at a time (the reference's greedy pick, to both):
+    logits torch.equal at every step, the caches' keys and values too."""
+    _, ours, theirs = _pair(variant, impl)
+    from transformers import DynamicCache
+    ids, mask = _left_padded(ours.config.vocab_size)
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    cache_ours, cache_theirs = ours.backbone.new_cache(), DynamicCache(config=theirs.config)
+    step_ids, step_pos = ids, pos
+    windows = [w for w in cache_ours.windows if w is not None]
+    steps = 6 + (max(windows) if windows else 0)  # past the window, so the sliding cache drops tokens
+    for step in range(steps):
+        a = ours(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache_ours,
+                 use_cache=True)
+        b = theirs(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, cache=cache_theirs,
+                   use_cache=True)
+        assert torch.equal(a.logits, b.logits), (step, (a.logits - b.logits).abs().max().item())
+        assert a.past_key_values is cache_ours
+        nxt = b.logits[:, -1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(nxt)], dim=-1)
+        step_pos = step_pos[:, -1:] + 1
+        step_ids = nxt
+    for i, layer in enumerate(cache_theirs.layers):
+        assert torch.equal(cache_ours.keys[i], layer.keys) and torch.equal(cache_ours.values[i], layer.values)
+    assert cache_ours.get_seq_length() == cache_theirs.get_seq_length()
+
+
+@torch.inference_mode()
+def test_past_key_values_in_as_per_layer_tuples_and_logits_to_keep():
+    _, ours, theirs = _pair(SMALL["llama"], "sdpa")
+    ids, mask = _left_padded(ours.config.vocab_size)
+    first = ours(input_ids=ids, attention_mask=mask, use_cache=True)
+    legacy = first.past_key_values.to_legacy()
+    nxt = first.logits[:, -1].argmax(-1, keepdim=True)
+    mask2 = torch.cat([mask, torch.ones_like(nxt)], dim=-1)
+    via_cache = ours(input_ids=nxt, attention_mask=mask2, past_key_values=first.past_key_values)
+    via_tuples = ours(input_ids=nxt, attention_mask=mask2, past_key_values=legacy)
+    assert torch.equal(via_cache.logits, via_tuples.logits)
+    assert isinstance(via_tuples.past_key_values, KVCache)
+    assert ours(input_ids=ids, attention_mask=mask, use_cache=False).past_key_values is None
+    for keep in (1, 3, torch.tensor([[0, 4], [2, 8], [7, 8]])):
+        a = ours(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
+        b = theirs(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
+        assert a.shape == b.shape and torch.equal(a, b), keep
+
+
+@pytest.mark.parametrize("variant,impl", [("llama-1024-gqa", "sdpa"), (SMALL["mistral"], "sdpa"),
+                                          (SMALL["qwen2"], "eager")])
+def test_greedy_generate_equals_transformers_and_stops_at_eos(variant, impl):
+    _, ours, theirs = _pair(variant, impl)
+    ids, mask = _left_padded(ours.config.vocab_size)
+    with torch.inference_mode():
+        reference = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                    eos_token_id=[], pad_token_id=0)
+    ours_ids = generate_ids(ours, ids, mask, max_new_tokens=6, eos_token_id=[], pad_token_id=0)
+    assert torch.equal(ours_ids, reference)
+    # eos: the 4th new token of row 0; that row is padded from there, the others run on
+    eos = int(reference[0, ids.shape[1] + 3])
+    with torch.inference_mode():
+        reference = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                    eos_token_id=eos, pad_token_id=0)
+    ours_ids = generate_ids(ours, ids, mask, max_new_tokens=6, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(ours_ids, reference)
+    assert (ours_ids[0, ids.shape[1] + 4:] == 0).all()
+    # every row stops: eos is each row's first new token, so generation ends after one step
+    firsts = reference[:, ids.shape[1]].tolist()
+    with torch.inference_mode():
+        reference = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                    eos_token_id=firsts, pad_token_id=0)
+    ours_ids = generate_ids(ours, ids, mask, max_new_tokens=6, eos_token_id=firsts, pad_token_id=0)
+    assert torch.equal(ours_ids, reference) and ours_ids.shape[1] == ids.shape[1] + 1
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.7, top_k=20, top_p=0.9), dict(top_k=0, top_p=None)],
+                         ids=["t0.7-k20-p0.9", "plain"])
+def test_sampling_with_a_seed_equals_transformers_seeded_the_same(settings):
+    """transformers draws from torch's global generator; seeded with the same number, the draws match ours."""
+    _, ours, theirs = _pair(SMALL["llama"], "sdpa")
+    ids, mask = _left_padded(ours.config.vocab_size)
+    torch.manual_seed(123)
+    with torch.inference_mode():
+        reference = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=True,
+                                    eos_token_id=[], pad_token_id=0, **settings)
+    ours_ids = generate_ids(ours, ids, mask, max_new_tokens=12, do_sample=True, seed=123, eos_token_id=[],
+                            pad_token_id=0, **settings)
+    assert torch.equal(ours_ids, reference)
+    other = generate_ids(ours, ids, mask, max_new_tokens=12, do_sample=True, seed=124, eos_token_id=[],
+                         pad_token_id=0, **settings)
+    assert not torch.equal(other, ours_ids)
+
+
+# ---- tokenizers, the text one-liner, the command ------------------------------------------------------
+
+TEXTS = ["It was the fourth day of the month.", "  Botchan's ruffian ways, said he.", "naïve café — 😀 ü ß",
+         "Hello\nworld\ttabs  and  spaces", ""]
+
+
+def _spm_llama_dir(tmp_path):
+    """The real botchan SentencePiece BPE model as a LLaMA tokenizer (tokenizer.model)."""
+    root = tmp_path / "spm"
+    root.mkdir()
+    shutil.copy(sample_path("botchan") / "botchan_en_bpe_1000.model", root / "tokenizer.model")
+    (root / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    return root
+
+
+def _assert_same_tokens(ours_dir, reference_dir=None):
+    transformers = quiet_transformers()
+    from flodl_hf.tokenizer import AutoTokenizer
+    ours = AutoTokenizer.from_pretrained(ours_dir)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(reference_dir or ours_dir))
+    a = ours(TEXTS, return_offsets_mapping=True, return_tensors=None)
+    b = theirs(TEXTS, return_offsets_mapping=True)
+    assert a["input_ids"] == b["input_ids"]
+    assert [list(map(tuple, o)) for o in a["offset_mapping"]] == [list(map(tuple, o)) for o in b["offset_mapping"]]
+    assert ours.padding_side == theirs.padding_side == "left"
+    return ours, theirs
+
+
+def test_llama_tokenizers_equal_transformers(tmp_path):
+    """A SentencePiece model, and the tokenizer.json transformers writes from it (BPE with byte fallback)."""
+    spm = _spm_llama_dir(tmp_path)
+    _assert_same_tokens(spm)
+    transformers = quiet_transformers()
+    fast = tmp_path / "json"
+    transformers.AutoTokenizer.from_pretrained(str(spm)).save_pretrained(str(fast))
+    model = json.loads((fast / "tokenizer.json").read_text())["model"]
+    assert model["type"] == "BPE" and model["byte_fallback"] is True
+    ours, _ = _assert_same_tokens(fast)
+    assert ours("😀", add_special_tokens=False, return_tensors=None)["input_ids"][0]  # bytes, not <unk>
+
+
+def _text_model(tmp_path):
+    """A small LLaMA causal LM with the botchan SentencePiece tokenizer (vocab 1000) beside it."""
+    fields = {**_fields(SMALL["llama"]), "vocab_size": 1000, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    root = tmp_path / "model"
+    shutil.copytree(make_checkpoint(fields, "causal_lm"), root)
+    shutil.copy(sample_path("botchan") / "botchan_en_bpe_1000.model", root / "tokenizer.model")
+    (root / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer",
+                                                            "pad_token": "<unk>"}))
+    return root
+
+
+def test_generate_texts_and_the_command(tmp_path, capsys):
+    root = _text_model(tmp_path)
+    prompts = ["It was the fourth day", "Botchan said"]
+    results = generate(prompts, str(root), max_new_tokens=6, eos_token_id=[])
+    transformers = quiet_transformers()
+    tok = transformers.AutoTokenizer.from_pretrained(str(root))
+    enc = tok(prompts, padding=True, return_tensors="pt")
+    assert tok.padding_side == "left"
+    theirs = reference_model(root, "causal_lm", "sdpa")
+    with torch.inference_mode():
+        reference = theirs.generate(**enc, max_new_tokens=6, do_sample=False, eos_token_id=[], pad_token_id=0)
+    width = enc["input_ids"].shape[1]
+    assert [r["token_ids"] for r in results] == reference[:, width:].tolist()
+    assert [r["generated_text"] for r in results] == [
+        p + tok.decode(row, skip_special_tokens=True) for p, row in zip(prompts, reference[:, width:])]
+    from flodl_hf.cli import main
+    assert main(["generate", prompts[0], "--model", str(root), "--max-new-tokens", "6", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed[0]["token_ids"] == results[0]["token_ids"]
+    assert main(["generate", prompts[0], "--model", str(root), "--max-new-tokens", "0"]) == 2
+
+
+def test_generate_refuses_a_model_that_is_not_a_causal_lm():
+    from flodl_hf.errors import InputError
+    source = make_checkpoint(_fields(SMALL["llama"]), "causal_lm")
+    base = load_model(source, "base")
+    with pytest.raises(InputError, match="causal_lm"):
+        generate_ids(base, torch.ones(1, 3, dtype=torch.long))
+
+
+def test_trainer_fine_tunes_a_decoder_with_the_causal_lm_loss(tmp_path):
+    """A few AdamW steps on one repeated batch with the causal-LM loss: the loss falls, and the loss the
+    trainer minimises is transformers' on the same weights."""
+    from flodl_hf.trainer import Trainer
+    source = make_checkpoint(_fields(SMALL["llama"]), "causal_lm")
+    model = load_model(source, "causal_lm", dtype=torch.float32)
+    ids, mask = _left_padded(model.config.vocab_size)
+    labels = ids.masked_fill(mask == 0, -100)
+    data = [{"input_ids": i, "attention_mask": m, "labels": lab} for i, m, lab in zip(ids, mask, labels)] * 4
+
+    def step(m, batch):
+        return m(**batch, use_cache=False).loss
+
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+        theirs = reference_model(source, "causal_lm", "sdpa")
+        assert before == theirs(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+    Trainer(model, step, lambda ps: torch.optim.AdamW(ps, lr=1e-3), data, batch_size=3, max_steps=4, sync="none",
+            progress=False, report=False, shuffle=False).fit()
+    model.eval()
+    with torch.no_grad():
+        after = model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+    assert after < before
