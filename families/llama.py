@@ -68,17 +68,22 @@ class LlamaConfig(BaseConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise ConfigError(f"config: hidden_size={self.hidden_size} is not a multiple of "
-                                  f"num_attention_heads={self.num_attention_heads}")
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"config: hidden_size={self.hidden_size} is not a multiple of "
+                              f"num_attention_heads={self.num_attention_heads}")
+        if self.num_attention_heads % self.kv_heads:
             raise ConfigError(f"config: num_attention_heads={self.num_attention_heads} is not a multiple of "
                               f"num_key_value_heads={self.num_key_value_heads}")
         self.rope()  # a bad rope field fails at load, naming itself
+
+    # derived, not written back (a Qwen2 config.json has no head_dim, and its export must not gain one)
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def attention_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     def rope(self) -> Rope:
         return Rope.resolve(self.rope_parameters, self.rope_scaling, self.rope_theta, self.default_theta,
@@ -101,11 +106,11 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
-        self.head_dim = config.head_dim
-        self.groups = config.num_attention_heads // config.num_key_value_heads
+        self.head_dim = config.attention_head_dim
+        self.groups = config.num_attention_heads // config.kv_heads
         self.scaling = self.head_dim ** -0.5
         qkv_bias, o_bias, _ = config.biases()
-        heads, kv = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        heads, kv = config.num_attention_heads * self.head_dim, config.kv_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, heads, bias=qkv_bias)
         self.k_proj = nn.Linear(config.hidden_size, kv, bias=qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv, bias=qkv_bias)
@@ -170,7 +175,7 @@ class LlamaModel(Backbone):
 
     def inverse_frequencies(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq:
-            self._inv_freq[device] = self.config.rope().inverse_frequencies(self.config.head_dim, device)
+            self._inv_freq[device] = self.config.rope().inverse_frequencies(self.config.attention_head_dim, device)
         return self._inv_freq[device]
 
     def embed(self, input_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,

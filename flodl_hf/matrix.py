@@ -35,6 +35,7 @@ TINY = {
     "hidden_size": 32, "dim": 32, "pooler_hidden_size": 32, "embedding_size": 16,
     "num_attention_heads": 4, "n_heads": 4, "intermediate_size": 64, "hidden_dim": 64,
     "num_hidden_layers": 2, "n_layers": 2, "vocab_size": 128, "max_position_embeddings": 64,
+    "num_key_value_heads": 2,  # decoders' grouped KV heads (Mistral's default 8, Qwen2's 32)
 }
 
 
@@ -60,6 +61,8 @@ def tiny_config(model_type: str, fields: dict[str, Any] | None = None, task: str
         out["vocab_size"] = max(out["vocab_size"], max(specials) + 1)
     if task in TASK_LABELS:
         out["num_labels"] = TASK_LABELS[task]
+    if task == "seqcls" and {**defaults, **out}.get("pad_token_id") is None:
+        out["pad_token_id"] = 0  # a decoder's classifier finds each row's last token by it (batches of 2 rows)
     return out
 
 

@@ -17,6 +17,9 @@ Cases (ratios are ours / transformers for times, ours ÷ theirs for throughput):
   6. ModernBERT: a ModernBERT-base-size forward (22 layers, hidden 768, intermediate 1152, one padded
      batch 8 x 512, half the rows padded, sdpa; outputs torch.equal), and classify on the SMS messages
      with that model against the text-classification pipeline (batch_size=32).
+  7. LLaMA decoder (8 layers, hidden 1024, 16 heads x 64, 4 KV heads, vocab 32000): a left-padded causal-LM
+     forward 4 x 128 (logits torch.equal), greedy generation of 64 tokens for 4 left-padded prompts against
+     transformers' generate (identical tokens), and the KV cache's bytes after it (ours, transformers').
 
 The two sides always alternate in the same run (A B, B A, A B ...) so machine drift cancels and neither
 side always runs second; the figure is the median of the per-pair ratios (case 3: the ratio of total
@@ -56,6 +59,8 @@ BERT_BASE = dict(model_type="bert", vocab_size=30522, hidden_size=768, num_hidde
 MODERNBERT_BASE = dict(model_type="modernbert", vocab_size=30522, hidden_size=768, num_hidden_layers=22,
                        num_attention_heads=12, intermediate_size=1152, max_position_embeddings=8192,
                        pad_token_id=0, cls_token_id=101, bos_token_id=101, sep_token_id=102, eos_token_id=102)
+LLAMA_8L = dict(model_type="llama", vocab_size=32000, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                num_key_value_heads=4, intermediate_size=2816, max_position_embeddings=512, pad_token_id=0)
 SMS_LABELS = {0: "ham", 1: "spam"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 PIPELINE_BATCH = 32
@@ -254,6 +259,70 @@ def case_forward(repeats: int) -> dict:
     return {"repeats": repeats, "exact": exact, "times": times, "ratios": ratios, "flops": flops,
             "ours_s": median(times["ours"]), "transformers_s": median(times["transformers"]),
             "ratio": median(ratios), "goal": exact and median(ratios) <= 1.0}
+
+
+# ---- case 7: a LLaMA decoder ---------------------------------------------------------------------------------
+
+def left_padded(batch: int, length: int, vocab: int = 32000):
+    import torch
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (batch, length), generator=generator)
+    mask = torch.ones_like(ids)
+    for row in range(batch // 2):  # half the rows left-padded, to various lengths
+        mask[row, : length // 2 - row * 4] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def case_decoder(repeats: int, new_tokens: int = 64) -> dict:
+    import torch
+    from flodl_hf.auto import load_model
+    from flodl_hf.generate import generate_ids
+    transformers = quiet_transformers()
+    from flodl_hf.matrix import generate_checkpoint
+    directory = CACHE / f"llama-8l-1024-causal_lm-tf{transformers.__version__}"
+    if not (directory / "config.json").is_file():
+        say(f"  generating {directory.name} (once) ...")
+        work = directory.with_name(directory.name + f".tmp{os.getpid()}")
+        generate_checkpoint(LLAMA_8L, "causal_lm", work)
+        work.rename(directory)
+    ours = load_model(directory, "causal_lm")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    ids, mask = left_padded(4, 128)
+    out: dict[str, Any] = {"repeats": repeats, "new_tokens": new_tokens}
+    with torch.inference_mode():
+        exact = torch.equal(ours(input_ids=ids, attention_mask=mask).logits,
+                            theirs(input_ids=ids, attention_mask=mask).logits)
+        times = alternate({"ours": lambda: ours(input_ids=ids, attention_mask=mask),
+                           "transformers": lambda: theirs(input_ids=ids, attention_mask=mask)}, repeats)
+        ratios = pair_ratios(times["ours"], times["transformers"])
+        out["forward"] = {"exact": exact, "times": times, "ratio": median(ratios),
+                          "ours_s": median(times["ours"]), "transformers_s": median(times["transformers"]),
+                          "goal": exact and median(ratios) <= 1.0}
+        prompts, pmask = left_padded(4, 24)
+        made: dict[str, Any] = {}
+
+        def run_ours():
+            made["ours"] = generate_ids(ours, prompts, pmask, max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=0)
+
+        def run_theirs():
+            made["transformers"] = theirs.generate(input_ids=prompts, attention_mask=pmask, max_new_tokens=new_tokens,
+                                                   do_sample=False, eos_token_id=[], pad_token_id=0,
+                                                   return_dict_in_generate=True)
+        times = alternate({"ours": run_ours, "transformers": run_theirs}, repeats)
+        ratios = pair_ratios(times["ours"], times["transformers"])
+        same = torch.equal(made["ours"], made["transformers"].sequences)
+        # our cache as generation leaves it: the prompt and every new token but the last (never fed back)
+        cache = ours.backbone.new_cache()
+        ours(input_ids=made["ours"][:, :-1], attention_mask=torch.ones_like(made["ours"][:, :-1]),
+             past_key_values=cache, use_cache=True)
+        theirs_cache = made["transformers"].cache
+        theirs_bytes = sum(t.numel() * t.element_size() for layer in theirs_cache.layers
+                           for t in (layer.keys, layer.values))
+        out["generate"] = {"identical": same, "times": times, "ratio": median(ratios),
+                           "ours_s": median(times["ours"]), "transformers_s": median(times["transformers"]),
+                           "goal": same and median(ratios) <= 1.0,
+                           "cache_bytes": {"ours": cache.nbytes(), "transformers": theirs_bytes}}
+    return out
 
 
 # ---- case 6: ModernBERT --------------------------------------------------------------------------------------
@@ -568,6 +637,19 @@ def table(results: dict) -> str:
         rows.append(f"| 1 load | peak RSS after a first forward (MiB) | {after['ours'] / mb:.0f} | "
                     f"{after['transformers'] / mb:.0f} | "
                     f"{fmt(r['peak_rss_after_forward']['ratio'])} | | |")
+    if "decoder" in results:
+        r = results["decoder"]
+        f, g = r["forward"], r["generate"]
+        rows.append(f"| 7 LLaMA 8×1024 causal-LM forward 4×128, left padded | seconds (logits torch.equal: "
+                    f"{f['exact']}) | {fmt(f['ours_s'], 3)} | {fmt(f['transformers_s'], 3)} | {fmt(f['ratio'], 3)} | "
+                    f"≤ 1.00, equal | {yes(f['goal'])} |")
+        rows.append(f"| 7 LLaMA greedy {r['new_tokens']} tokens × 4 prompts | seconds (tokens identical: "
+                    f"{g['identical']}) | {fmt(g['ours_s'], 3)} | {fmt(g['transformers_s'], 3)} | "
+                    f"{fmt(g['ratio'], 3)} | ≤ 1.00, identical | {yes(g['goal'])} |")
+        mb = 1024 * 1024
+        rows.append(f"| 7 LLaMA KV cache after generation | MiB | {g['cache_bytes']['ours'] / mb:.1f} | "
+                    f"{g['cache_bytes']['transformers'] / mb:.1f} | "
+                    f"{fmt(g['cache_bytes']['ours'] / g['cache_bytes']['transformers'])} | | |")
     if "forward" in results:
         r = results["forward"]
         rows.append(f"| 2 forward 8×128, half padded | seconds (outputs torch.equal: {r['exact']}) | "
@@ -700,7 +782,7 @@ def write_doc(results: dict, meta: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default="1,2,3,4,5,6", help="comma-separated case numbers (default: all)")
+    parser.add_argument("--cases", default="1,2,3,4,5,6,7", help="comma-separated case numbers (default: all)")
     parser.add_argument("--quick", action="store_true", help="300 messages, fewer repeats (a smoke run)")
     parser.add_argument("--messages", type=int, default=None, help="SMS messages for case 3 (default 2000)")
     parser.add_argument("--chunks", type=int, default=None, help="case 3 alternates ours/theirs per chunk (default 8)")
@@ -755,6 +837,9 @@ def main() -> int:
     if 6 in cases:
         say("case 6: ModernBERT-base size: forward 8x512, SMS classify")
         results["modernbert"] = case_modernbert(max(3, repeats // 2), messages, chunks)
+    if 7 in cases:
+        say("case 7: LLaMA decoder (8 layers, hidden 1024): forward 4x128, greedy generation")
+        results["decoder"] = case_decoder(max(3, repeats // 2), 16 if args.quick else 64)
     if 5 in cases:
         say("case 5: roofline")
         results["roofline"] = case_roofline(results)

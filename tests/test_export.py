@@ -51,7 +51,8 @@ def _round_trip_params():
     variants = _variants()
     for model_type in supported_model_types():
         for i, (variant, fields) in enumerate(variants.get(model_type) or [(model_type, {})]):
-            for task in get_family(model_type).tasks if i == 0 else ("seqcls", "mlm"):
+            tasks = get_family(model_type).tasks
+            for task in tasks if i == 0 else [t for t in ("seqcls", "mlm", "causal_lm") if t in tasks]:
                 yield pytest.param(task, tiny_config(model_type, fields, task), id=f"{variant}-{task}")
 
 
@@ -89,7 +90,9 @@ def test_round_trip(tmp_path, task, fields):
     src = make_checkpoint(fields, task)
     result = export(src, tmp_path / "out")
     out = result.out
-    assert result.files == ["config.json", "model.safetensors"]
+    # a causal LM's directory carries transformers' generation_config.json, and the export keeps it
+    generation = ["generation_config.json"] if (src / "generation_config.json").is_file() else []
+    assert result.files == ["config.json", *generation, "model.safetensors"]
     assert result.task == task and not result.fresh and not result.dropped
     # config.json: the source's, field for field, plus the stamp
     config = _config(out)
