@@ -3,6 +3,7 @@
 from .auto import (
     AutoConfig,
     AutoModel,
+    AutoModelForCausalLM,
     AutoModelForMaskedLM,
     AutoModelForMultipleChoice,
     AutoModelForPreTraining,
@@ -22,6 +23,7 @@ from .errors import (
 )
 
 from .distributed import DiLoCo, ElChe
+from .generate import generate
 from .tasks import answer, classify, detect_replaced, embed, fill_mask, rank, tag
 from .tokenizer import AutoTokenizer, Tokenizer
 from .trainer import Trainer
@@ -29,11 +31,12 @@ from .trainer import Trainer
 __version__ = "0.1.0"
 
 __all__ = [
-    "AutoConfig", "AutoModel", "AutoModelForMaskedLM", "AutoModelForMultipleChoice", "AutoModelForPreTraining",
+    "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForMultipleChoice", "AutoModelForPreTraining",
     "AutoModelForQuestionAnswering",
     "AutoModelForSequenceClassification", "AutoModelForTokenClassification", "load_model",
     "CheckpointFormatError", "ConfigError", "FlodlHFError", "InputError", "SourceNotFoundError",
     "UnsupportedModelError", "WeightsMismatchError",
     "Trainer", "ElChe", "DiLoCo",
-    "AutoTokenizer", "Tokenizer", "answer", "classify", "detect_replaced", "embed", "fill_mask", "rank", "tag",
+    "AutoTokenizer", "Tokenizer", "answer", "classify", "detect_replaced", "embed", "fill_mask", "generate", "rank",
+    "tag",
 ]

@@ -180,8 +180,15 @@ class AutoModelForPreTraining(_AutoModel):
     task = "pretraining"
 
 
+class AutoModelForCausalLM(_AutoModel):
+    """The decoders' causal LM (the ``causal_lm`` task: LLaMA, Mistral, Qwen2), with its KV cache."""
+
+    task = "causal_lm"
+
+
 _NAMED = (AutoModel, AutoModelForSequenceClassification, AutoModelForTokenClassification,
-          AutoModelForQuestionAnswering, AutoModelForMaskedLM, AutoModelForMultipleChoice, AutoModelForPreTraining)
+          AutoModelForQuestionAnswering, AutoModelForMaskedLM, AutoModelForMultipleChoice, AutoModelForPreTraining,
+          AutoModelForCausalLM)
 
 
 def auto_classes() -> dict[str, type[_AutoModel]]:

@@ -96,7 +96,7 @@ def test_every_decoding_step_equals_transformers_with_its_cache(variant, impl):
 
 @torch.inference_mode()
 def test_past_key_values_in_as_per_layer_tuples_and_logits_to_keep():
-    _, ours, theirs = _pair(SMALL["llama"], "sdpa")
+    source, ours, theirs = _pair(SMALL["llama"], "sdpa")
     ids, mask = _left_padded(ours.config.vocab_size)
     first = ours(input_ids=ids, attention_mask=mask, use_cache=True)
     legacy = first.past_key_values.to_legacy()
@@ -107,6 +107,8 @@ def test_past_key_values_in_as_per_layer_tuples_and_logits_to_keep():
     assert torch.equal(via_cache.logits, via_tuples.logits)
     assert isinstance(via_tuples.past_key_values, KVCache)
     assert ours(input_ids=ids, attention_mask=mask, use_cache=False).past_key_values is None
+    from flodl_hf import AutoModelForCausalLM
+    assert type(AutoModelForCausalLM.from_pretrained(source)) is type(ours)
     for keep in (1, 3, torch.tensor([[0, 4], [2, 8], [7, 8]])):
         a = ours(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
         b = theirs(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
