@@ -130,14 +130,17 @@ def generate(prompts: str | Sequence[str], model: Source, max_new_tokens: int = 
     if not texts or not all(isinstance(t, str) for t in texts):
         raise InputError("prompts: expected a string or a list of strings")
     loaded = load(model, "causal_lm", tokenizer)
-    tok = loaded.tokenizer
-    enc = tok(texts, padding=True, padding_side="left", return_tensors="pt")
-    pad = loaded.model.config.pad_token_id
-    if pad is None:
-        pad = tok.pad_token_id
-    ids = generate_ids(loaded.model, enc["input_ids"], enc["attention_mask"], max_new_tokens, do_sample,
-                       temperature, top_k, top_p, seed, eos_token_id, pad)
-    width = enc["input_ids"].shape[1]
+    tok, config = loaded.tokenizer, loaded.model.config
+    # Left padding by hand: LLaMA tokenizers often have no pad token. Padded positions are masked out of
+    # every real token's attention, so the pad id (the tokenizer's, the config's, an eos) changes no result.
+    eos = _eos_list(config.eos_token_id)
+    pad = next((p for p in (tok.pad_token_id, config.pad_token_id, *eos) if p is not None), 0)
+    rows = tok(texts, return_tensors=None, return_attention_mask=True)["input_ids"]
+    width = max(len(r) for r in rows)
+    input_ids = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], dtype=torch.long)
+    attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+    ids = generate_ids(loaded.model, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,
+                       top_p, seed, eos_token_id, config.pad_token_id if config.pad_token_id is not None else pad)
     results = []
     for row, text in zip(ids, texts):
         new = row[width:].tolist()

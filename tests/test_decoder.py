@@ -212,6 +212,17 @@ def _text_model(tmp_path):
     return root
 
 
+def test_generate_texts_without_a_pad_token(tmp_path):
+    """LLaMA tokenizers often have no pad token: the prompts are left-padded by hand, with the same result."""
+    root = _text_model(tmp_path)
+    prompts = ["It was the fourth day", "Botchan said"]
+    with_pad = generate(prompts, str(root), max_new_tokens=4, eos_token_id=[])
+    (root / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    from flodl_hf.tasks.runtime import clear_cache
+    clear_cache()
+    assert generate(prompts, str(root), max_new_tokens=4, eos_token_id=[]) == with_pad
+
+
 def test_generate_texts_and_the_command(tmp_path, capsys):
     root = _text_model(tmp_path)
     prompts = ["It was the fourth day", "Botchan said"]
