@@ -30,7 +30,7 @@ from flodl_hf.errors import ConfigError, InputError
 from flodl_hf.heads import ModelForQuestionAnswering, ModelForSequenceClassification, SpanClassifier
 from flodl_hf.heads.causal_lm import LMHead
 from flodl_hf.layers import MaskSpec, activation
-from flodl_hf.modeling import Backbone, HeadPart
+from flodl_hf.modeling import Backbone, HeadPart, check_forward_inputs
 from flodl_hf.outputs import BaseModelOutputWithPast, SequenceClassifierOutput
 from flodl_hf.registry import Family, register
 
@@ -152,6 +152,8 @@ class LlamaModel(Backbone):
     """``last_hidden_state`` after ``norm``, and the KV cache (``past_key_values``) when ``use_cache``."""
 
     input_names = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "past_key_values", "use_cache")
+    # checked in forward instead: with a cache the mask covers the past tokens too, not only the input's
+    validates_inputs = False
 
     def __init__(self, config: LlamaConfig, add_pooling_layer: bool = False) -> None:
         super().__init__(config)
@@ -211,11 +213,26 @@ class LlamaModel(Backbone):
             raise InputError(f"{type(self).__name__} has no token types: pass no token_type_ids")
         use_cache = self.config.use_cache if use_cache is None else use_cache
         cache = as_cache(past_key_values, self.cache_windows())
+        self._check_inputs(input_ids, attention_mask, inputs_embeds, cache)
         if use_cache and cache is None:
             cache = self.new_cache()
         hidden = self.embed(input_ids=input_ids, inputs_embeds=inputs_embeds)
         hidden = self.encode(hidden, attention_mask, position_ids, cache)
         return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=cache if use_cache else None)
+
+
+    def _check_inputs(self, input_ids: Any, attention_mask: Any, inputs_embeds: Any, cache: KVCache | None) -> None:
+        """The shared input checks on this step's tokens; the mask must cover the cached tokens and these."""
+        past = cache.get_seq_length() if cache is not None else 0
+        step_mask = attention_mask
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            inputs = input_ids if isinstance(input_ids, torch.Tensor) else inputs_embeds
+            if isinstance(inputs, torch.Tensor) and inputs.dim() >= 2:
+                if attention_mask.shape[-1] != past + inputs.shape[1]:
+                    raise InputError(f"attention_mask has {attention_mask.shape[-1]} columns: expected the "
+                                     f"{past} cached tokens plus the {inputs.shape[1]} given ({past + inputs.shape[1]})")
+                step_mask = attention_mask[:, past:]
+        check_forward_inputs(self, input_ids, step_mask, None, inputs_embeds)
 
 
 # ---- task models and heads ---------------------------------------------------------------------------
@@ -280,6 +297,10 @@ class Llama(Family):
     backbone_class = LlamaModel
     tasks = ("base", "causal_lm", "seqcls", "tokcls", "qa")
     task_models = {"seqcls": DecoderForSequenceClassification, "qa": LlamaForQuestionAnswering}
+
+    @classmethod
+    def max_sequence_length(cls, config: LlamaConfig) -> int | None:
+        return None  # RoPE has no position table to run past; transformers does not cut at max_position_embeddings
 
     @classmethod
     def causal_lm_head(cls, config: LlamaConfig) -> HeadPart:

@@ -107,6 +107,9 @@ def test_past_key_values_in_as_per_layer_tuples_and_logits_to_keep():
     assert torch.equal(via_cache.logits, via_tuples.logits)
     assert isinstance(via_tuples.past_key_values, KVCache)
     assert ours(input_ids=ids, attention_mask=mask, use_cache=False).past_key_values is None
+    from flodl_hf.errors import InputError
+    with pytest.raises(InputError, match="cached tokens"):  # the mask must cover the past and the step
+        ours(input_ids=nxt, attention_mask=mask, past_key_values=first.past_key_values.to_legacy())
     from flodl_hf import AutoModelForCausalLM
     assert type(AutoModelForCausalLM.from_pretrained(source)) is type(ours)
     for keep in (1, 3, torch.tensor([[0, 4], [2, 8], [7, 8]])):
