@@ -97,8 +97,10 @@ def build_model(config: BaseConfig, task: str, add_pooling_layer: bool = True,
 
 def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | None = None,
                revision: str | None = None, num_labels: int | None = None, attn_implementation: str = "sdpa",
-               config: BaseConfig | None = None, expect: type | None = None) -> PreTrainedModel:
-    """Resolve, read and strictly load a checkpoint into the native model for ``task``."""
+               config: BaseConfig | None = None, expect: type | None = None,
+               adapter: str | Path | None = None) -> PreTrainedModel:
+    """Resolve, read and strictly load a checkpoint into the native model for ``task``; ``adapter``: a PEFT
+    LoRA adapter directory to put on it (flodl_hf.lora.load_adapter)."""
     ckpt = io.resolve(source, revision)
     # The family is resolved once, here; the model carries it from here on.
     if config is None:
@@ -127,6 +129,9 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | N
             model = family.build(config, task, add_pooling_layer=has_pooler(tensors))
         load_weights(model, tensors, ckpt.source)
     model.source_root = ckpt.root.absolute()  # the trainer records it, so an export of a fine-tune carries the source's card
+    if adapter is not None:
+        from .lora import load_adapter
+        load_adapter(model, adapter)
     return model.eval()
 
 
@@ -136,9 +141,9 @@ class _AutoModel:
     @classmethod
     def from_pretrained(cls, source: str | Path, *, dtype: torch.dtype | None = None, revision: str | None = None,
                         num_labels: int | None = None, attn_implementation: str = "sdpa",
-                        config: BaseConfig | None = None) -> PreTrainedModel:
+                        config: BaseConfig | None = None, adapter: str | Path | None = None) -> PreTrainedModel:
         return load_model(source, cls.task, dtype=dtype, revision=revision, num_labels=num_labels,
-                          attn_implementation=attn_implementation, config=config)
+                          attn_implementation=attn_implementation, config=config, adapter=adapter)
 
     @classmethod
     def from_config(cls, config: BaseConfig, attn_implementation: str = "sdpa") -> PreTrainedModel:

@@ -72,3 +72,15 @@ class WorkerLostError(TrainerError):
 
 class SampleError(FlodlHFError):
     """A sample could not be downloaded, verified or unpacked."""
+
+
+class AdapterError(FlodlHFError, ValueError):
+    """A LoRA adapter cannot be added or read (no target matched, a file or field is missing)."""
+
+
+class AdapterBaseMismatchError(AdapterError):
+    """An adapter does not belong to this base model (shapes differ, or the recorded sha256 does)."""
+
+
+class UnsupportedAdapterError(AdapterError):
+    """adapter_config.json asks for a PEFT type or option flodl-hf does not implement."""

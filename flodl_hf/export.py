@@ -504,7 +504,11 @@ def read_trainer_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], di
     """(config dict, state_dict) of a checkpoint written by flodl_hf's trainer; anything else is refused
     (the rules are flodl_hf.checkpoint_schema's, shared with the trainer's own reader)."""
     path = Path(path).expanduser()
-    return checkpoint_schema.model_part(checkpoint_schema.read(path), path)
+    data = checkpoint_schema.read(path)
+    if (data.get("lora") or {}).get("adapter_only"):  # LoRA: the referenced base with the adapter merged in
+        from .lora import merged_checkpoint_state
+        data = {**data, "model": merged_checkpoint_state(data, path)}
+    return checkpoint_schema.model_part(data, path)
 
 
 def checkpoint_task(config: BaseConfig, state: dict[str, torch.Tensor], head: str, where: str) -> str:

@@ -47,7 +47,11 @@ written by worker 0 to a temporary file and renamed into place::
       "el_che": {"anchor": int, "counts": [int], "ms_per_batch": [float | None]} | None,
       "outer": DiLoCo outer SGD state_dict | None,
       "worker": worker 0's {"optimizer", "scheduler", "rng", "batches"},
+      "lora": None | {"config", "base": {"source", "weights_sha256"}, "adapter_only"},  # flodl_hf.lora
     }
+
+A LoRA model (``flodl_hf.lora.add_lora``) whose base was loaded from disk saves only its trainable
+tensors under ``"model"``; the base is referenced, and its sha256 checked on resume and export.
 
 With several workers, each other worker first writes ``step-XXXXXXXX.rank-R.pt`` holding
 ``{"format", "version", "step", "worker": {...}}`` (under DDP without the optimizer and
@@ -86,7 +90,7 @@ from torch import nn
 
 from .distributed import (Comm, DiLoCo, ElChe, OuterOptimizer, Plan, TrainerConfigError, TrainerError,
                           WorkerLostError, deal, plan_window)
-from . import checkpoint_schema
+from . import checkpoint_schema, lora
 from .errors import InputError
 
 __all__ = ["Trainer", "ElChe", "DiLoCo", "TrainerError", "TrainerConfigError", "WorkerLostError",
@@ -256,7 +260,7 @@ class Trainer:
         if checkpoint is not None:
             state, worker = checkpoint
             try:
-                self.model.load_state_dict(state["model"])
+                lora.load_trainer_state(self.model, state, str(self.resumed_from))  # LoRA: the adapter only
             except RuntimeError as exc:
                 raise TrainerError(f"{self.resumed_from}: the checkpoint does not fit this model: {exc}") from exc
         if self.sync == "ddp" and comm.world > 1:
@@ -266,7 +270,7 @@ class Trainer:
             self.wrapped = self.model
             # Workers start from worker 0's weights (DDP does this itself).
             comm.broadcast_(list(self.model.parameters()) + list(self.model.buffers()))
-        self.optimizer = self.optimizer_factory(self.wrapped.parameters())
+        self.optimizer = self.optimizer_factory([p for p in self.wrapped.parameters() if p.requires_grad])
         self.scheduler = self.scheduler_factory(self.optimizer) if self.scheduler_factory else None
         self.outer = OuterOptimizer(self.trainable, self.outer_cfg) if self.outer_cfg else None
         if checkpoint is not None:
@@ -579,7 +583,8 @@ class Trainer:
         config = getattr(self.model, "config", None)
         state = {
             "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
-            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+            "model": lora.trainer_model_state(self.model),   # a LoRA model: the adapter only
+            "lora": lora.trainer_entry(self.model),          # its settings and base (source, sha256), else None
             "config": config.to_dict() if hasattr(config, "to_dict") else None,
             "source": str(getattr(self.model, "source_root", "") or "") or None,  # where it was loaded from
             "step": self.step, "epoch": self.epoch, "position": self.position, "samples": self.samples,

@@ -320,6 +320,9 @@ def verify_export(directory: str | os.PathLike, source: str | None = None, no_so
     directory = Path(directory).expanduser().absolute()
     if not directory.is_dir():
         raise SourceNotFoundError(f"{directory}: no such directory")
+    from .lora import ADAPTER_CONFIG, verify_adapter
+    if (directory / ADAPTER_CONFIG).is_file() and not (directory / io.CONFIG_NAME).is_file():
+        return verify_adapter(directory, base=source)  # a PEFT adapter: peft loads it, ours equals peft's
     config_path = directory / io.CONFIG_NAME
     if not config_path.is_file():
         raise ConfigError(f"{directory}: no config.json, so this is not a model directory "

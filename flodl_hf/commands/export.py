@@ -20,6 +20,16 @@ def _human(n: int) -> str:
 def run_export(args: argparse.Namespace) -> int:
     common = dict(head=args.head, dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,
                   tokenizer=args.tokenizer, like=args.like)
+    if args.adapter or args.merge:
+        from ..lora import export_adapter, require_lora_checkpoint
+        if not args.checkpoint:
+            raise SystemExit("--adapter and --merge take --checkpoint CKPT (a LoRA trainer checkpoint)")
+        if args.adapter:
+            out = export_adapter(args.checkpoint, args.out, force=args.force)
+            print(f"exported the LoRA adapter of {args.checkpoint} as a PEFT adapter to {out}")
+            print(f"check it: flodl-hf verify-export {out}")
+            return 0
+        require_lora_checkpoint(args.checkpoint)
     if args.checkpoint:
         result = export_checkpoint(args.checkpoint, args.out, **common)
     else:
@@ -49,6 +59,11 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", default=None, metavar="SOURCE", help="take tokenizer files from here")
     p.add_argument("--like", default=None, metavar="DIR",
                    help="take the model card, sentence-transformers layout and tokenizer from here")
+    lora = p.add_mutually_exclusive_group()
+    lora.add_argument("--adapter", action="store_true", help="LoRA checkpoint: write its adapter as a PEFT directory")
+    lora.add_argument("--merge", action="store_true",
+                      help="LoRA checkpoint: write the base with the adapter merged in, HF-canonical (the default "
+                           "for a LoRA checkpoint; --merge refuses one without an adapter)")
     p.add_argument("--force", action="store_true", help="replace DIR if it exists")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run_export)

@@ -1,0 +1,654 @@
+"""LoRA on our native modules, exchanged with PEFT bit for bit.
+
+``add_lora(model, ...)`` puts a low-rank adapter on the named linear layers of a model, with
+PEFT's names, PEFT's matching rules and PEFT's arithmetic, so an adapter trained here is a PEFT
+adapter and one that PEFT wrote loads here:
+
+- targets are PEFT's module-name suffixes (``query``, ``value``, ``q_lin``, ``query_proj``,
+  ``Wqkv``...): a list matches a module whose name is an entry or ends in ``"." + entry``, a string
+  is a regex over the whole name (``peft.tuners.tuners_utils.check_target_module_exists``);
+  ``None`` takes PEFT's default for the model type (:data:`PEFT_DEFAULT_TARGETS`, the entries of
+  ``peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`` for our families;
+  tests/test_lora.py compares the two);
+- a target is a :class:`LoraLinear`: the linear layer itself, its ``weight`` and ``bias`` kept
+  under their keys and frozen, plus ``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]`` and
+  ``lora_dropout``; its forward is PEFT's ``lora.Linear.forward`` op for op:
+  ``F.linear(x, W, b) + lora_B(lora_A(dropout(x))) * scaling``, ``scaling = alpha / r`` (rsLoRA:
+  ``alpha / sqrt(r)``);
+- init is PEFT's, RNG draws included: ``nn.Linear(in, r)`` then ``nn.Linear(r, out)`` are built (each
+  draws its default init), then A gets ``kaiming_uniform_(a=sqrt(5))`` and B zeros; targets are
+  visited in ``named_modules()`` order, which is transformers' order, so the same seed gives PEFT's A;
+- ``modules_to_save`` (PEFT's rule: a module whose name ends with an entry) stay trainable and go
+  into the adapter file; PEFT's task classes add their heads (``classifier``/``score`` for seqcls and
+  tokcls, ``qa_outputs`` for qa), and so does :func:`add_lora` for those tasks;
+- a decoder tied to the input embeddings is never targeted.
+
+Out: :func:`save_adapter` (a LoRA model) and :func:`export_adapter` (a trainer checkpoint) write
+``adapter_config.json`` and ``adapter_model.safetensors`` under PEFT's keys
+(``base_model.model.<module>.lora_A.weight``); :func:`merged_checkpoint_state` gives the merged
+weights that ``export --checkpoint`` writes as an HF-canonical directory. In: :func:`load_adapter`
+(or ``AutoModelFor*.from_pretrained(BASE, adapter=DIR)``) reads what ``PeftModel.save_pretrained``
+wrote. :func:`verify_adapter` is ``verify-export`` on an adapter directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import re
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import (AdapterBaseMismatchError, AdapterError, CheckpointFormatError, UnsupportedAdapterError,
+                     WeightsMismatchError)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+BASE_STAMP = "flodl_hf_base.json"   # our side file: the task and the base's weight sha256 (PEFT ignores it)
+PEFT_PREFIX = "base_model.model."
+SUPPORTED_PEFT_TYPES = ("LORA",)
+BIAS_MODES = ("none", "all", "lora_only")
+
+# PEFT's default LoRA targets for the model types registered here, as
+# peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING holds them (peft 0.21);
+# a model type PEFT has no default for (camembert, distilbert, albert, mpnet, modernbert) needs
+# target_modules, in PEFT as here.
+PEFT_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
+    "bert": ("query", "value"),
+    "roberta": ("query", "value"),
+    "xlm-roberta": ("query", "value"),
+    "electra": ("query", "value"),
+    "deberta-v2": ("query_proj", "value_proj"),
+    "deberta": ("in_proj",),
+    "llama": ("q_proj", "v_proj"),
+}
+
+# PEFT's task classes (PeftModelForSequenceClassification ...) add these to modules_to_save.
+TASK_MODULES_TO_SAVE: dict[str, tuple[str, ...]] = {"seqcls": ("classifier", "score"),
+                                                    "tokcls": ("classifier", "score"), "qa": ("qa_outputs",)}
+PEFT_TASK_TYPES: dict[str, str] = {"seqcls": "SEQ_CLS", "tokcls": "TOKEN_CLS", "qa": "QUESTION_ANS",
+                                   "base": "FEATURE_EXTRACTION"}
+
+# adapter_config.json fields whose non-default values change the computation and are not implemented.
+_UNSUPPORTED_FIELDS = {"use_dora": False, "lora_bias": False, "fan_in_fan_out": False, "rank_pattern": {},
+                       "alpha_pattern": {}, "layers_to_transform": None, "layer_replication": None,
+                       "target_parameters": None, "exclude_modules": None, "trainable_token_indices": None,
+                       "use_qalora": False, "alora_invocation_tokens": None, "arrow_config": None}
+
+
+@dataclass
+class LoraConfig:
+    """The adapter's settings, with PEFT's ``LoraConfig`` field names."""
+
+    r: int = 8
+    lora_alpha: float = 8
+    lora_dropout: float = 0.0
+    target_modules: list[str] | str | None = None
+    modules_to_save: list[str] | None = None
+    use_rslora: bool = False
+    bias: str = "none"
+    task: str = "base"                     # our task name (PEFT's task_type is derived from it)
+    targeted: list[str] = field(default_factory=list)   # the module names adapted, in order
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.r, int) or self.r <= 0:
+            raise AdapterError(f"LoRA r must be a positive int, got {self.r!r}")
+        if not 0.0 <= float(self.lora_dropout) < 1.0:
+            raise AdapterError(f"LoRA dropout must be in [0, 1), got {self.lora_dropout!r}")
+        if self.bias not in BIAS_MODES:
+            raise AdapterError(f"LoRA bias={self.bias!r}: expected one of {', '.join(BIAS_MODES)}")
+
+    @property
+    def scaling(self) -> float:
+        """PEFT's ``update_layer``: ``alpha / sqrt(r)`` with rsLoRA, else ``alpha / r``."""
+        return self.lora_alpha / math.sqrt(self.r) if self.use_rslora else self.lora_alpha / self.r
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class LoraLinear(nn.Linear):
+    """A linear layer with a LoRA adapter; ``weight`` and ``bias`` stay the same Parameters, under the same keys."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float, use_rslora: bool) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.r, self.lora_alpha = r, alpha
+        self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
+        self.lora_dropout = nn.Dropout(p=dropout) if dropout > 0.0 else nn.Identity()
+        device, dtype = base.weight.device, base.weight.dtype
+        # PEFT's LoraLayer.update_layer + reset_lora_parameters, RNG draws included.
+        self.lora_A = nn.Linear(self.in_features, r, bias=False)
+        self.lora_B = nn.Linear(r, self.out_features, bias=False)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+        if base.weight.is_floating_point():
+            self.lora_A.to(device=device, dtype=dtype)
+            self.lora_B.to(device=device, dtype=dtype)
+        self.merged = False
+
+    def delta_weight(self) -> torch.Tensor:
+        """PEFT's ``get_delta_weight``: ``(B @ A) * scaling``."""
+        return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """W += delta, in place (PEFT's unsafe merge, the default of ``merge_and_unload``)."""
+        if not self.merged:
+            self.weight.data += self.delta_weight()
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if self.merged:
+            self.weight.data -= self.delta_weight()
+            self.merged = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # peft.tuners.lora.layer.Linear.forward: base_layer(x), then result + lora_B(lora_A(dropout(x))) * scaling.
+        result = F.linear(x, self.weight, self.bias)
+        if self.merged:
+            return result
+        return result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling}, merged={self.merged}"
+
+
+# ---- adding, merging ---------------------------------------------------------------------------------
+
+def _matches_target(name: str, targets: list[str] | str) -> bool:
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return name in targets or any(name.endswith("." + t) for t in targets)
+
+
+def _in_modules_to_save(name: str, modules_to_save: list[str]) -> bool:
+    # PEFT never puts an adapter inside a module to save (check_target_module_exists).
+    return any(re.match(rf"(^|.*\.){re.escape(m)}($|\..*)", name) for m in modules_to_save)
+
+
+def _tied_to_embeddings(model: nn.Module, module: nn.Module) -> bool:
+    get = getattr(model, "get_input_embeddings", None)
+    embeddings = get() if callable(get) else None
+    return embeddings is not None and getattr(module, "weight", None) is embeddings.weight
+
+
+def default_targets(model_type: str) -> list[str]:
+    """PEFT's default ``target_modules`` for a model type; a typed error where PEFT has none."""
+    if model_type not in PEFT_DEFAULT_TARGETS:
+        raise AdapterError(f"PEFT has no default LoRA target_modules for model_type {model_type!r}; pass "
+                           "target_modules (names of linear layers, e.g. the attention projections)")
+    return list(PEFT_DEFAULT_TARGETS[model_type])
+
+
+def is_lora(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "lora_config", None), LoraConfig)
+
+
+def lora_layers(model: nn.Module) -> dict[str, LoraLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.0,
+             target_modules: Iterable[str] | str | None = None, modules_to_save: Iterable[str] | None = None,
+             use_rslora: bool = False, bias: str = "none") -> nn.Module:
+    """Put LoRA adapters on ``model``'s linear layers named by ``target_modules`` (PEFT's rules), in place.
+
+    Every base parameter is frozen; the adapters, ``modules_to_save`` (plus PEFT's head for seqcls,
+    tokcls and qa) and, with ``bias="all"`` / ``"lora_only"``, the biases stay trainable.
+    Returns the model, which carries ``model.lora_config``.
+    """
+    if is_lora(model):
+        raise AdapterError(f"{type(model).__name__} already has LoRA adapters (one adapter per model)")
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if target_modules is None:
+        targets: list[str] | str = default_targets(str(model_type))
+    else:
+        targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+    task = getattr(model, "task", "base")
+    to_save = list(modules_to_save) if modules_to_save is not None else None
+    if task in TASK_MODULES_TO_SAVE:  # PeftModelFor<Task>.__init__ extends modules_to_save with its head
+        to_save = (to_save or []) + [m for m in TASK_MODULES_TO_SAVE[task] if m not in (to_save or [])]
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=float(dropout), target_modules=targets,
+                     modules_to_save=to_save, use_rslora=use_rslora, bias=bias, task=task)
+
+    chosen: list[str] = []
+    for name, module in list(model.named_modules()):
+        if not name or _in_modules_to_save(name, to_save or []) or not _matches_target(name, targets):
+            continue
+        if not isinstance(module, nn.Linear):
+            raise AdapterError(f"target_modules {targets!r} matches {name} ({type(module).__name__}); LoRA "
+                               "here adapts nn.Linear layers only")
+        if _tied_to_embeddings(model, module):
+            continue  # the tied decoder is the embedding matrix: never adapted
+        chosen.append(name)
+    if not chosen:
+        linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                          if isinstance(m, nn.Linear) and not _tied_to_embeddings(model, m)})
+        raise AdapterError(f"target_modules {targets!r} matches no linear layer of {type(model).__name__}; "
+                           f"its linear layers are named {', '.join(linears)}")
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name in chosen:  # named_modules() order: transformers' order, so PEFT's RNG draws
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        setattr(owner, attr, LoraLinear(getattr(owner, attr), r, alpha, float(dropout), use_rslora))
+    cfg.targeted = chosen
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLinear):
+            module.lora_A.weight.requires_grad_(True)
+            module.lora_B.weight.requires_grad_(True)
+            if bias == "lora_only" and module.bias is not None:
+                module.bias.requires_grad_(True)
+    for name in save_module_names(model, to_save or []):
+        for p in model.get_submodule(name).parameters():
+            p.requires_grad_(True)
+    if bias == "all":
+        for name, p in model.named_parameters():
+            if "bias" in name:
+                p.requires_grad_(True)
+    model.lora_config = cfg
+    if not hasattr(model, "lora_base"):
+        model.lora_base = base_reference(model)
+    return model
+
+
+def save_module_names(model: nn.Module, modules_to_save: list[str]) -> list[str]:
+    """The modules PEFT wraps for ``modules_to_save`` (``name.endswith(entry)``; the outermost of nested matches)."""
+    out: list[str] = []
+    for name, _ in model.named_modules():
+        if name and any(name.endswith(m) for m in modules_to_save) and not any(name.startswith(o + ".") for o in out):
+            out.append(name)
+    return out
+
+
+def merge(model: nn.Module) -> nn.Module:
+    """Add every adapter's delta into its base weight (outputs then come from the base path alone)."""
+    for layer in lora_layers(model).values():
+        layer.merge()
+    return model
+
+
+def unmerge(model: nn.Module) -> nn.Module:
+    """Subtract the deltas again (PEFT's ``unmerge_adapter``; float rounding may leave ulps)."""
+    for layer in lora_layers(model).values():
+        layer.unmerge()
+    return model
+
+
+def merge_and_unload(model: nn.Module) -> nn.Module:
+    """Merge, then put plain ``nn.Linear`` layers back: the model is an ordinary one again, keys unchanged."""
+    merge(model)
+    for name, layer in lora_layers(model).items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+        plain.weight, plain.bias = layer.weight, layer.bias
+        setattr(owner, attr, plain)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    del model.lora_config
+    return model
+
+
+# ---- the adapter's tensors, under our keys and under PEFT's -------------------------------------------
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors an adapter holds, under the model's keys: every trainable parameter (LoRA A and B,
+    modules to save, biases by ``bias``), in ``state_dict`` order."""
+    if not is_lora(model):
+        raise AdapterError(f"{type(model).__name__} has no LoRA adapters (call flodl_hf.lora.add_lora first)")
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if id(v) in trainable}
+
+
+def _to_hf(model: nn.Module, key: str) -> str:
+    key_map = model.family.key_map() if hasattr(model, "family") else None
+    if key_map is None:
+        return key
+    for part in (".lora_A.weight", ".lora_B.weight"):
+        if key.endswith(part):  # the module's own weight key goes through the family's table
+            return key_map.to_hf(key[: -len(part)] + ".weight")[: -len(".weight")] + part
+    return key_map.to_hf(key)
+
+
+def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under the keys ``PeftModel.save_pretrained`` writes."""
+    return {PEFT_PREFIX + _to_hf(model, k): v.detach().cpu().contiguous() for k, v in adapter_state(model).items()}
+
+
+def peft_config_dict(model: nn.Module, base: str | None = None) -> dict[str, Any]:
+    """``adapter_config.json`` as PEFT's ``LoraConfig.save_pretrained`` writes it (the fields that matter)."""
+    cfg: LoraConfig = model.lora_config
+    task_type = PEFT_TASK_TYPES.get(cfg.task)
+    targets = cfg.target_modules if isinstance(cfg.target_modules, str) else sorted(cfg.target_modules)
+    out: dict[str, Any] = {
+        "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base, "revision": None,
+        "r": cfg.r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout, "target_modules": targets,
+        "modules_to_save": cfg.modules_to_save, "use_rslora": cfg.use_rslora, "bias": cfg.bias,
+        "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "layers_to_transform": None,
+        "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False, "lora_bias": False,
+    }
+    if task_type is None and hasattr(model, "architecture"):
+        # what PEFT writes for a model without a task type: the class, so our reader knows the head
+        out["auto_mapping"] = {"base_model_class": model.architecture, "parent_library": "transformers"}
+    return out
+
+
+def save_adapter(model: nn.Module, out: str | os.PathLike, force: bool = False,
+                 base: str | os.PathLike | None = None) -> Path:
+    """Write ``model``'s adapter as a PEFT adapter directory (atomically)."""
+    from .export import atomic_directory, check_out
+    out_path = check_out(out, force)
+    ref = getattr(model, "lora_base", None) or {}
+    base = str(base) if base is not None else ref.get("source")
+    with atomic_directory(out_path, force) as tmp:
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config_dict(model, base), indent=2, sort_keys=True) + "\n")
+        _save_file(peft_state(model), tmp)
+        (tmp / BASE_STAMP).write_text(json.dumps({"task": model.lora_config.task, "base": ref or None},
+                                                 indent=2, sort_keys=True) + "\n")
+    return out_path
+
+
+def _save_file(tensors: dict[str, torch.Tensor], directory: Path) -> None:
+    from safetensors.torch import save_file
+    save_file(tensors, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+
+# ---- reading PEFT's adapters --------------------------------------------------------------------------
+
+def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
+    """``adapter_config.json``, checked: a PEFT type and options we implement, or a typed error naming them."""
+    path = Path(directory).expanduser() / ADAPTER_CONFIG
+    if not path.is_file():
+        raise AdapterError(f"{Path(directory)}: no {ADAPTER_CONFIG}, so this is not a PEFT adapter directory")
+    from .io import read_json
+    data = read_json(path, ADAPTER_CONFIG)
+    kind = data.get("peft_type")
+    if kind not in SUPPORTED_PEFT_TYPES:
+        raise UnsupportedAdapterError(f"{path}: peft_type {kind!r} is not supported; flodl-hf reads "
+                                      f"{', '.join(SUPPORTED_PEFT_TYPES)} adapters")
+    for name, default in _UNSUPPORTED_FIELDS.items():
+        value = data.get(name, default)
+        if value not in (default, None, {}, [], False) or (default is False and value):
+            raise UnsupportedAdapterError(f"{path}: {name}={value!r} is not supported (flodl-hf implements plain "
+                                          f"LoRA on linear layers; {name} must be {default!r})")
+    if data.get("bias", "none") not in BIAS_MODES:
+        raise UnsupportedAdapterError(f"{path}: bias={data.get('bias')!r}: expected one of {', '.join(BIAS_MODES)}")
+    return data
+
+
+def adapter_task(data: dict[str, Any], directory: Path) -> str | None:
+    """The head an adapter was trained with, from task_type, our side file, or auto_mapping."""
+    reverse = {v: k for k, v in PEFT_TASK_TYPES.items()}
+    if data.get("task_type") in reverse:
+        return reverse[data["task_type"]]
+    stamp = directory / BASE_STAMP
+    if stamp.is_file():
+        task = json.loads(stamp.read_text()).get("task")
+        if task:
+            return task
+    arch = (data.get("auto_mapping") or {}).get("base_model_class")
+    if arch:
+        from .registry import parse_architecture
+        return parse_architecture(arch)[1]
+    return None
+
+
+def _check_base(model: nn.Module, recorded: dict | None, where: str) -> None:
+    """A recorded base sha256 that differs from the model's base is a typed error."""
+    if not recorded or not recorded.get("weights_sha256"):
+        return
+    mine = (getattr(model, "lora_base", None) or base_reference(model) or {}).get("weights_sha256")
+    if mine and mine != recorded["weights_sha256"]:
+        raise AdapterBaseMismatchError(f"{where}: the adapter was trained on base {recorded.get('source')} with "
+                                       f"weights sha256 {recorded['weights_sha256']}, but this model's base has "
+                                       f"{mine}; load the adapter onto the base it was trained on")
+
+
+def _load_into(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Strictly put an adapter's tensors (under the model's keys) into a LoRA model."""
+    want = adapter_state(model)
+    missing = [k for k in want if k not in tensors]
+    unexpected = sorted(k for k in tensors if k not in want)
+    if missing or unexpected:
+        raise WeightsMismatchError(where, missing, [], unexpected)
+    mismatched = [(k, tuple(want[k].shape), tuple(tensors[k].shape)) for k in want if tensors[k].shape != want[k].shape]
+    if mismatched:
+        lines = ", ".join(f"{k}: model {a}, adapter {b}" for k, a, b in mismatched)
+        raise AdapterBaseMismatchError(f"{where}: the adapter does not fit this base (shapes differ): {lines}")
+    with torch.no_grad():
+        for k, v in want.items():
+            v.copy_(tensors[k])
+
+
+def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
+    """Add the PEFT LoRA adapter in ``directory`` to ``model`` (in place) and load its weights strictly."""
+    directory = Path(directory).expanduser()
+    data = read_adapter_config(directory)
+    weights = directory / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise AdapterError(f"{directory}: no {ADAPTER_WEIGHTS} (adapters saved as .bin are not read; save with "
+                           "safe_serialization=True)")
+    stamp = directory / BASE_STAMP
+    if stamp.is_file():
+        _check_base(model, json.loads(stamp.read_text()).get("base"), str(directory))
+    task = getattr(model, "task", "base")
+    to_save = data.get("modules_to_save")
+    if to_save is not None and task in TASK_MODULES_TO_SAVE:
+        to_save = [m for m in to_save if m not in TASK_MODULES_TO_SAVE[task]] or None
+    with torch.random.fork_rng(devices=[]):  # the init is overwritten: leave the caller's RNG as it was
+        add_lora(model, r=int(data["r"]), alpha=data.get("lora_alpha", 8), dropout=data.get("lora_dropout", 0.0),
+                 target_modules=data.get("target_modules"), modules_to_save=to_save,
+                 use_rslora=bool(data.get("use_rslora", False)), bias=data.get("bias", "none"))
+    from safetensors.torch import load_file
+    raw = load_file(str(weights))
+    ours = {}
+    hf_of = {_to_hf(model, k): k for k in adapter_state(model)}
+    for key, tensor in raw.items():
+        bare = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+        ours[hf_of.get(bare, bare)] = tensor
+    _load_into(model, ours, str(weights))
+    return model
+
+
+# ---- the base reference and trainer checkpoints --------------------------------------------------------
+
+def base_reference(model: nn.Module) -> dict[str, Any] | None:
+    """Where the base was loaded from and its weight files' sha256 (None for a model not loaded from disk)."""
+    root = getattr(model, "source_root", None)
+    if not root:
+        return None
+    from .export import sha256_file
+    from .io import resolve
+    ckpt = resolve(root)
+    return {"source": str(root), "weights_sha256": {f.name: sha256_file(f) for f in ckpt.weight_files}}
+
+
+def trainer_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a trainer checkpoint's ``"model"`` holds: the whole state_dict, or, for a LoRA model whose base
+    is on disk, only the adapter (the base is referenced by ``trainer_entry``)."""
+    if is_lora(model) and (getattr(model, "lora_base", None) or {}).get("source"):
+        return {k: v.detach().cpu() for k, v in adapter_state(model).items()}
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def trainer_entry(model: nn.Module) -> dict[str, Any] | None:
+    """The checkpoint's ``"lora"`` entry: the adapter's config, the base reference, whether only the adapter is saved."""
+    if not is_lora(model):
+        return None
+    base = getattr(model, "lora_base", None)
+    return {"config": model.lora_config.to_dict(), "base": base, "adapter_only": bool((base or {}).get("source"))}
+
+
+def load_trainer_state(model: nn.Module, state: dict[str, Any], where: str) -> None:
+    """Resume: put a checkpoint's ``"model"`` back, strictly (adapter-only checkpoints into a LoRA model)."""
+    entry = state.get("lora")
+    if not entry or not entry.get("adapter_only"):
+        model.load_state_dict(state["model"])
+        return
+    if not is_lora(model):
+        raise AdapterError(f"{where}: the checkpoint holds only a LoRA adapter; call flodl_hf.lora.add_lora with "
+                           f"the same settings ({_settings(entry['config'])}) before resuming")
+    _check_base(model, entry.get("base"), where)
+    _load_into(model, state["model"], where)
+
+
+def _settings(cfg: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={cfg[k]!r}" for k in ("r", "lora_alpha", "lora_dropout", "target_modules",
+                                                  "modules_to_save", "use_rslora", "bias") if k in cfg)
+
+
+def model_from_checkpoint(data: dict[str, Any], path: str | os.PathLike) -> nn.Module:
+    """The LoRA model a trainer checkpoint describes: the referenced base (sha256 checked), the adapter on it."""
+    from .auto import config_from_dict, load_model
+    entry = data.get("lora")
+    if not entry:
+        raise CheckpointFormatError(f"{path}: not a LoRA checkpoint (no 'lora' entry); export it without --adapter")
+    cfg = dict(entry["config"])
+    base = entry.get("base") or {}
+    if not base.get("source"):
+        raise CheckpointFormatError(f"{path}: the LoRA checkpoint records no base source")
+    config = config_from_dict(data["config"], f"{path} (config)")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a head fresh on the base is a module to save, loaded below
+        model = load_model(base["source"], cfg["task"], config=config)
+    model.lora_base = base_reference(model)
+    _check_base(model, base, str(path))
+    model.lora_base = base
+    to_save = cfg.get("modules_to_save")
+    if to_save is not None and cfg["task"] in TASK_MODULES_TO_SAVE:
+        to_save = [m for m in to_save if m not in TASK_MODULES_TO_SAVE[cfg["task"]]] or None
+    with torch.random.fork_rng(devices=[]):
+        add_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg["lora_dropout"],
+                 target_modules=cfg["target_modules"], modules_to_save=to_save, use_rslora=cfg["use_rslora"],
+                 bias=cfg["bias"])
+    state = data["model"] if entry.get("adapter_only") else {k: v for k, v in data["model"].items()
+                                                              if k in adapter_state(model)}
+    _load_into(model, state, str(path))
+    return model.eval()
+
+
+def merged_checkpoint_state(data: dict[str, Any], path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A LoRA trainer checkpoint's full, merged state_dict (what ``export --checkpoint`` writes)."""
+    model = merge_and_unload(model_from_checkpoint(data, path))
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def export_adapter(checkpoint: str | os.PathLike, out: str | os.PathLike, force: bool = False) -> Path:
+    """``flodl-hf export --checkpoint CKPT --adapter``: a trainer checkpoint's adapter as a PEFT directory."""
+    from . import checkpoint_schema
+    path = Path(checkpoint).expanduser().absolute()
+    from .export import check_out
+    check_out(out, force)
+    data = checkpoint_schema.read(path)
+    model = model_from_checkpoint(data, path)
+    return save_adapter(model, out, force)
+
+
+def require_lora_checkpoint(checkpoint: str | os.PathLike) -> None:
+    """``--merge``: a typed error unless the checkpoint holds a LoRA adapter."""
+    from . import checkpoint_schema
+    if not checkpoint_schema.read(checkpoint).get("lora"):
+        raise CheckpointFormatError(f"{checkpoint}: not a LoRA checkpoint (no 'lora' entry); export it without --merge")
+
+
+# ---- verify-export on an adapter directory --------------------------------------------------------------
+
+def verify_adapter(directory: str | os.PathLike, base: str | None = None):
+    """Two checks: PEFT loads the adapter onto transformers' base with no missing or unexpected keys, and our
+    LoRA model's eval outputs are ``torch.equal`` to PeftModel's. Returns a ``flodl_hf.verify.VerifyReport``."""
+    from .auto import load_model
+    from .parity import compare_outputs, make_batch, quiet_transformers
+    from .task_registry import get_task
+    from .verify import FAIL, PASS, SKIP, Check
+    directory = Path(directory).expanduser().absolute()
+    data = read_adapter_config(directory)
+    base = base or data.get("base_model_name_or_path")
+    if not base:
+        raise AdapterError(f"{directory / ADAPTER_CONFIG}: no base_model_name_or_path; pass --source BASE")
+    task = adapter_task(data, directory)
+    if task is None:
+        from .auto import AutoConfig, task_of
+        task = task_of(AutoConfig.from_pretrained(base))
+    ours = load_model(base, task)
+    load_adapter(ours, directory)
+    batch = make_batch(ours.config, task)
+    report = _adapter_report_class()(str(directory), f"LoRA adapter on {ours.architecture}", task, str(base),
+                          "random token ids (parity.make_batch)")
+    state: dict[str, Any] = {}
+
+    def peft_loads() -> Check:
+        try:
+            import peft
+        except ImportError:
+            return Check(1, ADAPTER_CHECKS[1], SKIP, "peft is not installed (pip install peft)")
+        transformers = quiet_transformers()
+        reference = getattr(transformers, get_task(task).auto_class).from_pretrained(str(base), dtype=torch.float32)
+        model = peft.PeftModel.from_pretrained(reference, str(directory)).eval()
+        saved = set(peft.utils.load_peft_weights(str(directory)))
+        wanted = {k.replace(".default", "") for k in peft.utils.get_peft_model_state_dict(model)}
+        missing, extra = sorted(wanted - saved), sorted(saved - wanted)
+        state["peft"] = model
+        if missing or extra:
+            return Check(1, ADAPTER_CHECKS[1], FAIL, f"missing: {missing[:6]}; unexpected: {extra[:6]}")
+        return Check(1, ADAPTER_CHECKS[1], PASS, f"{type(model).__name__}: {len(saved)} tensors, 0 missing, 0 unexpected")
+
+    def equal_outputs() -> Check:
+        if "peft" not in state:
+            return Check(2, ADAPTER_CHECKS[2], SKIP, "peft did not load the adapter (check 1)")
+        with torch.inference_mode():
+            mine, theirs = ours(**batch), state["peft"](**batch)
+        fields = [k for k, v in theirs.items() if isinstance(v, torch.Tensor)]
+        diffs, equal = compare_outputs(mine, theirs, fields)
+        detail = ", ".join(f"{k} {'equal' if equal[k] else f'max abs diff {diffs[k]:.3g}'}" for k in fields)
+        return Check(2, ADAPTER_CHECKS[2], PASS if all(equal.values()) else FAIL, detail, max(diffs.values()))
+
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for number, check in ((1, peft_loads), (2, equal_outputs)):
+            try:
+                report.checks.append(check())
+            except Exception as exc:  # a crash inside a check is a failed check, named in the table
+                first = (str(exc).strip().splitlines() or [""])[0]
+                report.checks.append(Check(number, ADAPTER_CHECKS[number], FAIL, f"{type(exc).__name__}: {first}"))
+    return report
+
+
+ADAPTER_CHECKS = {1: "loadable by peft", 2: "native vs peft (eval)"}
+
+
+@functools.cache
+def _adapter_report_class():
+    from .verify import FAIL, PASS, VerifyReport
+
+    class AdapterVerifyReport(VerifyReport):
+        """verify-export's report for an adapter directory: checks 1 (peft loads it) and 2 (outputs equal)."""
+
+        @property
+        def ok(self) -> bool:
+            ran = {c.number for c in self.checks if c.status == PASS}
+            return not any(c.status == FAIL for c in self.checks) and {1, 2} <= ran
+
+    return AdapterVerifyReport
+
+
+def __getattr__(name: str):
+    if name == "AdapterVerifyReport":
+        return _adapter_report_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
