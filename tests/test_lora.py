@@ -1,0 +1,284 @@
+"""LoRA both ways with the real peft: one table of cases over the registry (every family x seqcls, mlm;
+attention only at r 4, attention + MLP at r 16 with rsLoRA), each checked in both directions and
+through one training step, all torch.equal to peft + transformers in the same run."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+from flodl_hf import lora
+from flodl_hf.auto import load_model
+from flodl_hf.errors import (AdapterBaseMismatchError, AdapterError, UnsupportedAdapterError,
+                             WeightsMismatchError)
+from flodl_hf.parity import make_batch, reference_model
+from flodl_hf.registry import supported_model_types
+
+from cases import CASES
+from helpers import make_checkpoint
+from test_losses import _labels
+
+# model_type -> (attention only, attention + MLP), in PEFT's target_modules spelling (module-name suffixes).
+TARGETS: dict[str, tuple[list[str], list[str]]] = {
+    "bert": (["query", "value"], ["query", "key", "value", "intermediate.dense", "output.dense"]),
+    "roberta": (["query", "value"], ["query", "key", "value", "intermediate.dense", "output.dense"]),
+    "camembert": (["query", "value"], ["query", "key", "value", "intermediate.dense", "output.dense"]),
+    "xlm-roberta": (["query", "value"], ["query", "key", "value", "intermediate.dense", "output.dense"]),
+    "electra": (["query", "value"], ["query", "key", "value", "intermediate.dense", "output.dense"]),
+    "albert": (["query", "value"], ["query", "key", "value", "ffn", "ffn_output"]),
+    "distilbert": (["q_lin", "v_lin"], ["q_lin", "k_lin", "v_lin", "lin1", "lin2"]),
+    "deberta-v2": (["query_proj", "value_proj"], ["query_proj", "key_proj", "value_proj", "intermediate.dense",
+                                                  "output.dense"]),
+    "mpnet": (["q", "v"], ["q", "k", "v", "o", "intermediate.dense", "output.dense"]),
+    "modernbert": (["Wqkv"], ["Wqkv", "Wo", "Wi"]),
+}
+TASKS = ("seqcls", "mlm")
+
+
+def _width(fields: dict) -> int:
+    return fields.get("hidden_size", fields.get("dim", 768))
+
+
+def _table():
+    """Per registered family: its narrowest variant for seqcls and mlm, attention-only r 4 and attention + MLP
+    r 16 (rsLoRA); and BERT at real width (hidden 768)."""
+    narrowest: dict[tuple[str, str], tuple[str, dict]] = {}
+    for case_id, task, fields in CASES:
+        key = (fields["model_type"], task)
+        if task in TASKS and (key not in narrowest or _width(fields) < _width(narrowest[key][1])):
+            narrowest[key] = (case_id, fields)
+    rows = []
+    for model_type in supported_model_types():
+        attn, mlp = TARGETS.get(model_type) or (lora.default_targets(model_type), None)
+        for task in TASKS:
+            if (model_type, task) not in narrowest:
+                continue
+            case_id, fields = narrowest[(model_type, task)]
+            rows.append(pytest.param(task, fields, attn, 4, False, id=f"{case_id}-attn-r4"))
+            if mlp is not None:
+                rows.append(pytest.param(task, fields, mlp, 16, True, id=f"{case_id}-attn+mlp-r16-rslora"))
+    wide = next(f for c, t, f in CASES if c == "bert-768-seqcls")
+    rows.append(pytest.param("seqcls", wide, TARGETS["bert"][1], 16, False, id="bert-768-seqcls-attn+mlp-r16"))
+    return rows
+
+
+def test_every_registered_family_has_lora_targets_and_peft_defaults_are_peft_s():
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as peft_defaults
+    for model_type in supported_model_types():
+        assert model_type in TARGETS or model_type in lora.PEFT_DEFAULT_TARGETS, model_type
+        if model_type in peft_defaults:
+            assert sorted(lora.default_targets(model_type)) == sorted(peft_defaults[model_type]), model_type
+        else:
+            with pytest.raises(AdapterError, match="target_modules"):
+                lora.default_targets(model_type)
+    for model_type, targets in lora.PEFT_DEFAULT_TARGETS.items():
+        assert sorted(targets) == sorted(peft_defaults[model_type]), model_type
+
+
+def _peft_config(task: str, targets, r: int, rslora: bool, dropout: float = 0.0):
+    return peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=dropout, target_modules=list(targets),
+                           use_rslora=rslora, task_type=lora.PEFT_TASK_TYPES.get(task))
+
+
+def _perturb(named, seed: int) -> None:
+    """Give the adapter non-trivial values (B starts at zero, so a fresh adapter changes nothing)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in named:
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+
+
+def _peft_trainable(model):
+    return sorted(((n, p) for n, p in model.named_parameters() if p.requires_grad), key=lambda t: t[0])
+
+
+def _peft_name(name: str) -> str:
+    """A PeftModel parameter name -> our key (adapter name and wrappers dropped)."""
+    name = name.removeprefix("base_model.model.").replace(".default", "")
+    return name.replace(".modules_to_save", "").replace(".base_layer", "")
+
+
+def _equal_fields(ours, theirs) -> None:
+    fields = [k for k, v in theirs.items() if isinstance(v, torch.Tensor)]
+    assert fields
+    for f in fields:
+        a, b = getattr(ours, f), getattr(theirs, f)
+        assert torch.equal(a, b), f"{f}: max abs diff {(a - b).abs().max().item()}"
+
+
+@pytest.mark.parametrize("task,fields,targets,r,rslora", _table())
+def test_peft_round_trip_and_training_step(task, fields, targets, r, rslora, tmp_path):
+    warnings.simplefilter("ignore")
+    source = make_checkpoint(fields, task)
+    batch = make_batch(load_model(source, task).config, task)
+
+    # In: peft writes an adapter (get_peft_model, then save_pretrained); ours loads it.
+    torch.manual_seed(11)
+    theirs = peft.get_peft_model(reference_model(source, task, "eager"), _peft_config(task, targets, r, rslora))
+    _perturb(_peft_trainable(theirs), 1)
+    theirs.save_pretrained(str(tmp_path / "from-peft"))
+    ours = load_model(source, task, adapter=tmp_path / "from-peft")
+    ours.set_attn_implementation("eager")
+    assert sorted(ours.lora_config.targeted), "nothing adapted"
+    mine_trainable = {n for n, p in ours.named_parameters() if p.requires_grad}
+    assert mine_trainable == {_peft_name(n) for n, _ in _peft_trainable(theirs)}
+    theirs.eval()
+    with torch.no_grad():
+        _equal_fields(ours(**batch), theirs(**batch))
+
+    # One training step from the same weights, batch and seed: loss and every adapter gradient equal.
+    ours.train(), theirs.train()
+    labelled = {**batch, **_labels(task, ours.config, batch, "single")}
+    torch.manual_seed(5)
+    loss_ours = ours(**labelled).loss
+    torch.manual_seed(5)
+    loss_theirs = theirs(**labelled).loss
+    assert torch.equal(loss_ours, loss_theirs), (loss_ours.item(), loss_theirs.item())
+    loss_ours.backward(), loss_theirs.backward()
+    grads = {_peft_name(n): p.grad for n, p in _peft_trainable(theirs)}
+    for name, p in ours.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p.grad, grads[name]), f"{name}: {(p.grad - grads[name]).abs().max().item()}"
+        else:
+            assert p.grad is None, name
+    with torch.no_grad():  # the step itself (SGD), so the adapter that goes out is not the one that came in
+        for p in ours.parameters():
+            if p.requires_grad:
+                p.sub_(0.5 * p.grad)
+
+    # Out: our adapter directory loads into peft + transformers with no missing or unexpected keys.
+    out = lora.save_adapter(ours.eval(), tmp_path / "to-peft")
+    config = json.loads((out / lora.ADAPTER_CONFIG).read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == r
+    impl = "sdpa" if "sdpa" in ours.family.attn_implementations else "eager"  # each family's first path
+    back = peft.PeftModel.from_pretrained(reference_model(source, task, impl), str(out)).eval()
+    saved = set(peft.utils.load_peft_weights(str(out)))
+    assert saved == set(peft.utils.get_peft_model_state_dict(back))
+    ours.set_attn_implementation(impl)
+    with torch.no_grad():
+        _equal_fields(ours(**batch), back(**batch))
+        # Merged: the same bits as peft's merge_and_unload.
+        merged_theirs = back.merge_and_unload()
+        merged_ours = lora.merge_and_unload(ours)
+        hf = dict(merged_theirs.state_dict())
+        for key, tensor in merged_ours.state_dict().items():
+            assert torch.equal(tensor, hf[key]), key
+        _equal_fields(merged_ours(**batch), merged_theirs(**batch))
+
+
+def test_add_lora_matches_peft_init_scaling_and_freezing():
+    fields = next(f for c, t, f in CASES if c == "bert-hd24-mlm")
+    source = make_checkpoint(fields, "mlm")
+    ours = load_model(source, "mlm")
+    keys_before = list(ours.state_dict())
+    torch.manual_seed(3)
+    lora.add_lora(ours, r=4, alpha=16, use_rslora=True)  # PEFT's default targets for bert: query, value
+    torch.manual_seed(3)
+    theirs = peft.get_peft_model(reference_model(source, "mlm", "sdpa"),
+                                 peft.LoraConfig(r=4, lora_alpha=16, use_rslora=True))
+    peft_a = {_peft_name(n): p for n, p in theirs.named_parameters() if "lora_A" in n}
+    ours_a = {n: p for n, p in ours.named_parameters() if "lora_A" in n}
+    assert set(peft_a) == set(ours_a) and len(ours_a) == 2 * fields["num_hidden_layers"]
+    assert all(torch.equal(ours_a[k], peft_a[k]) for k in ours_a)  # same RNG draws, same order
+    layer = next(iter(lora.lora_layers(ours).values()))
+    assert layer.scaling == 16 / math.sqrt(4) and layer.lora_A.weight.shape == (4, fields["hidden_size"])
+    assert not layer.lora_B.weight.any()
+    # Base keys unchanged and frozen; the tied decoder untouched.
+    assert [k for k in ours.state_dict() if "lora_" not in k] == keys_before
+    assert all(not p.requires_grad for n, p in ours.named_parameters() if "lora_" not in n)
+    with pytest.raises(AdapterError, match="matches no linear layer"):
+        lora.add_lora(load_model(source, "mlm"), target_modules=["decoder"])
+    with pytest.raises(AdapterError, match="matches no linear layer.*query"):
+        lora.add_lora(load_model(source, "mlm"), target_modules=["nothing_here"])
+    # merge / unmerge: merged outputs through the base path, unmerged back within rounding.
+    _perturb([(n, p) for n, p in ours.named_parameters() if p.requires_grad], 2)
+    batch = make_batch(ours.config, "mlm")
+    with torch.no_grad():
+        before = ours(**batch).logits
+        weight = layer.weight.clone()
+        lora.merge(ours)
+        assert layer.merged and not torch.equal(layer.weight, weight)
+        torch.testing.assert_close(ours(**batch).logits, before)
+        lora.unmerge(ours)
+        torch.testing.assert_close(layer.weight, weight)
+
+
+def test_lora_dropout_uses_peft_s_rng_draws(tmp_path):
+    """With LoRA dropout > 0 (and the model's own dropout) in train mode, the same seed gives the same loss."""
+    fields = next(f for c, t, f in CASES if c == "roberta-hd24-seqcls")
+    source = make_checkpoint(fields, "seqcls")
+    torch.manual_seed(0)
+    theirs = peft.get_peft_model(reference_model(source, "seqcls", "eager"),
+                                 _peft_config("seqcls", ["query", "value", "intermediate.dense"], 4, False, 0.3))
+    _perturb(_peft_trainable(theirs), 4)
+    theirs.save_pretrained(str(tmp_path / "a"))
+    ours = load_model(source, "seqcls", adapter=tmp_path / "a")
+    ours.set_attn_implementation("eager")
+    assert isinstance(next(iter(lora.lora_layers(ours).values())).lora_dropout, torch.nn.Dropout)
+    batch = {**make_batch(ours.config, "seqcls"), "labels": torch.tensor([0, 2])}
+    ours.train(), theirs.train()
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        a = ours(**batch).loss
+        torch.manual_seed(seed)
+        b = theirs(**batch).loss
+        assert torch.equal(a, b), (seed, a.item(), b.item())
+
+
+def _peft_adapter(tmp_path, case_id: str = "bert-hd24-seqcls", **config):
+    task = case_id.rsplit("-", 1)[1]
+    fields = next(f for c, t, f in CASES if c == case_id)
+    source = make_checkpoint(fields, task)
+    model = peft.get_peft_model(reference_model(source, task, "sdpa"),
+                                peft.LoraConfig(r=4, lora_alpha=8, task_type=lora.PEFT_TASK_TYPES.get(task), **config))
+    out = tmp_path / "adapter"
+    model.save_pretrained(str(out))
+    return source, task, out
+
+
+def test_bad_adapters_get_typed_errors(tmp_path):
+    from safetensors.torch import load_file, save_file
+    source, task, out = _peft_adapter(tmp_path)
+    # a base of another width: shapes differ
+    other = make_checkpoint(next(f for c, t, f in CASES if c == "bert-768-seqcls"), "seqcls")
+    with pytest.raises(AdapterBaseMismatchError, match="shapes differ"):
+        load_model(other, task, adapter=out)
+    # a missing and an extra key
+    weights = out / lora.ADAPTER_WEIGHTS
+    tensors = load_file(str(weights))
+    first = sorted(tensors)[0]
+    save_file({k: v for k, v in tensors.items() if k != first}, str(weights))
+    with pytest.raises(WeightsMismatchError, match="missing keys") as info:
+        load_model(source, task, adapter=out)
+    assert str(weights) in str(info.value)
+    save_file({**tensors, "base_model.model.bert.extra.lora_A.weight": torch.zeros(1)}, str(weights))
+    with pytest.raises(WeightsMismatchError, match="unexpected keys.*extra"):
+        load_model(source, task, adapter=out)
+    save_file(tensors, str(weights))
+    # an unsupported PEFT type, and an option we do not implement
+    config_path = out / lora.ADAPTER_CONFIG
+    good = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**good, "peft_type": "IA3"}))
+    with pytest.raises(UnsupportedAdapterError, match="IA3.*LORA"):
+        load_model(source, task, adapter=out)
+    config_path.write_text(json.dumps({**good, "use_dora": True}))
+    with pytest.raises(UnsupportedAdapterError, match="use_dora"):
+        load_model(source, task, adapter=out)
+    # target_modules that match nothing
+    config_path.write_text(json.dumps({**good, "target_modules": ["q_lin"]}))
+    with pytest.raises(AdapterError, match="q_lin.*matches no linear layer"):
+        load_model(source, task, adapter=out)
+    # a recorded base sha256 that differs
+    config_path.write_text(json.dumps(good))
+    model = load_model(source, task)
+    lora.add_lora(model)
+    model.lora_base = {"source": str(source), "weights_sha256": {"model.safetensors": "0" * 64}}
+    saved = lora.save_adapter(model, tmp_path / "ours")
+    with pytest.raises(AdapterBaseMismatchError, match="sha256"):
+        load_model(source, task, adapter=saved)
