@@ -1,4 +1,4 @@
-"""flodl-hf against transformers on this machine: six cases, one command, one table.
+"""flodl-hf against transformers on this machine: seven cases, one command, one table.
 
     python scripts/bench.py                  # every case, the issue's sizes (see docs/benchmarks.md for how long)
     python scripts/bench.py --quick          # 300 messages, fewer repeats: a smoke run of a few minutes
@@ -14,6 +14,10 @@ Cases (ratios are ours / transformers for times, ours ÷ theirs for throughput):
      fast precisions (bf16, int8) measured against our exact path.
   4. train step: forward + backward + AdamW, batch 8 x 128; loss and gradients torch.equal first.
   5. roofline: this machine's float32 matmul rate, and the share of it cases 2 and 3 reach.
+  7. LoRA train step: BERT-base seqcls with a LoRA adapter (r 16 on query, value; the classifier saved, PEFT's
+     rule) against peft + transformers on the same batch, forward + backward + AdamW on the adapter; loss,
+     adapter gradients and updated weights torch.equal first; then, in fresh processes, the peak RSS of
+     3 trainer steps and the trainer checkpoint's size, LoRA against full fine-tuning.
   6. ModernBERT: a ModernBERT-base-size forward (22 layers, hidden 768, intermediate 1152, one padded
      batch 8 x 512, half the rows padded, sdpa; outputs torch.equal), and classify on the SMS messages
      with that model against the text-classification pipeline (batch_size=32).
@@ -553,6 +557,108 @@ def case_train(repeats: int) -> dict:
             "ratio": median(ratios), "goal": median(ratios) <= 1.0}
 
 
+# ---- case 7: LoRA training step ---------------------------------------------------------------------------------
+
+LORA = dict(r=16, alpha=32, target_modules=["query", "value"])
+
+
+def train_child(mode: str, directory: str) -> None:
+    """Runs in a fresh process: 3 trainer steps (8 x 128) on BERT-base seqcls, full or LoRA (ours), or the same
+    3 steps on peft + transformers; reports the peak RSS and, for ours, the trainer checkpoint's size."""
+    import tempfile
+    import torch
+    batch = {**padded_batch(), "labels": torch.randint(0, 2, (8,), generator=torch.Generator().manual_seed(1))}
+    if mode == "peft":
+        import peft
+        transformers = quiet_transformers()
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], task_type="SEQ_CLS",
+                                                           target_modules=LORA["target_modules"])).train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        for _ in range(3):
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        print(json.dumps({"mode": mode, "peak_rss": peak_rss(), "checkpoint_bytes": None}))
+        return
+    from flodl_hf import AutoModelForSequenceClassification, lora
+    from flodl_hf.trainer import Trainer, latest_checkpoint
+    model = AutoModelForSequenceClassification.from_pretrained(directory)
+    if mode == "lora":
+        lora.add_lora(model, **LORA)
+    rows = [{k: v[i] for k, v in batch.items()} for i in range(8)]
+    with tempfile.TemporaryDirectory() as tmp:
+        Trainer(model, lambda m, b: m(**b), lambda ps: torch.optim.AdamW(ps, lr=1e-4), rows, batch_size=8,
+                max_steps=3, sync="none", checkpoint_dir=tmp, progress=False, report=False).fit()
+        size = latest_checkpoint(tmp).stat().st_size
+    print(json.dumps({"mode": mode, "peak_rss": peak_rss(), "checkpoint_bytes": size}))
+
+
+def case_lora(repeats: int) -> dict:
+    import tempfile
+    import peft
+    import torch
+    from flodl_hf import AutoModelForSequenceClassification, lora
+    transformers = quiet_transformers()
+    directory = checkpoint("seqcls")
+    theirs = transformers.AutoModelForSequenceClassification.from_pretrained(str(directory), dtype=torch.float32)
+    torch.manual_seed(0)
+    theirs = peft.get_peft_model(theirs, peft.LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], task_type="SEQ_CLS",
+                                                         target_modules=LORA["target_modules"]))
+    with torch.no_grad():  # B starts at zero: give the adapter values, so its gradients are not trivial
+        generator = torch.Generator().manual_seed(2)
+        for name, p in theirs.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=generator) * 0.02)
+    with tempfile.TemporaryDirectory() as tmp:
+        theirs.save_pretrained(tmp)
+        ours = AutoModelForSequenceClassification.from_pretrained(directory, adapter=tmp)
+    models = {"ours": ours.train(), "peft": theirs.train()}
+    optimizers = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
+                  for k, m in models.items()}
+    batch = padded_batch()
+    labels = torch.randint(0, 2, (8,), generator=torch.Generator().manual_seed(1))
+
+    def trainable(model) -> dict:
+        return {n.removeprefix("base_model.model.").replace(".default", "").replace(".modules_to_save", "")
+                .replace(".base_layer", ""): p for n, p in model.named_parameters() if p.requires_grad}
+
+    losses, grads = {}, {}
+    for name, model in models.items():
+        torch.manual_seed(0)
+        out = model(**batch, labels=labels)
+        out.loss.backward()
+        losses[name] = out.loss.detach()
+        grads[name] = {k: p.grad.clone() for k, p in trainable(model).items()}
+        optimizers[name].step()
+        optimizers[name].zero_grad(set_to_none=True)
+    exact = torch.equal(losses["ours"], losses["peft"]) and grads["ours"].keys() == grads["peft"].keys() and all(
+        torch.equal(g, grads["peft"][k]) for k, g in grads["ours"].items())
+    after = trainable(models["peft"])
+    exact = exact and all(torch.equal(p, after[k]) for k, p in trainable(models["ours"]).items())
+
+    def step(name: str) -> None:
+        models[name](**batch, labels=labels).loss.backward()
+        optimizers[name].step()
+        optimizers[name].zero_grad(set_to_none=True)
+
+    times = alternate({"ours": lambda: step("ours"), "peft": lambda: step("peft")}, repeats)
+    ratios = pair_ratios(times["ours"], times["peft"])
+    children: dict[str, dict] = {}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for mode in ("lora", "full", "peft"):
+        done = subprocess.run([sys.executable, __file__, "--train-child", mode, str(directory)],
+                              capture_output=True, text=True, env=env, timeout=900)
+        if done.returncode:
+            raise RuntimeError(f"train child ({mode}) failed:\n{done.stderr}")
+        children[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    n_trainable = sum(p.numel() for p in models["ours"].parameters() if p.requires_grad)
+    return {"repeats": repeats, "exact_first_step": exact, "times": times, "ratios": ratios,
+            "ours_s": median(times["ours"]), "peft_s": median(times["peft"]), "ratio": median(ratios),
+            "goal": median(ratios) <= 1.0, "trainable": n_trainable,
+            "parameters": sum(p.numel() for p in models["ours"].parameters()), "children": children}
+
+
 # ---- case 5: roofline ------------------------------------------------------------------------------------------
 
 def matmul_rate(size: int = 4096, repeats: int = 7) -> dict:
@@ -701,6 +807,20 @@ def table(results: dict) -> str:
         rows.append(f"| 4 train step 8×128 | seconds ({len(r['ratios'])} pairs, middle half of the ratios "
                     f"{q[0]:.3f} to {q[2]:.3f}; first step loss, grads, weights equal: {r['exact_first_step']}) | {fmt(r['ours_s'])} | {fmt(r['transformers_s'])} | "
                     f"{fmt(r['ratio'], 3)} | ≤ 1.00 | {yes(r['goal'])} |")
+    if "lora" in results:
+        r = results["lora"]
+        c = r["children"]
+        mb = 1024 * 1024
+        rows.append(f"| 7 LoRA train step 8×128 (r 16, query+value; {r['trainable']:,} of {r['parameters']:,} "
+                    f"trainable) | seconds vs peft + transformers ({len(r['ratios'])} pairs; first step loss, "
+                    f"adapter grads, weights equal: {r['exact_first_step']}) | {fmt(r['ours_s'])} | {fmt(r['peft_s'])} | "
+                    f"{fmt(r['ratio'], 3)} | ≤ 1.00 | {yes(r['goal'])} |")
+        rows.append(f"| 7 LoRA | peak RSS of 3 trainer steps (MiB): ours LoRA / ours full fine-tuning; peft LoRA | "
+                    f"{c['lora']['peak_rss'] / mb:.0f} / {c['full']['peak_rss'] / mb:.0f} | "
+                    f"{c['peft']['peak_rss'] / mb:.0f} | {fmt(c['lora']['peak_rss'] / c['full']['peak_rss'])} | | |")
+        rows.append(f"| 7 LoRA | trainer checkpoint (MB): LoRA / full fine-tuning | "
+                    f"{c['lora']['checkpoint_bytes'] / 1e6:.2f} / {c['full']['checkpoint_bytes'] / 1e6:.1f} | | "
+                    f"{c['lora']['checkpoint_bytes'] / c['full']['checkpoint_bytes']:.4f} | | |")
     if "roofline" in results:
         r = results["roofline"]
         rows.append(f"| 5 roofline | float32 matmul {r['matmul']['size']}² (GFLOP/s, best / median) | "
@@ -794,9 +914,13 @@ def main() -> int:
     parser.add_argument("--render", action="store_true",
                         help="measure nothing: print (and write into the doc) the table of the JSON file")
     parser.add_argument("--load-child", nargs=2, metavar=("SIDE", "DIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--train-child", nargs=2, metavar=("MODE", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load_child:
         load_child(*args.load_child)
+        return 0
+    if args.train_child:
+        train_child(*args.train_child)
         return 0
     if args.render:
         saved = json.loads(Path(args.json).read_text())
@@ -834,6 +958,9 @@ def main() -> int:
     if 4 in cases:
         say("case 4: training step 8x128")
         results["train"] = case_train(2 * repeats)  # more pairs: the two sides run the same kernels
+    if 7 in cases:
+        say("case 7: LoRA training step 8x128 against peft + transformers; memory and checkpoint size")
+        results["lora"] = case_lora(2 * repeats)
     if 6 in cases:
         say("case 6: ModernBERT-base size: forward 8x512, SMS classify")
         results["modernbert"] = case_modernbert(max(3, repeats // 2), messages, chunks)
