@@ -412,7 +412,9 @@ def _check_base(model: nn.Module, recorded: dict | None, where: str) -> None:
     """A recorded base sha256 that differs from the model's base is a typed error."""
     if not recorded or not recorded.get("weights_sha256"):
         return
-    mine = (getattr(model, "lora_base", None) or base_reference(model) or {}).get("weights_sha256")
+    if getattr(model, "lora_base", None) is None:
+        model.lora_base = base_reference(model)  # hashed once per model
+    mine = (model.lora_base or {}).get("weights_sha256")
     if mine and mine != recorded["weights_sha256"]:
         raise AdapterBaseMismatchError(f"{where}: the adapter was trained on base {recorded.get('source')} with "
                                        f"weights sha256 {recorded['weights_sha256']}, but this model's base has "

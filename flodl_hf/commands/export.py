@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..errors import InputError
 from ..export import DTYPES, export, export_checkpoint
 from ..task_registry import task_names
 
@@ -23,7 +24,7 @@ def run_export(args: argparse.Namespace) -> int:
     if args.adapter or args.merge:
         from ..lora import export_adapter, require_lora_checkpoint
         if not args.checkpoint:
-            raise SystemExit("--adapter and --merge take --checkpoint CKPT (a LoRA trainer checkpoint)")
+            raise InputError("--adapter and --merge take --checkpoint CKPT (a LoRA trainer checkpoint), not --hub")
         if args.adapter:
             out = export_adapter(args.checkpoint, args.out, force=args.force)
             print(f"exported the LoRA adapter of {args.checkpoint} as a PEFT adapter to {out}")
