@@ -92,8 +92,7 @@ def test_lora_training_checkpoints_resume_and_export(tmp_path):
     batch = make_batch(straight.config, "seqcls")
     with torch.no_grad():
         assert torch.equal(straight.eval()(**batch).logits, theirs.eval()(**batch).logits)
-    report = verify_export(tmp_path / "adapter")
-    assert report.ok, report.format_table()
+    assert main(["verify-export", str(tmp_path / "adapter")]) == 0  # peft loads it; ours == peft's
 
     # Merged: an HF-canonical directory that verify-export passes (weights equal the merge, native == HF).
     assert main(["export", "--checkpoint", str(final), "--out", str(tmp_path / "merged"), "--merge"]) == 0
