@@ -316,13 +316,20 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _to_hf(model: nn.Module, key: str) -> str:
+    """Our key -> PEFT's (without ``base_model.model.``): the module path through the family's table; an
+    adapted layer's own bias sits under ``base_layer.`` in PEFT's model, and so in its file."""
     key_map = model.family.key_map() if hasattr(model, "family") else None
-    if key_map is None:
-        return key
-    for part in (".lora_A.weight", ".lora_B.weight"):
+    hf = key_map.to_hf if key_map is not None else (lambda k: k)
+    for part in (".lora_A.weight", ".lora_B.weight", ".bias"):
         if key.endswith(part):  # the module's own weight key goes through the family's table
-            return key_map.to_hf(key[: -len(part)] + ".weight")[: -len(".weight")] + part
-    return key_map.to_hf(key)
+            module = key[: -len(part)]
+            path = hf(module + ".weight")[: -len(".weight")]
+            if part == ".bias":
+                if module not in getattr(model.lora_config, "targeted", ()):
+                    return hf(key)
+                return path + ".base_layer.bias"
+            return path + part
+    return hf(key)
 
 
 def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -462,6 +469,8 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
     hf_of = {_to_hf(model, k): k for k in adapter_state(model)}
     for key, tensor in raw.items():
         bare = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+        if data.get("bias") == "all" and re.search(r"\.(original_module|modules_to_save)\.[^.]*bias$", bare):
+            continue  # bias="all": PEFT also saves its wrapper's copies of a saved module's biases
         ours[hf_of.get(bare, bare)] = tensor
     _load_into(model, ours, str(weights))
     return model

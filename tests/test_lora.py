@@ -282,3 +282,25 @@ def test_bad_adapters_get_typed_errors(tmp_path):
     saved = lora.save_adapter(model, tmp_path / "ours")
     with pytest.raises(AdapterBaseMismatchError, match="sha256"):
         load_model(source, task, adapter=saved)
+
+
+@pytest.mark.parametrize("bias", ["lora_only", "all"])
+def test_bias_modes_round_trip(bias, tmp_path):
+    """bias="lora_only" both ways; bias="all" in (PEFT also saves its wrapper's copies of the classifier's
+    bias, which we read past and do not write: docs/lora.md)."""
+    source, task, out = _peft_adapter(tmp_path, bias=bias, target_modules=["query", "value"])
+    theirs = peft.PeftModel.from_pretrained(reference_model(source, task, "sdpa"), str(out))
+    with torch.no_grad():
+        _perturb(_peft_trainable(theirs), 6)
+    theirs.save_pretrained(str(out))
+    ours = load_model(source, task, adapter=out)
+    assert ("bert.embeddings.LayerNorm.bias" in lora.adapter_state(ours)) == (bias == "all")
+    batch = make_batch(ours.config, task)
+    with torch.no_grad():
+        _equal_fields(ours(**batch), theirs.eval()(**batch))
+    back_dir = lora.save_adapter(ours, tmp_path / "back")
+    back = peft.PeftModel.from_pretrained(reference_model(source, task, "sdpa"), str(back_dir)).eval()
+    if bias == "lora_only":
+        assert set(peft.utils.load_peft_weights(str(back_dir))) == set(peft.utils.get_peft_model_state_dict(back))
+    with torch.no_grad():
+        _equal_fields(ours(**batch), back(**batch))
