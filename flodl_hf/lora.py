@@ -38,7 +38,6 @@ import json
 import math
 import os
 import re
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable

@@ -598,7 +598,7 @@ def case_lora(repeats: int) -> dict:
     import tempfile
     import peft
     import torch
-    from flodl_hf import AutoModelForSequenceClassification, lora
+    from flodl_hf import AutoModelForSequenceClassification
     transformers = quiet_transformers()
     directory = checkpoint("seqcls")
     theirs = transformers.AutoModelForSequenceClassification.from_pretrained(str(directory), dtype=torch.float32)
