@@ -121,6 +121,12 @@ def test_peft_round_trip_and_training_step(task, fields, targets, r, rslora, tmp
     # In: peft writes an adapter (get_peft_model, then save_pretrained); ours loads it.
     torch.manual_seed(11)
     theirs = peft.get_peft_model(reference_model(source, task, "eager"), _peft_config(task, targets, r, rslora))
+    fresh = load_model(source, task)
+    torch.manual_seed(11)  # the same seed: add_lora draws PEFT's init (A kaiming-uniform, B zeros), in its order
+    lora.add_lora(fresh, r=r, alpha=2 * r, target_modules=targets, use_rslora=rslora)
+    inits = {_peft_name(n): p for n, p in theirs.named_parameters() if "lora_" in n}
+    assert set(inits) == {n for n, _ in fresh.named_parameters() if "lora_" in n}
+    assert all(torch.equal(p, inits[n]) for n, p in fresh.named_parameters() if "lora_" in n)
     _perturb(_peft_trainable(theirs), 1)
     theirs.save_pretrained(str(tmp_path / "from-peft"))
     ours = load_model(source, task, adapter=tmp_path / "from-peft")
