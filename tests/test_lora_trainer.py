@@ -99,6 +99,9 @@ def test_lora_training_checkpoints_resume_and_export(tmp_path):
     merged = verify_export(tmp_path / "merged")
     assert merged.ok and merged.check(2).status == "PASS" and merged.check(4).status == "PASS", merged.format_table()
 
+    assert main(["export", "--hub", str(source), "--out", str(tmp_path / "x"), "--adapter"]) == 2  # typed error
+    assert not (tmp_path / "x").exists()
+
     # A base whose weights changed since training is refused, on resume and on export.
     data_ck = torch.load(str(final), weights_only=True)
     data_ck["lora"]["base"]["weights_sha256"] = {"model.safetensors": "0" * 64}
