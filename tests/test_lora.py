@@ -37,6 +37,8 @@ TARGETS: dict[str, tuple[list[str], list[str]]] = {
                                                   "output.dense"]),
     "mpnet": (["q", "v"], ["q", "k", "v", "o", "intermediate.dense", "output.dense"]),
     "modernbert": (["Wqkv"], ["Wqkv", "Wo", "Wi"]),
+    **{decoder: (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+       for decoder in ("llama", "mistral", "qwen2")},
 }
 TASKS = ("seqcls", "mlm")
 
