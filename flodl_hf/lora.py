@@ -68,6 +68,8 @@ PEFT_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "deberta-v2": ("query_proj", "value_proj"),
     "deberta": ("in_proj",),
     "llama": ("q_proj", "v_proj"),
+    "mistral": ("q_proj", "v_proj"),
+    "qwen2": ("q_proj", "v_proj"),
 }
 
 # PEFT's task classes (PeftModelForSequenceClassification ...) add these to modules_to_save.
