@@ -38,6 +38,7 @@ from . import carry, checkpoint_schema, io
 from .auto import build_model, config_from_dict, load_model
 from .config import BaseConfig
 from .errors import CheckpointFormatError, InputError, OutputExistsError, UnsupportedModelError
+from .io import pid_alive
 from .keys import expected, has_pooler, init_fresh, normalise
 from .modeling import PreTrainedModel, load_weights
 from .parity import quiet_transformers
@@ -152,16 +153,6 @@ def _stage(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two existing paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``). False where the
     platform or file system has no such call (then the caller falls back to two renames)."""
@@ -196,7 +187,7 @@ def recover_scratch(out: Path) -> list[str]:
     orphans = []
     for entry in out.parent.iterdir():
         match = _SCRATCH.match(entry.name)
-        if match and match["name"] == out.name and not _alive(int(match["pid"])) and not entry.is_symlink():
+        if match and match["name"] == out.name and not pid_alive(int(match["pid"])) and not entry.is_symlink():
             orphans.append((match["kind"], entry))
     olds = sorted((e for k, e in orphans if k == "old"), key=lambda e: e.stat().st_mtime, reverse=True)
     if olds and not out.exists() and not out.is_symlink():

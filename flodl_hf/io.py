@@ -339,3 +339,14 @@ def save_safetensors(tensors: dict[str, torch.Tensor], directory: Path, max_shar
     index = {"metadata": {"total_parameters": count, "total_size": total}, "weight_map": weight_map}
     (directory / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return paths
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (owner checks of scratch directories and test namespaces)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..errors import FlodlHFError
+from ..io import pid_alive
 
 __all__ = ["Cluster", "NetnsError", "available", "cleanup_stale", "PREFIX", "SUBNET"]
 
@@ -102,22 +103,12 @@ def _delete(ns: str) -> None:
     _ip("netns", "del", ns, check=False)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale(prefix: str = PREFIX) -> list[str]:
     """Delete ``<prefix>-<pid>-...`` namespaces whose owner pid no longer runs; return their names."""
     removed = []
     for ns in _namespaces():
         parts = ns.split("-")
-        if len(parts) >= 3 and parts[0] == prefix and parts[1].isdigit() and not _alive(int(parts[1])):
+        if len(parts) >= 3 and parts[0] == prefix and parts[1].isdigit() and not pid_alive(int(parts[1])):
             _delete(ns)
             removed.append(ns)
     return removed
