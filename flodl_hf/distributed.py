@@ -35,6 +35,18 @@ class ElChe:
     and shrinks when it costs under ``sync_share * shrink_below`` (by at most a factor of two per
     window), within ``[min_anchor, max_anchor]``. ``adaptive=False`` keeps every worker at ``anchor`` batches
     per window: plain local SGD with a fixed cadence (DiLoCo's inner steps).
+
+    ``combine`` is how a window's work becomes the next shared point:
+
+    - ``"average"``: the samples-weighted mean of the workers' parameters. Safe at any window
+      length, but a worker's progress counts only in proportion to its share: with speeds 3 : 1
+      a window moves as ``3/4 * 3 + 1/4 * 1 = 2.5`` batches would, less than the fast worker
+      alone does in the same time.
+    - ``"sum"``: the start point plus every worker's change since it (``s + sum_r (x_r - s)``),
+      the first-order equivalent of one worker running all the window's batches in a row, so
+      the cohort's throughput is its progress (4 batches' worth at 3 : 1). This is what lets
+      uneven workers beat the fastest alone; it needs windows short enough for the changes to
+      add (a few batches each, as El Che keeps them) and one more copy of the parameters.
     """
 
     anchor: int = 4
@@ -44,8 +56,11 @@ class ElChe:
     sync_share: float = 0.10
     shrink_below: float = 0.25
     adaptive: bool = True
+    combine: str = "average"
 
     def __post_init__(self) -> None:
+        if self.combine not in ("average", "sum"):
+            raise TrainerConfigError(f"ElChe combine must be 'average' or 'sum', got {self.combine!r}")
         if not 1 <= self.min_anchor <= self.anchor <= self.max_anchor:
             raise TrainerConfigError(
                 f"ElChe needs 1 <= min_anchor <= anchor <= max_anchor, got "
@@ -98,7 +113,14 @@ def plan_window(ms_per_batch: Sequence[float | None], sync_ms: float | None, pre
         if share > cfg.sync_share:
             anchor = min(max(anchor + 1, needed), 2 * anchor)
         elif share < cfg.sync_share * cfg.shrink_below:
-            anchor = max(min(anchor - 1, needed), anchor // 2)
+            smaller = max(min(anchor - 1, needed), anchor // 2, cfg.min_anchor)
+            # Whole batches cannot split a short window evenly (3.4 fast batches per slow one run as
+            # 3, and the fast worker waits): shrink only as far as the sync and that rounding wait
+            # together stay within the target share.
+            while smaller < anchor and (sync_ms + rounding_wait(smaller, ms_per_batch)) / \
+                    (smaller * slow + sync_ms) > cfg.sync_share:
+                smaller += 1
+            anchor = smaller
         anchor = min(max(anchor, cfg.min_anchor), cfg.max_anchor)
     counts = []
     for ms, old in zip(ms_per_batch, prev.counts):
@@ -107,6 +129,14 @@ def plan_window(ms_per_batch: Sequence[float | None], sync_ms: float | None, pre
             new = old
         counts.append(new)
     return Plan(anchor, tuple(counts))
+
+
+def rounding_wait(anchor: int, ms_per_batch: Sequence[float]) -> float:
+    """Milliseconds the first worker to finish waits for the last in a window of ``anchor``
+    batches of the slowest, when each worker runs the whole number of batches nearest its share."""
+    window = anchor * max(ms_per_batch)
+    ends = [max(1, round(window / ms)) * ms for ms in ms_per_batch]
+    return max(ends) - min(ends)
 
 
 def deal(counts: Sequence[int], batch_size: int, remaining: int) -> tuple[int, ...]:

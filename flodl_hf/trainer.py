@@ -273,6 +273,9 @@ class Trainer:
         self.optimizer = self.optimizer_factory([p for p in self.wrapped.parameters() if p.requires_grad])
         self.scheduler = self.scheduler_factory(self.optimizer) if self.scheduler_factory else None
         self.outer = OuterOptimizer(self.trainable, self.outer_cfg) if self.outer_cfg else None
+        # combine="sum" adds each worker's change to the last shared point; DiLoCo keeps that point.
+        self._sum_start = (None if self.el_che is None or self.el_che.combine != "sum" or self.outer is not None
+                           or comm.world == 1 else [p.detach().clone() for p in self.trainable])
         if checkpoint is not None:
             self._restore(state, worker)
         else:
@@ -404,10 +407,19 @@ class Trainer:
             self._after(before)
         if logged != self.step:  # stopped early between log points (every worker alike)
             self._log_steps(loss_sum, acc)
+        self._open = None
 
     def _fresh_acc(self) -> dict:
-        return {"batches": 0, "samples": 0, "compute_ms": 0.0, "since": time.perf_counter(),
-                "eval_s": self._eval_s}
+        self._open = {"batches": 0, "samples": 0, "compute_ms": 0.0, "since": time.perf_counter(),
+                      "eval_s": self._eval_s}
+        return self._open
+
+    def _train_time_now(self) -> float:
+        """Training time up to now: what the log points added, plus the steps since the last one."""
+        acc = getattr(self, "_open", None)
+        if acc is None:
+            return self.train_time
+        return self.train_time + time.perf_counter() - acc["since"] - (self._eval_s - acc["eval_s"])
 
     def _log_steps(self, loss_sum: torch.Tensor, acc: dict) -> None:
         self._sync_device()
@@ -431,33 +443,50 @@ class Trainer:
         prev = {"collective_ms": 0.0, "window_ms": 0.0, "pause_ms": 0.0}
         pause_ms = 0.0
         first = True  # the first window after (re)starting: warm-up, and no sync measured yet
+        # A fresh adaptive cohort knows no speeds: its first window is one batch per worker, the
+        # cheapest measurement (the fast workers wait for one slow batch, not for ``anchor`` of them).
+        probe = comm.world > 1 and self.el_che.adaptive and all(ms is None for ms in self._ms)
         while not self._done():
             window_start = time.perf_counter()
-            units = deal(self.plan.counts, self._unit_batch, self._remaining())
+            counts = (1,) * comm.world if first and probe else self.plan.counts
+            units = deal(counts, self._unit_batch, self._remaining())
             # Samples per worker (the averaging weights), known to all from the shared order.
             sizes = [self._samples_in(self.position + sum(units[:r]), units[r]) for r in range(comm.world)]
             total = sum(sizes)
             chunks = self._chunks(self.position + sum(units[:comm.rank]), units[comm.rank], split=True)
             loss_sum = torch.zeros((), dtype=self._acc_dtype, device=self.device)
             batches = 0
+            first_done = None  # when the window's first batch ended: later ones are past warm-up
             for chunk in chunks:
                 loss_sum += self._train_batch(chunk).to(self._acc_dtype) * len(chunk)
                 batches += 1
+                if first_done is None:
+                    self._sync_device()
+                    first_done = time.perf_counter()
             self._sync_device()
-            compute_ms = (time.perf_counter() - window_start) * 1e3
+            end = time.perf_counter()
+            compute_ms = (end - window_start) * 1e3
+            steady = (batches - 1, (end - first_done) * 1e3) if batches > 1 else (0, 0.0)
             local_loss = loss_sum.item()
 
             t = time.perf_counter()
-            rows = self._average(sizes[comm.rank] / total, [batches, sizes[comm.rank], local_loss, compute_ms,
-                                                            prev["collective_ms"], prev["window_ms"], prev["pause_ms"],
-                                                            *self._resources.sample()])
+            rows = self._average(sizes[comm.rank], total,
+                                 [batches, sizes[comm.rank], local_loss, compute_ms, prev["collective_ms"],
+                                  prev["window_ms"], prev["pause_ms"], *steady, *self._resources.sample()])
             collective_ms = (time.perf_counter() - t) * 1e3
             timing = None if first else _window_timing(rows[:, 4:7])
             for r in range(comm.world):
-                # The first window after (re)starting carries warm-up costs: its speeds are not used.
-                if rows[r, 0] > 0 and not (first and comm.world > 1):
-                    ms = float(rows[r, 3] / rows[r, 0])
-                    self._ms[r] = ms if self._ms[r] is None else (self._ms[r] + ms) / 2
+                # The first window after (re)starting carries warm-up costs (allocations, caches):
+                # its speeds come from the batches after each worker's first where it ran several;
+                # a one-batch probe's warm-up stretches every worker alike, and the next windows refine it.
+                steady = first and comm.world > 1 and rows[r, 7] > 0
+                done, ms_sum = (rows[r, 7], rows[r, 8]) if steady else (rows[r, 0], rows[r, 3])
+                if done > 0:
+                    ms = float(ms_sum / done)
+                    old = self._ms[r]
+                    # Half the weight on the newest smooths jitter; a change of more than a quarter is
+                    # a new regime (warm-up over, a device throttled), taken at once rather than chased.
+                    self._ms[r] = ms if old is None or not 0.75 <= ms / old <= 1.25 else (old + ms) / 2
             if timing is not None or comm.world == 1:
                 sync = timing["sync_ms"] if timing is not None else 0.0
                 self._sync_ema = sync if self._sync_ema is None else (self._sync_ema + sync) / 2
@@ -479,12 +508,28 @@ class Trainer:
             self._after(before)
             pause_ms = (time.perf_counter() - t) * 1e3
 
-    def _average(self, weight: float, stats: list[float]) -> torch.Tensor:
-        """Samples-weighted average of the trainable parameters, equal average of float buffers,
-        then the outer step; returns every worker's ``stats`` row. Integer buffers (position ids,
-        BatchNorm's counter) are taken from worker 0 once, at the start, and not averaged."""
+    def _average(self, samples: int, total: int, stats: list[float]) -> torch.Tensor:
+        """Combine the window: the samples-weighted average of the trainable parameters
+        (``combine="average"``) or the start point plus every worker's change (``"sum"``), the
+        equal average of float buffers, then the outer step; returns every worker's ``stats``
+        row. Integer buffers (position ids, BatchNorm's counter) are taken from worker 0 once,
+        at the start, and not combined."""
         comm = self.comm
-        rows = comm.reduce_window([(self.trainable, weight), (self._float_buffers, 1.0 / comm.world)], stats)
+        start = self._start()
+        if start is None:
+            rows = comm.reduce_window([(self.trainable, samples / total),
+                                       (self._float_buffers, 1.0 / comm.world)], stats)
+        else:
+            with torch.no_grad():
+                for p, s in zip(self.trainable, start):
+                    p.sub_(s)  # this worker's change since the shared start: bits every worker agrees on
+            rows = comm.reduce_window([(self.trainable, 1.0), (self._float_buffers, 1.0 / comm.world)], stats)
+            with torch.no_grad():
+                for p, s in zip(self.trainable, start):
+                    p.add_(s)
+                if self.outer is None:
+                    for p, s in zip(self.trainable, start):
+                        s.copy_(p)
         if self.outer is not None:
             self.outer.step()
             if self.outer_cfg.reset_inner:
@@ -493,6 +538,12 @@ class Trainer:
             comm.check_identical(list(self.model.parameters()) + self._float_buffers,
                                  f"the sync ending at step {self.step}")
         return rows
+
+    def _start(self) -> list[torch.Tensor] | None:
+        """The window's shared start point for ``combine="sum"``, else None."""
+        if self.el_che is None or self.el_che.combine != "sum" or self.comm.world == 1:
+            return None
+        return self.outer.start if self.outer is not None else self._sum_start
 
     # ---- after each step or window: log, evaluate, checkpoint --------------------------------
     def _crossed(self, before: int, every: int | None) -> bool:
@@ -538,6 +589,7 @@ class Trainer:
         metrics: dict = {}
         stop = False
         if self.comm.rank == 0:
+            now = self._train_time_now()  # the eval's place on the training clock
             t = time.perf_counter()
             was_training = self.model.training
             self.model.eval()
@@ -549,7 +601,7 @@ class Trainer:
             metrics = _metrics(out)
             eval_s = time.perf_counter() - t
             self._eval_s += eval_s
-            record = {"event": "eval", "step": self.step, "epoch": self.epoch, "time": round(self.train_time, 4),
+            record = {"event": "eval", "step": self.step, "epoch": self.epoch, "time": round(now, 4),
                       "eval_s": round(eval_s, 4), **metrics}
             self.history.append(record)
             self._log.event(record)

@@ -54,6 +54,19 @@ def test_plan_anchor_grows_when_sync_is_costly_and_shrinks_when_cheap():
     assert kept.anchor == 4
 
 
+def test_plan_does_not_shrink_into_windows_that_whole_batches_cannot_fill():
+    # Measured on MiniLM: fast 801 ms, slow 2773 ms per batch, sync 139 ms. At anchor 2 the fast worker
+    # runs 7 batches and the sync is 2.4% of the window (under 2.5%: a shrink). At anchor 1 it would run 3
+    # (3.46 fit) and wait 370 ms: with the sync that is 17% of the window, over the 10% target.
+    from flodl_hf.distributed import rounding_wait
+    assert rounding_wait(1, [801.0, 2773.0]) == pytest.approx(2773 - 3 * 801)
+    assert rounding_wait(2, [801.0, 2773.0]) == pytest.approx(7 * 801 - 2 * 2773)
+    kept = plan_window([801.0, 2773.0], 139.0, Plan(2, (7, 2)), ElChe(anchor=2))
+    assert kept == Plan(2, (7, 2))
+    # Even speeds split any window evenly: the same cheap sync shrinks it as before.
+    assert plan_window([2773.0, 2773.0], 139.0, Plan(2, (2, 2)), ElChe(anchor=2)).anchor == 1
+
+
 def test_plan_anchor_moves_at_most_twofold_per_window():
     assert plan_window([10.0, 10.0], 500.0, Plan(4, (4, 4)), CFG).anchor == 8
     assert plan_window([10.0, 10.0], 0.0, Plan(12, (12, 12)), CFG).anchor == 6
@@ -337,6 +350,25 @@ def test_stop_when_ends_the_run_after_an_evaluation(tmp_path):
     summary = t.fit()
     assert summary["step"] == 2 and summary["stopped_early"]
     assert latest_checkpoint(tmp_path).name == "step-00000002.pt"
+
+
+def test_evaluations_sit_on_the_training_clock_between_log_points(tmp_path):
+    """Each eval's ``time`` is the training time up to it, also between log points (a time to a
+    target read from the eval records is not rounded down to the last log point)."""
+    def slow_step(model, batch):
+        import time
+        time.sleep(0.02)
+        return net_step(model, batch)
+
+    t = Trainer(Net(0), slow_step, adamw, Indexed(64), batch_size=8, epochs=1, sync="none", log_every=4,
+                eval_fn=noisy_eval, eval_every=1, progress=False, report=False)
+    t.fit()
+    times = [r["time"] for r in t.history if r.get("event") == "eval"]
+    assert len(times) == 8 and all(b - a >= 0.015 for a, b in zip(times, times[1:])), times
+    train = [r["time"] for r in t.history if r.get("event") == "train"]
+    assert abs(times[-1] - train[-1]) < 0.01 and abs(times[3] - train[0]) < 0.01  # the clocks agree
+    with pytest.raises(TrainerConfigError, match="combine"):
+        ElChe(combine="mean")
 
 
 def test_diloco_identity_in_one_process_equals_plain_local_sgd():

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from flodl_hf.distributed import Comm, ElChe
+from flodl_hf.distributed import Comm, ElChe, deal
 from flodl_hf.records import load_tree
 from flodl_hf.trainer import DiLoCo, Trainer, WorkerLostError, launch
 
@@ -113,7 +113,7 @@ def sgd(params):
 
 def run(model, step=mse_step, **kw) -> Trainer:
     base = dict(batch_size=4, progress=False, report=False, timeout=30)
-    t = Trainer(model, step, sgd, Points(kw.pop("n", 64)), **{**base, **kw})
+    t = Trainer(model, step, kw.pop("opt", sgd), Points(kw.pop("n", 64)), **{**base, **kw})
     t.fit()
     return t
 
@@ -138,6 +138,19 @@ def _equivalences_and_uneven(rank: int, out: str) -> dict:
     run(outer, sync=ElChe(anchor=3, adaptive=False), epochs=1, outer=DiLoCo(lr=1.0, momentum=0.0),
         verify_sync=True)
     result["plain"], result["diloco_identity"] = flat(plain), flat(outer)
+
+    # combine="sum": one batch per window with plain SGD is s - lr (g0 + g1), DDP at twice the lr.
+    ddp2, summed = mlp(), mlp()
+    run(ddp2, sync="ddp", max_steps=6, opt=lambda params: torch.optim.SGD(params, lr=0.2))
+    run(summed, sync=ElChe(anchor=1, adaptive=False, combine="sum"), max_steps=6, verify_sync=True)
+    result["ddp_2lr"], result["sum_1"] = flat(ddp2), flat(summed)
+    # Windows of 3 batches, in data order: each worker's change from the shared start, added.
+    # DiLoCo(lr=1, momentum=0) over the sum is the sum.
+    sum3, sum3_outer = mlp(), mlp()
+    run(sum3, sync=ElChe(anchor=3, adaptive=False, combine="sum"), epochs=1, shuffle=False, verify_sync=True)
+    run(sum3_outer, sync=ElChe(anchor=3, adaptive=False, combine="sum"), epochs=1, shuffle=False,
+        outer=DiLoCo(lr=1.0, momentum=0.0), verify_sync=True)
+    result["sum_3"], result["sum_3_outer"] = flat(sum3), flat(sum3_outer)
 
     # The weighted average in closed form: worker r holds x_r and weighs n_r / sum(n).
     comm, _ = Comm.connect("cpu", 30)
@@ -166,10 +179,38 @@ def _equivalences_and_uneven(rank: int, out: str) -> dict:
 def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
     res = spawn(_equivalences_and_uneven, tmp_path, deadline=180.0)  # several trainers in a row; slow under load
     r0, r1 = res[0], res[1]
-    for key in ("ddp", "el_che_1", "plain", "diloco_identity"):
+    for key in ("ddp", "el_che_1", "plain", "diloco_identity", "ddp_2lr", "sum_1", "sum_3", "sum_3_outer"):
         assert torch.equal(r0[key], r1[key]), f"{key}: workers differ"
     torch.testing.assert_close(r0["el_che_1"], r0["ddp"], rtol=0, atol=1e-6)
     torch.testing.assert_close(r0["diloco_identity"], r0["plain"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(r0["sum_1"], r0["ddp_2lr"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(r0["sum_3_outer"], r0["sum_3"], rtol=0, atol=1e-6)
+    # The sum replayed in one process: every window, each worker's batches (dealt in order) from the
+    # shared start with SGD, the changes added to the start.
+    data, shared = Points(64), mlp()
+    position = 0
+    while position < len(data):
+        sizes = deal((3, 3), 4, len(data) - position)
+        start = [p.detach().clone() for p in shared.parameters()]
+        changes = []
+        for size in sizes:
+            worker = mlp()
+            with torch.no_grad():
+                for p, s in zip(worker.parameters(), start):
+                    p.copy_(s)
+            opt = sgd(worker.parameters())
+            for i in range(position, position + size, 4):
+                batch = torch.utils.data.default_collate([data[j] for j in range(i, min(i + 4, position + size))])
+                opt.zero_grad()
+                mse_step(worker, batch).backward()
+                opt.step()
+            changes.append([p.detach() - s for p, s in zip(worker.parameters(), start)])
+            position += size
+        with torch.no_grad():
+            for k, p in enumerate(shared.parameters()):
+                p.copy_(start[k] + changes[0][k] + changes[1][k])
+    torch.testing.assert_close(r0["sum_3"], flat(shared), rtol=0, atol=1e-6)
+    assert not torch.equal(r0["sum_3"], r0["plain"])  # the sum is not the average
     assert not torch.equal(r0["plain"], r0["ddp"])  # the comparisons are not vacuous
 
     xs = [[torch.randn(3, 4, generator=torch.Generator().manual_seed(10 + r)),
@@ -188,10 +229,10 @@ def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
 
     assert sorted(r0["seen"] + r1["seen"]) == list(range(250))
     windows = [r for r in r0["history"] if r.get("event") == "train"]
-    # Two windows at the starting plan: the first is warm-up, timed from the second on.
-    assert windows[0]["batches"] == windows[1]["batches"] == [2, 2]
-    fast = sum(w["batches"][0] for w in windows[2:])
-    slow = sum(w["batches"][1] for w in windows[2:])
+    # A one-batch probe window measures the speeds, so the second window is already planned from them.
+    assert windows[0]["batches"] == [1, 1] and windows[1]["batches"][0] > windows[1]["batches"][1]
+    fast = sum(w["batches"][0] for w in windows[1:])
+    slow = sum(w["batches"][1] for w in windows[1:])
     # Real sleeps on a shared machine: only the direction and a loose band are asserted here (the
     # arithmetic itself is test_trainer.py's injected-timing test). Bounds chosen from 10 runs under a
     # concurrent 2-core load (docs/trainer.md): they sit outside the spread measured there.
