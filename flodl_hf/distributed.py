@@ -44,9 +44,9 @@ class ElChe:
       alone does in the same time.
     - ``"sum"``: the start point plus every worker's change since it (``s + sum_r (x_r - s)``),
       the first-order equivalent of one worker running all the window's batches in a row, so
-      the cohort's throughput is its progress (4 batches' worth at 3 : 1). This is what lets
-      uneven workers beat the fastest alone; it needs windows short enough for the changes to
-      add (a few batches each, as El Che keeps them) and one more copy of the parameters.
+      the cohort's throughput is its progress (4 batches' worth at 3 : 1), to first order. It
+      needs windows short enough for the changes to add (a few batches each) and one more copy
+      of the parameters; docs/benchmarks.md measures what it gains.
     """
 
     anchor: int = 4

@@ -11,7 +11,7 @@ thread, one process. Arms:
 - transformers.Trainer grouping by length (``train_sampling_strategy="group_by_length"``, formerly
   ``group_by_length=True``).
 The figure is training wall time (evaluation excluded), and the held-out accuracy after training.
-Needs ``accelerate`` (transformers.Trainer's dependency; bench only: ``pip install accelerate``).
+Needs ``accelerate`` (transformers.Trainer's dependency; bench only: ``pip install -e '.[bench]'``).
 
     python scripts/bench_padding_free.py [--train 1500 --epochs 1 --batch 16]
 """

@@ -7,21 +7,34 @@ seed 0: ``--train`` messages to train on, ``--held-out`` to evaluate), AdamW lr 
 per worker, texts cut at 64 tokens. The figure is training time (evaluation excluded) until the
 held-out accuracy first reaches ``--target``, and the held-out accuracy then.
 
-Arms, for each cohort: the fast worker alone; DDP; El Che; El Che + DiLoCo. Cohorts: ``2x``
-(speeds 1 : 1/3) and ``3x`` (1 : 1/3 : 1/12, a card behind a PCIe x1 riser as in the flodl
-flagship run). Every worker is one process with one thread, talking gloo on 127.0.0.1.
+Arms, for each cohort: the fast worker alone; DDP; El Che (``combine="sum"``, the default here,
+``--combine average`` for the other); El Che + DiLoCo (DiLoCo's own form: outer Nesterov SGD on
+the averaged change). Cohorts: ``2x`` (speeds 1 : 1/3), ``3x`` (1 : 1/3 : 1/12, a card behind a
+PCIe x1 riser as in the flodl flagship run), and ``2x-netns``: the 2x pair with each worker a
+host of its own, a network namespace (``flodl_hf.testing.netns``, root), torchrun across a link
+shaped by ``--link-rate`` and ``--link-delay``. Every worker is one process with one thread,
+talking gloo (on 127.0.0.1 outside the namespaces).
+
+The target is a held-out accuracy (``--target``) or, smoother on a few hundred messages, a
+held-out loss (``--target-loss``), checked every ``--eval-every`` samples.
 
 Making a worker k times slower without letting it take the fast one's CPU:
-- ``sleep`` (default, works everywhere): after each optimizer step the worker sleeps (k - 1)
-  times what that batch took it (forward, backward, step). Sleeping takes no CPU, so the fast
+- ``sleep`` (default, works everywhere): before each batch the worker sleeps (k - 1) times the
+  CPU time its previous batch took (collate, forward, backward, step), so the wait lands before
+  the gradient sync (DDP) or the window's, never inside another worker's evaluation. CPU time,
+  because waiting for the others in DDP's all-reduce takes none: a wall-clock measure would feed
+  each worker's sleep with the others' (at 1 : 1/3 : 1/12 DDP steps grew to 34 s, then gloo's
+  timeout). Sleeping takes no CPU, so the fast
   worker keeps its core; and since the sleep scales with the worker's own compute, the ratio
   holds whatever the machine's load does to both.
-- ``cgroup`` (cgroup v2 with the cpu controller, root): the worker runs in its own cgroup with
-  ``cpu.max`` = 1/k of a core. The kernel enforces it, as a slower device would be, but a
+- ``cgroup`` (root; cgroup v2's cpu controller, or v1's on machines that still mount it): the
+  worker runs in its own cgroup limited to 1/k of a core (``cpu.max``; v1: ``cpu.cfs_quota_us``,
+  the same CFS bandwidth control). The kernel enforces it, as a slower device would be, but a
   quota only slows a worker that would otherwise have a whole core: on a machine with fewer
   free cores than workers the ratio is not k. ``both`` applies the two.
 
-    python scripts/bench_trainer.py                       # 3 seeds, both cohorts, every arm
+    python scripts/bench_trainer.py --target-loss 0.10          # 3 seeds, every cohort and arm (root for 2x-netns)
+    python scripts/bench_trainer.py --summarize --target-loss 0.10   # the tables again from the records
     python scripts/bench_trainer.py --seeds 1 --cohorts 2x --target 0.97
 
 Tables go to stdout and ``out/bench_trainer/table.md``; each run's ``run.html`` under
@@ -49,7 +62,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flodl_hf.records import load_tree  # noqa: E402
 
-COHORTS = {"2x": (1.0, 3.0), "3x": (1.0, 3.0, 12.0)}  # each worker's slowdown k
+COHORTS = {"2x": (1.0, 3.0), "3x": (1.0, 3.0, 12.0), "2x-netns": (1.0, 3.0)}  # each worker's slowdown k
+NETNS = {"2x-netns"}  # one network namespace per worker (flodl_hf.testing.netns), torchrun across them
 ARMS = ("fast worker alone", "DDP", "El Che", "El Che + DiLoCo")
 BATCH, LR, MAX_LEN = 16, 5e-5, 64
 CGROUP = Path("/sys/fs/cgroup")
@@ -84,17 +98,36 @@ def collate(items: list) -> dict:
 
 # ---- throttles ----------------------------------------------------------------------------------
 
-def cgroup_available() -> bool:
+CGROUP_V1_CPU = CGROUP / "cpu"  # cgroup v1's cpu controller: the same CFS bandwidth limit as cpu.max
+
+
+def cgroup_version() -> int | None:
+    """2 for cgroup v2 with the cpu controller, 1 for cgroup v1's cpu controller, None: neither (or not root)."""
     controllers = CGROUP / "cgroup.controllers"
-    return controllers.is_file() and "cpu" in controllers.read_text().split() and os.access(CGROUP, os.W_OK)
+    if controllers.is_file() and "cpu" in controllers.read_text().split() and os.access(CGROUP, os.W_OK):
+        return 2
+    if (CGROUP_V1_CPU / "cpu.cfs_quota_us").is_file() and os.access(CGROUP_V1_CPU, os.W_OK):
+        return 1
+    return None
+
+
+def cgroup_path(name: str) -> Path:
+    return (CGROUP if cgroup_version() == 2 else CGROUP_V1_CPU) / f"flodl-hf-bench-{name}"
 
 
 def cgroup_limit(pid: int, k: float, name: str) -> Path:
-    """Put ``pid`` in a cgroup of its own with ``cpu.max`` = 1/k of a core; return the cgroup."""
-    group = CGROUP / f"flodl-hf-bench-{os.getpid()}-{name}"
+    """Put ``pid`` in a cgroup of its own limited to 1/k of a core (CFS bandwidth: ``cpu.max`` on v2,
+    ``cpu.cfs_quota_us`` on v1); return the cgroup, which the parent removes once the run is over."""
+    version = cgroup_version()
+    group = cgroup_path(name)
     group.mkdir(exist_ok=True)
     period = 100_000
-    (group / "cpu.max").write_text(f"{max(1000, int(period / k))} {period}\n")
+    quota = max(1000, int(period / k))
+    if version == 2:
+        (group / "cpu.max").write_text(f"{quota} {period}\n")
+    else:
+        (group / "cpu.cfs_period_us").write_text(f"{period}\n")
+        (group / "cpu.cfs_quota_us").write_text(f"{quota}\n")
     (group / "cgroup.procs").write_text(f"{pid}\n")
     return group
 
@@ -104,9 +137,9 @@ def cgroup_limit(pid: int, k: float, name: str) -> Path:
 def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], seed: int, args: dict,
            out: str, throttle: str) -> None:
     torch.set_num_threads(1)
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))
+    if world > 1:  # port None: under torchrun, which set the rendezvous environment
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}" if port else "env://", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=120))
     from flodl_hf import AutoModelForSequenceClassification, AutoTokenizer, DiLoCo, ElChe, Trainer
     import warnings
     tok = AutoTokenizer.from_pretrained("samples/minilm")
@@ -117,18 +150,39 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
         warnings.simplefilter("ignore")
         model = AutoModelForSequenceClassification.from_pretrained("samples/minilm", num_labels=2)
     k = ks[rank]
-    began = [0.0]
+    if k > 1 and throttle in ("cgroup", "both"):
+        cgroup_limit(os.getpid(), k, f"{Path(out).name}-r{rank}")  # the worker limits itself: also under torchrun
+    began, last = [0.0], [0.0]
+
+    def timed_collate(items):
+        # The throttle sleeps at the start of a batch, for (k - 1) times the previous batch's own work,
+        # so the wait comes before this batch's gradient sync (DDP) or the window's (El Che), never
+        # hidden in another worker's evaluation.
+        if k > 1 and throttle in ("sleep", "both") and last[0]:
+            time.sleep((k - 1) * last[0])
+        began[0] = time.process_time()  # a batch's own work starts with building it
+        return collate(items)
 
     def step(model, batch):
-        began[0] = time.perf_counter()
         return model(**batch)
 
     def optimizer(params):
         opt = torch.optim.AdamW(params, lr=LR)
-        if k > 1 and throttle in ("sleep", "both"):
-            # (k - 1) times this batch's own compute: the worker is k times slower whatever the load.
-            opt.register_step_post_hook(lambda *_: time.sleep((k - 1) * (time.perf_counter() - began[0])))
+        def throttle_hook(*_):
+            # This batch's own work (collate, forward, backward, step) in CPU time: waiting for the
+            # other workers (DDP's all-reduce inside backward) takes none, so a worker's sleep never
+            # feeds on another's. The next batch's sleep scales with it, so the worker is k times
+            # slower whatever the load. The very first batch has no previous one to scale with: it
+            # sleeps after itself, so that it too takes k times its work.
+            first = not last[0]
+            last[0] = time.process_time() - began[0]
+            if first and k > 1 and throttle in ("sleep", "both"):
+                time.sleep((k - 1) * last[0])
+
+        opt.register_step_post_hook(throttle_hook)
         return opt
+
+    held.sort(key=lambda item: len(item[0]))  # batches of similar length: less padding, same answers
 
     @torch.no_grad()
     def evaluate(model):
@@ -140,32 +194,69 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
             correct += (out_.logits.argmax(-1) == batch["labels"]).sum().item()
         return {"accuracy": correct / len(held), "eval_loss": loss / len(held)}
 
-    sync = {"fast worker alone": "none", "DDP": "ddp"}.get(arm, ElChe(anchor=2))
+    sync = {"fast worker alone": "none", "DDP": "ddp"}.get(arm, ElChe(anchor=2, combine=args["combine"] if arm == "El Che" else "average"))
     started = time.monotonic()
     trainer = Trainer(model, step, optimizer, train, batch_size=BATCH, epochs=args["epochs"], sync=sync,
-                      outer=DiLoCo() if arm == "El Che + DiLoCo" else None, seed=seed, collate_fn=collate,
+                      outer=DiLoCo() if arm == "El Che + DiLoCo" else None, seed=seed, collate_fn=timed_collate,
                       eval_fn=evaluate, eval_every=max(1, args["eval_every"] // (world * BATCH)),
-                      stop_when=lambda m: m["accuracy"] >= args["target"] or time.monotonic() - started > args["cap"],
+                      stop_when=lambda m: reached(m, args) or time.monotonic() - started > args["cap"],
                       log_dir=out, log_every=5, progress=False, report=True, timeout=120)
     trainer.fit()
     if world > 1:
         dist.destroy_process_group()
 
 
+def reached(metrics: dict, args: dict) -> bool:
+    """The target: held-out loss at most ``target_loss`` when given, else accuracy at least ``target``."""
+    if args.get("target_loss") is not None:
+        return metrics["eval_loss"] <= args["target_loss"]
+    return metrics["accuracy"] >= args["target"]
+
+
+def run_netns(cohort: str, arm: str, ks: tuple, seed: int, args: dict, out: Path, throttle: str) -> dict:
+    """One worker per network namespace, each a host of its own, torchrun across the shaped link."""
+    from flodl_hf.testing.netns import Cluster
+    if throttle != "sleep":  # `ip netns exec` mounts a sysfs of its own: no cgroup tree in there
+        raise SystemExit(f"cohort {cohort} runs with --throttle sleep only")
+    job = out / "worker.json"
+    job.write_text(json.dumps({"arm": arm, "ks": ks, "seed": seed, "args": args, "out": str(out),
+                               "throttle": throttle}))
+    with Cluster(len(ks), rate=args["link_rate"], delay=args["link_delay"]) as cluster:
+        args["shaping"] = cluster.shaping
+        (out / "shaping.txt").write_text(cluster.shaping + "\n")
+        procs = [cluster.torchrun(i, __file__, ["--worker", str(job)], port=29500, log=out / f"host-{i}.log")
+                 for i in range(len(ks))]
+        codes = cluster.wait(procs, timeout=args["cap"] * 3 + 300)
+    if codes != [0] * len(ks):
+        logs = "\n".join((out / f"host-{i}.log").read_text()[-2000:] for i in range(len(ks)))
+        raise RuntimeError(f"{cohort} {arm} seed {seed}: hosts exited {codes}\n{logs}")
+    return summarize(out, args, len(ks))
+
+
+def torchrun_worker(job: Path) -> None:
+    """A worker started by torchrun inside a namespace (``--worker JOB``)."""
+    cfg = json.loads(job.read_text())
+    worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, cfg["arm"], tuple(cfg["ks"]), cfg["seed"],
+           cfg["args"], cfg["out"], cfg["throttle"])
+    # torch 2.13 with gloo can abort at interpreter exit after a finished run (docs/trainer.md).
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
+
+
 def run_once(cohort: str, arm: str, seed: int, args: dict, out: Path, throttle: str) -> dict:
     ks = COHORTS[cohort][:1] if arm == "fast worker alone" else COHORTS[cohort]
     world = len(ks)
+    if cohort in NETNS and world > 1:
+        return run_netns(cohort, arm, ks, seed, args, out, throttle)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=worker, args=(r, world, port, arm, ks, seed, args, str(out), throttle))
              for r in range(world)]
-    groups = []
-    for r, p in enumerate(procs):
+    groups = [cgroup_path(f"{out.name}-r{r}") for r in range(world)] if throttle != "sleep" else []
+    for p in procs:
         p.start()
-        if throttle in ("cgroup", "both") and ks[r] > 1:
-            groups.append(cgroup_limit(p.pid, ks[r], f"{out.name}-r{r}"))
     try:
         for p in procs:
             p.join(args["cap"] * 3 + 300)
@@ -183,15 +274,36 @@ def run_once(cohort: str, arm: str, seed: int, args: dict, out: Path, throttle: 
                 g.rmdir()
             except OSError:
                 pass
-    return summarize(out, args["target"], world)
+    return summarize(out, args, world)
 
 
-def summarize(out: Path, target: float, world: int) -> dict:
+def summarize(out: Path, args: dict, world: int) -> dict:
     tree = load_tree(out)
     evals = [r for r in tree[""] if r.get("event") == "eval"]
-    hit = next((r for r in evals if r["accuracy"] >= target), None)
+    i = next((i for i, r in enumerate(evals) if reached(r, args)), None)
+    hit = evals[i] if i is not None else None
     ranks = [[r for r in tree[p] if r.get("event") == "train"] for p in sorted(tree) if p.count("/") == 1]
-    result = {"time": hit["time"] if hit else None, "accuracy": (hit or (evals[-1] if evals else {})).get("accuracy"),
+    at = hit or (evals[-1] if evals else {})
+    samples, seen = {}, 0
+    for r in tree[""]:
+        if r.get("event") == "train":  # the root's train records hold each log point's or window's samples
+            seen += int(r["samples"])
+            samples[r["step"]] = seen
+    time_ = None
+    if hit is not None:
+        # Evaluations fall every few batches (an El Che arm: at window ends, seconds apart), so the
+        # crossing is interpolated linearly between the last evaluation short of the target and the
+        # first at it, the same rule for every arm.
+        time_ = hit["time"]
+        if i > 0:
+            key = "eval_loss" if args.get("target_loss") is not None else "accuracy"
+            goal = args["target_loss"] if key == "eval_loss" else args["target"]
+            before = evals[i - 1]
+            span = before[key] - hit[key]
+            if span:
+                time_ = before["time"] + (hit["time"] - before["time"]) * (before[key] - goal) / span
+    result = {"time": time_, "time_at_eval": hit["time"] if hit else None, "samples": samples.get(at.get("step")),
+              "accuracy": at.get("accuracy"), "eval_loss": at.get("eval_loss"), "shaping": args.get("shaping"),
               "last_time": evals[-1]["time"] if evals else None, "windows": None, "sync": None, "idle": None,
               "fast_ms": statistics.median(r["ms_per_batch"] for r in ranks[0] if r.get("ms_per_batch"))}
     timed = [[r for r in rank if r.get("window_ms")] for rank in ranks]  # El Che windows
@@ -212,25 +324,29 @@ def mean_sd(values: list[float], fmt: str) -> str:
     return f"{format(statistics.mean(values), fmt)}{sd}"
 
 
-def table(cohort: str, results: dict[str, list[dict]]) -> str:
+def table(cohort: str, results: dict[str, list[dict]], note: str = "") -> str:
     base = [r["time"] for r in results.get("fast worker alone", []) if r["time"] is not None]
-    lines = [f"Cohort {cohort} (speeds " + " : ".join(f"1/{k:g}" if k > 1 else "1" for k in COHORTS[cohort]) + ")",
-             "", "| arm | time to target, s | vs fast alone | held-out accuracy | per-seed times, s "
-             "| batches per window | sync share | idle share |", "|---|---|---|---|---|---|---|---|"]
+    lines = [f"Cohort {cohort} (speeds " + " : ".join(f"1/{k:g}" if k > 1 else "1" for k in COHORTS[cohort]) + ")" + note,
+             "", "| arm | time to target, s | vs fast alone | per-seed times, s | samples to target "
+             "| held-out accuracy | held-out loss | batches per window | sync share | idle share |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for arm, runs in results.items():
         times = [r["time"] for r in runs if r["time"] is not None]
         missing = len(runs) - len(times)
         ratio = f"{statistics.mean(times) / statistics.mean(base):.2f}x" if times and base else "-"
         shown = mean_sd(times, ".1f") + (f" ({missing} not reached)" if missing else "")
-        per_seed = ", ".join(f"{r['time']:.1f}" if r["time"] is not None else "-" for r in runs)
+        per_seed = ", ".join(f"{r['time']:.1f}" if r["time"] is not None else f"> {r['last_time']:.0f}"
+                             for r in runs)
         acc = mean_sd([100 * r["accuracy"] for r in runs if r["accuracy"] is not None], ".2f")
+        loss = mean_sd([r["eval_loss"] for r in runs if r["eval_loss"] is not None], ".3f")
+        n = mean_sd([r["samples"] for r in runs if r["time"] is not None and r.get("samples")], ".0f")
         wins = [r["windows"] for r in runs if r["windows"]]
         win = " / ".join(f"{statistics.mean(w[i] for w in wins):.1f}" for i in range(len(wins[0]))) if wins else "-"
         syncs = [r["sync"] for r in runs if r["sync"] is not None]
         sync = f"{statistics.mean(syncs):.1%}" if syncs else ("in backward" if arm == "DDP" else "-")
         idles = [r["idle"] for r in runs if r["idle"]]
         idle = " / ".join(f"{statistics.mean(i[w] for i in idles):.0%}" for w in range(len(idles[0]))) if idles else "-"
-        lines.append(f"| {arm} | {shown} | {ratio} | {acc}% | {per_seed} | {win} | {sync} | {idle} |")
+        lines.append(f"| {arm} | {shown} | {ratio} | {per_seed} | {n} | {acc}% | {loss} | {win} | {sync} | {idle} |")
     return "\n".join(lines)
 
 
@@ -240,18 +356,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cohorts", nargs="*", default=list(COHORTS), choices=list(COHORTS))
     parser.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--target", type=float, default=0.975, help="held-out accuracy to reach")
+    parser.add_argument("--target-loss", type=float, default=None,
+                        help="held-out loss to reach instead (smoother than accuracy on a few hundred messages)")
     parser.add_argument("--train", type=int, default=3000, help="training messages")
     parser.add_argument("--held-out", type=int, default=500, help="held-out messages")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--eval-every", type=int, default=160, help="evaluate every this many samples")
-    parser.add_argument("--cap", type=float, default=600.0, help="stop a run after this many seconds")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--eval-every", type=int, default=48, help="evaluate every this many samples")
+    parser.add_argument("--cap", type=float, default=100.0,
+                        help="stop a run after this many seconds of wall time (evaluations included)")
     parser.add_argument("--throttle", choices=["sleep", "cgroup", "both"], default="sleep")
+    parser.add_argument("--combine", choices=["sum", "average"], default="sum", help="El Che's combine")
+    parser.add_argument("--link-rate", default="1gbit", help="the netns cohort's link rate (tc)")
+    parser.add_argument("--link-delay", default="5ms", help="the netns cohort's link delay, each way (tc netem)")
     parser.add_argument("--out", type=Path, default=Path("out/bench_trainer"))
+    parser.add_argument("--summarize", action="store_true", help="rebuild the tables from the records under --out")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # a torchrun worker of the netns cohort
     args = parser.parse_args(argv)
-    if args.throttle != "sleep" and not cgroup_available():
-        raise SystemExit("--throttle cgroup needs cgroup v2 with the cpu controller, writable (root)")
+    if args.worker is not None:
+        torchrun_worker(args.worker)
+    if args.throttle != "sleep" and cgroup_version() is None:
+        raise SystemExit("--throttle cgroup needs the cpu controller of cgroup v2 (or v1), writable (root)")
     conf = {"target": args.target, "train": args.train, "held_out": args.held_out, "epochs": args.epochs,
-            "eval_every": args.eval_every, "cap": args.cap}
+            "eval_every": args.eval_every, "cap": args.cap, "combine": args.combine,
+            "target_loss": args.target_loss, "link_rate": args.link_rate, "link_delay": args.link_delay}
     load_start = os.getloadavg()[0]
     texts = []
     for cohort in args.cohorts:
@@ -260,16 +387,27 @@ def main(argv: list[str] | None = None) -> int:
             for arm in args.arms:
                 out = args.out / f"{cohort}-{arm.replace(' + ', '-').replace(' ', '-').lower()}-seed{seed}"
                 out.mkdir(parents=True, exist_ok=True)
+                if args.summarize:  # the tables again from the runs' records
+                    world = 1 if arm == "fast worker alone" else len(COHORTS[cohort])
+                    result = summarize(out, conf, world)
+                    if (out / "shaping.txt").is_file():
+                        conf["shaping"] = (out / "shaping.txt").read_text().strip()
+                    results[arm].append(result)
+                    continue
                 for old in out.rglob("records.jsonl"):
                     old.unlink()
                 result = run_once(cohort, arm, seed, conf, out, args.throttle)
                 results[arm].append(result)
                 shown = f"{result['time']:.1f} s" if result["time"] is not None else "not reached"
-                print(f"{cohort} seed {seed} {arm}: {shown}, accuracy {result['accuracy']} "
+                print(f"{cohort} seed {seed} {arm}: {shown}, accuracy {result['accuracy']}, loss {result['eval_loss']:.4f} "
                       f"(load {os.getloadavg()[0]:.1f}; {out / 'run.html'})", flush=True)
-        texts.append(table(cohort, results))
+        note = (f", one worker per network-namespace host, link {conf.get('shaping')}; the fast worker alone "
+                "runs outside the namespaces" if cohort in NETNS else "")
+        texts.append(table(cohort, results, note))
         (args.out / f"results-{cohort}.json").write_text(json.dumps(results, indent=1))
-    head = (f"MiniLM spam fine-tune: target held-out accuracy {args.target:.1%} on {args.held_out} messages; "
+    goal = (f"held-out loss {args.target_loss:g}" if args.target_loss is not None
+            else f"held-out accuracy {args.target:.1%}")
+    head = (f"MiniLM spam fine-tune: target {goal} on {args.held_out} messages; "
             f"{args.train} training messages, {args.epochs} epoch(s) at most; {args.seeds} seed(s); batch {BATCH} "
             f"per worker; throttle {args.throttle}; load average {load_start:.1f} at the start, "
             f"{os.getloadavg()[0]:.1f} at the end.")
