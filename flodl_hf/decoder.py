@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError
-from .layers import MaskSpec
+from .layers import MaskSpec, rotate_half
 
 
 class RMSNorm(nn.Module):
@@ -117,16 +117,11 @@ def rotary_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: to
     return cos.to(dtype=dtype), sin.to(dtype=dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """modeling_llama.apply_rotary_pos_emb, in q's dtype (no float32 round trip, unlike ModernBERT's)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
 
 
 # ---- the KV cache ------------------------------------------------------------------------------------

@@ -508,16 +508,21 @@ class Tokenizer:
         return BatchEncoding(fields, flat)
 
 
+def check_text(value, where: str) -> None:
+    """InputError naming ``where`` unless ``value`` is a string of valid Unicode (no lone surrogates)."""
+    if not isinstance(value, str):
+        raise InputError(f"{where} is a {type(value).__name__}: expected a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(f"{where} is not valid Unicode text (a lone surrogate at {exc.start})") from None
+
+
 def _check_inputs(inputs: list) -> None:
     """Each input is a string or a (string, string) pair of valid Unicode (no lone surrogates)."""
     for i, item in enumerate(inputs):
         for part, name in ((item, "text"),) if not isinstance(item, tuple) else zip(item, ("text", "text_pair")):
-            if not isinstance(part, str):
-                raise InputError(f"{name}[{i}] is a {type(part).__name__}: expected a string")
-            try:
-                part.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise InputError(f"{name}[{i}] is not valid Unicode text (a lone surrogate at {exc.start})") from None
+            check_text(part, f"{name}[{i}]")
 
 
 def _as_tensor(key: str, value: list, kind: str) -> Any:

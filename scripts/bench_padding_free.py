@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flodl_hf import batching  # noqa: E402
 
 MAX_LEN = 64
 
@@ -50,13 +51,10 @@ def encode(tok, items: list) -> list[dict]:
 
 
 def collate(items: list[dict]) -> dict:
-    width = max(len(x["input_ids"]) for x in items)
-    ids = torch.zeros(len(items), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, x in enumerate(items):
-        ids[i, :len(x["input_ids"])] = torch.tensor(x["input_ids"])
-        mask[i, :len(x["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([x["label"] for x in items])}
+    """Padded to the batch's longest text with zeros (flodl_hf.batching.collate), and the labels."""
+    rows = [{"input_ids": x["input_ids"], "attention_mask": [1] * len(x["input_ids"])} for x in items]
+    batch = batching.collate(rows, {"input_ids": 0, "attention_mask": 0})
+    return {**batch, "labels": torch.tensor([x["label"] for x in items])}
 
 
 @torch.no_grad()

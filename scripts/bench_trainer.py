@@ -60,6 +60,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flodl_hf import batching  # noqa: E402
 from flodl_hf.records import load_tree  # noqa: E402
 
 COHORTS = {"2x": (1.0, 3.0), "3x": (1.0, 3.0, 12.0), "2x-netns": (1.0, 3.0)}  # each worker's slowdown k
@@ -87,13 +88,10 @@ def encode(tok, rows: list) -> list[tuple[list[int], int]]:
 
 
 def collate(items: list) -> dict:
-    width = max(len(ids) for ids, _ in items)
-    ids = torch.zeros(len(items), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, (row, _) in enumerate(items):
-        ids[i, :len(row)] = torch.tensor(row)
-        mask[i, :len(row)] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([y for _, y in items])}
+    """Padded to the batch's longest text with zeros (flodl_hf.batching.collate), and the labels."""
+    rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids, _ in items]
+    batch = batching.collate(rows, {"input_ids": 0, "attention_mask": 0})
+    return {**batch, "labels": torch.tensor([y for _, y in items])}
 
 
 # ---- throttles ----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from flodl_hf import batching
 from flodl_hf.auto import load_model
 from flodl_hf.parity import reference_model
 from flodl_hf.trainer import ElChe, Trainer, TrainerConfigError, length_batches
@@ -34,13 +35,10 @@ def texts(n: int, seed: int = 0) -> list[dict]:
 
 
 def collate(items: list[dict]) -> dict:
-    width = max(len(x["input_ids"]) for x in items)
-    ids = torch.zeros(len(items), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, x in enumerate(items):
-        ids[i, :len(x["input_ids"])] = torch.tensor(x["input_ids"])
-        mask[i, :len(x["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([x["label"] for x in items])}
+    """Padded to the batch's longest text with zeros (flodl_hf.batching.collate), and the labels."""
+    rows = [{"input_ids": x["input_ids"], "attention_mask": [1] * len(x["input_ids"])} for x in items]
+    batch = batching.collate(rows, {"input_ids": 0, "attention_mask": 0})
+    return {**batch, "labels": torch.tensor([x["label"] for x in items])}
 
 
 def test_length_batches_cover_every_item_once_under_the_budget():

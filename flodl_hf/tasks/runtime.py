@@ -18,7 +18,7 @@ from torch import nn
 
 from .. import batching
 from ..errors import InputError, MissingHeadError
-from ..tokenizer import LARGE_INTEGER, AutoTokenizer, BatchEncoding, Tokenizer
+from ..tokenizer import LARGE_INTEGER, AutoTokenizer, BatchEncoding, Tokenizer, check_text
 
 
 # Rows per forward pass, at most; None (the default): automatic, padding-free batches; or a
@@ -107,12 +107,7 @@ def _check_top_k(top_k: object, name: str = "top_k", limit: int | None = None, a
 
 def _check_texts(items: list, what: str = "texts") -> None:
     for i, text in enumerate(items):
-        if not isinstance(text, str):
-            raise InputError(f"{what}[{i}] is a {type(text).__name__}: expected a string")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InputError(f"{what}[{i}] is not valid Unicode text (a lone surrogate at {exc.start})") from None
+        check_text(text, f"{what}[{i}]")
 
 
 def _check_precision(precision: str) -> str:
