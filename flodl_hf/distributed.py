@@ -47,6 +47,20 @@ class ElChe:
       the cohort's throughput is its progress (4 batches' worth at 3 : 1), to first order. It
       needs windows short enough for the changes to add (a few batches each) and one more copy
       of the parameters; docs/benchmarks.md measures what it gains.
+
+    ``windows`` is how a window's batches reach the workers:
+
+    - ``"planned"``: each worker runs the plan's count of batches (from the measured speeds),
+      dealt from the epoch's order in rank order. Deterministic: a run, and a resumed run,
+      repeat bit for bit. A fresh cohort's first window is a one-batch probe, and whole
+      batches of uneven length seldom fill a window evenly, so the first to finish waits.
+    - ``"live"``: batches are claimed one at a time from a counter on the process group's
+      store, in the epoch's order, and the window closes once every worker has run ``anchor``
+      batches: the slowest sets the length and the others run as many as fit, with no speed
+      estimate needed (no probe). A worker past its ``anchor`` starts another batch only while
+      the slowest is expected to run for at least half of it. Every sample is still trained on
+      once per epoch and every worker holds the same parameters after each sync, but which
+      worker trains on which batch depends on timing, so runs do not repeat bit for bit.
     """
 
     anchor: int = 4
@@ -57,10 +71,13 @@ class ElChe:
     shrink_below: float = 0.25
     adaptive: bool = True
     combine: str = "average"
+    windows: str = "planned"
 
     def __post_init__(self) -> None:
         if self.combine not in ("average", "sum"):
             raise TrainerConfigError(f"ElChe combine must be 'average' or 'sum', got {self.combine!r}")
+        if self.windows not in ("planned", "live"):
+            raise TrainerConfigError(f"ElChe windows must be 'planned' or 'live', got {self.windows!r}")
         if not 1 <= self.min_anchor <= self.anchor <= self.max_anchor:
             raise TrainerConfigError(
                 f"ElChe needs 1 <= min_anchor <= anchor <= max_anchor, got "
@@ -117,8 +134,9 @@ def plan_window(ms_per_batch: Sequence[float | None], sync_ms: float | None, pre
             # Whole batches cannot split a short window evenly (3.4 fast batches per slow one run as
             # 3, and the fast worker waits): shrink only as far as the sync and that rounding wait
             # together stay within the target share.
-            while smaller < anchor and (sync_ms + rounding_wait(smaller, ms_per_batch)) / \
-                    (smaller * slow + sync_ms) > cfg.sync_share:
+            # (Live windows have no planned counts to round.)
+            while cfg.windows == "planned" and smaller < anchor and \
+                    (sync_ms + rounding_wait(smaller, ms_per_batch)) / (smaller * slow + sync_ms) > cfg.sync_share:
                 smaller += 1
             anchor = smaller
         anchor = min(max(anchor, cfg.min_anchor), cfg.max_anchor)
@@ -298,6 +316,21 @@ class Comm:
             if dtype == carrier and len(stats):
                 gathered = flat[-self.world * len(stats):].view(self.world, len(stats)).double().cpu()
         return gathered
+
+    def counter(self, key: str, add: int) -> int:
+        """Add ``add`` to the integer at ``key`` on the process group's store; return the new value.
+
+        Atomic across workers (the store serialises it), so ``counter(k, 1) - 1`` hands out
+        0, 1, 2, ... once each; ``add=0`` reads. One round trip to the store's host.
+        """
+        store = dist.distributed_c10d._get_default_store()
+        return int(self._run("updating the window's shared counter", store.add, key, add))
+
+    def drop_keys(self, keys: Sequence[str]) -> None:
+        """Delete store keys no worker reads any more (a closed window's counters)."""
+        store = dist.distributed_c10d._get_default_store()
+        for key in keys:
+            self._run("clearing the window's shared counter", store.delete_key, key)
 
     def any_flag(self, flag: bool) -> bool:
         """True on every worker if it is true on any."""

@@ -254,6 +254,10 @@ class Trainer:
         self._float_buffers = [b for b in self.model.buffers() if b.is_floating_point()]
         self.plan = Plan(self.el_che.anchor, (self.el_che.anchor,) * comm.world) if self.el_che else None
         self._ms: list[float | None] = [None] * comm.world
+        if self.el_che is not None and self.el_che.windows == "live" and comm.world > 1:
+            # Live windows' counters on the store are named after this fit, from worker 0's clock:
+            # a store that outlives the fit (a torchrun restart, fits in a row) never mixes them up.
+            self._run_key = str(int(comm.gather_floats([time.time_ns() % 2**52])[0, 0]))
         self._sync_ema: float | None = None
 
         checkpoint = self._find_resume()
@@ -445,21 +449,27 @@ class Trainer:
         first = True  # the first window after (re)starting: warm-up, and no sync measured yet
         # A fresh adaptive cohort knows no speeds: its first window is one batch per worker, the
         # cheapest measurement (the fast workers wait for one slow batch, not for ``anchor`` of them).
-        probe = comm.world > 1 and self.el_che.adaptive and all(ms is None for ms in self._ms)
+        # Live windows deal batches from a counter on the store (ElChe.windows): no plan, no probe.
+        live = comm.world > 1 and self.el_che.windows == "live"
+        probe = comm.world > 1 and self.el_che.adaptive and not live and all(ms is None for ms in self._ms)
         while not self._done():
             window_start = time.perf_counter()
-            counts = (1,) * comm.world if first and probe else self.plan.counts
-            units = deal(counts, self._unit_batch, self._remaining())
-            # Samples per worker (the averaging weights), known to all from the shared order.
-            sizes = [self._samples_in(self.position + sum(units[:r]), units[r]) for r in range(comm.world)]
-            total = sum(sizes)
-            chunks = self._chunks(self.position + sum(units[:comm.rank]), units[comm.rank], split=True)
+            if live:
+                key = f"flodl-hf/el-che/{self._run_key}/{self.epoch}/{self.position}"
+                chunks = self._live_chunks(key, window_start)
+            else:
+                counts = (1,) * comm.world if first and probe else self.plan.counts
+                units = deal(counts, self._unit_batch, self._remaining())
+                # Samples per worker (the averaging weights), known to all from the shared order.
+                sizes = [self._samples_in(self.position + sum(units[:r]), units[r]) for r in range(comm.world)]
+                chunks = self._chunks(self.position + sum(units[:comm.rank]), units[comm.rank], split=True)
             loss_sum = torch.zeros((), dtype=self._acc_dtype, device=self.device)
-            batches = 0
+            batches = n = 0
             first_done = None  # when the window's first batch ended: later ones are past warm-up
             for chunk in chunks:
                 loss_sum += self._train_batch(chunk).to(self._acc_dtype) * len(chunk)
                 batches += 1
+                n += len(chunk)
                 if first_done is None:
                     self._sync_device()
                     first_done = time.perf_counter()
@@ -470,9 +480,20 @@ class Trainer:
             local_loss = loss_sum.item()
 
             t = time.perf_counter()
-            rows = self._average(sizes[comm.rank], total,
-                                 [batches, sizes[comm.rank], local_loss, compute_ms, prev["collective_ms"],
+            if live:
+                # The averaging weights are known only now: one small all-gather (not for "sum").
+                sizes = (self.comm.gather_floats([n])[:, 0].int().tolist() if self._start() is None
+                         else [n] * comm.world)
+            rows = self._average(n / max(1, sum(sizes)),
+                                 [batches, n, local_loss, compute_ms, prev["collective_ms"],
                                   prev["window_ms"], prev["pause_ms"], *steady, *self._resources.sample()])
+            if live:
+                if comm.rank == 0:  # every worker is past its last read: the window's keys can go
+                    comm.drop_keys([f"{key}/cursor", f"{key}/done"])
+                units_done = int(rows[:, 0 if self._batches is not None else 1].sum())
+                total = int(rows[:, 1].sum())
+            else:
+                units_done, total = sum(units), sum(sizes)
             collective_ms = (time.perf_counter() - t) * 1e3
             timing = None if first else _window_timing(rows[:, 4:7])
             for r in range(comm.world):
@@ -497,8 +518,7 @@ class Trainer:
             self.train_time += wall
             prev = {"collective_ms": collective_ms, "window_ms": wall * 1e3, "pause_ms": pause_ms}
             before = self.step
-            self._advance(sum(units), total)
-            n = sizes[comm.rank]
+            self._advance(units_done, total)
             mine = {"batches": batches, "samples": n, "loss": local_loss / n if n else None,
                     "compute_ms": compute_ms, "ms_per_batch": compute_ms / batches if batches else None,
                     "samples_per_s": n / compute_ms * 1e3 if batches else None,
@@ -508,16 +528,49 @@ class Trainer:
             self._after(before)
             pause_ms = (time.perf_counter() - t) * 1e3
 
-    def _average(self, samples: int, total: int, stats: list[float]) -> torch.Tensor:
+    def _live_chunks(self, key: str, window_start: float):
+        """This worker's batches of a live window (``ElChe(windows="live")``), claimed as it goes.
+
+        The counter at ``key/cursor`` hands out the window's batches in the epoch's order, each
+        once; a worker that has run ``anchor`` batches adds one to ``key/done`` and goes on only
+        while some worker has not, and while the slowest (by the smoothed speeds) is expected to
+        run at least half of one more of its batches. A worker that finds the epoch (or the run)
+        exhausted marks itself done too, so the window always closes.
+        """
+        comm, anchor = self.comm, self.plan.anchor
+        available = math.ceil(self._remaining() / self._unit_batch)
+        known = all(ms is not None for ms in self._ms)
+        slowest_end = window_start + anchor * max(self._ms) / 1e3 if known else None
+        mine = self._ms[comm.rank] if known else None
+        done = marked = 0
+        while True:
+            if done >= anchor:
+                if not marked:
+                    marked = comm.counter(f"{key}/done", 1)
+                if comm.counter(f"{key}/done", 0) >= comm.world:
+                    return
+                if slowest_end is not None and time.perf_counter() + mine / 2e3 > slowest_end:
+                    return  # the others are about to finish: another batch would keep them waiting
+            claim = comm.counter(f"{key}/cursor", 1) - 1
+            if claim >= available:
+                if not marked:
+                    marked = comm.counter(f"{key}/done", 1)
+                return
+            start = claim * self._unit_batch
+            yield from self._chunks(self.position + start, min(self._unit_batch, self._remaining() - start),
+                                    split=True)
+            done += 1
+
+    def _average(self, weight: float, stats: list[float]) -> torch.Tensor:
         """Combine the window: the samples-weighted average of the trainable parameters
-        (``combine="average"``) or the start point plus every worker's change (``"sum"``), the
+        (``combine="average"``, this worker weighing ``weight``) or the start point plus every worker's change (``"sum"``), the
         equal average of float buffers, then the outer step; returns every worker's ``stats``
         row. Integer buffers (position ids, BatchNorm's counter) are taken from worker 0 once,
         at the start, and not combined."""
         comm = self.comm
         start = self._start()
         if start is None:
-            rows = comm.reduce_window([(self.trainable, samples / total),
+            rows = comm.reduce_window([(self.trainable, weight),
                                        (self._float_buffers, 1.0 / comm.world)], stats)
         else:
             with torch.no_grad():
@@ -575,7 +628,9 @@ class Trainer:
                   "worker_samples_per_s": [float(s / c * 1e3) if c > 0 else None
                                            for s, c in zip(samples.tolist(), rows[:, 3].tolist())]}
         if self.plan is not None:
-            rolled.update(anchor=self.plan.anchor, plan=list(self.plan.counts), **timing)
+            rolled.update(anchor=self.plan.anchor, **timing)
+            if self.el_che.windows == "planned" or self.comm.world == 1:  # live windows have no plan
+                rolled["plan"] = list(self.plan.counts)
         self.history.append(rolled)
         self._log.window(rolled, rows, wall, timing)
         if self._bar is not None and rolled["loss"] is not None:

@@ -192,7 +192,9 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
             correct += (out_.logits.argmax(-1) == batch["labels"]).sum().item()
         return {"accuracy": correct / len(held), "eval_loss": loss / len(held)}
 
-    sync = {"fast worker alone": "none", "DDP": "ddp"}.get(arm, ElChe(anchor=2, combine=args["combine"] if arm == "El Che" else "average"))
+    el_che = ElChe(anchor=args["anchor"], combine=args["combine"] if arm == "El Che" else "average",
+                   windows=args["windows"])
+    sync = {"fast worker alone": "none", "DDP": "ddp"}.get(arm, el_che)
     started = time.monotonic()
     trainer = Trainer(model, step, optimizer, train, batch_size=BATCH, epochs=args["epochs"], sync=sync,
                       outer=DiLoCo() if arm == "El Che + DiLoCo" else None, seed=seed, collate_fn=timed_collate,
@@ -364,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop a run after this many seconds of wall time (evaluations included)")
     parser.add_argument("--throttle", choices=["sleep", "cgroup", "both"], default="sleep")
     parser.add_argument("--combine", choices=["sum", "average"], default="sum", help="El Che's combine")
+    parser.add_argument("--windows", choices=["live", "planned"], default="live",
+                        help="El Che's windows: batches dealt as workers go (live) or planned counts")
+    parser.add_argument("--anchor", type=int, default=2, help="El Che's starting anchor (slowest worker's batches)")
     parser.add_argument("--link-rate", default="1gbit", help="the netns cohort's link rate (tc)")
     parser.add_argument("--link-delay", default="5ms", help="the netns cohort's link delay, each way (tc netem)")
     parser.add_argument("--out", type=Path, default=Path("out/bench_trainer"))
@@ -376,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--throttle cgroup needs the cpu controller of cgroup v2 (or v1), writable (root)")
     conf = {"target": args.target, "train": args.train, "held_out": args.held_out, "epochs": args.epochs,
             "eval_every": args.eval_every, "cap": args.cap, "combine": args.combine,
+            "windows": args.windows, "anchor": args.anchor,
             "target_loss": args.target_loss, "link_rate": args.link_rate, "link_delay": args.link_delay}
     load_start = os.getloadavg()[0]
     texts = []

@@ -65,6 +65,8 @@ def test_plan_does_not_shrink_into_windows_that_whole_batches_cannot_fill():
     assert kept == Plan(2, (7, 2))
     # Even speeds split any window evenly: the same cheap sync shrinks it as before.
     assert plan_window([2773.0, 2773.0], 139.0, Plan(2, (2, 2)), ElChe(anchor=2)).anchor == 1
+    # Live windows have no planned counts to round: the cheap sync shrinks them.
+    assert plan_window([801.0, 2773.0], 139.0, Plan(2, (7, 2)), ElChe(anchor=2, windows="live")).anchor == 1
 
 
 def test_plan_anchor_moves_at_most_twofold_per_window():
@@ -369,6 +371,8 @@ def test_evaluations_sit_on_the_training_clock_between_log_points(tmp_path):
     assert abs(times[-1] - train[-1]) < 0.01 and abs(times[3] - train[0]) < 0.01  # the clocks agree
     with pytest.raises(TrainerConfigError, match="combine"):
         ElChe(combine="mean")
+    with pytest.raises(TrainerConfigError, match="windows"):
+        ElChe(windows="dynamic")
 
 
 def test_diloco_identity_in_one_process_equals_plain_local_sgd():

@@ -173,6 +173,20 @@ def _equivalences_and_uneven(rank: int, out: str) -> dict:
     t = run(mlp(), step=slow_step, sync=ElChe(anchor=2), n=250, epochs=1, log_dir=Path(out) / "logs",
             report=True, verify_sync=True)
     result["seen"], result["records"], result["history"] = seen, t.records, t.history
+
+    # Live windows: batches claimed from the store's counter as workers go, the window closed once
+    # both have run the anchor's 2; the sum (and DiLoCo over the average) on the same uneven pair.
+    for name, el_che, outer in (("live_sum", ElChe(anchor=2, windows="live", combine="sum"), None),
+                                ("live_diloco", ElChe(anchor=2, windows="live"), DiLoCo())):
+        seen_live: list[int] = []
+
+        def live_step(model, batch):
+            seen_live.extend(batch[0].tolist())
+            time.sleep(0.010 if rank == 0 else 0.030)
+            return mse_step(model, batch)
+
+        t = run(mlp(), step=live_step, sync=el_che, outer=outer, n=250, epochs=1, verify_sync=True)
+        result[name] = {"seen": seen_live, "history": t.history, "params": flat(t.model)}
     return result
 
 
@@ -248,6 +262,24 @@ def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
         assert [x["batches"] for x in rank] == [w["batches"][r] for w in windows]
     last = [x for x in tree[""] if x["event"] == "train"][-1]
     assert last["ranks"] == last["alive"] == 2 and last["min"]["samples_per_s"]["who"] == f"{host}/rank-1"
+
+    for name in ("live_sum", "live_diloco"):
+        a, b = r0[name], r1[name]
+        # Claimed once each from the counter: every sample trained on exactly once, whoever took it.
+        assert sorted(a["seen"] + b["seen"]) == list(range(250)), name
+        assert torch.equal(a["params"], b["params"]), name  # verify_sync checked every window too
+        live = [w for w in a["history"] if w.get("event") == "train"]
+        assert "plan" not in live[0] and live[-1]["samples"] == 250 and live[-1]["step"] == 32
+        # No probe: the first window is already uneven. Every window but the epoch's last closes when the
+        # slow worker has run the anchor's batches (it never waits past them for the fast one's count).
+        assert live[0]["batches"][0] > live[0]["batches"][1], (name, live[0]["batches"])
+        # (A record's anchor is the next window's: the plan moves after each window.)
+        anchors = [2] + [w["anchor"] for w in live]
+        for w, anchor in zip(live[:-1], anchors):
+            assert w["batches"][1] == anchor, (name, w)
+        fast, slow = (sum(w["batches"][r] for w in live) for r in range(2))
+        print(f"El Che live windows ({name}): fast {fast} vs slow {slow} batches, ratio {fast / slow:.2f}")
+        assert 1.6 <= fast / slow <= 5.0, (name, fast, slow)
 
 
 # ---- scenario 2: a worker dies or stops answering -----------------------------------------------
