@@ -212,6 +212,7 @@ class Comm:
         self.plane, self.plane_device = plane, plane_device
         self.timeout, self.owns_group = timeout, owns_group
         self.same_device_type = True
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}  # reduce_window's, one per dtype
 
     @classmethod
     def connect(cls, device: str | torch.device | None, timeout: float) -> tuple["Comm", torch.device]:
@@ -280,42 +281,62 @@ class Comm:
         """In place: every worker ends with ``sum_r weight_r * x_r``; the weights sum to 1."""
         self.reduce_window([(tensors, weight)])
 
-    def reduce_window(self, parts: Sequence[tuple[Sequence[torch.Tensor], float]],
-                      stats: Sequence[float] = ()) -> torch.Tensor:
+    def reduce_window(self, parts: Sequence[tuple], stats: Sequence[float] = ()) -> torch.Tensor:
         """Weighted sums in place, with every worker's ``stats`` row riding along.
 
         For each ``(tensors, weight)`` part (floating-point tensors), every worker ends with
-        ``sum_r weight_r * x_r``.
+        ``sum_r weight_r * x_r``. A part ``(tensors, weight, starts)`` sums changes instead:
+        every worker ends with ``start + sum_r weight_r * (x_r - start)``, the starts being the
+        same bits on every worker.
         Returns the ``(world, len(stats))`` float64 matrix of all workers' rows. All of it is
         one all-reduce per dtype (low-precision tensors are summed in float32), since on gloo
         each collective costs a millisecond or more whatever its size; and every worker
-        receives the same bits.
+        receives the same bits. The tensors are packed into one buffer per dtype, kept between
+        windows, with the change and the weight computed on the way in and the start added back
+        on the way out: on MiniLM's 22M parameters that is three passes over them, not six.
         """
         row = torch.tensor([list(stats)], dtype=torch.float64)
         if self.world == 1:
             return row
-        groups: dict[torch.dtype, list[tuple[torch.Tensor, float]]] = {}
-        for tensors, weight in parts:
-            for t in tensors:
+        groups: dict[torch.dtype, list[tuple[torch.Tensor, float, torch.Tensor | None]]] = {}
+        for tensors, weight, *rest in parts:
+            starts = rest[0] if rest else [None] * len(tensors)
+            for t, s in zip(tensors, starts, strict=True):
                 wide = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
-                groups.setdefault(wide, []).append((t, weight))
+                groups.setdefault(wide, []).append((t, weight, s))
         if len(stats) and not groups:
             groups[torch.float64] = []
         carrier = torch.float32 if torch.float32 in groups else next(iter(groups), None)
         gathered = row
         for dtype, members in groups.items():
-            pieces = [t.detach().reshape(-1).to(self.plane_device, dtype) * w for t, w in members]
-            if dtype == carrier and len(stats):
-                # Each worker writes its row into its own slots; the sum is then a gather.
-                slots = torch.zeros(self.world, len(stats), dtype=dtype, device=self.plane_device)
-                slots[self.rank] = row[0].to(dtype)
-                pieces.append(slots.reshape(-1))
-            flat = torch.cat(pieces)
+            extra = self.world * len(stats) if dtype == carrier else 0
+            flat = self._buffer(dtype, sum(t.numel() for t, _, _ in members) + extra)
+            offset = 0
+            with torch.no_grad():
+                for t, w, s in members:
+                    _pack(flat[offset:offset + t.numel()], t, w, s)
+                    offset += t.numel()
+                if extra:
+                    # Each worker writes its row into its own slots; the sum is then a gather.
+                    slots = flat[offset:].view(self.world, len(stats))
+                    slots.zero_()
+                    slots[self.rank] = row[0].to(dtype)
             self._run("averaging parameters", dist.all_reduce, flat, dist.ReduceOp.SUM, group=self.plane)
-            _unflatten_into(flat, [t for t, _ in members])
-            if dtype == carrier and len(stats):
-                gathered = flat[-self.world * len(stats):].view(self.world, len(stats)).double().cpu()
+            offset = 0
+            with torch.no_grad():
+                for t, _, s in members:
+                    _unpack(flat[offset:offset + t.numel()], t, s)
+                    offset += t.numel()
+            if extra:
+                gathered = flat[offset:].view(self.world, len(stats)).to("cpu", torch.float64, copy=True)
         return gathered
+
+    def _buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The all-reduce buffer for ``dtype``, kept between windows (one copy of the parameters)."""
+        flat = self._buffers.get(dtype)
+        if flat is None or flat.numel() != numel:
+            flat = self._buffers[dtype] = torch.empty(numel, dtype=dtype, device=self.plane_device)
+        return flat
 
     def counter(self, key: str, add: int) -> int:
         """Add ``add`` to the integer at ``key`` on the process group's store; return the new value.
@@ -358,6 +379,39 @@ def _by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[torch.T
     for t in tensors:
         groups.setdefault(t.dtype, []).append(t)
     return groups
+
+
+def _pack(view: torch.Tensor, t: torch.Tensor, weight: float, start: torch.Tensor | None) -> None:
+    """Write ``weight * t`` (or ``weight * (t - start)``) into the flat buffer's ``view``.
+
+    The same float ops as the unfused ``(t - start).to(dtype) * weight``: a change is taken in
+    ``t``'s own dtype, a weight of 1 multiplies nothing (``x * 1.0`` is ``x``)."""
+    src = t.detach().reshape(-1)
+    if start is not None and (src.dtype != view.dtype or src.device != view.device):
+        t.sub_(start)  # a low-precision change, in its own dtype; the start is added back in _unpack
+        start = None
+        src = t.detach().reshape(-1)
+    if start is not None:
+        torch.sub(src, start.reshape(-1), out=view)
+    elif src.dtype == view.dtype and src.device == view.device and weight != 1.0:
+        torch.mul(src, weight, out=view)
+        return
+    else:
+        view.copy_(src)
+    if weight != 1.0:
+        view.mul_(weight)
+
+
+def _unpack(view: torch.Tensor, t: torch.Tensor, start: torch.Tensor | None) -> None:
+    """Load the reduced ``view`` into ``t``, adding ``start`` back for a sum of changes."""
+    view = view.view(t.shape)
+    if start is None:
+        t.copy_(view)
+    elif view.dtype == t.dtype and view.device == t.device:
+        torch.add(view, start, out=t)
+    else:
+        t.copy_(view)
+        t.add_(start)
 
 
 def _unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:

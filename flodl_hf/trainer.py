@@ -19,7 +19,8 @@ steps once per local batch, so a fast worker takes more of them than a slow one.
 
 Data. Each epoch is ``torch.randperm(len(data))`` from a generator seeded by ``(seed, epoch)``
 (``shuffle=False``: in order). A step or window deals the next stretch of that order to the
-workers, in rank order, each its share (DDP: one batch each; El Che: the plan's batches).
+workers, in rank order, each its share (DDP: one batch each; El Che: the plan's batches;
+El Che with ``windows="live"``: one batch at a time to whichever worker claims it next).
 The last window of an epoch is clamped to what remains, so no sample is skipped or repeated;
 under DDP a worker left without a sample at the tail repeats the epoch's first one.
 
@@ -573,13 +574,9 @@ class Trainer:
             rows = comm.reduce_window([(self.trainable, weight),
                                        (self._float_buffers, 1.0 / comm.world)], stats)
         else:
+            # Each worker's change since the shared start (bits every worker agrees on), summed, added back.
+            rows = comm.reduce_window([(self.trainable, 1.0, start), (self._float_buffers, 1.0 / comm.world)], stats)
             with torch.no_grad():
-                for p, s in zip(self.trainable, start):
-                    p.sub_(s)  # this worker's change since the shared start: bits every worker agrees on
-            rows = comm.reduce_window([(self.trainable, 1.0), (self._float_buffers, 1.0 / comm.world)], stats)
-            with torch.no_grad():
-                for p, s in zip(self.trainable, start):
-                    p.add_(s)
                 if self.outer is None:
                     for p, s in zip(self.trainable, start):
                         s.copy_(p)

@@ -9,7 +9,8 @@ held-out accuracy first reaches ``--target``, and the held-out accuracy then.
 
 Arms, for each cohort: the fast worker alone; DDP; El Che (``combine="sum"``, the default here,
 ``--combine average`` for the other); El Che + DiLoCo (DiLoCo's own form: outer Nesterov SGD on
-the averaged change). Cohorts: ``2x`` (speeds 1 : 1/3), ``3x`` (1 : 1/3 : 1/12, a card behind a
+the averaged change). Both El Che arms run live windows (``--windows live``: batches claimed as
+workers go, the window closed when the slowest has run the anchor) from an anchor of 1 (``--anchor``). Cohorts: ``2x`` (speeds 1 : 1/3), ``3x`` (1 : 1/3 : 1/12, a card behind a
 PCIe x1 riser as in the flodl flagship run), and ``2x-netns``: the 2x pair with each worker a
 host of its own, a network namespace (``flodl_hf.testing.netns``, root), torchrun across a link
 shaped by ``--link-rate`` and ``--link-delay``. Every worker is one process with one thread,
@@ -368,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--combine", choices=["sum", "average"], default="sum", help="El Che's combine")
     parser.add_argument("--windows", choices=["live", "planned"], default="live",
                         help="El Che's windows: batches dealt as workers go (live) or planned counts")
-    parser.add_argument("--anchor", type=int, default=2, help="El Che's starting anchor (slowest worker's batches)")
+    parser.add_argument("--anchor", type=int, default=1, help="El Che's starting anchor (slowest worker's batches)")
     parser.add_argument("--link-rate", default="1gbit", help="the netns cohort's link rate (tc)")
     parser.add_argument("--link-delay", default="5ms", help="the netns cohort's link delay, each way (tc netem)")
     parser.add_argument("--out", type=Path, default=Path("out/bench_trainer"))

@@ -58,7 +58,7 @@ SCRIPT = textwrap.dedent('''
 
     sync = cfg["sync"]
     if sync == "el-che":
-        sync = ElChe(anchor=2, max_anchor=cfg.get("max_anchor", 64))
+        sync = ElChe(anchor=2, max_anchor=cfg.get("max_anchor", 64), windows=cfg.get("windows", "planned"))
     logs = out / ("logs" if node == 0 else f"logs-node{node}")  # no log dir shared between hosts
     t = Trainer(model, step, lambda p: torch.optim.SGD(p, lr=0.02), data, batch_size=4,
                 max_steps=cfg["steps"], sync=sync, outer=DiLoCo() if cfg.get("diloco") else None,
@@ -157,14 +157,18 @@ def test_ddp_two_hosts_equals_two_workers_on_one_host(tmp_path):
     assert _summary(hosts)["summary"]["step"] == 40 and _summary(local)["summary"]["step"] == 40
 
 
-def test_el_che_uneven_hosts_and_one_record_tree(tmp_path):
+@pytest.mark.parametrize("windows", ["planned", "live"])
+def test_el_che_uneven_hosts_and_one_record_tree(tmp_path, windows):
     # Host 1 sleeps 3x as long per batch. verify_sync makes every sync check that both hosts
-    # hold bit-identical parameters (a TrainerError otherwise).
-    _run_cluster(tmp_path, {"sync": "el-che", "steps": 120, "ms": [4, 12]})
-    windows = _windows(_summary(tmp_path))
-    fast, slow = (sum(w["batches"][r] for w in windows[2:]) for r in (0, 1))
-    print(f"El Che, 2 hosts: batches fast {fast}, slow {slow}, ratio {fast / slow:.2f}")
+    # hold bit-identical parameters (a TrainerError otherwise). Live windows claim their batches
+    # from the counter on node 0's store, across the link.
+    _run_cluster(tmp_path, {"sync": "el-che", "steps": 120, "ms": [4, 12], "windows": windows})
+    summary = _summary(tmp_path)
+    windows_ = _windows(summary)
+    fast, slow = (sum(w["batches"][r] for w in windows_[2:]) for r in (0, 1))
+    print(f"El Che ({windows} windows), 2 hosts: batches fast {fast}, slow {slow}, ratio {fast / slow:.2f}")
     assert 1.5 < fast / slow < 6
+    assert summary["summary"]["samples"] == 120 * 2 * 4  # max_steps' data, each sample once
     tree = load_tree(tmp_path / "logs")
     hosts = sorted(p for p in tree if p and "/" not in p)
     # The namespaces share a hostname: the node rank tells the two hosts apart.

@@ -159,6 +159,13 @@ def _equivalences_and_uneven(rank: int, out: str) -> dict:
     n = [3.0, 7.0]
     comm.average_(mine, n[rank] / sum(n))
     result["averaged"] = mine
+    # A sum of changes from a shared start (combine="sum"), packed and unpacked in one buffer.
+    start = [torch.randn(3, 4, generator=torch.Generator().manual_seed(30)),
+             torch.randn(5, generator=torch.Generator().manual_seed(40)).to(torch.bfloat16)]
+    moved = [torch.randn(3, 4, generator=torch.Generator().manual_seed(10 + rank)),
+             torch.randn(5, generator=torch.Generator().manual_seed(20 + rank)).to(torch.bfloat16)]
+    rows = comm.reduce_window([(moved, 1.0, start)], [float(rank), 7.0])
+    result["summed"], result["summed_rows"] = moved, rows
 
     # A worker made 3x slower runs about a third of the fast one's batches; the epoch tail
     # (250 = 62 batches of 4 and 2 samples) ends cleanly; every sample is seen once.
@@ -187,6 +194,11 @@ def _equivalences_and_uneven(rank: int, out: str) -> dict:
 
         t = run(mlp(), step=live_step, sync=el_che, outer=outer, n=250, epochs=1, verify_sync=True)
         result[name] = {"seen": seen_live, "history": t.history, "params": flat(t.model)}
+    # A live run resumes from its checkpoint where it stopped (the data position; not bit for bit).
+    ck = Path(out) / "live-ck"
+    run(mlp(), sync=ElChe(anchor=2, windows="live"), max_steps=8, checkpoint_dir=ck, checkpoint_every=4)
+    t = run(mlp(), sync=ElChe(anchor=2, windows="live"), max_steps=16, checkpoint_dir=ck, verify_sync=True)
+    result["live_resumed"] = (t.resumed_from.name, t.samples, t.step)
     return result
 
 
@@ -240,6 +252,14 @@ def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
             # workers the all-reduce order cannot matter (a + b == b + a), so the bits are the closed form's.
             exact = (xs[0][i].float() * (3 / 10) + xs[1][i].float() * (7 / 10)).to(got.dtype)
             assert torch.equal(got, exact), i
+    # The sum of changes: each change in its own dtype, summed in float32, the start added back.
+    start = [torch.randn(3, 4, generator=torch.Generator().manual_seed(30)),
+             torch.randn(5, generator=torch.Generator().manual_seed(40)).to(torch.bfloat16)]
+    for i in range(2):
+        exact = ((xs[0][i] - start[i]).float() + (xs[1][i] - start[i]).float()).to(start[i].dtype) + start[i]
+        for r in (r0, r1):
+            assert r["summed"][i].dtype == start[i].dtype and torch.equal(r["summed"][i], exact), i
+            assert r["summed_rows"].tolist() == [[0.0, 7.0], [1.0, 7.0]]
 
     assert sorted(r0["seen"] + r1["seen"]) == list(range(250))
     windows = [r for r in r0["history"] if r.get("event") == "train"]
@@ -280,6 +300,7 @@ def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
         fast, slow = (sum(w["batches"][r] for w in live) for r in range(2))
         print(f"El Che live windows ({name}): fast {fast} vs slow {slow} batches, ratio {fast / slow:.2f}")
         assert 1.6 <= fast / slow <= 5.0, (name, fast, slow)
+    assert r0["live_resumed"] == r1["live_resumed"] == ("step-00000008.pt", 128, 16)
 
 
 # ---- scenario 2: a worker dies or stops answering -----------------------------------------------
