@@ -194,6 +194,16 @@ def _equivalences_and_uneven(rank: int, out: str) -> dict:
 
         t = run(mlp(), step=live_step, sync=el_che, outer=outer, n=250, epochs=1, verify_sync=True)
         result[name] = {"seen": seen_live, "history": t.history, "params": flat(t.model)}
+    # Live windows over padding-free batches: the counter hands out whole length batches.
+    seen_length: list[int] = []
+
+    def length_step(model, batch):
+        seen_length.extend(batch[0].tolist())
+        return mse_step(model, batch)
+
+    t = run(mlp(), step=length_step, sync=ElChe(anchor=2, windows="live"), batching="length", max_tokens=12,
+            lengths=[1 + i % 5 for i in range(64)], epochs=1, verify_sync=True)
+    result["live_length"] = (seen_length, t.samples)
     # A live run resumes from its checkpoint where it stopped (the data position; not bit for bit).
     ck = Path(out) / "live-ck"
     run(mlp(), sync=ElChe(anchor=2, windows="live"), max_steps=8, checkpoint_dir=ck, checkpoint_every=4)
@@ -301,6 +311,8 @@ def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
         print(f"El Che live windows ({name}): fast {fast} vs slow {slow} batches, ratio {fast / slow:.2f}")
         assert 1.6 <= fast / slow <= 5.0, (name, fast, slow)
     assert r0["live_resumed"] == r1["live_resumed"] == ("step-00000008.pt", 128, 16)
+    assert sorted(r0["live_length"][0] + r1["live_length"][0]) == list(range(64))
+    assert r0["live_length"][1] == r1["live_length"][1] == 64
 
 
 # ---- scenario 2: a worker dies or stops answering -----------------------------------------------
