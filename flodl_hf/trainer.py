@@ -255,7 +255,9 @@ class Trainer:
         self._float_buffers = [b for b in self.model.buffers() if b.is_floating_point()]
         self.plan = Plan(self.el_che.anchor, (self.el_che.anchor,) * comm.world) if self.el_che else None
         self._ms: list[float | None] = [None] * comm.world
-        if self.el_che is not None and self.el_che.windows == "live" and comm.world > 1:
+        # Live windows deal batches from a counter on the store (ElChe.windows): no plan, no probe.
+        self._live = self.el_che is not None and self.el_che.windows == "live" and comm.world > 1
+        if self._live:
             # Live windows' counters on the store are named after this fit, from worker 0's clock:
             # a store that outlives the fit (a torchrun restart, fits in a row) never mixes them up.
             self._run_key = str(int(comm.gather_floats([time.time_ns() % 2**52])[0, 0]))
@@ -278,9 +280,11 @@ class Trainer:
         self.optimizer = self.optimizer_factory([p for p in self.wrapped.parameters() if p.requires_grad])
         self.scheduler = self.scheduler_factory(self.optimizer) if self.scheduler_factory else None
         self.outer = OuterOptimizer(self.trainable, self.outer_cfg) if self.outer_cfg else None
-        # combine="sum" adds each worker's change to the last shared point; DiLoCo keeps that point.
-        self._sum_start = (None if self.el_che is None or self.el_che.combine != "sum" or self.outer is not None
-                           or comm.world == 1 else [p.detach().clone() for p in self.trainable])
+        # combine="sum" adds each worker's change to the window's shared start: DiLoCo's start when there
+        # is an outer step, else a copy of its own; None for every other combine.
+        summed = self.el_che is not None and self.el_che.combine == "sum" and comm.world > 1
+        self._sum_start = None if not summed else (
+            self.outer.start if self.outer is not None else [p.detach().clone() for p in self.trainable])
         if checkpoint is not None:
             self._restore(state, worker)
         else:
@@ -450,8 +454,7 @@ class Trainer:
         first = True  # the first window after (re)starting: warm-up, and no sync measured yet
         # A fresh adaptive cohort knows no speeds: its first window is one batch per worker, the
         # cheapest measurement (the fast workers wait for one slow batch, not for ``anchor`` of them).
-        # Live windows deal batches from a counter on the store (ElChe.windows): no plan, no probe.
-        live = comm.world > 1 and self.el_che.windows == "live"
+        live = self._live
         probe = comm.world > 1 and self.el_che.adaptive and not live and all(ms is None for ms in self._ms)
         while not self._done():
             window_start = time.perf_counter()
@@ -483,7 +486,7 @@ class Trainer:
             t = time.perf_counter()
             if live:
                 # The averaging weights are known only now: one small all-gather (not for "sum").
-                sizes = (self.comm.gather_floats([n])[:, 0].int().tolist() if self._start() is None
+                sizes = (self.comm.gather_floats([n])[:, 0].int().tolist() if self._sum_start is None
                          else [n] * comm.world)
             rows = self._average(n / max(1, sum(sizes)),
                                  [batches, n, local_loss, compute_ms, prev["collective_ms"],
@@ -543,19 +546,20 @@ class Trainer:
         known = all(ms is not None for ms in self._ms)
         slowest_end = window_start + anchor * max(self._ms) / 1e3 if known else None
         mine = self._ms[comm.rank] if known else None
-        done = marked = 0
+        done, marked = 0, False
         while True:
             if done >= anchor:
-                if not marked:
-                    marked = comm.counter(f"{key}/done", 1)
-                if comm.counter(f"{key}/done", 0) >= comm.world:
+                # Mark this worker done once (the add returns the count), then read the count.
+                finished = comm.counter(f"{key}/done", 0 if marked else 1)
+                marked = True
+                if finished >= comm.world:
                     return
                 if slowest_end is not None and time.perf_counter() + mine / 2e3 > slowest_end:
                     return  # the others are about to finish: another batch would keep them waiting
             claim = comm.counter(f"{key}/cursor", 1) - 1
             if claim >= available:
                 if not marked:
-                    marked = comm.counter(f"{key}/done", 1)
+                    comm.counter(f"{key}/done", 1)
                 return
             start = claim * self._unit_batch
             yield from self._chunks(self.position + start, min(self._unit_batch, self._remaining() - start),
@@ -569,7 +573,7 @@ class Trainer:
         row. Integer buffers (position ids, BatchNorm's counter) are taken from worker 0 once,
         at the start, and not combined."""
         comm = self.comm
-        start = self._start()
+        start = self._sum_start
         if start is None:
             rows = comm.reduce_window([(self.trainable, weight),
                                        (self._float_buffers, 1.0 / comm.world)], stats)
@@ -588,12 +592,6 @@ class Trainer:
             comm.check_identical(list(self.model.parameters()) + self._float_buffers,
                                  f"the sync ending at step {self.step}")
         return rows
-
-    def _start(self) -> list[torch.Tensor] | None:
-        """The window's shared start point for ``combine="sum"``, else None."""
-        if self.el_che is None or self.el_che.combine != "sum" or self.comm.world == 1:
-            return None
-        return self.outer.start if self.outer is not None else self._sum_start
 
     # ---- after each step or window: log, evaluate, checkpoint --------------------------------
     def _crossed(self, before: int, every: int | None) -> bool:
@@ -626,7 +624,7 @@ class Trainer:
                                            for s, c in zip(samples.tolist(), rows[:, 3].tolist())]}
         if self.plan is not None:
             rolled.update(anchor=self.plan.anchor, **timing)
-            if self.el_che.windows == "planned" or self.comm.world == 1:  # live windows have no plan
+            if not self._live:  # live windows have no plan
                 rolled["plan"] = list(self.plan.counts)
         self.history.append(rolled)
         self._log.window(rolled, rows, wall, timing)
