@@ -57,8 +57,9 @@ class ElChe:
     - ``"live"``: batches are claimed one at a time from a counter on the process group's
       store, in the epoch's order, and the window closes once every worker has run ``anchor``
       batches: the slowest sets the length and the others run as many as fit, with no speed
-      estimate needed (no probe). A worker past its ``anchor`` starts another batch only while
-      the slowest is expected to run for at least half of it. Every sample is still trained on
+      estimate needed (no probe). A worker past its ``anchor`` starts another batch only if
+      the window's batches per second gain by it: if it would end less than the window's time
+      per batch after the slowest is expected to (:func:`live_overrun_ms`). Every sample is still trained on
       once per epoch and every worker holds the same parameters after each sync, but which
       worker trains on which batch depends on timing, so runs do not repeat bit for bit.
     """
@@ -147,6 +148,20 @@ def plan_window(ms_per_batch: Sequence[float | None], sync_ms: float | None, pre
             new = old
         counts.append(new)
     return Plan(anchor, tuple(counts))
+
+
+def live_overrun_ms(ms_per_batch: Sequence[float], sync_ms: float | None, anchor: int) -> float:
+    """How long past the slowest worker's expected end a live window may run for one more batch.
+
+    One more batch adds one batch to the window's ``W`` and ``overrun`` milliseconds to its length
+    ``T`` (the others wait), so it raises the cohort's batches per second, ``(W + 1) / (T + overrun)``
+    against ``W / T``, exactly when ``overrun < T / W``: the window's time per batch. ``T`` is
+    ``anchor`` batches of the slowest plus the sync, ``W`` every worker's share of that time.
+    Pure, like :func:`plan_window`: every worker computes it from the same smoothed speeds.
+    """
+    window = anchor * max(ms_per_batch)
+    batches = sum(window / ms for ms in ms_per_batch)
+    return (window + (sync_ms or 0.0)) / batches
 
 
 def rounding_wait(anchor: int, ms_per_batch: Sequence[float]) -> float:

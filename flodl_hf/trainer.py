@@ -90,7 +90,7 @@ import torch
 from torch import nn
 
 from .distributed import (Comm, DiLoCo, ElChe, OuterOptimizer, Plan, TrainerConfigError, TrainerError,
-                          WorkerLostError, deal, plan_window)
+                          WorkerLostError, deal, live_overrun_ms, plan_window)
 from . import checkpoint_schema, lora
 from .errors import InputError
 
@@ -537,8 +537,9 @@ class Trainer:
 
         The counter at ``key/cursor`` hands out the window's batches in the epoch's order, each
         once; a worker that has run ``anchor`` batches adds one to ``key/done`` and goes on only
-        while some worker has not, and while the slowest (by the smoothed speeds) is expected to
-        run at least half of one more of its batches. A worker that finds the epoch (or the run)
+        while some worker has not, and while one more batch of its own would end less than
+        :func:`~flodl_hf.distributed.live_overrun_ms` after the slowest's expected end (by the
+        smoothed speeds): the overrun that still raises the window's batches per second. A worker that finds the epoch (or the run)
         exhausted marks itself done too, so the window always closes.
         """
         comm, anchor = self.comm, self.plan.anchor
@@ -546,6 +547,8 @@ class Trainer:
         known = all(ms is not None for ms in self._ms)
         slowest_end = window_start + anchor * max(self._ms) / 1e3 if known else None
         mine = self._ms[comm.rank] if known else None
+        # One more batch pays while it ends within the window's time per batch of the slowest's end.
+        allowed = live_overrun_ms(self._ms, self._sync_ema, anchor) if known else None
         done, marked = 0, False
         while True:
             if done >= anchor:
@@ -554,8 +557,8 @@ class Trainer:
                 marked = True
                 if finished >= comm.world:
                     return
-                if slowest_end is not None and time.perf_counter() + mine / 2e3 > slowest_end:
-                    return  # the others are about to finish: another batch would keep them waiting
+                if slowest_end is not None and time.perf_counter() + (mine - allowed) / 1e3 > slowest_end:
+                    return  # another batch would keep the others waiting longer than it is worth
             claim = comm.counter(f"{key}/cursor", 1) - 1
             if claim >= available:
                 if not marked:

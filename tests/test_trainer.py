@@ -69,6 +69,26 @@ def test_plan_does_not_shrink_into_windows_that_whole_batches_cannot_fill():
     assert plan_window([801.0, 2773.0], 139.0, Plan(2, (7, 2)), ElChe(anchor=2, windows="live")).anchor == 1
 
 
+def test_live_overrun_is_where_one_more_batch_stops_paying():
+    # Measured on MiniLM at 3 : 1: fast 801 ms, slow 2773 ms per batch, sync 139 ms. A window of one slow
+    # batch holds 2773/801 + 1 batches in 2773 + 139 ms; one more batch that overruns the slowest's end by
+    # d raises batches per second exactly while d is under the window's time per batch.
+    from flodl_hf.distributed import live_overrun_ms
+    ms, sync = [801.0, 2773.0], 139.0
+    allowed = live_overrun_ms(ms, sync, 1)
+    batches, length = 2773 / 801 + 1, 2773 + sync
+    assert allowed == pytest.approx(length / batches)
+    assert 0.5 * 801 < allowed < 801  # the old rule (half a batch) stopped short of it
+    for d in (0.9 * allowed, 0.99 * allowed):
+        assert (batches + 1) / (length + d) > batches / length
+    for d in (1.01 * allowed, 1.1 * allowed):
+        assert (batches + 1) / (length + d) < batches / length
+    # Longer windows and more workers: the same rule, from the whole cohort's share of the window.
+    three = [801.0, 2400.0, 9600.0]
+    assert live_overrun_ms(three, None, 2) == pytest.approx(2 * 9600 / sum(2 * 9600 / m for m in three))
+    assert live_overrun_ms(three, 500.0, 2) > live_overrun_ms(three, 0.0, 2)
+
+
 def test_plan_anchor_moves_at_most_twofold_per_window():
     assert plan_window([10.0, 10.0], 500.0, Plan(4, (4, 4)), CFG).anchor == 8
     assert plan_window([10.0, 10.0], 0.0, Plan(12, (12, 12)), CFG).anchor == 6
