@@ -62,6 +62,16 @@ class ElChe:
       per batch after the slowest is expected to (:func:`live_overrun_ms`). Every sample is still trained on
       once per epoch and every worker holds the same parameters after each sync, but which
       worker trains on which batch depends on timing, so runs do not repeat bit for bit.
+
+    ``compress="bf16"`` sends each worker's change of the trainable parameters since the
+    window's start in bfloat16, half the bytes of float32 (torch's ``bf16_compress_hook`` does
+    this for DDP's gradients): for hosts behind a slow link. What bfloat16 cannot carry of a
+    worker's change stays with that worker (error feedback) and goes out with its next window's,
+    so no change is lost, only delayed; the sum of the workers' bfloat16 changes is rounded to
+    bfloat16 once more, not fed back. Every worker still ends a sync with the same bits. It
+    keeps two more float32 copies of the trainable parameters (the start and the carried
+    remainder) and costs four passes over them per sync, so on a fast link it saves little.
+    ``None`` (the default) sends full precision.
     """
 
     anchor: int = 4
@@ -73,12 +83,15 @@ class ElChe:
     adaptive: bool = True
     combine: str = "average"
     windows: str = "planned"
+    compress: str | None = None
 
     def __post_init__(self) -> None:
         if self.combine not in ("average", "sum"):
             raise TrainerConfigError(f"ElChe combine must be 'average' or 'sum', got {self.combine!r}")
         if self.windows not in ("planned", "live"):
             raise TrainerConfigError(f"ElChe windows must be 'planned' or 'live', got {self.windows!r}")
+        if self.compress not in (None, "bf16"):
+            raise TrainerConfigError(f"ElChe compress must be None or 'bf16', got {self.compress!r}")
         if not 1 <= self.min_anchor <= self.anchor <= self.max_anchor:
             raise TrainerConfigError(
                 f"ElChe needs 1 <= min_anchor <= anchor <= max_anchor, got "
@@ -302,7 +315,10 @@ class Comm:
         For each ``(tensors, weight)`` part (floating-point tensors), every worker ends with
         ``sum_r weight_r * x_r``. A part ``(tensors, weight, starts)`` sums changes instead:
         every worker ends with ``start + sum_r weight_r * (x_r - start)``, the starts being the
-        same bits on every worker.
+        same bits on every worker. A part ``(tensors, weight, starts, residuals)`` sends its
+        changes in bfloat16 (``ElChe(compress="bf16")``): each worker sends ``c_r =
+        bf16(weight_r * (x_r - start) + residual_r)``, keeps ``residual_r`` (float32, its own)
+        as what that rounding left out, and every worker ends with ``start + bf16(sum_r c_r)``.
         Returns the ``(world, len(stats))`` float64 matrix of all workers' rows. All of it is
         one all-reduce per dtype (low-precision tensors are summed in float32), since on gloo
         each collective costs a millisecond or more whatever its size; and every worker
@@ -313,23 +329,34 @@ class Comm:
         row = torch.tensor([list(stats)], dtype=torch.float64)
         if self.world == 1:
             return row
-        groups: dict[torch.dtype, list[tuple[torch.Tensor, float, torch.Tensor | None]]] = {}
+        groups: dict[torch.dtype, list[tuple]] = {}
         for tensors, weight, *rest in parts:
             starts = rest[0] if rest else [None] * len(tensors)
-            for t, s in zip(tensors, starts, strict=True):
-                wide = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
-                groups.setdefault(wide, []).append((t, weight, s))
-        if len(stats) and not groups:
-            groups[torch.float64] = []
-        carrier = torch.float32 if torch.float32 in groups else next(iter(groups), None)
+            residuals = rest[1] if len(rest) > 1 else [None] * len(tensors)
+            for t, s, r in zip(tensors, starts, residuals, strict=True):
+                if r is not None:
+                    if s is None:
+                        raise ValueError("a compressed part sends changes: it needs its starts")
+                    wire = torch.bfloat16  # the compressed changes travel in a buffer of their own
+                else:
+                    wire = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+                groups.setdefault(wire, []).append((t, weight, s, r))
+        # The stats ride in full precision: float32 (or float64) parameters' buffer, else their own.
+        carrier = next((d for d in (torch.float32, torch.float64) if d in groups), None)
+        if len(stats) and carrier is None:
+            carrier = torch.float64
+            groups[carrier] = []
         gathered = row
         for dtype, members in groups.items():
             extra = self.world * len(stats) if dtype == carrier else 0
-            flat = self._buffer(dtype, sum(t.numel() for t, _, _ in members) + extra)
+            flat = self._buffer(dtype, sum(m[0].numel() for m in members) + extra)
             offset = 0
             with torch.no_grad():
-                for t, w, s in members:
-                    _pack(flat[offset:offset + t.numel()], t, w, s)
+                for t, w, s, r in members:
+                    if r is None:
+                        _pack(flat[offset:offset + t.numel()], t, w, s)
+                    else:
+                        _pack_carried(flat[offset:offset + t.numel()], t, w, s, r)
                     offset += t.numel()
                 if extra:
                     # Each worker writes its row into its own slots; the sum is then a gather.
@@ -339,7 +366,7 @@ class Comm:
             self._run("averaging parameters", dist.all_reduce, flat, dist.ReduceOp.SUM, group=self.plane)
             offset = 0
             with torch.no_grad():
-                for t, _, s in members:
+                for t, _, s, _ in members:
                     _unpack(flat[offset:offset + t.numel()], t, s)
                     offset += t.numel()
             if extra:
@@ -415,6 +442,23 @@ def _pack(view: torch.Tensor, t: torch.Tensor, weight: float, start: torch.Tenso
         view.copy_(src)
     if weight != 1.0:
         view.mul_(weight)
+
+
+def _pack_carried(view: torch.Tensor, t: torch.Tensor, weight: float, start: torch.Tensor,
+                  residual: torch.Tensor) -> None:
+    """Write ``weight * (t - start)`` plus what earlier windows left in ``residual`` into the
+    low-precision ``view``, and keep in ``residual`` (float32) what the rounding leaves out.
+
+    The change is taken in ``t``'s dtype, widened, weighted and added to the carried remainder in
+    float32; ``residual - view`` is then exact (a float32 minus its own rounding to bfloat16 fits
+    float32), so the sends add up to the changes over the run, less the last remainder."""
+    change = torch.sub(t.detach().reshape(-1), start.reshape(-1)).to(torch.float32)
+    carried = residual.view(-1)
+    if weight != 1.0:
+        change.mul_(weight)
+    carried.add_(change)
+    view.copy_(carried)
+    carried.sub_(view)
 
 
 def _unpack(view: torch.Tensor, t: torch.Tensor, start: torch.Tensor | None) -> None:

@@ -280,11 +280,16 @@ class Trainer:
         self.optimizer = self.optimizer_factory([p for p in self.wrapped.parameters() if p.requires_grad])
         self.scheduler = self.scheduler_factory(self.optimizer) if self.scheduler_factory else None
         self.outer = OuterOptimizer(self.trainable, self.outer_cfg) if self.outer_cfg else None
-        # combine="sum" adds each worker's change to the window's shared start: DiLoCo's start when there
-        # is an outer step, else a copy of its own; None for every other combine.
-        summed = self.el_che is not None and self.el_che.combine == "sum" and comm.world > 1
-        self._sum_start = None if not summed else (
+        # combine="sum" adds each worker's change to the window's shared start, and compress="bf16" sends
+        # changes whatever the combine: DiLoCo's start when there is an outer step, else a copy of its
+        # own; None when the sync sends the parameters themselves.
+        el_che = self.el_che if comm.world > 1 else None
+        changes = el_che is not None and (el_che.combine == "sum" or el_che.compress is not None)
+        self._start = None if not changes else (
             self.outer.start if self.outer is not None else [p.detach().clone() for p in self.trainable])
+        # What bfloat16 did not carry of this worker's changes yet (ElChe.compress), sent with the next.
+        self._carried = ([torch.zeros_like(p, dtype=torch.float32) for p in self.trainable]
+                         if el_che is not None and el_che.compress is not None else None)
         if checkpoint is not None:
             self._restore(state, worker)
         else:
@@ -486,7 +491,7 @@ class Trainer:
             t = time.perf_counter()
             if live:
                 # The averaging weights are known only now: one small all-gather (not for "sum").
-                sizes = (self.comm.gather_floats([n])[:, 0].int().tolist() if self._sum_start is None
+                sizes = (self.comm.gather_floats([n])[:, 0].int().tolist() if self.el_che.combine == "average"
                          else [n] * comm.world)
             rows = self._average(n / max(1, sum(sizes)),
                                  [batches, n, local_loss, compute_ms, prev["collective_ms"],
@@ -574,15 +579,20 @@ class Trainer:
         (``combine="average"``, this worker weighing ``weight``) or the start point plus every worker's change (``"sum"``), the
         equal average of float buffers, then the outer step; returns every worker's ``stats``
         row. Integer buffers (position ids, BatchNorm's counter) are taken from worker 0 once,
-        at the start, and not combined."""
+        at the start, and not combined. ``compress="bf16"`` sends the (weighted) changes since
+        the start in bfloat16, with what it leaves out carried to the next window."""
         comm = self.comm
-        start = self._sum_start
+        start = self._start
         if start is None:
             rows = comm.reduce_window([(self.trainable, weight),
                                        (self._float_buffers, 1.0 / comm.world)], stats)
         else:
-            # Each worker's change since the shared start (bits every worker agrees on), summed, added back.
-            rows = comm.reduce_window([(self.trainable, 1.0, start), (self._float_buffers, 1.0 / comm.world)], stats)
+            # Each worker's change since the shared start (bits every worker agrees on), summed, added back;
+            # an average weighs the changes (the weights sum to one, so it is the weighted mean).
+            part = (self.trainable, 1.0 if self.el_che.combine == "sum" else weight, start)
+            if self._carried is not None:
+                part += (self._carried,)
+            rows = comm.reduce_window([part, (self._float_buffers, 1.0 / comm.world)], stats)
             with torch.no_grad():
                 if self.outer is None:
                     for p, s in zip(self.trainable, start):
@@ -673,6 +683,8 @@ class Trainer:
         comm, directory = self.comm, self.checkpoint_dir
         name = f"step-{self.step:08d}"
         worker = {"rng": _rng_state(self.device), "batches": self.batches}
+        if self._carried is not None:
+            worker["carried"] = [c.clone() for c in self._carried]  # this worker's own, like its optimizer
         if self.sync != "ddp" or comm.rank == 0:
             worker["optimizer"] = self.optimizer.state_dict()
             worker["scheduler"] = self.scheduler.state_dict() if self.scheduler is not None else None
@@ -726,7 +738,7 @@ class Trainer:
         if state["world_size"] != world:
             warnings.warn(f"{path}: written by {state['world_size']} workers, resumed by {world}: data position "
                           "is kept, per-worker optimizer and RNG states are not, so the run is not bit-exact")
-            worker = {k: v for k, v in worker.items() if k != "rng"}
+            worker = {k: v for k, v in worker.items() if k not in ("rng", "carried")}
             state["el_che"] = None
         elif rank > 0:
             side = path.with_name(f"{path.stem}.rank-{rank}.pt")
@@ -747,6 +759,13 @@ class Trainer:
             el = state["el_che"]
             self.plan = Plan(el["anchor"], tuple(el["counts"]))
             self._ms = list(el["ms_per_batch"])
+        if self._carried is not None and worker.get("carried") is not None:
+            carried = worker["carried"]
+            if len(carried) != len(self._carried) or any(c.shape != m.shape for c, m in zip(carried, self._carried)):
+                raise TrainerError(f"{self.resumed_from}: the checkpoint's compressed remainder does not fit this model")
+            with torch.no_grad():
+                for mine, saved in zip(self._carried, carried):
+                    mine.copy_(saved)
         if "rng" in worker:
             _set_rng_state(worker["rng"], self.device)
         else:

@@ -4,7 +4,9 @@ Side by side in one run, on the same tensors: the packed sum of changes the trai
 (``combine="sum"``: the change written straight into a buffer kept between windows, the start
 added back on the way out) against the unfused form it replaced (subtract in place, multiply by
 the weight, concatenate, all-reduce, copy back, add the start). Both give the same bits; the
-script checks that, then prints the median milliseconds of each and their ratio.
+script checks that, then prints the median milliseconds of each and their ratio. It also times
+``ElChe(compress="bf16")``'s sync (the changes sent in bfloat16, the remainder carried), and
+how far its result lands from the float32 one.
 
     python scripts/bench_sync.py                 # 22.7M float32 parameters (all-MiniLM-L6-v2), 15 rounds
     python scripts/bench_sync.py --params 110e6  # BERT-base
@@ -68,7 +70,12 @@ def worker(rank: int, port: int, total: int, rounds: int, out: str) -> None:
     comm.reduce_window([(a, 1.0, start)], stats)
     unfused(comm, b, start, stats)
     same = all(torch.equal(x, y) for x, y in zip(a, b))
-    times = {"packed": [], "unfused": []}
+    carried = [torch.zeros_like(t) for t in moved]
+    c = [t.clone() for t in moved]
+    comm.reduce_window([(c, 1.0, start, carried)], stats)
+    off = max((x - y).abs().max().item() for x, y in zip(a, c))
+    change = max((x - s).abs().max().item() for x, s in zip(a, start))
+    times = {"packed": [], "unfused": [], "bf16": []}
     with torch.no_grad():
         for _ in range(rounds):
             for name in times:
@@ -77,15 +84,19 @@ def worker(rank: int, port: int, total: int, rounds: int, out: str) -> None:
                 t0 = time.perf_counter()
                 if name == "packed":
                     comm.reduce_window([(params, 1.0, start)], stats)
+                elif name == "bf16":
+                    comm.reduce_window([(params, 1.0, start, carried)], stats)
                 else:
                     unfused(comm, params, start, stats)
                 times[name].append((time.perf_counter() - t0) * 1e3)
     if rank == 0:
-        packed, plain = statistics.median(times["packed"]), statistics.median(times["unfused"])
+        packed, plain, half = (statistics.median(times[k]) for k in ("packed", "unfused", "bf16"))
         n = sum(t.numel() for t in start)
         Path(out).write_text(f"{n / 1e6:.1f}M float32 parameters, 2 workers (gloo, 127.0.0.1), {rounds} rounds: "
                              f"packed {packed:.0f} ms, unfused {plain:.0f} ms, ratio {packed / plain:.2f}; "
-                             f"same bits: {same}\n")
+                             f"same bits: {same}\n"
+                             f"compress='bf16': {half:.0f} ms ({half / packed:.2f}x packed); max abs off the float32 "
+                             f"sum {off:.1e}, where the summed change reaches {change:.1e}\n")
     dist.barrier()
     os._exit(0)
 

@@ -194,7 +194,7 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
         return {"accuracy": correct / len(held), "eval_loss": loss / len(held)}
 
     el_che = ElChe(anchor=args["anchor"], combine=args["combine"] if arm == "El Che" else "average",
-                   windows=args["windows"], sync_share=args.get("sync_share", 0.10))
+                   windows=args["windows"], sync_share=args.get("sync_share", 0.10), compress=args.get("compress"))
     sync = {"fast worker alone": "none", "DDP": "ddp"}.get(arm, el_che)
     started = time.monotonic()
     trainer = Trainer(model, step, optimizer, train, batch_size=BATCH, epochs=args["epochs"], sync=sync,
@@ -372,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--anchor", type=int, default=1, help="El Che's starting anchor (slowest worker's batches)")
     parser.add_argument("--sync-share", type=float, default=0.10,
                         help="El Che's sync_share: the anchor grows while the sync takes more of a window")
+    parser.add_argument("--compress", choices=["bf16"], default=None,
+                        help="El Che's compress: the changes sent in bfloat16 (for a slow link)")
     parser.add_argument("--link-rate", default="1gbit", help="the netns cohort's link rate (tc)")
     parser.add_argument("--link-delay", default="5ms", help="the netns cohort's link delay, each way (tc netem)")
     parser.add_argument("--out", type=Path, default=Path("out/bench_trainer"))
@@ -384,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--throttle cgroup needs the cpu controller of cgroup v2 (or v1), writable (root)")
     conf = {"target": args.target, "train": args.train, "held_out": args.held_out, "epochs": args.epochs,
             "eval_every": args.eval_every, "cap": args.cap, "combine": args.combine,
-            "windows": args.windows, "anchor": args.anchor, "sync_share": args.sync_share,
+            "windows": args.windows, "anchor": args.anchor, "sync_share": args.sync_share, "compress": args.compress,
             "target_loss": args.target_loss, "link_rate": args.link_rate, "link_delay": args.link_delay}
     load_start = os.getloadavg()[0]
     texts = []

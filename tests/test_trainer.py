@@ -393,6 +393,8 @@ def test_evaluations_sit_on_the_training_clock_between_log_points(tmp_path):
         ElChe(combine="mean")
     with pytest.raises(TrainerConfigError, match="windows"):
         ElChe(windows="dynamic")
+    with pytest.raises(TrainerConfigError, match="compress"):
+        ElChe(compress="fp8")
 
 
 def test_diloco_identity_in_one_process_equals_plain_local_sgd():

@@ -166,6 +166,34 @@ def _equivalences_and_uneven(rank: int, out: str) -> dict:
              torch.randn(5, generator=torch.Generator().manual_seed(20 + rank)).to(torch.bfloat16)]
     rows = comm.reduce_window([(moved, 1.0, start)], [float(rank), 7.0])
     result["summed"], result["summed_rows"] = moved, rows
+    # The same changes sent in bfloat16 (compress="bf16"), weighted, with a remainder carried in.
+    compressed = [torch.randn(3, 4, generator=torch.Generator().manual_seed(10 + rank)),
+                  torch.randn(5, generator=torch.Generator().manual_seed(20 + rank)).to(torch.bfloat16)]
+    carried = [torch.randn(3, 4, generator=torch.Generator().manual_seed(50 + rank)) * 1e-3,
+               torch.randn(5, generator=torch.Generator().manual_seed(60 + rank)) * 1e-3]
+    rows = comm.reduce_window([(compressed, 0.25 if rank == 0 else 0.75, start, carried)], [float(rank), 3.0])
+    result["compressed"], result["carried"], result["compressed_rows"] = compressed, carried, rows
+
+    # compress="bf16" in the trainer: planned windows of 3 batches each, so a run is deterministic and
+    # a resumed one (its carried remainder restored from each worker's checkpoint) repeats it.
+    def bf16_run(**kw):
+        return run(mlp(), sync=ElChe(anchor=3, adaptive=False, combine="sum", compress="bf16"),
+                   opt=lambda params: torch.optim.AdamW(params, lr=1e-3), verify_sync=True, **kw)
+
+    full = run(mlp(), sync=ElChe(anchor=3, adaptive=False, combine="sum"),
+               opt=lambda params: torch.optim.AdamW(params, lr=1e-3), max_steps=12)
+    straight = bf16_run(max_steps=12)
+    ck = Path(out) / "bf16-ck"
+    bf16_run(max_steps=6, checkpoint_dir=ck, checkpoint_every=3)
+    resumed = bf16_run(max_steps=12, checkpoint_dir=ck)
+    side = torch.load(ck / "step-00000006.pt" if rank == 0 else ck / "step-00000006.rank-1.pt",
+                      weights_only=False)["worker"]
+    result["bf16"] = {"full": flat(full.model), "straight": flat(straight.model), "resumed": flat(resumed.model),
+                      "from": resumed.resumed_from.name, "carried_max": max(c.abs().max().item() for c in side["carried"])}
+    averaged = run(mlp(), sync=ElChe(anchor=3, adaptive=False, compress="bf16"), outer=DiLoCo(), max_steps=12,
+                   verify_sync=True)
+    plain_avg = run(mlp(), sync=ElChe(anchor=3, adaptive=False), outer=DiLoCo(), max_steps=12)
+    result["bf16_diloco"] = (flat(averaged.model), flat(plain_avg.model))
 
     # A worker made 3x slower runs about a third of the fast one's batches; the epoch tail
     # (250 = 62 batches of 4 and 2 samples) ends cleanly; every sample is seen once.
@@ -270,6 +298,39 @@ def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
         for r in (r0, r1):
             assert r["summed"][i].dtype == start[i].dtype and torch.equal(r["summed"][i], exact), i
             assert r["summed_rows"].tolist() == [[0.0, 7.0], [1.0, 7.0]]
+
+    # bfloat16 changes: each worker sends bf16(weight * change + carried), keeps what the rounding left out
+    # (exactly: a float32 minus its own bfloat16 rounding), and every worker adds bf16(sum of sends).
+    weights, sends, kept = (0.25, 0.75), [], []
+    for r in range(2):
+        carried_in = [torch.randn(3, 4, generator=torch.Generator().manual_seed(50 + r)) * 1e-3,
+                      torch.randn(5, generator=torch.Generator().manual_seed(60 + r)) * 1e-3]
+        values = [c + (x - s).float() * weights[r] for c, x, s in zip(carried_in, xs[r], start)]
+        sends.append([v.to(torch.bfloat16) for v in values])
+        kept.append([v - b.float() for v, b in zip(values, sends[-1])])
+    for i in range(2):
+        total = (sends[0][i].float() + sends[1][i].float()).to(torch.bfloat16)
+        exact = total.to(start[i].dtype) + start[i]
+        for r, res in enumerate((r0, r1)):
+            assert torch.equal(res["compressed"][i], exact), i
+            assert torch.equal(res["carried"][i], kept[r][i]), i
+            assert res["carried"][i].abs().max() > 0  # rounding left something to carry
+            assert res["compressed_rows"].tolist() == [[0.0, 3.0], [1.0, 3.0]]  # the stats in full precision
+        # What is carried is less than half a bfloat16 step of what was sent.
+        assert bool((kept[0][i].abs() <= sends[0][i].float().abs() * 2 ** -8 + 1e-30).all())
+    b0, b1 = r0["bf16"], r1["bf16"]
+    assert torch.equal(b0["straight"], b1["straight"]) and torch.equal(b0["resumed"], b1["resumed"])
+    assert b0["from"] == "step-00000006.pt" and b0["carried_max"] > 0 and b1["carried_max"] > 0
+    assert torch.equal(b0["resumed"], b0["straight"])  # the remainder came back from the checkpoint
+    drift = (b0["straight"] - b0["full"]).abs().max().item()
+    assert 0 < drift < 1e-4, drift  # not the float32 run's bits, but close: nothing was dropped
+    compressed_avg, plain_avg = r0["bf16_diloco"]
+    assert torch.equal(compressed_avg, r1["bf16_diloco"][0])
+    # DiLoCo's outer momentum (SGD at lr 0.1 inside) moves further per window: the same bound, relative.
+    moved_by = (plain_avg - flat(mlp())).abs().max().item()
+    off = (compressed_avg - plain_avg).abs().max().item()
+    print(f"bf16 changes: {drift:.1e} off float32 (sum, AdamW); DiLoCo {off:.1e}, parameters moved {moved_by:.1e}")
+    assert 0 < off < 0.01 * moved_by, (off, moved_by)
 
     assert sorted(r0["seen"] + r1["seen"]) == list(range(250))
     windows = [r for r in r0["history"] if r.get("event") == "train"]
