@@ -1,0 +1,214 @@
+"""What a window's combine costs in samples, measured without any timing: El Che's windows replayed
+in one process.
+
+``scripts/bench_trainer.py`` measures time to a target, where the cohort's batch rate and its
+per-sample progress are mixed with timing noise. This script isolates the second. It replays a
+3 : 1 cohort's windows in one process, in turn: each window, the "fast" worker runs 3 batches and
+the "slow" one 1 (``--pattern``), both from the window's start. The batches come from the epoch's
+order, exactly as the fast worker alone would see them. It then reports the samples needed to reach
+the held-out loss target (``--target-loss``), interpolated between evaluations at every window's
+end, for each way of combining a window (``--variants``):
+
+- ``seq``: one worker runs every batch in a row (the fast worker alone: the reference);
+- ``stale``: one optimizer, but each window's last batch takes its gradient at the window's start:
+  the staleness a window costs, with nothing else changed;
+- ``sum``: El Che's ``combine="sum"``: each worker has its own AdamW, and the window's start plus
+  both changes is the next start;
+- ``sum-state``: ``sum``, and the optimizers' moments combined in the same way (``beta**n`` decay of
+  the start's moments, plus each worker's own additions; the step counts summed), so that both
+  workers start each window with the same optimizer state, as one worker running the window
+  would have it.
+
+The task is bench_trainer's: MiniLM (``samples/minilm``) with a fresh 2-label head, SMS spam,
+3,000 training messages and 500 held out, AdamW lr 5e-5, batch 16, texts cut at 64 tokens.
+
+    python scripts/sim_el_che.py                       # 6 seeds x 4 variants, both cores (about 15 min)
+    python scripts/sim_el_che.py --seeds 2 --variants seq sum
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+import statistics
+import subprocess
+import sys
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+VARIANTS = ("seq", "stale", "sum", "sum-state")
+BATCH, LR = 16, 5e-5
+
+
+def crossing(history: list[tuple[int, float]], target: float) -> float | None:
+    """Samples at which the held-out loss first reaches ``target``, linear between evaluations."""
+    prev = None
+    for samples, loss in history:
+        if loss <= target:
+            return float(samples) if prev is None else prev[0] + (prev[1] - target) / (prev[1] - loss) * (samples - prev[0])
+        prev = (samples, loss)
+    return None
+
+
+def replay(variant: str, seed: int, pattern: tuple[int, ...], target: float, max_batches: int) -> dict:
+    """One run of ``variant``: the held-out loss after every window, until under ``target`` (by 0.015)."""
+    import torch
+    import bench_trainer as bt
+    from flodl_hf import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained("samples/minilm")
+    train_rows, held_rows = bt.load_sms(3000, 500)
+    train, held = bt.encode(tok, train_rows), bt.encode(tok, held_rows)
+    held.sort(key=lambda item: len(item[0]))
+    torch.manual_seed(seed)  # the fresh head, as in bench_trainer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForSequenceClassification.from_pretrained("samples/minilm", num_labels=2)
+    order = list(range(len(train)))
+    random.Random(seed).shuffle(order)
+    batches = [[train[i] for i in order[j:j + BATCH]] for j in range(0, len(order), BATCH)]
+
+    @torch.no_grad()
+    def evaluate(m) -> float:
+        m.eval()
+        loss = 0.0
+        for i in range(0, len(held), 64):
+            batch = bt.collate(held[i:i + 64])
+            loss += m(**batch).loss.item() * len(batch["labels"])
+        m.train()
+        return loss / len(held)
+
+    def train_step(m, opt, items) -> None:
+        m(**bt.collate(items)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    workers = 1 if variant in ("seq", "stale") else len(pattern)
+    models = [model] + [copy.deepcopy(model) for _ in range(workers - 1)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
+    for m in models:
+        m.train()
+    torch.manual_seed(seed + 1)  # dropout
+    window, position, history = sum(pattern), 0, []
+    while position + window <= max_batches:
+        if variant == "seq":
+            for _ in range(window):
+                train_step(models[0], opts[0], batches[position])
+                position += 1
+        elif variant == "stale":
+            m, opt = models[0], opts[0]
+            m(**bt.collate(batches[position + window - 1])).loss.backward()  # at the window's start
+            stale = [p.grad.clone() for p in m.parameters()]
+            opt.zero_grad()
+            for _ in range(window - 1):
+                train_step(m, opt, batches[position])
+                position += 1
+            for p, g in zip(m.parameters(), stale):
+                p.grad = g
+            opt.step()
+            opt.zero_grad()
+            position += 1
+        else:
+            start = [p.detach().clone() for p in models[0].parameters()]
+            state_start = copy.deepcopy(opts[0].state_dict()["state"])
+            for m, opt, count in zip(models, opts, pattern):
+                for _ in range(count):
+                    train_step(m, opt, batches[position])
+                    position += 1
+            with torch.no_grad():
+                shared = [s.clone() for s in start]
+                for m in models:
+                    for total, p, s in zip(shared, m.parameters(), start):
+                        total += p - s
+                for m in models:
+                    for p, total in zip(m.parameters(), shared):
+                        p.copy_(total)
+            if variant == "sum-state":
+                beta1, beta2 = opts[0].param_groups[0]["betas"]
+                states = [opt.state_dict()["state"] for opt in opts]
+                combined = {}
+                for key, first in states[0].items():
+                    before = state_start.get(key)
+                    entry = {}
+                    for name, value in first.items():
+                        if name == "step":
+                            entry[name] = (before["step"] if before else torch.zeros(())) + window
+                            continue
+                        beta = beta1 if name == "exp_avg" else beta2
+                        z = before[name] if before else torch.zeros_like(value)
+                        entry[name] = beta ** window * z + sum(st[key][name] - beta ** n * z
+                                                               for st, n in zip(states, pattern))
+                    combined[key] = entry
+                for opt in opts:
+                    sd = opt.state_dict()
+                    sd["state"] = {k: {n: v.clone() for n, v in e.items()} for k, e in combined.items()}
+                    opt.load_state_dict(sd)
+        loss = evaluate(models[0])
+        history.append((position * BATCH, loss))
+        if loss < target - 0.015:
+            break
+    return {"variant": variant, "seed": seed, "pattern": list(pattern), "history": history,
+            "samples": crossing(history, target)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=6)
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--pattern", default="3,1", help="batches per worker in a window, fastest first")
+    parser.add_argument("--target-loss", type=float, default=0.10)
+    parser.add_argument("--max-batches", type=int, default=64, help="give up on a run after this many batches")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
+    parser.add_argument("--out", type=Path, default=Path("out/sim_el_che"))
+    parser.add_argument("--one", nargs=2, metavar=("VARIANT", "SEED"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    pattern = tuple(int(x) for x in args.pattern.split(","))
+    if args.one:  # one run, in a process of its own
+        print(json.dumps(replay(args.one[0], int(args.one[1]), pattern, args.target_loss, args.max_batches)))
+        return 0
+    from flodl_hf.samples import sample_path
+    sample_path("minilm"), sample_path("sms-spam")  # fails early, with its message, when not fetched
+    args.out.mkdir(parents=True, exist_ok=True)
+    jobs = [(v, s) for s in range(args.seeds) for v in args.variants]
+
+    def run(job):
+        variant, seed = job
+        cmd = [sys.executable, __file__, "--one", variant, str(seed), "--pattern", args.pattern,
+               "--target-loss", str(args.target_loss), "--max-batches", str(args.max_batches)]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"{variant} seed {seed}: {result['samples']}", flush=True)
+        return result
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(run, jobs))
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    ref = [r["samples"] for r in results if r["variant"] == "seq" and r["samples"] is not None]
+    lines = [f"Samples to held-out loss {args.target_loss:g}, windows of {' + '.join(map(str, pattern))} batches, "
+             f"{args.seeds} seeds:", "",
+             "| variant | samples to target | vs seq | per seed |", "|---|---|---|---|"]
+    for variant in args.variants:
+        got = [r["samples"] for r in results if r["variant"] == variant]
+        reached = [x for x in got if x is not None]
+        mean = statistics.mean(reached) if reached else None
+        sd = statistics.stdev(reached) if len(reached) > 1 else 0.0
+        ratio = f"{mean / statistics.mean(ref):.3f}" if mean and ref else "-"
+        shown = f"{mean:.0f} ± {sd:.0f}" if mean else "-"
+        seeds = ", ".join("-" if x is None else f"{x:.0f}" for x in got)
+        lines.append(f"| {variant} | {shown} | {ratio} | {seeds} |")
+    text = "\n".join(lines)
+    print("\n" + text)
+    (args.out / "table.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
