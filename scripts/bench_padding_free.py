@@ -13,7 +13,7 @@ thread, one process. Arms:
 The figure is training wall time (evaluation excluded), and the held-out accuracy after training.
 Both sides step torch's fused AdamW (``fused=True``; transformers.Trainer's default optimizer,
 ``adamw_torch_fused``): on MiniLM, one thread, its step takes 10.5 ms where the default for-loop
-AdamW takes 94, which over 50 steps is a quarter of the run, so the optimizers must match. The arms
+AdamW takes 94, which over 50 steps is 4 s of a 21 s run, so the optimizers must match. The arms
 run ``--repeats`` times in rotating order (ours first, then second, then third...), and each arm's
 figure is the median of its runs.
 Needs ``accelerate`` (transformers.Trainer's dependency; bench only: ``pip install -e '.[bench]'``).
