@@ -214,6 +214,16 @@ def reached(metrics: dict, args: dict) -> bool:
     return metrics["accuracy"] >= args["target"]
 
 
+def interpolate(before: tuple[float, float] | None, hit: tuple[float, float], goal: float) -> float:
+    """Where a measure first reaches ``goal``, linear between the last ``(x, value)`` short of it
+    (``before``; None when the first evaluation already reached it) and the first at it (``hit``):
+    evaluations fall every few batches, seconds apart at El Che's window ends, so every arm gets
+    the same rule."""
+    if before is None or before[1] == hit[1]:
+        return hit[0]
+    return before[0] + (hit[0] - before[0]) * (before[1] - goal) / (before[1] - hit[1])
+
+
 def run_netns(cohort: str, arm: str, ks: tuple, seed: int, args: dict, out: Path, throttle: str) -> dict:
     """One worker per network namespace, each a host of its own, torchrun across the shaped link."""
     from flodl_hf.testing.netns import Cluster
@@ -292,17 +302,10 @@ def summarize(out: Path, args: dict, world: int) -> dict:
             samples[r["step"]] = seen
     time_ = None
     if hit is not None:
-        # Evaluations fall every few batches (an El Che arm: at window ends, seconds apart), so the
-        # crossing is interpolated linearly between the last evaluation short of the target and the
-        # first at it, the same rule for every arm.
-        time_ = hit["time"]
-        if i > 0:
-            key = "eval_loss" if args.get("target_loss") is not None else "accuracy"
-            goal = args["target_loss"] if key == "eval_loss" else args["target"]
-            before = evals[i - 1]
-            span = before[key] - hit[key]
-            if span:
-                time_ = before["time"] + (hit["time"] - before["time"]) * (before[key] - goal) / span
+        key = "eval_loss" if args.get("target_loss") is not None else "accuracy"
+        goal = args["target_loss"] if key == "eval_loss" else args["target"]
+        before = (evals[i - 1]["time"], evals[i - 1][key]) if i > 0 else None
+        time_ = interpolate(before, (hit["time"], hit[key]), goal)
     result = {"time": time_, "time_at_eval": hit["time"] if hit else None, "samples": samples.get(at.get("step")),
               "accuracy": at.get("accuracy"), "eval_loss": at.get("eval_loss"), "shaping": args.get("shaping"),
               "last_time": evals[-1]["time"] if evals else None, "windows": None, "sync": None, "idle": None,

@@ -48,12 +48,11 @@ BATCH, LR = 16, 5e-5
 
 
 def crossing(history: list[tuple[int, float]], target: float) -> float | None:
-    """Samples at which the held-out loss first reaches ``target``, linear between evaluations."""
-    prev = None
-    for samples, loss in history:
+    """Samples at which the held-out loss first reaches ``target`` (bench_trainer's rule)."""
+    import bench_trainer as bt
+    for i, (samples, loss) in enumerate(history):
         if loss <= target:
-            return float(samples) if prev is None else prev[0] + (prev[1] - target) / (prev[1] - loss) * (samples - prev[0])
-        prev = (samples, loss)
+            return float(bt.interpolate(history[i - 1] if i else None, (samples, loss), target))
     return None
 
 
@@ -195,15 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"Samples to held-out loss {args.target_loss:g}, windows of {' + '.join(map(str, pattern))} batches, "
              f"{args.seeds} seeds:", "",
              "| variant | samples to target | vs seq | per seed |", "|---|---|---|---|"]
+    from bench_trainer import mean_sd
     for variant in args.variants:
         got = [r["samples"] for r in results if r["variant"] == variant]
         reached = [x for x in got if x is not None]
-        mean = statistics.mean(reached) if reached else None
-        sd = statistics.stdev(reached) if len(reached) > 1 else 0.0
-        ratio = f"{mean / statistics.mean(ref):.3f}" if mean and ref else "-"
-        shown = f"{mean:.0f} ± {sd:.0f}" if mean else "-"
+        ratio = f"{statistics.mean(reached) / statistics.mean(ref):.3f}" if reached and ref else "-"
         seeds = ", ".join("-" if x is None else f"{x:.0f}" for x in got)
-        lines.append(f"| {variant} | {shown} | {ratio} | {seeds} |")
+        lines.append(f"| {variant} | {mean_sd(reached, '.0f')} | {ratio} | {seeds} |")
     text = "\n".join(lines)
     print("\n" + text)
     (args.out / "table.md").write_text(text + "\n")
