@@ -72,6 +72,17 @@ class ElChe:
     keeps two more float32 copies of the trainable parameters (the start and the carried
     remainder) and costs four passes over them per sync, so on a fast link it saves little.
     ``None`` (the default) sends full precision.
+
+    ``nested=True`` (live windows, ``combine="sum"``) stops a much slower worker from setting
+    everyone's cadence. After the first window the cohort is split at the widest gap in speed
+    (:func:`nest_tiers`): when the slower side is at least twice as slow as the faster and the
+    faster side has two workers or more, the faster workers sync among themselves every window
+    of their own (their slowest runs ``min_anchor`` batches), and the slower ones join them
+    only at the outer window, ``anchor`` of their batches, adding their change to the inner
+    tier's. With speeds 1 : 1/3 : 1/12 the fast pair syncs every 3 + 1 batches and the slowest
+    every 12 + 4 + 1, where flat windows would hold the pair to 12 + 4 between syncs. Evaluation,
+    checkpoints and the record's windows happen at the outer syncs, where every worker holds the
+    same parameters; DiLoCo's outer step too. The split is decided once per fit.
     """
 
     anchor: int = 4
@@ -84,8 +95,12 @@ class ElChe:
     combine: str = "average"
     windows: str = "planned"
     compress: str | None = None
+    nested: bool = False
 
     def __post_init__(self) -> None:
+        if self.nested and (self.windows != "live" or self.combine != "sum" or self.compress is not None):
+            raise TrainerConfigError("ElChe nested=True needs windows='live' and combine='sum', without compress; "
+                                     f"got windows={self.windows!r}, combine={self.combine!r}, compress={self.compress!r}")
         if self.combine not in ("average", "sum"):
             raise TrainerConfigError(f"ElChe combine must be 'average' or 'sum', got {self.combine!r}")
         if self.windows not in ("planned", "live"):
@@ -175,6 +190,27 @@ def live_overrun_ms(ms_per_batch: Sequence[float], sync_ms: float | None, anchor
     window = anchor * max(ms_per_batch)
     batches = sum(window / ms for ms in ms_per_batch)
     return (window + (sync_ms or 0.0)) / batches
+
+
+NEST_GAP = 2.0  # nested windows: the slower tier is at least this many times slower than the faster
+
+
+def nest_tiers(ms_per_batch: Sequence[float | None]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The (inner, outer) ranks of nested windows (``ElChe(nested=True)``), or None for flat windows.
+
+    Workers sorted by time per batch are cut at the widest ratio between neighbours; the cut is
+    taken when that ratio is at least :data:`NEST_GAP` and at least two workers are on the fast
+    side (one fast worker alone would sync only with itself: that is the flat window). Pure:
+    every worker gets the same tiers from the same all-gathered speeds.
+    """
+    if len(ms_per_batch) < 3 or any(ms is None or not ms > 0 for ms in ms_per_batch):
+        return None
+    order = sorted(range(len(ms_per_batch)), key=lambda r: (ms_per_batch[r], r))
+    ratios = [ms_per_batch[order[i + 1]] / ms_per_batch[order[i]] for i in range(len(order) - 1)]
+    cut = max(range(1, len(ratios)), key=lambda i: (ratios[i], -i))  # at least two on the fast side
+    if ratios[cut] < NEST_GAP:
+        return None
+    return tuple(sorted(order[:cut + 1])), tuple(sorted(order[cut + 1:]))
 
 
 def rounding_wait(anchor: int, ms_per_batch: Sequence[float]) -> float:
@@ -267,6 +303,21 @@ class Comm:
         if dev.type == "cuda" and bool((kinds == 1).all()) and "nccl" in backend:
             comm.plane, comm.plane_device = None, dev
         return comm, dev
+
+    def subgroup(self, ranks: Sequence[int]) -> "Comm | None":
+        """A Comm over ``ranks`` only (its own process group), or None on a worker outside them.
+
+        Every worker must call it with the same ranks (``dist.new_group``'s rule). The store
+        (:meth:`counter`) stays the default group's, shared by all."""
+        ranks = sorted(ranks)
+        backend = "gloo" if self.plane is not None else None
+        group = self._run("making a process group", dist.new_group, ranks, backend=backend,
+                          timeout=timedelta(seconds=self.timeout) if self.timeout else None)
+        if self.rank not in ranks:
+            return None
+        sub = Comm(ranks.index(self.rank), len(ranks), self.local_rank, group, self.plane_device, self.timeout)
+        sub.same_device_type = self.same_device_type
+        return sub
 
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():

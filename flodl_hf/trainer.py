@@ -90,7 +90,7 @@ import torch
 from torch import nn
 
 from .distributed import (Comm, DiLoCo, ElChe, OuterOptimizer, Plan, TrainerConfigError, TrainerError,
-                          WorkerLostError, deal, live_overrun_ms, plan_window)
+                          WorkerLostError, deal, live_overrun_ms, nest_tiers, plan_window)
 from . import checkpoint_schema, lora
 from .errors import InputError
 
@@ -262,6 +262,10 @@ class Trainer:
             # a store that outlives the fit (a torchrun restart, fits in a row) never mixes them up.
             self._run_key = str(int(comm.gather_floats([time.time_ns() % 2**52])[0, 0]))
         self._sync_ema: float | None = None
+        # Nested windows (ElChe.nested): (inner ranks, outer ranks) once decided, the inner tier's Comm
+        # (None on an outer worker) and the inner window's start; this window's inner syncs and their ms.
+        self._tiers_decided, self._tiers, self._inner, self._inner_start = False, None, None, None
+        self._inner_syncs, self._inner_ms = 0, 0.0
 
         checkpoint = self._find_resume()
         if checkpoint is not None:
@@ -463,9 +467,15 @@ class Trainer:
         probe = comm.world > 1 and self.el_che.adaptive and not live and all(ms is None for ms in self._ms)
         while not self._done():
             window_start = time.perf_counter()
+            self._inner_syncs, self._inner_ms = 0, 0.0
             if live:
                 key = f"flodl-hf/el-che/{self._run_key}/{self.epoch}/{self.position}"
-                chunks = self._live_chunks(key, window_start)
+                if self._tiers is None:
+                    chunks = self._live_chunks(key, window_start)
+                elif self._inner is not None:  # nested windows: an inner worker
+                    chunks = self._nested_chunks(key, window_start)
+                else:  # nested windows: an outer worker runs its anchor and no more
+                    chunks = self._live_chunks(key, window_start, self._tiers[1], overrun=False)
             else:
                 counts = (1,) * comm.world if first and probe else self.plan.counts
                 units = deal(counts, self._unit_batch, self._remaining())
@@ -484,8 +494,8 @@ class Trainer:
                     first_done = time.perf_counter()
             self._sync_device()
             end = time.perf_counter()
-            compute_ms = (end - window_start) * 1e3
-            steady = (batches - 1, (end - first_done) * 1e3) if batches > 1 else (0, 0.0)
+            compute_ms = (end - window_start) * 1e3 - self._inner_ms  # inner syncs: not the batches' time
+            steady = (batches - 1, (end - first_done) * 1e3 - self._inner_ms) if batches > 1 else (0, 0.0)
             local_loss = loss_sum.item()
 
             t = time.perf_counter()
@@ -521,6 +531,8 @@ class Trainer:
                 sync = timing["sync_ms"] if timing is not None else 0.0
                 self._sync_ema = sync if self._sync_ema is None else (self._sync_ema + sync) / 2
             self.plan = plan_window(self._ms, self._sync_ema, self.plan, self.el_che)
+            if live and self.el_che.nested and not self._tiers_decided and None not in self._ms:
+                self._decide_tiers()
             first = False
 
             wall = time.perf_counter() - window_start
@@ -532,47 +544,112 @@ class Trainer:
                     "compute_ms": compute_ms, "ms_per_batch": compute_ms / batches if batches else None,
                     "samples_per_s": n / compute_ms * 1e3 if batches else None,
                     "collective_ms": collective_ms, "window_ms": wall * 1e3}
+            if self._tiers is not None:  # nested windows
+                mine["tier"] = "inner" if self._inner is not None else "outer"
+                if self._inner is not None:
+                    mine.update(inner_syncs=self._inner_syncs, inner_sync_ms=self._inner_ms)
             self._record(mine, rows, wall, timing or {})
             t = time.perf_counter()
             self._after(before)
             pause_ms = (time.perf_counter() - t) * 1e3
 
-    def _live_chunks(self, key: str, window_start: float):
+    def _live_chunks(self, key: str, window_start: float, members: Sequence[int] | None = None,
+                     anchor: int | None = None, done_key: str | None = None, overrun: bool = True):
         """This worker's batches of a live window (``ElChe(windows="live")``), claimed as it goes.
 
         The counter at ``key/cursor`` hands out the window's batches in the epoch's order, each
-        once; a worker that has run ``anchor`` batches adds one to ``key/done`` and goes on only
-        while some worker has not, and while one more batch of its own would end less than
-        :func:`~flodl_hf.distributed.live_overrun_ms` after the slowest's expected end (by the
-        smoothed speeds): the overrun that still raises the window's batches per second. A worker that finds the epoch (or the run)
-        exhausted marks itself done too, so the window always closes.
+        once; a worker that has run ``anchor`` batches adds one to ``done_key`` (``key/done``) and
+        goes on only while some worker of ``members`` (all, by default) has not, and while one more
+        batch of its own would end less than :func:`~flodl_hf.distributed.live_overrun_ms` after
+        the slowest member's expected end (by the smoothed speeds): the overrun that still raises
+        the window's batches per second. ``overrun=False`` stops at ``anchor``. A worker that finds
+        the epoch (or the run) exhausted marks itself done too, so the window always closes.
         """
-        comm, anchor = self.comm, self.plan.anchor
+        comm = self.comm
+        members = range(comm.world) if members is None else members
+        anchor = self.plan.anchor if anchor is None else anchor
+        done_key = done_key or f"{key}/done"
         available = math.ceil(self._remaining() / self._unit_batch)
-        known = all(ms is not None for ms in self._ms)
-        slowest_end = window_start + anchor * max(self._ms) / 1e3 if known else None
+        ms = [self._ms[r] for r in members]
+        known = all(m is not None for m in ms)
+        slowest_end = window_start + anchor * max(ms) / 1e3 if known else None
         mine = self._ms[comm.rank] if known else None
         # One more batch pays while it ends within the window's time per batch of the slowest's end.
-        allowed = live_overrun_ms(self._ms, self._sync_ema, anchor) if known else None
+        allowed = live_overrun_ms(ms, self._sync_ema if len(ms) == comm.world else None, anchor) if known else None
         done, marked = 0, False
         while True:
             if done >= anchor:
                 # Mark this worker done once (the add returns the count), then read the count.
-                finished = comm.counter(f"{key}/done", 0 if marked else 1)
+                finished = comm.counter(done_key, 0 if marked else 1)
                 marked = True
-                if finished >= comm.world:
+                if finished >= len(ms) or not overrun:
                     return
                 if slowest_end is not None and time.perf_counter() + (mine - allowed) / 1e3 > slowest_end:
                     return  # another batch would keep the others waiting longer than it is worth
             claim = comm.counter(f"{key}/cursor", 1) - 1
             if claim >= available:
                 if not marked:
-                    comm.counter(f"{key}/done", 1)
+                    comm.counter(done_key, 1)
                 return
             start = claim * self._unit_batch
             yield from self._chunks(self.position + start, min(self._unit_batch, self._remaining() - start),
                                     split=True)
             done += 1
+
+    def _decide_tiers(self) -> None:
+        """Nested windows' tiers from the smoothed speeds (:func:`~flodl_hf.distributed.nest_tiers`),
+        once per fit; the inner tier's process group is made here, by every worker."""
+        self._tiers_decided = True
+        tiers = nest_tiers(self._ms)
+        if tiers is None:
+            return
+        self._tiers = tiers
+        self._inner = self.comm.subgroup(tiers[0])
+        if self._inner is not None:
+            self._inner_start = [p.detach().clone() for p in self.trainable]
+        self._log_event("nested", inner=list(tiers[0]), outer=list(tiers[1]),
+                        ms_per_batch=[round(ms, 3) for ms in self._ms])
+
+    def _nested_chunks(self, key: str, window_start: float):
+        """An inner worker's batches of a nested window (``ElChe(nested=True)``): live windows of
+        the inner tier, each closed by a sum over the inner tier, until the outer tier is done.
+
+        After each inner window the inner tier's first worker decides for all (its answer rides
+        the inner sync): it stops when the outer tier has marked ``key/done``, when the epoch's
+        batches are all claimed, or when the outer tier is expected to finish (by the smoothed
+        speeds) within half an inner window from now, which halves the expected wait of either
+        side. Inner sync time is counted in ``self._inner_ms``, not in the batches' time."""
+        comm, inner, (inner_ranks, outer_ranks) = self.comm, self._inner, self._tiers
+        available = math.ceil(self._remaining() / self._unit_batch)
+        outer_end = window_start + self.plan.anchor * max(self._ms[r] for r in outer_ranks) / 1e3
+        with torch.no_grad():
+            for s, p in zip(self._inner_start, self.trainable):
+                s.copy_(p)
+        j = 0
+        while True:
+            start = time.perf_counter()
+            yield from self._live_chunks(key, start, inner_ranks, self.el_che.min_anchor, f"{key}/in{j}")
+            t = time.perf_counter()
+            stop = 0.0
+            if inner.rank == 0:
+                stop = float(comm.counter(f"{key}/done", 0) >= len(outer_ranks)
+                             or comm.counter(f"{key}/cursor", 0) >= available
+                             or outer_end - t < (t - start) / 2)
+            rows = inner.reduce_window([(self.trainable, 1.0, self._inner_start),
+                                        (self._float_buffers, 1.0 / inner.world)], [stop])
+            if inner.rank == 0:  # every inner worker is past its last read of this inner window's count
+                comm.drop_keys([f"{key}/in{j}"])
+            with torch.no_grad():
+                for s, p in zip(self._inner_start, self.trainable):
+                    s.copy_(p)
+            if self.verify_sync:
+                inner.check_identical(list(self.model.parameters()) + self._float_buffers,
+                                      f"an inner sync at step {self.step}")
+            self._inner_syncs += 1
+            self._inner_ms += (time.perf_counter() - t) * 1e3
+            if rows[0, 0] > 0:
+                return
+            j += 1
 
     def _average(self, weight: float, stats: list[float]) -> torch.Tensor:
         """Combine the window: the samples-weighted average of the trainable parameters
@@ -590,6 +667,8 @@ class Trainer:
             # Each worker's change since the shared start (bits every worker agrees on), summed, added back;
             # an average weighs the changes (the weights sum to one, so it is the weighted mean).
             part = (self.trainable, 1.0 if self.el_che.combine == "sum" else weight, start)
+            if self._inner is not None and self._inner.rank > 0:
+                part = (self.trainable, 0.0, start)  # nested: the inner tier's one change, sent once
             if self._carried is not None:
                 part += (self._carried,)
             rows = comm.reduce_window([part, (self._float_buffers, 1.0 / comm.world)], stats)

@@ -194,7 +194,8 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
         return {"accuracy": correct / len(held), "eval_loss": loss / len(held)}
 
     el_che = ElChe(anchor=args["anchor"], combine=args["combine"] if arm == "El Che" else "average",
-                   windows=args["windows"], sync_share=args.get("sync_share", 0.10), compress=args.get("compress"))
+                   windows=args["windows"], sync_share=args.get("sync_share", 0.10), compress=args.get("compress"),
+                   nested=bool(args.get("nested")) and arm == "El Che")
     sync = {"fast worker alone": "none", "DDP": "ddp"}.get(arm, el_che)
     started = time.monotonic()
     trainer = Trainer(model, step, optimizer, train, batch_size=BATCH, epochs=args["epochs"], sync=sync,
@@ -377,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="El Che's sync_share: the anchor grows while the sync takes more of a window")
     parser.add_argument("--compress", choices=["bf16"], default=None,
                         help="El Che's compress: the changes sent in bfloat16 (for a slow link)")
+    parser.add_argument("--nested", action="store_true",
+                        help="the El Che arm with ElChe(nested=True): a much slower worker joins every few of the others' syncs")
     parser.add_argument("--link-rate", default="1gbit", help="the netns cohort's link rate (tc)")
     parser.add_argument("--link-delay", default="5ms", help="the netns cohort's link delay, each way (tc netem)")
     parser.add_argument("--out", type=Path, default=Path("out/bench_trainer"))
@@ -390,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     conf = {"target": args.target, "train": args.train, "held_out": args.held_out, "epochs": args.epochs,
             "eval_every": args.eval_every, "cap": args.cap, "combine": args.combine,
             "windows": args.windows, "anchor": args.anchor, "sync_share": args.sync_share, "compress": args.compress,
+            "nested": args.nested,
             "target_loss": args.target_loss, "link_rate": args.link_rate, "link_delay": args.link_delay}
     load_start = os.getloadavg()[0]
     texts = []

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-VARIANTS = ("seq", "stale", "sum", "sum-state")
+VARIANTS = ("seq", "stale", "sum", "sum-state", "nested")
 BATCH, LR = 16, 5e-5
 
 
@@ -85,6 +85,17 @@ def replay(variant: str, seed: int, pattern: tuple[int, ...], target: float, max
         m.train()
         return loss / len(held)
 
+    def combine(group, start) -> None:
+        """Every worker in ``group`` takes the start plus the group's summed changes."""
+        with torch.no_grad():
+            shared = [s.clone() for s in start]
+            for m in group:
+                for total, p, s in zip(shared, m.parameters(), start):
+                    total += p - s
+            for m in group:
+                for p, total in zip(m.parameters(), shared):
+                    p.copy_(total)
+
     def train_step(m, opt, items) -> None:
         m(**bt.collate(items)).loss.backward()
         opt.step()
@@ -115,6 +126,42 @@ def replay(variant: str, seed: int, pattern: tuple[int, ...], target: float, max
             opt.step()
             opt.zero_grad()
             position += 1
+        elif variant == "nested":
+            # The slowest worker's window spans k of the others' (k: the second slowest's count), which
+            # sum among themselves every window of their own; the slowest's change joins at the end.
+            *inner, slow = pattern
+            k = inner[-1]
+            big_start = [p.detach().clone() for p in models[0].parameters()]
+            done_before = position
+            slow_positions = list(range(position + window - slow, position + window))
+            for i in range(k):
+                start = [p.detach().clone() for p in models[0].parameters()]
+                for m, opt, count in zip(models[:-1], opts[:-1], inner):
+                    for _ in range(count // k):
+                        train_step(m, opt, batches[position])
+                        position += 1
+                combine(models[:-1], start)
+                if i < k - 1:  # the slowest's batches in flight count by the time they have run
+                    loss = evaluate(models[0])
+                    history.append(((position + (i + 1) / k * slow) * BATCH, loss))
+                    if loss < target - 0.015:
+                        break
+            else:
+                m = models[-1]
+                with torch.no_grad():
+                    for p, s in zip(m.parameters(), big_start):
+                        p.copy_(s)
+                for at in slow_positions:
+                    train_step(m, opts[-1], batches[at])
+                position = done_before + window
+                with torch.no_grad():  # the others' summed change, and the slowest's
+                    for total, q, s in zip(models[0].parameters(), m.parameters(), big_start):
+                        total += q - s
+                    for other in models[1:]:
+                        for p, total in zip(other.parameters(), models[0].parameters()):
+                            p.copy_(total)
+            if history and history[-1][1] < target - 0.015:
+                break
         else:
             start = [p.detach().clone() for p in models[0].parameters()]
             state_start = copy.deepcopy(opts[0].state_dict()["state"])

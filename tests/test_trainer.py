@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from flodl_hf.distributed import ElChe, Plan, deal, plan_window
+from flodl_hf.distributed import ElChe, Plan, deal, nest_tiers, plan_window
 from flodl_hf.records import load_tree
 from flodl_hf.report import write_report
 from flodl_hf.errors import CheckpointFormatError, FlodlHFError, InputError
@@ -491,3 +491,21 @@ def test_train_command_parses_script_arguments():
 def test_launch_refuses_a_missing_script(tmp_path):
     with pytest.raises(InputError, match="not found"):
         launch(tmp_path / "nope.py", workers=2)
+
+
+def test_nest_tiers_cuts_at_the_widest_gap_with_two_fast_workers_or_more():
+    assert nest_tiers([10.0, 30.0, 120.0]) == ((0, 1), (2,))        # 1 : 1/3 : 1/12
+    assert nest_tiers([120.0, 10.0, 30.0]) == ((1, 2), (0,))        # any rank may be the slowest
+    assert nest_tiers([10.0, 11.0, 100.0, 105.0]) == ((0, 1), (2, 3))
+    assert nest_tiers([10.0, 30.0, 31.0, 100.0]) == ((0, 1, 2), (3,))
+    assert nest_tiers([10.0, 40.0, 50.0]) is None                   # one fast worker: flat windows
+    assert nest_tiers([10.0, 12.0, 19.0]) is None                   # under NEST_GAP
+    assert nest_tiers([10.0, 30.0]) is None and nest_tiers([10.0, None, 120.0]) is None
+
+
+def test_nested_needs_live_windows_and_the_sum():
+    for bad in (dict(), dict(windows="live"), dict(combine="sum"),
+                dict(windows="live", combine="sum", compress="bf16")):
+        with pytest.raises(TrainerConfigError, match="nested=True"):
+            ElChe(nested=True, **bad)
+    assert ElChe(nested=True, windows="live", combine="sum").nested

@@ -41,10 +41,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank: int, port: int, out: str, pg_timeout: float, args: tuple) -> None:
+def _entry(fn, rank: int, port: int, out: str, pg_timeout: float, args: tuple, world: int = WORLD) -> None:
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout))
         result = fn(rank, out, *args)
         torch.save(result, Path(out) / f"result-{rank}.pt")
@@ -57,15 +57,16 @@ def _entry(fn, rank: int, port: int, out: str, pg_timeout: float, args: tuple) -
 
 
 def spawn(fn, tmp_path: Path, *args, pg_timeout: float = 30.0, deadline: float = 90.0,
-          wait_for: tuple[int, ...] = (0, 1)) -> dict[int, object]:
-    """Run ``fn(rank, out_dir, *args)`` on two workers; return each finished worker's result.
+          wait_for: tuple[int, ...] | None = None, world: int = WORLD) -> dict[int, object]:
+    """Run ``fn(rank, out_dir, *args)`` on ``world`` workers (two); return each finished worker's result.
 
-    Workers not in ``wait_for`` are killed once those are done (or at the deadline).
+    Workers not in ``wait_for`` (all, by default) are killed once those are done (or at the deadline).
     """
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, port, str(tmp_path), pg_timeout, args), daemon=True)
-             for r in range(WORLD)]
+    wait_for = tuple(range(world)) if wait_for is None else wait_for
+    procs = [ctx.Process(target=_entry, args=(fn, r, port, str(tmp_path), pg_timeout, args, world), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     end = time.monotonic() + deadline
@@ -238,6 +239,47 @@ def _equivalences_and_uneven(rank: int, out: str) -> dict:
     t = run(mlp(), sync=ElChe(anchor=2, windows="live"), max_steps=16, checkpoint_dir=ck, verify_sync=True)
     result["live_resumed"] = (t.resumed_from.name, t.samples, t.step)
     return result
+
+
+def _nested(rank: int, out: str) -> dict:
+    """Three workers at 1 : 1/3 : 1/12 (sleeps) with nested windows, plain and with DiLoCo."""
+    result: dict = {}
+    for name, outer in (("sum", None), ("diloco", DiLoCo())):
+        seen: list[int] = []
+
+        def step(model, batch):
+            seen.extend(batch[0].tolist())
+            time.sleep((0.010, 0.030, 0.120)[rank])
+            return mse_step(model, batch)
+
+        t = run(mlp(), step=step, sync=ElChe(anchor=1, windows="live", combine="sum", nested=True), outer=outer,
+                n=400, epochs=1, verify_sync=True)
+        result[name] = {"seen": seen, "history": t.history, "records": t.records, "params": flat(t.model)}
+    return result
+
+
+def test_nested_windows_three_uneven_workers(tmp_path):
+    """The fast pair syncs among itself between the slowest worker's syncs; every worker ends each
+    outer sync with the same bits (verify_sync, inner syncs included); every sample is trained once."""
+    res = spawn(_nested, tmp_path, world=3, deadline=120.0)
+    for name in ("sum", "diloco"):
+        runs = [res[r][name] for r in range(3)]
+        assert sorted(sum((r["seen"] for r in runs), [])) == list(range(400)), name
+        assert torch.equal(runs[0]["params"], runs[1]["params"]) and torch.equal(runs[0]["params"], runs[2]["params"])
+        nested = [e for e in runs[0]["history"] if e.get("event") == "nested"]
+        assert len(nested) == 1 and nested[0]["inner"] == [0, 1] and nested[0]["outer"] == [2], nested
+        windows = [w for w in runs[0]["history"] if w.get("event") == "train"]
+        inner_syncs = [w.get("inner_syncs", 0) for w in runs[0]["records"]]
+        slow = [w["batches"] for w in runs[2]["records"]]
+        assert runs[2]["records"][-1]["tier"] == "outer" and "inner_syncs" not in runs[2]["records"][-1]
+        assert runs[1]["records"][-1]["tier"] == "inner"
+        # The first window is flat; after it, each of the slowest's batches spans several inner syncs.
+        assert max(inner_syncs) >= 2 and sum(inner_syncs) >= 2 * (len(windows) - 1), (name, inner_syncs)
+        assert all(b <= 1 for b in slow[1:]), (name, slow)
+        fast = sum(w["batches"] for w in runs[0]["records"])
+        print(f"nested El Che ({name}): {len(windows)} outer windows, inner syncs {inner_syncs}, "
+              f"batches fast {fast}, medium {sum(w['batches'] for w in runs[1]['records'])}, slow {sum(slow)}")
+        assert fast > 4 * sum(slow), (name, fast, slow)
 
 
 def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
