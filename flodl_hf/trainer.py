@@ -266,6 +266,9 @@ class Trainer:
         # (None on an outer worker) and the inner window's start; this window's inner syncs and their ms.
         self._tiers_decided, self._tiers, self._inner, self._inner_start = False, None, None, None
         self._inner_syncs, self._inner_ms = 0, 0.0
+        # An evaluation at an inner sync: its stop_when answer (shared at the outer sync), its seconds.
+        self._stop_pending, self._window_eval_s = False, 0.0
+        self._claimed = [0, 0]  # units and samples claimed in this (inner) live window
 
         checkpoint = self._find_resume()
         if checkpoint is not None:
@@ -467,7 +470,8 @@ class Trainer:
         probe = comm.world > 1 and self.el_che.adaptive and not live and all(ms is None for ms in self._ms)
         while not self._done():
             window_start = time.perf_counter()
-            self._inner_syncs, self._inner_ms = 0, 0.0
+            self._inner_syncs, self._inner_ms, self._window_eval_s = 0, 0.0, 0.0
+            self._window_start = window_start
             if live:
                 key = f"flodl-hf/el-che/{self._run_key}/{self.epoch}/{self.position}"
                 if self._tiers is None:
@@ -535,7 +539,7 @@ class Trainer:
                 self._decide_tiers()
             first = False
 
-            wall = time.perf_counter() - window_start
+            wall = time.perf_counter() - window_start - self._window_eval_s  # inner syncs' evaluations out
             self.train_time += wall
             prev = {"collective_ms": collective_ms, "window_ms": wall * 1e3, "pause_ms": pause_ms}
             before = self.step
@@ -550,6 +554,8 @@ class Trainer:
                     mine.update(inner_syncs=self._inner_syncs, inner_sync_ms=self._inner_ms)
             self._record(mine, rows, wall, timing or {})
             t = time.perf_counter()
+            if self._tiers is not None and self.stop_when is not None:  # an inner sync's evaluation said stop
+                self._stop = self.comm.any_flag(self._stop_pending)
             self._after(before)
             pause_ms = (time.perf_counter() - t) * 1e3
 
@@ -592,8 +598,10 @@ class Trainer:
                     comm.counter(done_key, 1)
                 return
             start = claim * self._unit_batch
-            yield from self._chunks(self.position + start, min(self._unit_batch, self._remaining() - start),
-                                    split=True)
+            count = min(self._unit_batch, self._remaining() - start)
+            self._claimed[0] += 1 if self._batches is not None else count       # units (nested windows' count)
+            self._claimed[1] += self._samples_in(self.position + start, count)  # samples
+            yield from self._chunks(self.position + start, count, split=True)
             done += 1
 
     def _decide_tiers(self) -> None:
@@ -616,27 +624,31 @@ class Trainer:
 
         After each inner window the inner tier's first worker decides for all (its answer rides
         the inner sync): it stops when the outer tier has marked ``key/done``, when the epoch's
-        batches are all claimed, or when the outer tier is expected to finish (by the smoothed
-        speeds) within half an inner window from now, which halves the expected wait of either
-        side. Inner sync time is counted in ``self._inner_ms``, not in the batches' time."""
+        batches are all claimed, when an evaluation said stop, or when the outer tier is expected
+        to finish (by the smoothed speeds) within half an inner window from now, which halves the
+        expected wait of either side. Worker 0, when inner, evaluates at the inner syncs that
+        cross ``eval_every``: the inner tier's parameters are a model every inner worker holds,
+        so the run's curve is not sampled only at the slowest worker's pace. Inner sync time is
+        counted in ``self._inner_ms``, not in the batches' time."""
         comm, inner, (inner_ranks, outer_ranks) = self.comm, self._inner, self._tiers
         available = math.ceil(self._remaining() / self._unit_batch)
         outer_end = window_start + self.plan.anchor * max(self._ms[r] for r in outer_ranks) / 1e3
         with torch.no_grad():
             for s, p in zip(self._inner_start, self.trainable):
                 s.copy_(p)
-        j = 0
+        j, units, samples, last_step = 0, 0, 0, self.step
         while True:
             start = time.perf_counter()
+            self._claimed = [0, 0]
             yield from self._live_chunks(key, start, inner_ranks, self.el_che.min_anchor, f"{key}/in{j}")
             t = time.perf_counter()
             stop = 0.0
             if inner.rank == 0:
                 stop = float(comm.counter(f"{key}/done", 0) >= len(outer_ranks)
                              or comm.counter(f"{key}/cursor", 0) >= available
-                             or outer_end - t < (t - start) / 2)
+                             or outer_end - t < (t - start) / 2 or self._stop_pending)
             rows = inner.reduce_window([(self.trainable, 1.0, self._inner_start),
-                                        (self._float_buffers, 1.0 / inner.world)], [stop])
+                                        (self._float_buffers, 1.0 / inner.world)], [stop, *self._claimed])
             if inner.rank == 0:  # every inner worker is past its last read of this inner window's count
                 comm.drop_keys([f"{key}/in{j}"])
             with torch.no_grad():
@@ -647,8 +659,17 @@ class Trainer:
                                       f"an inner sync at step {self.step}")
             self._inner_syncs += 1
             self._inner_ms += (time.perf_counter() - t) * 1e3
+            units += int(rows[:, 1].sum())
+            samples += int(rows[:, 2].sum())
             if rows[0, 0] > 0:
                 return
+            step = self.epoch * self.steps_per_epoch + math.ceil((self.position + units) / self.global_batch)
+            every = self.eval_every
+            if self.eval_fn is not None and every is not None and step // every > last_step // every \
+                    and comm.rank == 0:
+                now = self.train_time + time.perf_counter() - self._window_start - self._window_eval_s
+                self._evaluate((step, self.samples + samples, now))
+            last_step = step
             j += 1
 
     def _average(self, weight: float, stats: list[float]) -> torch.Tensor:
@@ -724,14 +745,18 @@ class Trainer:
             self._bar.set_postfix(loss=f"{rolled['loss']:.4f}",
                                   samples_s=f"{rolled['samples_per_s']:.0f}", refresh=False)
 
-    def _evaluate(self) -> None:
-        if self._evaluated_step == self.step:
+    def _evaluate(self, inner: tuple[int, int, float] | None = None) -> None:
+        """Evaluate on worker 0 and share ``stop_when``'s answer. ``inner``: (step, samples, training
+        time) of an inner sync of nested windows, where only the inner tier is at a sync: worker 0
+        evaluates the inner tier's parameters, and the answer waits for the outer sync (``_stop_pending``)."""
+        step = self.step if inner is None else inner[0]
+        if self._evaluated_step == step:
             return
-        self._evaluated_step = self.step
+        self._evaluated_step = step
         metrics: dict = {}
         stop = False
         if self.comm.rank == 0:
-            now = self._train_time_now()  # the eval's place on the training clock
+            now = self._train_time_now() if inner is None else inner[2]  # the eval's place on the training clock
             t = time.perf_counter()
             was_training = self.model.training
             self.model.eval()
@@ -743,15 +768,18 @@ class Trainer:
             metrics = _metrics(out)
             eval_s = time.perf_counter() - t
             self._eval_s += eval_s
-            record = {"event": "eval", "step": self.step, "epoch": self.epoch, "time": round(now, 4),
-                      "eval_s": round(eval_s, 4), **metrics}
+            record = {"event": "eval", "step": step, "epoch": self.epoch, "time": round(now, 4),
+                      "samples": self.samples if inner is None else inner[1], "eval_s": round(eval_s, 4), **metrics}
             self.history.append(record)
             self._log.event(record)
             if self._bar is not None:
-                self._bar.write(f"step {self.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+                self._bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
             stop = bool(self.stop_when(metrics)) if self.stop_when is not None else False
-        if self.stop_when is not None:
-            self._stop = self.comm.any_flag(stop)
+            if inner is not None:
+                self._stop_pending = self._stop_pending or stop
+                self._window_eval_s += eval_s
+        if self.stop_when is not None and inner is None:
+            self._stop = self.comm.any_flag(stop or self._stop_pending)
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:

@@ -307,7 +307,9 @@ def summarize(out: Path, args: dict, world: int) -> dict:
         goal = args["target_loss"] if key == "eval_loss" else args["target"]
         before = (evals[i - 1]["time"], evals[i - 1][key]) if i > 0 else None
         time_ = interpolate(before, (hit["time"], hit[key]), goal)
-    result = {"time": time_, "time_at_eval": hit["time"] if hit else None, "samples": samples.get(at.get("step")),
+    # An evaluation records its samples (one at a nested window's inner sync has no train record at its step).
+    result = {"time": time_, "time_at_eval": hit["time"] if hit else None,
+              "samples": at.get("samples", samples.get(at.get("step"))),
               "accuracy": at.get("accuracy"), "eval_loss": at.get("eval_loss"), "shaping": args.get("shaping"),
               "last_time": evals[-1]["time"] if evals else None, "windows": None, "sync": None, "idle": None,
               "fast_ms": statistics.median(r["ms_per_batch"] for r in ranks[0] if r.get("ms_per_batch"))}

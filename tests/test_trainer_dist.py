@@ -253,8 +253,29 @@ def _nested(rank: int, out: str) -> dict:
             return mse_step(model, batch)
 
         t = run(mlp(), step=step, sync=ElChe(anchor=1, windows="live", combine="sum", nested=True), outer=outer,
-                n=400, epochs=1, verify_sync=True)
+                n=400, epochs=1, verify_sync=True, eval_fn=lambda m: {"w": float(m[0].weight.sum())}, eval_every=2)
         result[name] = {"seen": seen, "history": t.history, "records": t.records, "params": flat(t.model)}
+    # stop_when answered at an inner sync's evaluation: the inner tier stops its windows, and all
+    # stop together at the outer sync.
+    calls = []  # the first evaluation ends the flat first window; the second is at an inner sync
+
+    def count(model):
+        calls.append(1)
+        return {"calls": float(len(calls))}
+
+    def paced(model, batch):
+        time.sleep((0.010, 0.030, 0.120)[rank])
+        return mse_step(model, batch)
+
+    t = run(mlp(), step=paced, sync=ElChe(anchor=1, windows="live", combine="sum", nested=True), n=400, epochs=1,
+            eval_fn=count, eval_every=1, stop_when=lambda metrics: metrics["calls"] >= 2)
+    result["stopped"] = (t.samples, [e for e in t.history if e.get("event") == "eval"])
+    # A nested run resumes from its checkpoint (flat for its first window again, then nested).
+    ck = Path(out) / "nested-ck"
+    el_che = ElChe(anchor=1, windows="live", combine="sum", nested=True)
+    run(mlp(), step=paced, sync=el_che, max_steps=20, checkpoint_dir=ck, checkpoint_every=10)
+    t = run(mlp(), step=paced, sync=el_che, max_steps=40, checkpoint_dir=ck, verify_sync=True)
+    result["resumed"] = (t.resumed_from.name, t.step, [e for e in t.history if e.get("event") == "nested"])
     return result
 
 
@@ -280,6 +301,17 @@ def test_nested_windows_three_uneven_workers(tmp_path):
         print(f"nested El Che ({name}): {len(windows)} outer windows, inner syncs {inner_syncs}, "
               f"batches fast {fast}, medium {sum(w['batches'] for w in runs[1]['records'])}, slow {sum(slow)}")
         assert fast > 4 * sum(slow), (name, fast, slow)
+        # Worker 0 evaluates at inner syncs too: more evaluations than outer windows, each with its
+        # samples so far (the inner tier's), in order; the final one at the end of the run.
+        evals = [e for e in runs[0]["history"] if e.get("event") == "eval"]
+        assert len(evals) > len(windows) + 2, (len(evals), len(windows))
+        assert [e["samples"] for e in evals] == sorted(e["samples"] for e in evals) and evals[-1]["samples"] == 400
+        assert [e["time"] for e in evals] == sorted(e["time"] for e in evals)
+    samples, evals = res[0]["stopped"]
+    assert res[1]["stopped"][0] == res[2]["stopped"][0] == samples and samples < 400, samples
+    assert len(evals) == 3 and evals[1]["samples"] < evals[2]["samples"] == samples, evals  # inner, then outer
+    name, step, nested = res[0]["resumed"]
+    assert name.startswith("step-") and step >= 40 and len(nested) == 1 and nested[0]["outer"] == [2], res[0]["resumed"]
 
 
 def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
