@@ -628,8 +628,10 @@ class Trainer:
         to finish (by the smoothed speeds) within half an inner window from now, which halves the
         expected wait of either side. Worker 0, when inner, evaluates at the inner syncs that
         cross ``eval_every``: the inner tier's parameters are a model every inner worker holds,
-        so the run's curve is not sampled only at the slowest worker's pace. Inner sync time is
-        counted in ``self._inner_ms``, not in the batches' time."""
+        so the run's curve is not sampled only at the slowest worker's pace. With ``stop_when`` the
+        inner tier waits for its answer and, on a stop, goes to the outer sync at once. The outer
+        tier trains on through such an evaluation. Inner sync time is counted in
+        ``self._inner_ms``, not in the batches' time."""
         comm, inner, (inner_ranks, outer_ranks) = self.comm, self._inner, self._tiers
         available = math.ceil(self._remaining() / self._unit_batch)
         outer_end = window_start + self.plan.anchor * max(self._ms[r] for r in outer_ranks) / 1e3
@@ -666,9 +668,11 @@ class Trainer:
             step = self.epoch * self.steps_per_epoch + math.ceil((self.position + units) / self.global_batch)
             every = self.eval_every
             if self.eval_fn is not None and every is not None and step // every > last_step // every \
-                    and comm.rank == 0:
+                    and 0 in inner_ranks:
                 now = self.train_time + time.perf_counter() - self._window_start - self._window_eval_s
                 self._evaluate((step, self.samples + samples, now))
+                if self._stop_pending:
+                    return
             last_step = step
             j += 1
 
@@ -747,12 +751,14 @@ class Trainer:
 
     def _evaluate(self, inner: tuple[int, int, float] | None = None) -> None:
         """Evaluate on worker 0 and share ``stop_when``'s answer. ``inner``: (step, samples, training
-        time) of an inner sync of nested windows, where only the inner tier is at a sync: worker 0
-        evaluates the inner tier's parameters, and the answer waits for the outer sync (``_stop_pending``)."""
+        time) of an inner sync of nested windows, called by the inner tier only: worker 0 evaluates
+        the inner tier's parameters, the inner tier shares the answer (``_stop_pending``), and the
+        outer tier learns it at the outer sync."""
         step = self.step if inner is None else inner[0]
-        if self._evaluated_step == step:
-            return
-        self._evaluated_step = step
+        if inner is None:  # (an inner sync's evaluation is of other parameters than the outer sync's at its step)
+            if self._evaluated_step == step:
+                return
+            self._evaluated_step = step
         metrics: dict = {}
         stop = False
         if self.comm.rank == 0:
@@ -776,10 +782,12 @@ class Trainer:
                 self._bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
             stop = bool(self.stop_when(metrics)) if self.stop_when is not None else False
             if inner is not None:
-                self._stop_pending = self._stop_pending or stop
                 self._window_eval_s += eval_s
-        if self.stop_when is not None and inner is None:
-            self._stop = self.comm.any_flag(stop or self._stop_pending)
+        if self.stop_when is not None:
+            if inner is None:
+                self._stop = self.comm.any_flag(stop or self._stop_pending)
+            else:  # the inner tier waits for the answer, as every worker does at an outer sync
+                self._stop_pending = self._inner.any_flag(stop)
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:

@@ -152,13 +152,30 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
     if k > 1 and throttle in ("cgroup", "both"):
         cgroup_limit(os.getpid(), k, f"{Path(out).name}-r{rank}")  # the worker limits itself: also under torchrun
     began, last = [0.0], [0.0]
+    store = dist.distributed_c10d._get_default_store() if world > 1 else None
+    EVALUATING = "bench/evaluating"  # worker 0 adds 1 while it evaluates
+
+    def throttle_sleep(seconds: float) -> None:
+        # Evaluation is off every arm's clock. Where the others wait for worker 0's evaluation
+        # (stop_when's answer) nothing trains meanwhile; an outer worker of nested windows trains on
+        # through it, so its sleep stands still while worker 0 evaluates: the emulated device pauses.
+        if store is None:
+            time.sleep(seconds)
+            return
+        left = seconds
+        while left > 0:
+            busy = store.add(EVALUATING, 0) > 0
+            chunk = min(0.05, left)
+            time.sleep(chunk)
+            if not busy:
+                left -= chunk
 
     def timed_collate(items):
         # The throttle sleeps at the start of a batch, for (k - 1) times the previous batch's own work,
         # so the wait comes before this batch's gradient sync (DDP) or the window's (El Che), never
         # hidden in another worker's evaluation.
         if k > 1 and throttle in ("sleep", "both") and last[0]:
-            time.sleep((k - 1) * last[0])
+            throttle_sleep((k - 1) * last[0])
         began[0] = time.process_time()  # a batch's own work starts with building it
         return collate(items)
 
@@ -176,7 +193,7 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
             first = not last[0]
             last[0] = time.process_time() - began[0]
             if first and k > 1 and throttle in ("sleep", "both"):
-                time.sleep((k - 1) * last[0])
+                throttle_sleep((k - 1) * last[0])
 
         opt.register_step_post_hook(throttle_hook)
         return opt
@@ -185,6 +202,15 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
 
     @torch.no_grad()
     def evaluate(model):
+        if store is not None:
+            store.add(EVALUATING, 1)
+        try:
+            return held_out(model)
+        finally:
+            if store is not None:
+                store.add(EVALUATING, -1)
+
+    def held_out(model):
         correct, loss = 0, 0.0
         for i in range(0, len(held), 64):
             batch = collate(held[i:i + 64])
