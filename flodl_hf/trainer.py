@@ -498,8 +498,10 @@ class Trainer:
                     first_done = time.perf_counter()
             self._sync_device()
             end = time.perf_counter()
-            compute_ms = (end - window_start) * 1e3 - self._inner_ms  # inner syncs: not the batches' time
-            steady = (batches - 1, (end - first_done) * 1e3 - self._inner_ms) if batches > 1 else (0, 0.0)
+            # Nested windows' inner syncs, and evaluations at them, are not the batches' time.
+            inside = self._inner_ms + self._window_eval_s * 1e3
+            compute_ms = (end - window_start) * 1e3 - inside
+            steady = (batches - 1, (end - first_done) * 1e3 - inside) if batches > 1 else (0, 0.0)
             local_loss = loss_sum.item()
 
             t = time.perf_counter()
@@ -625,8 +627,11 @@ class Trainer:
         After each inner window the inner tier's first worker decides for all (its answer rides
         the inner sync): it stops when the outer tier has marked ``key/done``, when the epoch's
         batches are all claimed, when an evaluation said stop, or when the outer tier is expected
-        to finish (by the smoothed speeds) within half an inner window from now, which halves the
-        expected wait of either side. Worker 0, when inner, evaluates at the inner syncs that
+        (by the smoothed speeds) to finish within ``share`` of an inner window from now, ``share``
+        being the outer tier's part of the cohort's batches per second. Waiting ``r`` there costs
+        the inner tier's throughput for ``r``, one more inner window costs the outer tier's for the
+        rest of it, so that is the cheaper side. An outer tier past its expected end is late by an
+        unknown amount: the inner tier runs on rather than wait for it. Worker 0, when inner, evaluates at the inner syncs that
         cross ``eval_every``: the inner tier's parameters are a model every inner worker holds,
         so the run's curve is not sampled only at the slowest worker's pace. With ``stop_when`` the
         inner tier waits for its answer and, on a stop, goes to the outer sync at once. The outer
@@ -635,6 +640,7 @@ class Trainer:
         comm, inner, (inner_ranks, outer_ranks) = self.comm, self._inner, self._tiers
         available = math.ceil(self._remaining() / self._unit_batch)
         outer_end = window_start + self.plan.anchor * max(self._ms[r] for r in outer_ranks) / 1e3
+        share = sum(1 / self._ms[r] for r in outer_ranks) / sum(1 / ms for ms in self._ms)
         with torch.no_grad():
             for s, p in zip(self._inner_start, self.trainable):
                 s.copy_(p)
@@ -648,7 +654,7 @@ class Trainer:
             if inner.rank == 0:
                 stop = float(comm.counter(f"{key}/done", 0) >= len(outer_ranks)
                              or comm.counter(f"{key}/cursor", 0) >= available
-                             or outer_end - t < (t - start) / 2 or self._stop_pending)
+                             or 0 <= outer_end - t < (t - start) * share or self._stop_pending)
             rows = inner.reduce_window([(self.trainable, 1.0, self._inner_start),
                                         (self._float_buffers, 1.0 / inner.world)], [stop, *self._claimed])
             if inner.rank == 0:  # every inner worker is past its last read of this inner window's count

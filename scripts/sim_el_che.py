@@ -17,13 +17,18 @@ end, for each way of combining a window (``--variants``):
 - ``sum-state``: ``sum``, and the optimizers' moments combined in the same way (``beta**n`` decay of
   the start's moments, plus each worker's own additions; the step counts summed), so that both
   workers start each window with the same optimizer state, as one worker running the window
-  would have it.
+  would have it;
+- ``nested``: ``ElChe(nested=True)`` for three or more workers (``--pattern 12,4,1``): the slowest
+  worker's window spans k of the others' (k: the second slowest's count, here 4 windows of 3 + 1),
+  which sum among themselves at each; the slowest's change is added at the end. Evaluations at the
+  inner syncs count the slowest's batches in flight by the share of them run by then.
 
 The task is bench_trainer's: MiniLM (``samples/minilm``) with a fresh 2-label head, SMS spam,
 3,000 training messages and 500 held out, AdamW lr 5e-5, batch 16, texts cut at 64 tokens.
 
     python scripts/sim_el_che.py                       # 6 seeds x 4 variants, both cores (about 15 min)
     python scripts/sim_el_che.py --seeds 2 --variants seq sum
+    python scripts/sim_el_che.py --seeds 3 --variants seq sum nested --pattern 12,4,1 --max-batches 136
 """
 
 from __future__ import annotations
