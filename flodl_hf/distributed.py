@@ -79,10 +79,12 @@ class ElChe:
     faster side has two workers or more, the faster workers sync among themselves every window
     of their own (their slowest runs ``min_anchor`` batches), and the slower ones join them
     only at the outer window, ``anchor`` of their batches, adding their change to the inner
-    tier's. With speeds 1 : 1/3 : 1/12 the fast pair syncs every 3 + 1 batches and the slowest
+    tier's. ``nested=(inner_ranks, outer_ranks)`` names the tiers instead (a card you know is
+    slow), and nests from the first window. With speeds 1 : 1/3 : 1/12 the fast pair syncs every 3 + 1 batches and the slowest
     every 12 + 4 + 1, where flat windows would hold the pair to 12 + 4 between syncs. Evaluation,
     checkpoints and the record's windows happen at the outer syncs, where every worker holds the
-    same parameters; DiLoCo's outer step too. The split is decided once per fit.
+    same parameters; DiLoCo's outer step too; worker 0, when inner, also evaluates at the inner
+    syncs. The split is decided once per fit.
     """
 
     anchor: int = 4
@@ -95,12 +97,24 @@ class ElChe:
     combine: str = "average"
     windows: str = "planned"
     compress: str | None = None
-    nested: bool = False
+    nested: bool | tuple[tuple[int, ...], tuple[int, ...]] = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.nested, bool):
+            try:
+                inner, outer = (tuple(sorted(int(r) for r in tier)) for tier in self.nested)
+            except (TypeError, ValueError):
+                raise TrainerConfigError(f"ElChe nested must be True, False or (inner ranks, outer ranks), "
+                                         f"got {self.nested!r}") from None
+            if len(inner) < 2 or not outer or set(inner) & set(outer) or min(inner + outer) < 0 \
+                    or len(set(inner)) != len(inner) or len(set(outer)) != len(outer):
+                raise TrainerConfigError(f"ElChe nested={self.nested!r}: the tiers must be disjoint ranks, "
+                                         "two or more inner and one or more outer")
+            object.__setattr__(self, "nested", (inner, outer))
         if self.nested and (self.windows != "live" or self.combine != "sum" or self.compress is not None):
-            raise TrainerConfigError("ElChe nested=True needs windows='live' and combine='sum', without compress; "
-                                     f"got windows={self.windows!r}, combine={self.combine!r}, compress={self.compress!r}")
+            raise TrainerConfigError(f"ElChe nested={self.nested!r} needs windows='live' and combine='sum', without "
+                                     f"compress; got windows={self.windows!r}, combine={self.combine!r}, "
+                                     f"compress={self.compress!r}")
         if self.combine not in ("average", "sum"):
             raise TrainerConfigError(f"ElChe combine must be 'average' or 'sum', got {self.combine!r}")
         if self.windows not in ("planned", "live"):

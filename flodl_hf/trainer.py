@@ -257,6 +257,10 @@ class Trainer:
         self._ms: list[float | None] = [None] * comm.world
         # Live windows deal batches from a counter on the store (ElChe.windows): no plan, no probe.
         self._live = self.el_che is not None and self.el_che.windows == "live" and comm.world > 1
+        if self._live and isinstance(self.el_che.nested, tuple) and \
+                sorted(sum(self.el_che.nested, ())) != list(range(comm.world)):
+            raise TrainerConfigError(f"ElChe nested={self.el_che.nested!r}: the tiers must hold every rank "
+                                     f"0..{comm.world - 1} once")
         if self._live:
             # Live windows' counters on the store are named after this fit, from worker 0's clock:
             # a store that outlives the fit (a torchrun restart, fits in a row) never mixes them up.
@@ -328,6 +332,8 @@ class Trainer:
         self._eval_s = 0.0
         self._fit_start = time.perf_counter()
         self._perm_epoch, self._perm = -1, None
+        if self._live and isinstance(self.el_che.nested, tuple):  # tiers named by the user: nested at once
+            self._set_tiers(self.el_che.nested)
 
     def _describe(self) -> dict:
         return {"sync": self.sync, "world_size": self.comm.world, "batch_size": self.batch_size,
@@ -611,14 +617,17 @@ class Trainer:
         once per fit; the inner tier's process group is made here, by every worker."""
         self._tiers_decided = True
         tiers = nest_tiers(self._ms)
-        if tiers is None:
-            return
+        if tiers is not None:
+            self._set_tiers(tiers)
+
+    def _set_tiers(self, tiers: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
+        self._tiers_decided = True
         self._tiers = tiers
         self._inner = self.comm.subgroup(tiers[0])
         if self._inner is not None:
             self._inner_start = [p.detach().clone() for p in self.trainable]
         self._log_event("nested", inner=list(tiers[0]), outer=list(tiers[1]),
-                        ms_per_batch=[round(ms, 3) for ms in self._ms])
+                        ms_per_batch=[None if ms is None else round(ms, 3) for ms in self._ms])
 
     def _nested_chunks(self, key: str, window_start: float):
         """An inner worker's batches of a nested window (``ElChe(nested=True)``): live windows of
@@ -639,8 +648,9 @@ class Trainer:
         ``self._inner_ms``, not in the batches' time."""
         comm, inner, (inner_ranks, outer_ranks) = self.comm, self._inner, self._tiers
         available = math.ceil(self._remaining() / self._unit_batch)
-        outer_end = window_start + self.plan.anchor * max(self._ms[r] for r in outer_ranks) / 1e3
-        share = sum(1 / self._ms[r] for r in outer_ranks) / sum(1 / ms for ms in self._ms)
+        known = None not in self._ms  # not in the first window of tiers named up front
+        outer_end = window_start + self.plan.anchor * max(self._ms[r] for r in outer_ranks) / 1e3 if known else 0.0
+        share = sum(1 / self._ms[r] for r in outer_ranks) / sum(1 / ms for ms in self._ms) if known else 0.0
         with torch.no_grad():
             for s, p in zip(self._inner_start, self.trainable):
                 s.copy_(p)

@@ -221,7 +221,7 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
 
     el_che = ElChe(anchor=args["anchor"], combine=args["combine"] if arm == "El Che" else "average",
                    windows=args["windows"], sync_share=args.get("sync_share", 0.10), compress=args.get("compress"),
-                   nested=bool(args.get("nested")) and arm == "El Che")
+                   nested=nested_tiers(args.get("nested"), ks) if arm == "El Che" else False)
     sync = {"fast worker alone": "none", "DDP": "ddp"}.get(arm, el_che)
     started = time.monotonic()
     trainer = Trainer(model, step, optimizer, train, batch_size=BATCH, epochs=args["epochs"], sync=sync,
@@ -232,6 +232,15 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
     trainer.fit()
     if world > 1:
         dist.destroy_process_group()
+
+
+def nested_tiers(mode: str | None, ks: tuple[float, ...]):
+    """ElChe's ``nested`` for ``--nested``: False, True (tiers found after the first window), or the
+    tiers :func:`flodl_hf.distributed.nest_tiers` cuts from the known slowdowns (False if none)."""
+    from flodl_hf.distributed import nest_tiers
+    if mode is None:
+        return False
+    return True if mode == "auto" else (nest_tiers(list(ks)) or False)
 
 
 def reached(metrics: dict, args: dict) -> bool:
@@ -406,8 +415,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="El Che's sync_share: the anchor grows while the sync takes more of a window")
     parser.add_argument("--compress", choices=["bf16"], default=None,
                         help="El Che's compress: the changes sent in bfloat16 (for a slow link)")
-    parser.add_argument("--nested", action="store_true",
-                        help="the El Che arm with ElChe(nested=True): a much slower worker joins every few of the others' syncs")
+    parser.add_argument("--nested", nargs="?", const="auto", choices=["auto", "named"], default=None,
+                        help="the El Che arm with nested windows: a much slower worker joins every few of the others' "
+                             "syncs; 'auto' (ElChe(nested=True): tiers from the first window's speeds) or 'named' "
+                             "(the tiers from the cohort's slowdowns, nested from the first window)")
     parser.add_argument("--link-rate", default="1gbit", help="the netns cohort's link rate (tc)")
     parser.add_argument("--link-delay", default="5ms", help="the netns cohort's link delay, each way (tc netem)")
     parser.add_argument("--out", type=Path, default=Path("out/bench_trainer"))

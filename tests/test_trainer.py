@@ -509,3 +509,8 @@ def test_nested_needs_live_windows_and_the_sum():
         with pytest.raises(TrainerConfigError, match="nested=True"):
             ElChe(nested=True, **bad)
     assert ElChe(nested=True, windows="live", combine="sum").nested
+    live = dict(windows="live", combine="sum")
+    assert ElChe(nested=[[1, 0], (2,)], **live).nested == ((0, 1), (2,))
+    for bad in ([[0], [1]], [[0, 1], []], [[0, 1], [1, 2]], [[0, 0], [2]], "01/2", [[0, "x"], [2]], [[0, 1]]):
+        with pytest.raises(TrainerConfigError, match="nested"):
+            ElChe(nested=bad, **live)

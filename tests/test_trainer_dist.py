@@ -270,6 +270,11 @@ def _nested(rank: int, out: str) -> dict:
     t = run(mlp(), step=paced, sync=ElChe(anchor=1, windows="live", combine="sum", nested=True), n=400, epochs=1,
             eval_fn=count, eval_every=1, stop_when=lambda metrics: metrics["calls"] >= 2)
     result["stopped"] = (t.samples, [e for e in t.history if e.get("event") == "eval"])
+    # Tiers named up front: nested from the first window, before any speed is known.
+    t = run(mlp(), step=paced, sync=ElChe(anchor=1, windows="live", combine="sum", nested=((0, 1), [2])), n=200,
+            epochs=1, verify_sync=True)
+    result["named"] = ([w.get("inner_syncs") for w in t.records], t.samples,
+                       [e for e in t.history if e.get("event") == "nested"])
     # A nested run resumes from its checkpoint (flat for its first window again, then nested).
     ck = Path(out) / "nested-ck"
     el_che = ElChe(anchor=1, windows="live", combine="sum", nested=True)
@@ -310,6 +315,9 @@ def test_nested_windows_three_uneven_workers(tmp_path):
     samples, evals = res[0]["stopped"]
     assert res[1]["stopped"][0] == res[2]["stopped"][0] == samples and samples < 400, samples
     assert len(evals) == 3 and evals[1]["samples"] < evals[2]["samples"] == samples, evals  # inner, then outer
+    inner_syncs, samples, nested = res[0]["named"]
+    assert samples == 200 and nested[0]["inner"] == [0, 1] and nested[0]["ms_per_batch"] == [None] * 3, nested
+    assert inner_syncs[0] >= 2 and res[2]["named"][0][0] is None, (inner_syncs, res[2]["named"][0])
     name, step, nested = res[0]["resumed"]
     assert name.startswith("step-") and step >= 40 and len(nested) == 1 and nested[0]["outer"] == [2], res[0]["resumed"]
 
