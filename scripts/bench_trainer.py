@@ -17,7 +17,11 @@ shaped by ``--link-rate`` and ``--link-delay``. Every worker is one process with
 talking gloo (on 127.0.0.1 outside the namespaces).
 
 The target is a held-out accuracy (``--target``) or, smoother on a few hundred messages, a
-held-out loss (``--target-loss``), checked every ``--eval-every`` samples.
+held-out loss (``--target-loss``), checked every ``--eval-every`` samples. ``--nested`` runs the El Che
+arm in nested windows (``ElChe(nested=...)``: a much slower worker joins every few of the others'
+syncs). Evaluation is off every arm's clock: the other workers wait for worker 0's evaluation, and a
+throttled worker that trains on through one (an outer worker of nested windows) has its sleep stand
+still meanwhile.
 
 Making a worker k times slower without letting it take the fast one's CPU:
 - ``sleep`` (default, works everywhere): before each batch the worker sleeps (k - 1) times the

@@ -174,14 +174,7 @@ def replay(variant: str, seed: int, pattern: tuple[int, ...], target: float, max
                 for _ in range(count):
                     train_step(m, opt, batches[position])
                     position += 1
-            with torch.no_grad():
-                shared = [s.clone() for s in start]
-                for m in models:
-                    for total, p, s in zip(shared, m.parameters(), start):
-                        total += p - s
-                for m in models:
-                    for p, total in zip(m.parameters(), shared):
-                        p.copy_(total)
+            combine(models, start)
             if variant == "sum-state":
                 beta1, beta2 = opts[0].param_groups[0]["betas"]
                 states = [opt.state_dict()["state"] for opt in opts]
