@@ -640,7 +640,8 @@ class Trainer:
         being the outer tier's part of the cohort's batches per second. Waiting ``r`` there costs
         the inner tier's throughput for ``r``, one more inner window costs the outer tier's for the
         rest of it, so that is the cheaper side. An outer tier past its expected end is late by an
-        unknown amount: the inner tier runs on rather than wait for it. Worker 0, when inner, evaluates at the inner syncs that
+        unknown amount: the inner tier runs on rather than wait for it, for up to ``timeout``
+        seconds, after which the outer sync finds out whether it is lost. Worker 0, when inner, evaluates at the inner syncs that
         cross ``eval_every``: the inner tier's parameters are a model every inner worker holds,
         so the run's curve is not sampled only at the slowest worker's pace. With ``stop_when`` the
         inner tier waits for its answer and, on a stop, goes to the outer sync at once. The outer
@@ -664,7 +665,10 @@ class Trainer:
             if inner.rank == 0:
                 stop = float(comm.counter(f"{key}/done", 0) >= len(outer_ranks)
                              or comm.counter(f"{key}/cursor", 0) >= available
-                             or 0 <= outer_end - t < (t - start) * share or self._stop_pending)
+                             or 0 <= outer_end - t < (t - start) * share or self._stop_pending
+                             # `timeout` past its expected end, an outer worker is taken for lost: the
+                             # outer sync's collective then reports it (WorkerLostError), not the epoch's end
+                             or t - (outer_end if known else window_start) > self.timeout)
             rows = inner.reduce_window([(self.trainable, 1.0, self._inner_start),
                                         (self._float_buffers, 1.0 / inner.world)], [stop, *self._claimed])
             if inner.rank == 0:  # every inner worker is past its last read of this inner window's count

@@ -480,6 +480,36 @@ def _lost_worker(rank: int, out: str, how: str) -> dict:
     return {"error": None}
 
 
+def _lost_outer(rank: int, out: str) -> dict:
+    calls = 0
+
+    def step(model, batch):
+        nonlocal calls
+        calls += 1
+        if rank == 2 and calls == 3:
+            os._exit(3)
+        time.sleep((0.010, 0.030, 0.120)[rank])
+        return mse_step(model, batch)
+
+    start = time.monotonic()
+    try:
+        run(mlp(), step=step, sync=ElChe(anchor=1, windows="live", combine="sum", nested=((0, 1), (2,))),
+            n=40000, epochs=1, timeout=3)
+    except WorkerLostError as exc:
+        return {"error": str(exc), "after": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_lost_outer_worker_of_nested_windows_gives_an_error(tmp_path):
+    """The inner tier trains on while the outer one computes, so a dead outer worker is noticed by
+    time: ``timeout`` past its expected end the inner tier goes to the outer sync, which reports it."""
+    res = spawn(_lost_outer, tmp_path, world=3, pg_timeout=4.0, deadline=45.0, wait_for=(0, 1))
+    for r in (0, 1):
+        assert res[r]["error"] is not None and "another worker died or stopped answering" in res[r]["error"]
+        assert res[r]["after"] < 20, res[r]  # the epoch alone would take over a minute
+        print(f"worker {r}: WorkerLostError after {res[r]['after']:.1f} s")
+
+
 @pytest.mark.parametrize("how", ["killed", "silent"])
 def test_lost_worker_gives_an_error_not_a_hang(tmp_path, how):
     res = spawn(_lost_worker, tmp_path, how, pg_timeout=4.0, deadline=45.0, wait_for=(0,))
