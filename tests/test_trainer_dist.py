@@ -275,6 +275,17 @@ def _nested(rank: int, out: str) -> dict:
             epochs=1, verify_sync=True)
     result["named"] = ([w.get("inner_syncs") for w in t.records], t.samples,
                        [e for e in t.history if e.get("event") == "nested"])
+    # Over padding-free batches (the unit dealt is a batch): every sample once, evaluations at inner syncs.
+    seen_length: list[int] = []
+
+    def length_step(model, batch):
+        seen_length.extend(batch[0].tolist())
+        return paced(model, batch)
+
+    t = run(mlp(), step=length_step, sync=ElChe(anchor=1, windows="live", combine="sum", nested=((0, 1), (2,))),
+            n=120, batching="length", max_tokens=12, lengths=[1 + i % 5 for i in range(120)], epochs=1, verify_sync=True,
+            eval_fn=lambda m: {"w": 0.0}, eval_every=1)
+    result["length"] = (seen_length, t.samples, [e["samples"] for e in t.history if e.get("event") == "eval"])
     # A nested run resumes from its checkpoint (flat for its first window again, then nested).
     ck = Path(out) / "nested-ck"
     el_che = ElChe(anchor=1, windows="live", combine="sum", nested=True)
@@ -318,6 +329,10 @@ def test_nested_windows_three_uneven_workers(tmp_path):
     inner_syncs, samples, nested = res[0]["named"]
     assert samples == 200 and nested[0]["inner"] == [0, 1] and nested[0]["ms_per_batch"] == [None] * 3, nested
     assert inner_syncs[0] >= 2 and res[2]["named"][0][0] is None, (inner_syncs, res[2]["named"][0])
+    seen = sorted(sum((res[r]["length"][0] for r in range(3)), []))
+    assert seen == list(range(120)) and res[0]["length"][1] == 120, res[0]["length"][1]
+    evals = res[0]["length"][2]
+    assert evals == sorted(evals) and evals[-1] == 120 and len(evals) > 2, evals
     name, step, nested = res[0]["resumed"]
     assert name.startswith("step-") and step >= 40 and len(nested) == 1 and nested[0]["outer"] == [2], res[0]["resumed"]
 
