@@ -759,6 +759,8 @@ class Trainer:
                   "batch_share": (batches / batches.sum().clamp(min=1)).tolist(),
                   "worker_samples_per_s": [float(s / c * 1e3) if c > 0 else None
                                            for s, c in zip(samples.tolist(), rows[:, 3].tolist())]}
+        if self._tiers is not None:  # nested windows: which ranks are inner, which outer
+            rolled["tiers"] = [list(tier) for tier in self._tiers]
         if self.plan is not None:
             rolled.update(anchor=self.plan.anchor, **timing)
             if not self._live:  # live windows have no plan
@@ -1133,6 +1135,8 @@ class _RunLog:
                                idle_share=timing["idle_ms"][r] / timing["window_ms"][r])
             if "plan" in rolled:
                 numbers["planned"] = rolled["plan"][r]
+            if "tiers" in rolled:
+                numbers["tier"] = "inner" if r in rolled["tiers"][0] else "outer"
             ranks.append(numbers)
         common = {k: rolled[k] for k in ("step", "epoch", "time")}
         extra = {k: rolled[k] for k in ("anchor",) if k in rolled}

@@ -272,7 +272,7 @@ def _nested(rank: int, out: str) -> dict:
     result["stopped"] = (t.samples, [e for e in t.history if e.get("event") == "eval"])
     # Tiers named up front: nested from the first window, before any speed is known.
     t = run(mlp(), step=paced, sync=ElChe(anchor=1, windows="live", combine="sum", nested=((0, 1), [2])), n=200,
-            epochs=1, verify_sync=True)
+            epochs=1, verify_sync=True, log_dir=Path(out) / "named-logs")
     result["named"] = ([w.get("inner_syncs") for w in t.records], t.samples,
                        [e for e in t.history if e.get("event") == "nested"])
     # Over padding-free batches (the unit dealt is a batch): every sample once, evaluations at inner syncs.
@@ -326,6 +326,11 @@ def test_nested_windows_three_uneven_workers(tmp_path):
     samples, evals = res[0]["stopped"]
     assert res[1]["stopped"][0] == res[2]["stopped"][0] == samples and samples < 400, samples
     assert len(evals) == 3 and evals[1]["samples"] < evals[2]["samples"] == samples, evals  # inner, then outer
+    tree = load_tree(tmp_path / "named-logs")  # the record tree marks each rank's tier
+    ranks = {path.rsplit("/", 1)[-1]: [r for r in rows if r.get("event") == "train"] for path, rows in tree.items()
+             if path.count("/") == 1}
+    assert {name: rows[-1].get("tier") for name, rows in ranks.items()} == \
+        {"rank-0": "inner", "rank-1": "inner", "rank-2": "outer"}, ranks.keys()
     inner_syncs, samples, nested = res[0]["named"]
     assert samples == 200 and nested[0]["inner"] == [0, 1] and nested[0]["ms_per_batch"] == [None] * 3, nested
     assert inner_syncs[0] >= 2 and res[2]["named"][0][0] is None, (inner_syncs, res[2]["named"][0])
