@@ -73,13 +73,14 @@ class ElChe:
     remainder) and costs four passes over them per sync, so on a fast link it saves little.
     ``None`` (the default) sends full precision.
 
-    ``nested=True`` (live windows, ``combine="sum"``) stops a much slower worker from setting
+    ``nested=True`` (live windows) stops a much slower worker from setting
     everyone's cadence. After the first window the cohort is split at the widest gap in speed
     (:func:`nest_tiers`): when the slower side is at least twice as slow as the faster and the
     faster side has two workers or more, the faster workers sync among themselves every window
     of their own (their slowest runs ``min_anchor`` batches), and the slower ones join them
     only at the outer window, ``anchor`` of their batches, adding their change to the inner
-    tier's. ``nested=(inner_ranks, outer_ranks)`` names the tiers instead (a card you know is
+    tier's (``"sum"``), or averaged with it by samples (``"average"``: the inner tier weighs its
+    samples of the whole outer window, and averages by samples at its own syncs too). ``nested=(inner_ranks, outer_ranks)`` names the tiers instead (a card you know is
     slow), and nests from the first window. With speeds 1 : 1/3 : 1/12 the fast pair syncs every 3 + 1 batches and the slowest
     every 12 + 4 + 1, where flat windows would hold the pair to 12 + 4 between syncs. Evaluation,
     checkpoints and the record's windows happen at the outer syncs, where every worker holds the
@@ -111,10 +112,9 @@ class ElChe:
                 raise TrainerConfigError(f"ElChe nested={self.nested!r}: the tiers must be disjoint ranks, "
                                          "two or more inner and one or more outer")
             object.__setattr__(self, "nested", (inner, outer))
-        if self.nested and (self.windows != "live" or self.combine != "sum" or self.compress is not None):
-            raise TrainerConfigError(f"ElChe nested={self.nested!r} needs windows='live' and combine='sum', without "
-                                     f"compress; got windows={self.windows!r}, combine={self.combine!r}, "
-                                     f"compress={self.compress!r}")
+        if self.nested and (self.windows != "live" or self.compress is not None):
+            raise TrainerConfigError(f"ElChe nested={self.nested!r} needs windows='live', without compress; got "
+                                     f"windows={self.windows!r}, compress={self.compress!r}")
         if self.combine not in ("average", "sum"):
             raise TrainerConfigError(f"ElChe combine must be 'average' or 'sum', got {self.combine!r}")
         if self.windows not in ("planned", "live"):

@@ -269,7 +269,7 @@ class Trainer:
         # Nested windows (ElChe.nested): (inner ranks, outer ranks) once decided, the inner tier's Comm
         # (None on an outer worker) and the inner window's start; this window's inner syncs and their ms.
         self._tiers_decided, self._tiers, self._inner, self._inner_start = False, None, None, None
-        self._inner_syncs, self._inner_ms = 0, 0.0
+        self._inner_syncs, self._inner_ms, self._inner_samples = 0, 0.0, 0
         # An evaluation at an inner sync: its stop_when answer (shared at the outer sync), its seconds.
         self._stop_pending, self._window_eval_s = False, 0.0
         self._claimed = [0, 0]  # units and samples claimed in this (inner) live window
@@ -511,11 +511,14 @@ class Trainer:
             local_loss = loss_sum.item()
 
             t = time.perf_counter()
+            weight_n = n
             if live:
+                if self._inner is not None:  # nested: the inner tier weighs its samples once, through its first
+                    weight_n = self._inner_samples if self._inner.rank == 0 else 0
                 # The averaging weights are known only now: one small all-gather (not for "sum").
-                sizes = (self.comm.gather_floats([n])[:, 0].int().tolist() if self.el_che.combine == "average"
-                         else [n] * comm.world)
-            rows = self._average(n / max(1, sum(sizes)),
+                sizes = (self.comm.gather_floats([weight_n])[:, 0].int().tolist()
+                         if self.el_che.combine == "average" else [n] * comm.world)
+            rows = self._average(weight_n / max(1, sum(sizes)),
                                  [batches, n, local_loss, compute_ms, prev["collective_ms"],
                                   prev["window_ms"], prev["pause_ms"], *steady, *self._resources.sample()])
             if live:
@@ -656,6 +659,7 @@ class Trainer:
             for s, p in zip(self._inner_start, self.trainable):
                 s.copy_(p)
         j, units, samples, last_step = 0, 0, 0, self.step
+        self._inner_samples = 0  # the inner tier's samples this outer window (its weight in an average)
         while True:
             start = time.perf_counter()
             self._claimed = [0, 0]
@@ -669,8 +673,13 @@ class Trainer:
                              # `timeout` past its expected end, an outer worker is taken for lost: the
                              # outer sync's collective then reports it (WorkerLostError), not the epoch's end
                              or t - (outer_end if known else window_start) > self.timeout)
-            rows = inner.reduce_window([(self.trainable, 1.0, self._inner_start),
-                                        (self._float_buffers, 1.0 / inner.world)], [stop, *self._claimed])
+            if self.el_che.combine == "sum":
+                part = (self.trainable, 1.0, self._inner_start)
+            else:  # the inner tier's samples-weighted average (equal weights if none ran a batch)
+                sizes = inner.gather_floats([self._claimed[1]])[:, 0]
+                total = float(sizes.sum())
+                part = (self.trainable, self._claimed[1] / total if total > 0 else 1.0 / inner.world)
+            rows = inner.reduce_window([part, (self._float_buffers, 1.0 / inner.world)], [stop, *self._claimed])
             if inner.rank == 0:  # every inner worker is past its last read of this inner window's count
                 comm.drop_keys([f"{key}/in{j}"])
             with torch.no_grad():
@@ -683,6 +692,7 @@ class Trainer:
             self._inner_ms += (time.perf_counter() - t) * 1e3
             units += int(rows[:, 1].sum())
             samples += int(rows[:, 2].sum())
+            self._inner_samples = samples
             if rows[0, 0] > 0:
                 return
             step = self.epoch * self.steps_per_epoch + math.ceil((self.position + units) / self.global_batch)

@@ -225,7 +225,7 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
 
     el_che = ElChe(anchor=args["anchor"], combine=args["combine"] if arm == "El Che" else "average",
                    windows=args["windows"], sync_share=args.get("sync_share", 0.10), compress=args.get("compress"),
-                   nested=nested_tiers(args.get("nested"), ks) if arm == "El Che" else False)
+                   nested=nested_tiers(args.get("nested"), ks) if arm != "DDP" else False)
     sync = {"fast worker alone": "none", "DDP": "ddp"}.get(arm, el_che)
     started = time.monotonic()
     trainer = Trainer(model, step, optimizer, train, batch_size=BATCH, epochs=args["epochs"], sync=sync,

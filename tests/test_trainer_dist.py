@@ -244,7 +244,8 @@ def _equivalences_and_uneven(rank: int, out: str) -> dict:
 def _nested(rank: int, out: str) -> dict:
     """Three workers at 1 : 1/3 : 1/12 (sleeps) with nested windows, plain and with DiLoCo."""
     result: dict = {}
-    for name, outer in (("sum", None), ("diloco", DiLoCo())):
+    for name, combine, outer in (("sum", "sum", None), ("diloco", "sum", DiLoCo()),
+                                 ("average-diloco", "average", DiLoCo())):
         seen: list[int] = []
 
         def step(model, batch):
@@ -252,7 +253,7 @@ def _nested(rank: int, out: str) -> dict:
             time.sleep((0.010, 0.030, 0.120)[rank])
             return mse_step(model, batch)
 
-        t = run(mlp(), step=step, sync=ElChe(anchor=1, windows="live", combine="sum", nested=True), outer=outer,
+        t = run(mlp(), step=step, sync=ElChe(anchor=1, windows="live", combine=combine, nested=True), outer=outer,
                 n=400, epochs=1, verify_sync=True, eval_fn=lambda m: {"w": float(m[0].weight.sum())}, eval_every=2)
         result[name] = {"seen": seen, "history": t.history, "records": t.records, "params": flat(t.model)}
     # stop_when answered at an inner sync's evaluation: the inner tier stops its windows, and all
@@ -270,6 +271,11 @@ def _nested(rank: int, out: str) -> dict:
     t = run(mlp(), step=paced, sync=ElChe(anchor=1, windows="live", combine="sum", nested=True), n=400, epochs=1,
             eval_fn=count, eval_every=1, stop_when=lambda metrics: metrics["calls"] >= 2)
     result["stopped"] = (t.samples, [e for e in t.history if e.get("event") == "eval"])
+    # The averages' weights sum to one at both syncs (the inner tier weighs its samples once): with
+    # lr 0 nothing moves but the averaging, which must keep the parameters where they are.
+    still = run(mlp(), step=paced, sync=ElChe(anchor=1, windows="live", nested=True), n=200, epochs=1,
+                opt=lambda params: torch.optim.SGD(params, lr=0.0), verify_sync=True)
+    result["still"] = float((flat(still.model) - flat(mlp())).abs().max())
     # Tiers named up front: nested from the first window, before any speed is known.
     t = run(mlp(), step=paced, sync=ElChe(anchor=1, windows="live", combine="sum", nested=((0, 1), [2])), n=200,
             epochs=1, verify_sync=True, log_dir=Path(out) / "named-logs")
@@ -299,7 +305,7 @@ def test_nested_windows_three_uneven_workers(tmp_path):
     """The fast pair syncs among itself between the slowest worker's syncs; every worker ends each
     outer sync with the same bits (verify_sync, inner syncs included); every sample is trained once."""
     res = spawn(_nested, tmp_path, world=3, deadline=120.0)
-    for name in ("sum", "diloco"):
+    for name in ("sum", "diloco", "average-diloco"):
         runs = [res[r][name] for r in range(3)]
         assert sorted(sum((r["seen"] for r in runs), [])) == list(range(400)), name
         assert torch.equal(runs[0]["params"], runs[1]["params"]) and torch.equal(runs[0]["params"], runs[2]["params"])
@@ -323,6 +329,7 @@ def test_nested_windows_three_uneven_workers(tmp_path):
         assert len(evals) > len(windows) + 2, (len(evals), len(windows))
         assert [e["samples"] for e in evals] == sorted(e["samples"] for e in evals) and evals[-1]["samples"] == 400
         assert [e["time"] for e in evals] == sorted(e["time"] for e in evals)
+    assert res[0]["still"] < 1e-6, res[0]["still"]
     samples, evals = res[0]["stopped"]
     assert res[1]["stopped"][0] == res[2]["stopped"][0] == samples and samples < 400, samples
     assert len(evals) == 3 and evals[1]["samples"] < evals[2]["samples"] == samples, evals  # inner, then outer
