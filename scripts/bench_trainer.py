@@ -17,8 +17,8 @@ shaped by ``--link-rate`` and ``--link-delay``. Every worker is one process with
 talking gloo (on 127.0.0.1 outside the namespaces).
 
 The target is a held-out accuracy (``--target``) or, smoother on a few hundred messages, a
-held-out loss (``--target-loss``), checked every ``--eval-every`` samples. ``--nested`` runs the El Che
-arm in nested windows (``ElChe(nested=...)``: a much slower worker joins every few of the others'
+held-out loss (``--target-loss``), checked every ``--eval-every`` samples. ``--nested`` runs both El
+Che arms in nested windows (``ElChe(nested=...)``: a much slower worker joins every few of the others'
 syncs). Evaluation is off every arm's clock: the other workers wait for worker 0's evaluation, and a
 throttled worker that trains on through one (an outer worker of nested windows) has its sleep stand
 still meanwhile.
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compress", choices=["bf16"], default=None,
                         help="El Che's compress: the changes sent in bfloat16 (for a slow link)")
     parser.add_argument("--nested", nargs="?", const="auto", choices=["auto", "named"], default=None,
-                        help="the El Che arm with nested windows: a much slower worker joins every few of the others' "
+                        help="both El Che arms in nested windows: a much slower worker joins every few of the others' "
                              "syncs; 'auto' (ElChe(nested=True): tiers from the first window's speeds) or 'named' "
                              "(the tiers from the cohort's slowdowns, nested from the first window)")
     parser.add_argument("--link-rate", default="1gbit", help="the netns cohort's link rate (tc)")
