@@ -73,19 +73,20 @@ class ElChe:
     remainder) and costs four passes over them per sync, so on a fast link it saves little.
     ``None`` (the default) sends full precision.
 
-    ``nested=True`` (live windows) stops a much slower worker from setting
-    everyone's cadence. After the first window the cohort is split at the widest gap in speed
-    (:func:`nest_tiers`): when the slower side is at least twice as slow as the faster and the
-    faster side has two workers or more, the faster workers sync among themselves every window
-    of their own (their slowest runs ``min_anchor`` batches), and the slower ones join them
-    only at the outer window, ``anchor`` of their batches, adding their change to the inner
-    tier's (``"sum"``), or averaged with it by samples (``"average"``: the inner tier weighs its
-    samples of the whole outer window, and averages by samples at its own syncs too). ``nested=(inner_ranks, outer_ranks)`` names the tiers instead (a card you know is
-    slow), and nests from the first window. With speeds 1 : 1/3 : 1/12 the fast pair syncs every 3 + 1 batches and the slowest
-    every 12 + 4 + 1, where flat windows would hold the pair to 12 + 4 between syncs. Evaluation,
-    checkpoints and the record's windows happen at the outer syncs, where every worker holds the
-    same parameters; DiLoCo's outer step too; worker 0, when inner, also evaluates at the inner
-    syncs. The split is decided once per fit.
+    ``nested=True`` (live windows) stops a much slower worker from setting everyone's cadence.
+    After the first window the cohort is split at the widest gap in speed (:func:`nest_tiers`):
+    when the slower side is at least twice as slow as the faster and the faster side has two
+    workers or more, the faster workers sync among themselves every window of their own (their
+    slowest runs ``min_anchor`` batches), and the slower ones join them only at the outer window,
+    ``anchor`` of their batches, adding their change to the inner tier's (``"sum"``), or averaged
+    with it by samples (``"average"``: the inner tier weighs its samples of the whole outer window,
+    and averages by samples at its own syncs too). ``nested=(inner_ranks, outer_ranks)`` names the
+    tiers instead (a card you know is slow), and nests from the first window. With speeds
+    1 : 1/3 : 1/12 the fast pair syncs every 3 + 1 batches and the slowest every 12 + 4 + 1, where
+    flat windows would hold the pair to 12 + 4 between syncs. Evaluation, checkpoints and the
+    record's windows happen at the outer syncs, where every worker holds the same parameters;
+    DiLoCo's outer step too; worker 0, when inner, also evaluates at the inner syncs. The split
+    is decided once per fit.
     """
 
     anchor: int = 4

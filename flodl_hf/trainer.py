@@ -627,14 +627,14 @@ class Trainer:
         self._tiers_decided = True
         self._tiers = tiers
         self._inner = self.comm.subgroup(tiers[0])
-        if self._inner is not None:
+        if self._inner is not None and self.el_che.combine == "sum":  # an average sends no changes
             self._inner_start = [p.detach().clone() for p in self.trainable]
         self._log_event("nested", inner=list(tiers[0]), outer=list(tiers[1]),
                         ms_per_batch=[None if ms is None else round(ms, 3) for ms in self._ms])
 
     def _nested_chunks(self, key: str, window_start: float):
         """An inner worker's batches of a nested window (``ElChe(nested=True)``): live windows of
-        the inner tier, each closed by a sum over the inner tier, until the outer tier is done.
+        the inner tier, each closed by a sync of the inner tier, until the outer tier is done.
 
         After each inner window the inner tier's first worker decides for all (its answer rides
         the inner sync): it stops when the outer tier has marked ``key/done``, when the epoch's
@@ -644,9 +644,10 @@ class Trainer:
         the inner tier's throughput for ``r``, one more inner window costs the outer tier's for the
         rest of it, so that is the cheaper side. An outer tier past its expected end is late by an
         unknown amount: the inner tier runs on rather than wait for it, for up to ``timeout``
-        seconds, after which the outer sync finds out whether it is lost. Worker 0, when inner, evaluates at the inner syncs that
-        cross ``eval_every``: the inner tier's parameters are a model every inner worker holds,
-        so the run's curve is not sampled only at the slowest worker's pace. With ``stop_when`` the
+        seconds, after which the outer sync finds out whether it is lost. Worker 0, when inner,
+        evaluates at the inner syncs that cross ``eval_every``: the inner tier's parameters are a
+        model every inner worker holds, so the run's curve is not sampled only at the slowest
+        worker's pace. With ``stop_when`` the
         inner tier waits for its answer and, on a stop, goes to the outer sync at once. The outer
         tier trains on through such an evaluation. Inner sync time is counted in
         ``self._inner_ms``, not in the batches' time."""
@@ -655,9 +656,8 @@ class Trainer:
         known = None not in self._ms  # not in the first window of tiers named up front
         outer_end = window_start + self.plan.anchor * max(self._ms[r] for r in outer_ranks) / 1e3 if known else 0.0
         share = sum(1 / self._ms[r] for r in outer_ranks) / sum(1 / ms for ms in self._ms) if known else 0.0
-        with torch.no_grad():
-            for s, p in zip(self._inner_start, self.trainable):
-                s.copy_(p)
+        if self._inner_start is not None:
+            _copy_into(self._inner_start, self.trainable)
         j, units, samples, last_step = 0, 0, 0, self.step
         self._inner_samples = 0  # the inner tier's samples this outer window (its weight in an average)
         while True:
@@ -682,9 +682,8 @@ class Trainer:
             rows = inner.reduce_window([part, (self._float_buffers, 1.0 / inner.world)], [stop, *self._claimed])
             if inner.rank == 0:  # every inner worker is past its last read of this inner window's count
                 comm.drop_keys([f"{key}/in{j}"])
-            with torch.no_grad():
-                for s, p in zip(self._inner_start, self.trainable):
-                    s.copy_(p)
+            if self._inner_start is not None:
+                _copy_into(self._inner_start, self.trainable)
             if self.verify_sync:
                 inner.check_identical(list(self.model.parameters()) + self._float_buffers,
                                       f"an inner sync at step {self.step}")
@@ -727,10 +726,8 @@ class Trainer:
             if self._carried is not None:
                 part += (self._carried,)
             rows = comm.reduce_window([part, (self._float_buffers, 1.0 / comm.world)], stats)
-            with torch.no_grad():
-                if self.outer is None:
-                    for p, s in zip(self.trainable, start):
-                        s.copy_(p)
+            if self.outer is None:
+                _copy_into(start, self.trainable)
         if self.outer is not None:
             self.outer.step()
             if self.outer_cfg.reset_inner:
@@ -971,6 +968,13 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
             raise CheckpointFormatError(f"{path}: no trainer checkpoint (step-XXXXXXXX.pt) in this directory")
         path = found
     return checkpoint_schema.read(path)  # the one reader, shared with export --checkpoint
+
+
+def _copy_into(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """``targets[i] = sources[i]`` in place (a window's start taken from the synced parameters)."""
+    with torch.no_grad():
+        for t, src in zip(targets, sources, strict=True):
+            t.copy_(src)
 
 
 def _atomic_save(obj: dict, path: Path) -> None:
