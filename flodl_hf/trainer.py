@@ -157,6 +157,9 @@ class Trainer:
             raise TrainerConfigError(f"sync must be 'ddp', 'el-che', 'none' or an ElChe, got {type(sync).__name__}")
         if outer is not None and sync != "el-che":
             raise TrainerConfigError("outer=DiLoCo(...) averages windows: it needs sync='el-che'")
+        if outer is not None and el_che.overlap:
+            raise TrainerConfigError("ElChe(overlap=True) does not go with outer=DiLoCo(...): the outer step "
+                                     "needs the window's combined change at the window's end")
         if batching not in ("fixed", "length"):
             raise TrainerConfigError(f"batching must be 'fixed' or 'length', got {batching!r}")
         if batching == "length":
@@ -295,7 +298,7 @@ class Trainer:
         # changes whatever the combine: DiLoCo's start when there is an outer step, else a copy of its
         # own; None when the sync sends the parameters themselves.
         el_che = self.el_che if comm.world > 1 else None
-        changes = el_che is not None and (el_che.combine == "sum" or el_che.compress is not None)
+        changes = el_che is not None and (el_che.combine == "sum" or el_che.compress is not None or el_che.overlap)
         self._start = None if not changes else (
             self.outer.start if self.outer is not None else [p.detach().clone() for p in self.trainable])
         # What bfloat16 did not carry of this worker's changes yet (ElChe.compress), sent with the next.
@@ -305,6 +308,12 @@ class Trainer:
             self._restore(state, worker)
         else:
             _seed_everything(self.seed * 1_000_003 + comm.rank)
+        # ElChe(overlap=True): the shared point (the same bits on every worker), this worker's change of
+        # the window just ended (what it sends), and the all-reduce left running (PendingWindow).
+        overlap = el_che is not None and el_che.overlap
+        self._anchor = [p.detach().clone() for p in self.trainable] if overlap else None
+        self._delta = [torch.empty_like(p) for p in self.trainable] if overlap else None
+        self._pending = None
         from .records import Resources, decode_name, encode_name, host_names, local_identity
         host, node = local_identity()
         ids = comm.gather_floats([float(node), *encode_name(host)])  # the tree's host names, once
@@ -555,6 +564,8 @@ class Trainer:
             prev = {"collective_ms": collective_ms, "window_ms": wall * 1e3, "pause_ms": pause_ms}
             before = self.step
             self._advance(units_done, total)
+            if self._done():  # overlap: the last change lands before the final evaluation
+                self._drain()
             mine = {"batches": batches, "samples": n, "loss": local_loss / n if n else None,
                     "compute_ms": compute_ms, "ms_per_batch": compute_ms / batches if batches else None,
                     "samples_per_s": n / compute_ms * 1e3 if batches else None,
@@ -569,6 +580,7 @@ class Trainer:
                 self._stop = self.comm.any_flag(self._stop_pending)
             self._after(before)
             pause_ms = (time.perf_counter() - t) * 1e3
+        self._drain()  # overlap: a stop_when stop without a checkpoint
 
     def _live_chunks(self, key: str, window_start: float, members: Sequence[int] | None = None,
                      anchor: int | None = None, done_key: str | None = None, overrun: bool = True):
@@ -713,6 +725,8 @@ class Trainer:
         at the start, and not combined. ``compress="bf16"`` sends the (weighted) changes since
         the start in bfloat16, with what it leaves out carried to the next window."""
         comm = self.comm
+        if self._anchor is not None:
+            return self._overlap(weight, stats)
         start = self._start
         if start is None:
             rows = comm.reduce_window([(self.trainable, weight),
@@ -737,6 +751,46 @@ class Trainer:
                                  f"the sync ending at step {self.step}")
         return rows
 
+    def _overlap(self, weight: float, stats: list[float]) -> torch.Tensor:
+        """``ElChe(overlap=True)``'s sync: gather the window's numbers (one small all-reduce, the
+        window's end for every worker), land the previous window's summed changes in the shared
+        point, start this window's in the background, and go on from the shared point plus this
+        worker's own change. The others' changes of this window land at the next window's end."""
+        comm = self.comm
+        rows = comm.reduce_window([], stats)
+        self._land()
+        with torch.no_grad():
+            for d, p, s in zip(self._delta, self.trainable, self._start):
+                torch.sub(p, s, out=d)
+        w = 1.0 if self.el_che.combine == "sum" else weight
+        part = (self._delta, w) if self._carried is None else (self._delta, w, None, self._carried)
+        self._pending = comm.launch_window([part, (self._float_buffers, 1.0 / comm.world)],
+                                           into=[(self._anchor, self._anchor), None], background=True)
+        with torch.no_grad():
+            for p, a, d in zip(self.trainable, self._anchor, self._delta):
+                torch.add(a, d, out=p)
+        _copy_into(self._start, self.trainable)
+        return rows
+
+    def _land(self) -> bool:
+        """Overlap: wait for the all-reduce in flight, if any, and add it to the shared point."""
+        if self._pending is None:
+            return False
+        pending, self._pending = self._pending, None
+        pending.wait()
+        if self.verify_sync:
+            self.comm.check_identical(self._anchor, f"the overlapped sync landing at step {self.step}")
+        return True
+
+    def _drain(self) -> None:
+        """Overlap: land the change in flight, and every worker takes the shared point (the same bits)."""
+        if self._land():
+            _copy_into(self.trainable, self._anchor)
+            _copy_into(self._start, self._anchor)
+            if self.verify_sync:
+                self.comm.check_identical(list(self.model.parameters()) + self._float_buffers,
+                                          f"the overlapped sync drained at step {self.step}")
+
     # ---- after each step or window: log, evaluate, checkpoint --------------------------------
     def _crossed(self, before: int, every: int | None) -> bool:
         return every is not None and self.step // every > before // every
@@ -747,6 +801,7 @@ class Trainer:
         if self.eval_fn is not None and (self._crossed(before, self.eval_every) or self._done()):
             self._evaluate()
         if self.checkpoint_dir is not None and (self._crossed(before, self.checkpoint_every) or self._done()):
+            self._drain()  # overlap: a checkpoint holds the shared point, nothing in flight
             self.save_checkpoint()
 
     def _record(self, mine: dict, rows: torch.Tensor, wall: float, timing: dict) -> None:

@@ -395,6 +395,25 @@ def test_evaluations_sit_on_the_training_clock_between_log_points(tmp_path):
         ElChe(windows="dynamic")
     with pytest.raises(TrainerConfigError, match="compress"):
         ElChe(compress="fp8")
+    with pytest.raises(TrainerConfigError, match="overlap"):
+        ElChe(overlap="yes")
+    with pytest.raises(TrainerConfigError, match="overlap=True does not go with nested"):
+        ElChe(windows="live", nested=True, overlap=True)
+    with pytest.raises(TrainerConfigError, match="overlap=True.*DiLoCo"):
+        Trainer(Net(0), slow_step, adamw, Indexed(64), batch_size=8, epochs=1, sync=ElChe(overlap=True),
+                outer=DiLoCo(), progress=False, report=False)
+
+
+def test_compressed_pack_of_a_given_change_leaves_it_untouched():
+    """ElChe(overlap=True, compress="bf16") hands the packer the worker's own change, which it goes on
+    training from: a weight other than 1 is applied to a copy, and the remainder carries the rest."""
+    from flodl_hf.distributed import _pack_carried
+    change = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e-3
+    kept, residual = change.clone(), torch.zeros(1000)
+    view = torch.empty(1000, dtype=torch.bfloat16)
+    _pack_carried(view, change, 0.25, None, residual)
+    assert torch.equal(change, kept)
+    assert torch.equal(view.float() + residual, change * 0.25)
 
 
 def test_diloco_identity_in_one_process_equals_plain_local_sgd():

@@ -301,6 +301,95 @@ def _nested(rank: int, out: str) -> dict:
     return result
 
 
+def _overlap_reference(weight: float | None = None, n: int = 64, per_window: int = 2, batch: int = 4) -> torch.Tensor:
+    """ElChe(anchor=2, adaptive=False, combine="sum", overlap=True) on two workers, replayed in one
+    process with the same float ops: worker r runs its 2 batches of each window (planned, in data
+    order) from its own parameters; the window's summed changes land in the shared point one window
+    later, and each worker goes on from the shared point plus its own latest change; at the run's
+    end the last changes land and both take the shared point. ``weight``: combine="average" (each
+    worker's change weighed by its share of the samples, its own change taken whole)."""
+    data = Points(n)
+    models = [mlp(), mlp()]
+    opts = [sgd(m.parameters()) for m in models]
+    anchor = [p.detach().clone() for p in models[0].parameters()]
+    pending, position = None, 0
+    while position < n:
+        deltas = []
+        for r, (m, opt) in enumerate(zip(models, opts)):
+            start = [p.detach().clone() for p in m.parameters()]
+            for b in range(per_window):
+                first = position + (r * per_window + b) * batch
+                items = torch.utils.data.default_collate([data[i] for i in range(first, first + batch)])
+                opt.zero_grad(set_to_none=True)
+                mse_step(m, items).backward()
+                opt.step()
+            deltas.append([p.detach() - s for p, s in zip(m.parameters(), start)])
+        position += 2 * per_window * batch
+        if pending is not None:
+            anchor = [a + (d0 + d1) for a, d0, d1 in zip(anchor, *pending)]
+        pending = deltas if weight is None else [[d * weight for d in own] for own in deltas]
+        with torch.no_grad():
+            for m, own in zip(models, deltas):
+                for p, a, d in zip(m.parameters(), anchor, own):
+                    p.copy_(a + d)
+    anchor = [a + (d0 + d1) for a, d0, d1 in zip(anchor, *pending)]
+    return torch.cat([a.reshape(-1) for a in anchor])
+
+
+def _overlap(rank: int, out: str) -> dict:
+    """ElChe(overlap=True): planned windows against the one-process replay, a checkpoint and resume,
+    and live windows on an uneven pair with bfloat16 changes."""
+    result: dict = {}
+    el_che = ElChe(anchor=2, adaptive=False, combine="sum", overlap=True)
+    planned = run(mlp(), sync=el_che, epochs=1, shuffle=False, verify_sync=True)
+    result["planned"] = flat(planned.model)
+    result["reference"] = _overlap_reference() if rank == 0 else None
+    result["sum"] = flat(run(mlp(), sync=ElChe(anchor=2, adaptive=False, combine="sum"), epochs=1, shuffle=False).model)
+    averaged = run(mlp(), sync=ElChe(anchor=2, adaptive=False, overlap=True), epochs=1, shuffle=False)
+    result["average"] = (flat(averaged.model), _overlap_reference(0.5) if rank == 0 else None)
+    # A checkpoint holds the shared point (the change in flight lands first), so a run resumed from
+    # step 4 repeats the straight run that also checkpointed at step 4.
+    straight = run(mlp(), sync=el_che, max_steps=8, checkpoint_dir=Path(out) / "ck-straight", checkpoint_every=4)
+    ck = Path(out) / "ck"
+    run(mlp(), sync=el_che, max_steps=4, checkpoint_dir=ck, checkpoint_every=4)
+    resumed = run(mlp(), sync=el_che, max_steps=8, checkpoint_dir=ck, checkpoint_every=4, verify_sync=True)
+    result["resume"] = (flat(straight.model), flat(resumed.model), resumed.resumed_from.name)
+    # Live windows, 3 : 1 by sleeps, changes in bfloat16: every sample once, the same bits at the end.
+    seen: list[int] = []
+
+    def live_step(model, batch):
+        seen.extend(batch[0].tolist())
+        time.sleep(0.010 if rank == 0 else 0.030)
+        return mse_step(model, batch)
+
+    t = run(mlp(), step=live_step, sync=ElChe(anchor=2, windows="live", combine="sum", compress="bf16", overlap=True),
+            n=250, epochs=1, verify_sync=True, eval_fn=lambda m: {"loss": 0.0}, eval_every=4)
+    result["live"] = {"seen": seen, "params": flat(t.model), "records": t.records, "history": t.history}
+    return result
+
+
+def test_el_che_overlap_matches_its_replay_resumes_and_runs_live(tmp_path):
+    """ElChe(overlap=True): the planned run equals the one-process replay bit for bit; a resumed run
+    equals the straight one; live windows train every sample once and end with the same bits."""
+    res = spawn(_overlap, tmp_path)
+    assert torch.equal(res[0]["planned"], res[1]["planned"])
+    assert torch.equal(res[0]["planned"], res[0]["reference"])
+    assert torch.equal(res[0]["average"][0], res[1]["average"][0])
+    assert torch.equal(res[0]["average"][0], res[0]["average"][1])
+    # Not the plain sum (the others' changes land a window late), nor the untrained model.
+    assert not torch.equal(res[0]["planned"], res[0]["sum"]) and not torch.equal(res[0]["planned"], flat(mlp()))
+    for r in range(2):
+        straight, resumed, name = res[r]["resume"]
+        assert name == "step-00000004.pt" and torch.equal(straight, resumed), r
+    runs = [res[r]["live"] for r in range(2)]
+    assert sorted(runs[0]["seen"] + runs[1]["seen"]) == list(range(250))
+    assert torch.equal(runs[0]["params"], runs[1]["params"])
+    fast, slow = (sum(w["batches"] for w in runs[r]["records"]) for r in range(2))
+    assert fast > 2 * slow, (fast, slow)
+    evals = [e for e in runs[0]["history"] if e.get("event") == "eval"]
+    assert len(evals) >= 3 and evals[-1]["samples"] == 250, evals
+
+
 def test_nested_windows_three_uneven_workers(tmp_path):
     """The fast pair syncs among itself between the slowest worker's syncs; every worker ends each
     outer sync with the same bits (verify_sync, inner syncs included); every sample is trained once."""
