@@ -25,7 +25,8 @@ still meanwhile.
 
 Making a worker k times slower without letting it take the fast one's CPU:
 - ``sleep`` (default, works everywhere): before each batch the worker sleeps (k - 1) times the
-  CPU time its previous batch took (collate, forward, backward, step), so the wait lands before
+  CPU time its previous batch took (collate, forward, backward, step; the training thread's own, so
+  gloo's threads, which run an overlapped sync during the batch, are not counted), so the wait lands before
   the gradient sync (DDP) or the window's, never inside another worker's evaluation. CPU time,
   because waiting for the others in DDP's all-reduce takes none: a wall-clock measure would feed
   each worker's sleep with the others' (at 1 : 1/3 : 1/12 DDP steps grew to 34 s, then gloo's
@@ -41,6 +42,7 @@ Making a worker k times slower without letting it take the fast one's CPU:
     python scripts/bench_trainer.py --target-loss 0.10          # 3 seeds, every cohort and arm (root for 2x-netns)
     python scripts/bench_trainer.py --summarize --target-loss 0.10   # the tables again from the records
     python scripts/bench_trainer.py --seeds 1 --cohorts 2x --target 0.97
+    python scripts/bench_trainer.py --cohorts 2x-netns --arms "fast worker alone" "El Che" "El Che, overlapped" --compress bf16 --sync-share 0.3 --target-loss 0.10
 
 Tables go to stdout and ``out/bench_trainer/table.md``; each run's ``run.html`` under
 ``out/bench_trainer/``.
@@ -71,6 +73,8 @@ from flodl_hf.records import load_tree  # noqa: E402
 COHORTS = {"2x": (1.0, 3.0), "3x": (1.0, 3.0, 12.0), "2x-netns": (1.0, 3.0)}  # each worker's slowdown k
 NETNS = {"2x-netns"}  # one network namespace per worker (flodl_hf.testing.netns), torchrun across them
 ARMS = ("fast worker alone", "DDP", "El Che", "El Che + DiLoCo")
+# Run only when named (--arms): El Che with ElChe(overlap=True), the sync behind the next window.
+MORE_ARMS = ("El Che, overlapped",)
 BATCH, LR, MAX_LEN = 16, 5e-5, 64
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -180,7 +184,7 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
         # hidden in another worker's evaluation.
         if k > 1 and throttle in ("sleep", "both") and last[0]:
             throttle_sleep((k - 1) * last[0])
-        began[0] = time.process_time()  # a batch's own work starts with building it
+        began[0] = time.thread_time()  # a batch's own work starts with building it
         return collate(items)
 
     def step(model, batch):
@@ -189,13 +193,14 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
     def optimizer(params):
         opt = torch.optim.AdamW(params, lr=LR)
         def throttle_hook(*_):
-            # This batch's own work (collate, forward, backward, step) in CPU time: waiting for the
+            # This batch's own work (collate, forward, backward, step) in the training thread's CPU time
+            # (a device's speed; not gloo's threads, which run ElChe(overlap=True)'s sync): waiting for the
             # other workers (DDP's all-reduce inside backward) takes none, so a worker's sleep never
             # feeds on another's. The next batch's sleep scales with it, so the worker is k times
             # slower whatever the load. The very first batch has no previous one to scale with: it
             # sleeps after itself, so that it too takes k times its work.
             first = not last[0]
-            last[0] = time.process_time() - began[0]
+            last[0] = time.thread_time() - began[0]
             if first and k > 1 and throttle in ("sleep", "both"):
                 throttle_sleep((k - 1) * last[0])
 
@@ -223,9 +228,11 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
             correct += (out_.logits.argmax(-1) == batch["labels"]).sum().item()
         return {"accuracy": correct / len(held), "eval_loss": loss / len(held)}
 
-    el_che = ElChe(anchor=args["anchor"], combine=args["combine"] if arm == "El Che" else "average",
+    plain = arm in ("El Che", "El Che, overlapped")  # El Che's own combine; DiLoCo's arm averages
+    el_che = ElChe(anchor=args["anchor"], combine=args["combine"] if plain else "average",
                    windows=args["windows"], sync_share=args.get("sync_share", 0.10), compress=args.get("compress"),
-                   nested=nested_tiers(args.get("nested"), ks) if arm != "DDP" else False)
+                   nested=nested_tiers(args.get("nested"), ks) if arm != "DDP" else False,
+                   overlap=arm == "El Che, overlapped")
     sync = {"fast worker alone": "none", "DDP": "ddp"}.get(arm, el_che)
     started = time.monotonic()
     trainer = Trainer(model, step, optimizer, train, batch_size=BATCH, epochs=args["epochs"], sync=sync,
@@ -400,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--cohorts", nargs="*", default=list(COHORTS), choices=list(COHORTS))
-    parser.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS + MORE_ARMS))
     parser.add_argument("--target", type=float, default=0.975, help="held-out accuracy to reach")
     parser.add_argument("--target-loss", type=float, default=None,
                         help="held-out loss to reach instead (smoother than accuracy on a few hundred messages)")
@@ -444,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, list[dict]] = {arm: [] for arm in args.arms}
         for seed in range(args.seeds):
             for arm in args.arms:
-                out = args.out / f"{cohort}-{arm.replace(' + ', '-').replace(' ', '-').lower()}-seed{seed}"
+                out = args.out / f"{cohort}-{arm.replace(' + ', '-').replace(',', '').replace(' ', '-').lower()}-seed{seed}"
                 out.mkdir(parents=True, exist_ok=True)
                 if args.summarize:  # the tables again from the runs' records
                     world = 1 if arm == "fast worker alone" else len(COHORTS[cohort])

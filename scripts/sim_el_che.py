@@ -18,6 +18,10 @@ end, for each way of combining a window (``--variants``):
   the start's moments, plus each worker's own additions; the step counts summed), so that both
   workers start each window with the same optimizer state, as one worker running the window
   would have it;
+- ``overlap``: ``sum`` with each window's sync overlapped with the next window: a worker goes on
+  from its own end of the window, and the others' changes of a window are added one window later
+  (when that sync would have arrived). Every worker holds the same sum but for its own latest change;
+  worker 0's parameters are evaluated, as in the bench;
 - ``nested``: ``ElChe(nested=True)`` for three or more workers (``--pattern 12,4,1``): the slowest
   worker's window spans k of the others' (k: the second slowest's count, here 4 windows of 3 + 1),
   which sum among themselves at each; the slowest's change is added at the end. Evaluations at the
@@ -48,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-VARIANTS = ("seq", "stale", "sum", "sum-state", "nested")
+VARIANTS = ("seq", "stale", "sum", "sum-state", "overlap", "nested")
 BATCH, LR = 16, 5e-5
 
 
@@ -113,6 +117,7 @@ def replay(variant: str, seed: int, pattern: tuple[int, ...], target: float, max
         m.train()
     torch.manual_seed(seed + 1)  # dropout
     window, position, history = sum(pattern), 0, []
+    pending: list = []  # overlap: the changes of the window whose sync is still in flight
     while position + window <= max_batches:
         if variant == "seq":
             for _ in range(window):
@@ -167,6 +172,20 @@ def replay(variant: str, seed: int, pattern: tuple[int, ...], target: float, max
                             p.copy_(total)
             if history and history[-1][1] < target - 0.015:
                 break
+        elif variant == "overlap":
+            starts = [[p.detach().clone() for p in m.parameters()] for m in models]
+            for m, opt, count in zip(models, opts, pattern):
+                for _ in range(count):
+                    train_step(m, opt, batches[position])
+                    position += 1
+            changes = [[p.detach() - s for p, s in zip(m.parameters(), st)] for m, st in zip(models, starts)]
+            with torch.no_grad():  # the previous window's changes of the others arrive now
+                for i, m in enumerate(models):
+                    for j, late in enumerate(pending):
+                        if j != i:
+                            for p, d in zip(m.parameters(), late):
+                                p += d
+            pending = changes
         else:
             start = [p.detach().clone() for p in models[0].parameters()]
             state_start = copy.deepcopy(opts[0].state_dict()["state"])
