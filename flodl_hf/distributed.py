@@ -94,8 +94,10 @@ class ElChe:
     of the window, and land at the next window's end. Every worker keeps the shared point (its
     start plus every change that has landed, the same bits on all) and trains from it plus its
     own latest change, so the others' changes reach it one window late: at 3 : 1 on the SMS
-    fine-tune that costs about 8% more samples than ``"sum"`` (``scripts/sim_el_che.py
-    --variants overlap``), and pays where the sync is a larger share of a window than that.
+    fine-tune that costs 1.08x to 1.09x the samples of ``"sum"`` (the bench, and
+    ``scripts/sim_el_che.py --variants overlap``). Across a 1 Gbit/s link, where the sync took 15%
+    of a window, El Che went from 1.12x to 1.07x the fast worker alone's time; on loopback (3%) it
+    gains nothing (docs/benchmarks.md).
     Before an evaluation at the run's end, a checkpoint or a stop, the change in flight lands and
     every worker takes the shared point, so checkpoints and the trained model are synced as
     always; evaluations in between see worker 0's own parameters. It keeps three more copies of
