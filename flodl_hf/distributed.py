@@ -571,9 +571,10 @@ def _pack_carried(view: torch.Tensor, t: torch.Tensor, weight: float, start: tor
     """Write ``weight * (t - start)`` plus what earlier windows left in ``residual`` into the
     low-precision ``view``, and keep in ``residual`` (float32) what the rounding leaves out.
 
-    The change is taken in ``t``'s dtype, widened, weighted and added to the carried remainder in
-    float32 (``start=None``: ``t`` is the change); ``residual - view`` is then exact (a float32 minus its own rounding to bfloat16 fits
-    float32), so the sends add up to the changes over the run, less the last remainder."""
+    The change is taken in ``t``'s dtype (``start=None``: ``t`` is the change), widened, weighted
+    and added to the carried remainder in float32; ``residual - view`` is then exact (a float32
+    minus its own rounding to bfloat16 fits float32), so the sends add up to the changes over the
+    run, less the last remainder."""
     src = t.detach().reshape(-1)
     change = (src if start is None else torch.sub(src, start.reshape(-1))).to(torch.float32)
     carried = residual.view(-1)

@@ -697,8 +697,7 @@ class Trainer:
             if self._inner_start is not None:
                 _copy_into(self._inner_start, self.trainable)
             if self.verify_sync:
-                inner.check_identical(list(self.model.parameters()) + self._float_buffers,
-                                      f"an inner sync at step {self.step}")
+                self._check_synced(f"an inner sync at step {self.step}", inner)
             self._inner_syncs += 1
             self._inner_ms += (time.perf_counter() - t) * 1e3
             units += int(rows[:, 1].sum())
@@ -747,8 +746,7 @@ class Trainer:
             if self.outer_cfg.reset_inner:
                 self.optimizer.state.clear()
         if self.verify_sync:
-            comm.check_identical(list(self.model.parameters()) + self._float_buffers,
-                                 f"the sync ending at step {self.step}")
+            self._check_synced(f"the sync ending at step {self.step}")
         return rows
 
     def _overlap(self, weight: float, stats: list[float]) -> torch.Tensor:
@@ -788,8 +786,11 @@ class Trainer:
             _copy_into(self.trainable, self._anchor)
             _copy_into(self._start, self._anchor)
             if self.verify_sync:
-                self.comm.check_identical(list(self.model.parameters()) + self._float_buffers,
-                                          f"the overlapped sync drained at step {self.step}")
+                self._check_synced(f"the overlapped sync drained at step {self.step}")
+
+    def _check_synced(self, where: str, comm: Comm | None = None) -> None:
+        """``verify_sync``: every worker of ``comm`` (the cohort's) holds the same parameters and buffers."""
+        (comm or self.comm).check_identical(list(self.model.parameters()) + self._float_buffers, where)
 
     # ---- after each step or window: log, evaluate, checkpoint --------------------------------
     def _crossed(self, before: int, every: int | None) -> bool:
