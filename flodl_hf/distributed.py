@@ -10,6 +10,7 @@ trainer needs and turns a dead or silent peer into a :class:`WorkerLostError`.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import os
 import time
@@ -74,7 +75,13 @@ class ElChe:
     ``None`` (the default) sends full precision.
 
     ``nested=True`` (live windows) stops a much slower worker from setting everyone's cadence.
-    After the first window the cohort is split at the widest gap in speed (:func:`nest_tiers`):
+    The cohort is split into tiers by speed. With 3 or 4 workers that happens inside the first
+    window (:func:`probe_tiers`): once two or more workers have ended a batch and the rest are
+    still in their first after twice the slowest of those, the rest are the outer tier, and the
+    others go on in nested windows at once (every candidate inner tier's process group is made at
+    the start, :func:`inner_candidates`). Otherwise, or with more workers, the first window probes
+    the speeds (one batch of the slowest, whatever ``anchor`` says) and after it the cohort is
+    split at the widest gap in speed (:func:`nest_tiers`):
     when the slower side is at least twice as slow as the faster and the faster side has two
     workers or more, the faster workers sync among themselves every window of their own (their
     slowest runs ``min_anchor`` batches), and the slower ones join them only at the outer window,
@@ -248,6 +255,36 @@ def nest_tiers(ms_per_batch: Sequence[float | None]) -> tuple[tuple[int, ...], t
     if ratios[cut] < NEST_GAP:
         return None
     return tuple(sorted(order[:cut + 1])), tuple(sorted(order[cut + 1:]))
+
+
+def probe_tiers(ms_per_batch: Sequence[float | None], elapsed_ms: float) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Nested windows' tiers decided inside the first window (``ElChe(nested=True)``), or None for not yet.
+
+    ``ms_per_batch`` holds the first batch's time of each worker that has ended one (None for the
+    others), ``elapsed_ms`` the time since the window started. The workers still in their first
+    batch are the outer tier once it has lasted :data:`NEST_GAP` times the slowest first batch
+    that ended, and at least two have ended one: each of them is then at least that much slower
+    than any of the inner tier, which :func:`nest_tiers` would also call a gap. Pure: the first
+    worker to find tiers writes them for all (:meth:`Comm.settle`).
+    """
+    done = [r for r, ms in enumerate(ms_per_batch) if ms is not None]
+    late = [r for r, ms in enumerate(ms_per_batch) if ms is None]
+    if len(done) < 2 or not late or elapsed_ms < NEST_GAP * max(ms_per_batch[r] for r in done):
+        return None
+    return tuple(done), tuple(late)
+
+
+PROBE_MAX_WORLD = 4  # nested=True decides inside the first window for cohorts this small (their subgroups made up front)
+
+
+def inner_candidates(world: int) -> list[tuple[int, ...]]:
+    """Every inner tier :func:`probe_tiers` can return in a cohort of ``world`` (sets of 2 to
+    ``world - 1`` ranks), in one fixed order: their process groups are made up front by every
+    worker (``dist.new_group``'s rule), where the slowest worker is still in its first batch when
+    the tiers are found. Empty above :data:`PROBE_MAX_WORLD` (3 groups for 3 workers, 10 for 4)."""
+    if not 3 <= world <= PROBE_MAX_WORLD:
+        return []
+    return [c for size in range(2, world) for c in itertools.combinations(range(world), size)]
 
 
 def rounding_wait(anchor: int, ms_per_batch: Sequence[float]) -> float:
@@ -487,6 +524,14 @@ class Comm:
         """
         store = dist.distributed_c10d._get_default_store()
         return int(self._run("updating the window's shared counter", store.add, key, add))
+
+    def settle(self, key: str, proposal: str) -> str:
+        """The value at ``key`` on the store, set to ``proposal`` if it is still unset or empty:
+        the first worker to propose wins, and every worker reads the winner (``""`` proposes
+        nothing, a read). One round trip to the store's host."""
+        store = dist.distributed_c10d._get_default_store()
+        got = self._run("settling a shared decision", store.compare_set, key, "", proposal)
+        return got.decode() if isinstance(got, bytes) else str(got)
 
     def drop_keys(self, keys: Sequence[str]) -> None:
         """Delete store keys no worker reads any more (a closed window's counters)."""

@@ -89,8 +89,9 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from .distributed import (Comm, DiLoCo, ElChe, OuterOptimizer, Plan, TrainerConfigError, TrainerError,
-                          WorkerLostError, deal, live_overrun_ms, nest_tiers, plan_window)
+from .distributed import (NEST_GAP, Comm, DiLoCo, ElChe, OuterOptimizer, Plan, TrainerConfigError, TrainerError,
+                          WorkerLostError, deal, inner_candidates, live_overrun_ms, nest_tiers, plan_window,
+                          probe_tiers)
 from . import checkpoint_schema, lora
 from .errors import InputError
 
@@ -276,6 +277,11 @@ class Trainer:
         # An evaluation at an inner sync: its stop_when answer (shared at the outer sync), its seconds.
         self._stop_pending, self._window_eval_s = False, 0.0
         self._claimed = [0, 0]  # units and samples claimed in this (inner) live window
+        # nested=True in a small cohort: every candidate inner tier's process group, made now by all,
+        # so the tiers can be found inside the first window while the slowest is still in its batch.
+        self._candidates: dict[tuple[int, ...], Comm | None] = {}
+        if self._live and self.el_che.nested is True:
+            self._candidates = {ranks: comm.subgroup(ranks) for ranks in inner_candidates(comm.world)}
 
         checkpoint = self._find_resume()
         if checkpoint is not None:
@@ -489,8 +495,15 @@ class Trainer:
             self._window_start = window_start
             if live:
                 key = f"flodl-hf/el-che/{self._run_key}/{self.epoch}/{self.position}"
-                if self._tiers is None:
-                    chunks = self._live_chunks(key, window_start)
+                probing = self._tiers is None and first and self.el_che.nested is True and \
+                    not self._tiers_decided and all(ms is None for ms in self._ms)
+                if probing and self._candidates:
+                    chunks = self._probe_chunks(key, window_start)
+                elif self._tiers is None:
+                    # nested=True splits the cohort on measured speeds: until then a one-batch probe of
+                    # the slowest, not a flat window of ``anchor`` of its batches (at 1 : 1/3 : 1/12 with
+                    # anchor 4 that window ran 48 + 16 + 4 batches, a whole epoch on the bench's data).
+                    chunks = self._live_chunks(key, window_start, anchor=1 if probing else None)
                 elif self._inner is not None:  # nested windows: an inner worker
                     chunks = self._nested_chunks(key, window_start)
                 else:  # nested windows: an outer worker runs its anchor and no more
@@ -532,7 +545,9 @@ class Trainer:
                                   prev["window_ms"], prev["pause_ms"], *steady, *self._resources.sample()])
             if live:
                 if comm.rank == 0:  # every worker is past its last read: the window's keys can go
-                    comm.drop_keys([f"{key}/cursor", f"{key}/done"])
+                    comm.drop_keys([f"{key}/cursor", f"{key}/done"] + (
+                        [f"{key}/tiers", f"{key}/probed"] + [f"{key}/ms{r}" for r in range(comm.world)]
+                        if probing and self._candidates else []))
                 units_done = int(rows[:, 0 if self._batches is not None else 1].sum())
                 total = int(rows[:, 1].sum())
             else:
@@ -627,6 +642,67 @@ class Trainer:
             yield from self._chunks(self.position + start, count, split=True)
             done += 1
 
+    def _probe_chunks(self, key: str, window_start: float):
+        """The first window of ``ElChe(nested=True)`` in a cohort with candidate subgroups: batches
+        claimed from the live counter, and the tiers found while the slowest is still in its
+        first batch.
+
+        After its first batch each worker publishes that batch's time; after every batch it reads
+        the decision at ``key/tiers``, and proposes one where it has none: the tiers of
+        :func:`~flodl_hf.distributed.probe_tiers` once the workers still in their first batch have
+        taken ``NEST_GAP`` times the slowest finished one, or ``"flat"`` once every worker has
+        ended a batch (or the epoch's batches are all claimed). The first proposal wins
+        (:meth:`Comm.settle`), so all act on the same one. On tiers, an outer worker ends its
+        window there (one batch: the probe) and an inner worker goes on in nested windows of the
+        inner tier from this window's start, its batches so far counted in the first inner
+        window. On ``"flat"`` the window ends as a flat one, and the tiers come from its speeds."""
+        comm = self.comm
+        available = math.ceil(self._remaining() / self._unit_batch)
+        decision, probed = f"{key}/tiers", f"{key}/probed"
+        self._claimed = [0, 0]
+        mine = None  # this worker's first batch, ms (published once)
+        while True:
+            state = ""
+            if mine is not None:
+                state = comm.settle(decision, "")
+                if not state:
+                    ended = comm.counter(probed, 0)
+                    elapsed = (time.perf_counter() - window_start) * 1e3
+                    if ended >= comm.world:
+                        state = comm.settle(decision, "flat")
+                    elif ended >= 2 and elapsed >= NEST_GAP * mine:  # worth reading the others' times
+                        times = [comm.counter(f"{key}/ms{r}", 0) for r in range(comm.world)]
+                        tiers = probe_tiers([t / 1e3 if t > 0 else None for t in times], elapsed)
+                        if tiers is not None:
+                            state = comm.settle(decision, ",".join(map(str, tiers[0])) + "|" +
+                                                ",".join(map(str, tiers[1])))
+            claim = None
+            if not state:
+                claim = comm.counter(f"{key}/cursor", 1) - 1
+                if claim >= available:  # the epoch's batches are all out: no nesting in this window
+                    state = comm.settle(decision, "flat")
+            if state == "flat":
+                return
+            if state:
+                inner, outer = (tuple(int(r) for r in side.split(",")) for side in state.split("|"))
+                self._set_tiers((inner, outer), start=self._start, probe=[
+                    None if t <= 0 else t / 1e3 for t in (comm.counter(f"{key}/ms{r}", 0) for r in range(comm.world))])
+                if self._inner is None:
+                    comm.counter(f"{key}/done", 1)  # the inner tier's signal that the outer tier is done
+                    return
+                yield from self._nested_chunks(key, window_start, carried=list(self._claimed))
+                return
+            start = claim * self._unit_batch
+            count = min(self._unit_batch, self._remaining() - start)
+            self._claimed[0] += 1 if self._batches is not None else count
+            self._claimed[1] += self._samples_in(self.position + start, count)
+            began = time.perf_counter()
+            yield from self._chunks(self.position + start, count, split=True)
+            if mine is None:
+                mine = max((time.perf_counter() - began) * 1e3, 1e-3)
+                comm.counter(f"{key}/ms{comm.rank}", max(1, round(mine * 1e3)))  # in microseconds
+                comm.counter(probed, 1)
+
     def _decide_tiers(self) -> None:
         """Nested windows' tiers from the smoothed speeds (:func:`~flodl_hf.distributed.nest_tiers`),
         once per fit; the inner tier's process group is made here, by every worker."""
@@ -635,16 +711,21 @@ class Trainer:
         if tiers is not None:
             self._set_tiers(tiers)
 
-    def _set_tiers(self, tiers: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
+    def _set_tiers(self, tiers: tuple[tuple[int, ...], tuple[int, ...]], start=None, probe=None) -> None:
+        """Nest: the inner tier's process group (made up front where it is a candidate), and for
+        ``"sum"`` the inner windows' start (``start``: this window's, when found inside it).
+        ``probe``: the first batches' times that found the tiers, for the record."""
         self._tiers_decided = True
         self._tiers = tiers
-        self._inner = self.comm.subgroup(tiers[0])
+        self._inner = self._candidates[tiers[0]] if tiers[0] in self._candidates else self.comm.subgroup(tiers[0])
         if self._inner is not None and self.el_che.combine == "sum":  # an average sends no changes
-            self._inner_start = [p.detach().clone() for p in self.trainable]
+            self._inner_start = [p.detach().clone() for p in (self.trainable if start is None else start)]
+        found = {} if probe is None else {"found": "in the first window", "first_batch_ms": [
+            None if ms is None else round(ms, 3) for ms in probe]}
         self._log_event("nested", inner=list(tiers[0]), outer=list(tiers[1]),
-                        ms_per_batch=[None if ms is None else round(ms, 3) for ms in self._ms])
+                        ms_per_batch=[None if ms is None else round(ms, 3) for ms in self._ms], **found)
 
-    def _nested_chunks(self, key: str, window_start: float):
+    def _nested_chunks(self, key: str, window_start: float, carried: list[int] | None = None):
         """An inner worker's batches of a nested window (``ElChe(nested=True)``): live windows of
         the inner tier, each closed by a sync of the inner tier, until the outer tier is done.
 
@@ -662,19 +743,21 @@ class Trainer:
         worker's pace. With ``stop_when`` the
         inner tier waits for its answer and, on a stop, goes to the outer sync at once. The outer
         tier trains on through such an evaluation. Inner sync time is counted in
-        ``self._inner_ms``, not in the batches' time."""
+        ``self._inner_ms``, not in the batches' time. ``carried``: the units and samples this worker
+        ran in the window before the tiers were found (:meth:`_probe_chunks`), counted in the first
+        inner window, whose start is then the window's (already in ``self._inner_start``)."""
         comm, inner, (inner_ranks, outer_ranks) = self.comm, self._inner, self._tiers
         available = math.ceil(self._remaining() / self._unit_batch)
         known = None not in self._ms  # not in the first window of tiers named up front
         outer_end = window_start + self.plan.anchor * max(self._ms[r] for r in outer_ranks) / 1e3 if known else 0.0
         share = sum(1 / self._ms[r] for r in outer_ranks) / sum(1 / ms for ms in self._ms) if known else 0.0
-        if self._inner_start is not None:
+        if self._inner_start is not None and carried is None:
             _copy_into(self._inner_start, self.trainable)
         j, units, samples, last_step = 0, 0, 0, self.step
         self._inner_samples = 0  # the inner tier's samples this outer window (its weight in an average)
         while True:
             start = time.perf_counter()
-            self._claimed = [0, 0]
+            self._claimed = list(carried) if j == 0 and carried is not None else [0, 0]
             yield from self._live_chunks(key, start, inner_ranks, self.el_che.min_anchor, f"{key}/in{j}")
             t = time.perf_counter()
             stop = 0.0

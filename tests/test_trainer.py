@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from flodl_hf.distributed import ElChe, Plan, deal, nest_tiers, plan_window
+from flodl_hf.distributed import ElChe, Plan, deal, inner_candidates, nest_tiers, plan_window, probe_tiers
 from flodl_hf.records import load_tree
 from flodl_hf.report import write_report
 from flodl_hf.errors import CheckpointFormatError, FlodlHFError, InputError
@@ -520,6 +520,22 @@ def test_nest_tiers_cuts_at_the_widest_gap_with_two_fast_workers_or_more():
     assert nest_tiers([10.0, 40.0, 50.0]) is None                   # one fast worker: flat windows
     assert nest_tiers([10.0, 12.0, 19.0]) is None                   # under NEST_GAP
     assert nest_tiers([10.0, 30.0]) is None and nest_tiers([10.0, None, 120.0]) is None
+
+
+def test_probe_tiers_nest_the_workers_still_in_their_first_batch_once_they_are_twice_as_slow():
+    assert probe_tiers([10.0, 30.0, None], 59.0) is None                 # the slowest may yet be under 2x
+    assert probe_tiers([10.0, 30.0, None], 60.0) == ((0, 1), (2,))       # 1 : 1/3 : (at least 1/6)
+    assert probe_tiers([None, 12.0, 10.0], 30.0) == ((1, 2), (0,))       # any rank may be the slowest
+    assert probe_tiers([10.0, 11.0, None, None], 25.0) == ((0, 1), (2, 3))
+    assert probe_tiers([10.0, None, None], 500.0) is None                # one fast worker: flat windows
+    assert probe_tiers([10.0, 30.0, 40.0], 500.0) is None                # all ended one: after the window
+    # Every tier it can return has a process group made up front (3 workers: 3 pairs; 4: 6 pairs, 4 triples).
+    assert inner_candidates(3) == [(0, 1), (0, 2), (1, 2)] and len(inner_candidates(4)) == 10
+    assert inner_candidates(2) == [] and inner_candidates(5) == []
+    for world in (3, 4):
+        for finished in inner_candidates(world):
+            ms = [10.0 if r in finished else None for r in range(world)]
+            assert probe_tiers(ms, 20.0)[0] in inner_candidates(world)
 
 
 def test_nested_needs_live_windows_without_compress():

@@ -260,7 +260,7 @@ def _nested(rank: int, out: str) -> dict:
         result[name] = {"seen": seen, "history": t.history, "records": t.records, "params": flat(t.model)}
     # stop_when answered at an inner sync's evaluation: the inner tier stops its windows, and all
     # stop together at the outer sync.
-    calls = []  # the first evaluation ends the flat first window; the second is at an inner sync
+    calls = []  # the third evaluation says stop: most often at an inner sync, while the outer worker trains on
 
     def count(model):
         calls.append(1)
@@ -271,7 +271,7 @@ def _nested(rank: int, out: str) -> dict:
         return mse_step(model, batch)
 
     t = run(mlp(), step=paced, sync=ElChe(anchor=1, windows="live", combine="sum", nested=True), n=400, epochs=1,
-            eval_fn=count, eval_every=1, stop_when=lambda metrics: metrics["calls"] >= 2)
+            eval_fn=count, eval_every=1, stop_when=lambda metrics: metrics["calls"] >= 3)
     result["stopped"] = (t.samples, [e for e in t.history if e.get("event") == "eval"])
     # The averages' weights sum to one at both syncs (the inner tier weighs its samples once): with
     # lr 0 nothing moves but the averaging, which must keep the parameters where they are.
@@ -300,6 +300,17 @@ def _nested(rank: int, out: str) -> dict:
     run(mlp(), step=paced, sync=el_che, max_steps=20, checkpoint_dir=ck, checkpoint_every=10)
     t = run(mlp(), step=paced, sync=el_che, max_steps=40, checkpoint_dir=ck, verify_sync=True)
     result["resumed"] = (t.resumed_from.name, t.step, [e for e in t.history if e.get("event") == "nested"])
+    # nested=True with anchor 4: the tiers are found inside the first window, while the slowest is in
+    # its first batch (not after a flat window of 4 of its batches, 48 of the fast worker's).
+    def far(model, batch):
+        time.sleep((0.010, 0.030, 0.400)[rank])
+        return mse_step(model, batch)
+
+    for combine in ("sum", "average"):
+        t = run(mlp(), step=far, sync=ElChe(anchor=4, max_anchor=4, windows="live", combine=combine, nested=True),
+                n=200, epochs=1, verify_sync=True)
+        result[f"probe-{combine}"] = ([(w["batches"], w.get("inner_syncs")) for w in t.records],
+                                      [e for e in t.history if e.get("event") == "nested"], t.samples)
     return result
 
 
@@ -423,7 +434,10 @@ def test_nested_windows_three_uneven_workers(tmp_path):
     assert res[0]["still"] < 1e-6, res[0]["still"]
     samples, evals = res[0]["stopped"]
     assert res[1]["stopped"][0] == res[2]["stopped"][0] == samples and samples < 400, samples
-    assert len(evals) == 3 and evals[1]["samples"] < evals[2]["samples"] == samples, evals  # inner, then outer
+    # A stop said at an inner sync (fewer samples than the run's) reaches everyone at the outer sync,
+    # which evaluates once more; one said at an outer sync is the last evaluation.
+    said = next(i for i, e in enumerate(evals) if e["calls"] >= 3)
+    assert evals[-1]["samples"] == samples and said == len(evals) - (2 if evals[said]["samples"] < samples else 1), evals
     tree = load_tree(tmp_path / "named-logs")  # the record tree marks each rank's tier
     ranks = {path.rsplit("/", 1)[-1]: [r for r in rows if r.get("event") == "train"] for path, rows in tree.items()
              if path.count("/") == 1}
@@ -438,6 +452,16 @@ def test_nested_windows_three_uneven_workers(tmp_path):
     assert evals == sorted(evals) and evals[-1] == 120 and len(evals) > 2, evals
     name, step, nested = res[0]["resumed"]
     assert name.startswith("step-") and step >= 40 and len(nested) == 1 and nested[0]["outer"] == [2], res[0]["resumed"]
+    for combine in ("sum", "average"):
+        windows, nested, samples = res[0][f"probe-{combine}"]
+        slow = [b for b, _ in res[2][f"probe-{combine}"][0]]
+        print(f"nested=True, {combine}: found {nested}; fast worker's windows (batches, inner syncs) {windows}; "
+              f"slowest's batches {slow}")
+        assert samples == 200 and len(nested) == 1 and nested[0]["inner"] == [0, 1] and nested[0]["outer"] == [2]
+        # Found while the slowest was in its first batch: its time unknown, the fast pair's known.
+        assert nested[0]["found"] == "in the first window" and nested[0]["first_batch_ms"][2] is None, nested
+        assert slow[0] == 1 and all(b <= 4 for b in slow), slow  # the probe, then the anchor's 4
+        assert windows[0][1] >= 2, windows  # the fast pair synced among itself inside the first window
 
 
 def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
