@@ -43,6 +43,7 @@ Making a worker k times slower without letting it take the fast one's CPU:
     python scripts/bench_trainer.py --summarize --target-loss 0.10   # the tables again from the records
     python scripts/bench_trainer.py --seeds 1 --cohorts 2x --target 0.97
     python scripts/bench_trainer.py --cohorts 2x-netns --arms "fast worker alone" "El Che" "El Che, overlapped" --compress bf16 --sync-share 0.3 --target-loss 0.10
+    python scripts/bench_trainer.py --cohorts 3x --nested named --arms "fast worker alone" "El Che" "El Che, tiers found" --target-loss 0.10
 
 Tables go to stdout and ``out/bench_trainer/table.md``; each run's ``run.html`` under
 ``out/bench_trainer/``.
@@ -73,8 +74,9 @@ from flodl_hf.records import load_tree  # noqa: E402
 COHORTS = {"2x": (1.0, 3.0), "3x": (1.0, 3.0, 12.0), "2x-netns": (1.0, 3.0)}  # each worker's slowdown k
 NETNS = {"2x-netns"}  # one network namespace per worker (flodl_hf.testing.netns), torchrun across them
 ARMS = ("fast worker alone", "DDP", "El Che", "El Che + DiLoCo")
-# Run only when named (--arms): El Che with ElChe(overlap=True), the sync behind the next window.
-MORE_ARMS = ("El Che, overlapped",)
+# Run only when named (--arms): El Che with ElChe(overlap=True), the sync behind the next window; El Che
+# with ElChe(nested=True), the tiers found inside the first window, whatever --nested says.
+MORE_ARMS = ("El Che, overlapped", "El Che, tiers found")
 BATCH, LR, MAX_LEN = 16, 5e-5, 64
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -228,10 +230,11 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
             correct += (out_.logits.argmax(-1) == batch["labels"]).sum().item()
         return {"accuracy": correct / len(held), "eval_loss": loss / len(held)}
 
-    plain = arm in ("El Che", "El Che, overlapped")  # El Che's own combine; DiLoCo's arm averages
+    plain = arm in ("El Che", "El Che, overlapped", "El Che, tiers found")  # El Che's own combine; DiLoCo's arm averages
     el_che = ElChe(anchor=args["anchor"], combine=args["combine"] if plain else "average",
                    windows=args["windows"], sync_share=args.get("sync_share", 0.10), compress=args.get("compress"),
-                   nested=nested_tiers(args.get("nested"), ks) if arm != "DDP" else False,
+                   nested=(True if arm == "El Che, tiers found" else
+                           nested_tiers(args.get("nested"), ks) if arm != "DDP" else False),
                    overlap=arm == "El Che, overlapped")
     sync = {"fast worker alone": "none", "DDP": "ddp"}.get(arm, el_che)
     started = time.monotonic()
@@ -406,6 +409,8 @@ def table(cohort: str, results: dict[str, list[dict]], note: str = "") -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="seeds first-seed .. first-seed + seeds - 1 (more seeds into the same --out later)")
     parser.add_argument("--cohorts", nargs="*", default=list(COHORTS), choices=list(COHORTS))
     parser.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS + MORE_ARMS))
     parser.add_argument("--target", type=float, default=0.975, help="held-out accuracy to reach")
@@ -449,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     texts = []
     for cohort in args.cohorts:
         results: dict[str, list[dict]] = {arm: [] for arm in args.arms}
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for arm in args.arms:
                 out = args.out / f"{cohort}-{arm.replace(' + ', '-').replace(',', '').replace(' ', '-').lower()}-seed{seed}"
                 out.mkdir(parents=True, exist_ok=True)
