@@ -623,30 +623,35 @@ def _lost_worker(rank: int, out: str, how: str) -> dict:
     return {"error": None}
 
 
-def _lost_outer(rank: int, out: str) -> dict:
+def _lost_outer(rank: int, out: str, how: str) -> dict:
+    """``named``: tiers named, the outer worker dies in its third batch. ``probe``: nested=True, it
+    dies in its first, before its time is known, while the others find the tiers without it."""
     calls = 0
 
     def step(model, batch):
         nonlocal calls
         calls += 1
-        if rank == 2 and calls == 3:
+        if rank == 2 and calls == (3 if how == "named" else 1):
             os._exit(3)
         time.sleep((0.010, 0.030, 0.120)[rank])
         return mse_step(model, batch)
 
     start = time.monotonic()
     try:
-        run(mlp(), step=step, sync=ElChe(anchor=1, windows="live", combine="sum", nested=((0, 1), (2,))),
+        run(mlp(), step=step, sync=ElChe(anchor=1, windows="live", combine="sum",
+                                         nested=((0, 1), (2,)) if how == "named" else True),
             n=40000, epochs=1, timeout=3)
     except WorkerLostError as exc:
         return {"error": str(exc), "after": time.monotonic() - start}
     return {"error": None}
 
 
-def test_lost_outer_worker_of_nested_windows_gives_an_error(tmp_path):
+@pytest.mark.parametrize("how", ["named", "probe"])
+def test_lost_outer_worker_of_nested_windows_gives_an_error(tmp_path, how):
     """The inner tier trains on while the outer one computes, so a dead outer worker is noticed by
-    time: ``timeout`` past its expected end the inner tier goes to the outer sync, which reports it."""
-    res = spawn(_lost_outer, tmp_path, world=3, pg_timeout=4.0, deadline=45.0, wait_for=(0, 1))
+    time: ``timeout`` past its expected end (or the first window's start, before any speed is known)
+    the inner tier goes to the outer sync, which reports it."""
+    res = spawn(_lost_outer, tmp_path, how, world=3, pg_timeout=4.0, deadline=45.0, wait_for=(0, 1))
     for r in (0, 1):
         assert res[r]["error"] is not None and "another worker died or stopped answering" in res[r]["error"]
         assert res[r]["after"] < 20, res[r]  # the epoch alone would take over a minute
