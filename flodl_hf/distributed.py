@@ -394,6 +394,13 @@ class Comm:
         sub.same_device_type = self.same_device_type
         return sub
 
+    def release(self) -> None:
+        """Destroy the process group of a :meth:`subgroup` no collective will use again (local:
+        ``dist.destroy_process_group`` of a group other than the default one waits for no one)."""
+        if self.plane is not None and dist.is_initialized():
+            dist.destroy_process_group(self.plane)
+            self.plane = None
+
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -214,6 +214,7 @@ class Trainer:
             else:
                 self._run_steps()
             summary = self._finish()
+            self._release_groups()
         except BaseException as exc:
             if getattr(self, "_log", None) is not None and self._log.tree is not None:
                 self._log.tree.event({"event": "end", "step": self.step, "status": "lost",
@@ -497,7 +498,8 @@ class Trainer:
                 key = f"flodl-hf/el-che/{self._run_key}/{self.epoch}/{self.position}"
                 probing = self._tiers is None and first and self.el_che.nested is True and \
                     not self._tiers_decided and all(ms is None for ms in self._ms)
-                if probing and self._candidates:
+                in_window = probing and bool(self._candidates)  # tiers found inside this window
+                if in_window:
                     chunks = self._probe_chunks(key, window_start)
                 elif self._tiers is None:
                     # nested=True splits the cohort on measured speeds: until then a one-batch probe of
@@ -547,7 +549,7 @@ class Trainer:
                 if comm.rank == 0:  # every worker is past its last read: the window's keys can go
                     comm.drop_keys([f"{key}/cursor", f"{key}/done"] + (
                         [f"{key}/tiers", f"{key}/probed"] + [f"{key}/ms{r}" for r in range(comm.world)]
-                        if probing and self._candidates else []))
+                        if in_window else []))
                 units_done = int(rows[:, 0 if self._batches is not None else 1].sum())
                 total = int(rows[:, 1].sum())
             else:
@@ -710,6 +712,7 @@ class Trainer:
         tiers = nest_tiers(self._ms)
         if tiers is not None:
             self._set_tiers(tiers)
+        self._release_groups(keep=self._inner)
 
     def _set_tiers(self, tiers: tuple[tuple[int, ...], tuple[int, ...]], start=None, probe=None) -> None:
         """Nest: the inner tier's process group (made up front where it is a candidate), and for
@@ -718,12 +721,21 @@ class Trainer:
         self._tiers_decided = True
         self._tiers = tiers
         self._inner = self._candidates[tiers[0]] if tiers[0] in self._candidates else self.comm.subgroup(tiers[0])
+        self._release_groups(keep=self._inner)
         if self._inner is not None and self.el_che.combine == "sum":  # an average sends no changes
             self._inner_start = [p.detach().clone() for p in (self.trainable if start is None else start)]
         found = {} if probe is None else {"found": "in the first window", "first_batch_ms": [
             None if ms is None else round(ms, 3) for ms in probe]}
         self._log_event("nested", inner=list(tiers[0]), outer=list(tiers[1]),
                         ms_per_batch=[None if ms is None else round(ms, 3) for ms in self._ms], **found)
+
+    def _release_groups(self, keep: Comm | None = None) -> None:
+        """Destroy the candidate inner tiers' process groups but ``keep`` (the inner tier's), once the
+        tiers are settled; at the fit's end, the inner tier's too (each fit makes its own)."""
+        for sub in list(self._candidates.values()) + ([self._inner] if keep is None else []):
+            if sub is not None and sub is not keep:
+                sub.release()
+        self._candidates = {}
 
     def _nested_chunks(self, key: str, window_start: float, carried: list[int] | None = None):
         """An inner worker's batches of a nested window (``ElChe(nested=True)``): live windows of

@@ -306,11 +306,14 @@ def _nested(rank: int, out: str) -> dict:
         time.sleep((0.010, 0.030, 0.400)[rank])
         return mse_step(model, batch)
 
+    groups = dist.distributed_c10d._world.pg_map  # a fit destroys the subgroups it made (3 candidates here)
+    before = len(groups)
     for combine in ("sum", "average"):
         t = run(mlp(), step=far, sync=ElChe(anchor=4, max_anchor=4, windows="live", combine=combine, nested=True),
                 n=200, epochs=1, verify_sync=True)
         result[f"probe-{combine}"] = ([(w["batches"], w.get("inner_syncs")) for w in t.records],
                                       [e for e in t.history if e.get("event") == "nested"], t.samples)
+    result["groups"] = (before, len(groups))
     return result
 
 
@@ -452,6 +455,7 @@ def test_nested_windows_three_uneven_workers(tmp_path):
     assert evals == sorted(evals) and evals[-1] == 120 and len(evals) > 2, evals
     name, step, nested = res[0]["resumed"]
     assert name.startswith("step-") and step >= 40 and len(nested) == 1 and nested[0]["outer"] == [2], res[0]["resumed"]
+    assert all(res[r]["groups"][0] == res[r]["groups"][1] for r in range(3)), [res[r]["groups"] for r in range(3)]
     for combine in ("sum", "average"):
         windows, nested, samples = res[0][f"probe-{combine}"]
         slow = [b for b, _ in res[2][f"probe-{combine}"][0]]
