@@ -637,12 +637,17 @@ class Trainer:
                 if not marked:
                     comm.counter(done_key, 1)
                 return
-            start = claim * self._unit_batch
-            count = min(self._unit_batch, self._remaining() - start)
-            self._claimed[0] += 1 if self._batches is not None else count       # units (nested windows' count)
-            self._claimed[1] += self._samples_in(self.position + start, count)  # samples
-            yield from self._chunks(self.position + start, count, split=True)
+            yield from self._claimed_chunks(claim)
             done += 1
+
+    def _claimed_chunks(self, claim: int):
+        """The chunks of the live window's batch number ``claim`` (from the window's counter),
+        counted in ``self._claimed`` (units, samples)."""
+        start = claim * self._unit_batch
+        count = min(self._unit_batch, self._remaining() - start)
+        self._claimed[0] += 1 if self._batches is not None else count       # units (nested windows' count)
+        self._claimed[1] += self._samples_in(self.position + start, count)  # samples
+        yield from self._chunks(self.position + start, count, split=True)
 
     def _probe_chunks(self, key: str, window_start: float):
         """The first window of ``ElChe(nested=True)`` in a cohort with candidate subgroups: batches
@@ -673,11 +678,9 @@ class Trainer:
                     if ended >= comm.world:
                         state = comm.settle(decision, "flat")
                     elif ended >= 2 and elapsed >= NEST_GAP * mine:  # worth reading the others' times
-                        times = [comm.counter(f"{key}/ms{r}", 0) for r in range(comm.world)]
-                        tiers = probe_tiers([t / 1e3 if t > 0 else None for t in times], elapsed)
+                        tiers = probe_tiers(self._first_batch_ms(key), elapsed)
                         if tiers is not None:
-                            state = comm.settle(decision, ",".join(map(str, tiers[0])) + "|" +
-                                                ",".join(map(str, tiers[1])))
+                            state = comm.settle(decision, "|".join(",".join(map(str, tier)) for tier in tiers))
             claim = None
             if not state:
                 claim = comm.counter(f"{key}/cursor", 1) - 1
@@ -686,24 +689,25 @@ class Trainer:
             if state == "flat":
                 return
             if state:
-                inner, outer = (tuple(int(r) for r in side.split(",")) for side in state.split("|"))
-                self._set_tiers((inner, outer), start=self._start, probe=[
-                    None if t <= 0 else t / 1e3 for t in (comm.counter(f"{key}/ms{r}", 0) for r in range(comm.world))])
+                inner, outer = (tuple(int(r) for r in tier.split(",")) for tier in state.split("|"))
+                self._set_tiers((inner, outer), start=self._start, probe=self._first_batch_ms(key))
                 if self._inner is None:
                     comm.counter(f"{key}/done", 1)  # the inner tier's signal that the outer tier is done
                     return
                 yield from self._nested_chunks(key, window_start, carried=list(self._claimed))
                 return
-            start = claim * self._unit_batch
-            count = min(self._unit_batch, self._remaining() - start)
-            self._claimed[0] += 1 if self._batches is not None else count
-            self._claimed[1] += self._samples_in(self.position + start, count)
             began = time.perf_counter()
-            yield from self._chunks(self.position + start, count, split=True)
+            yield from self._claimed_chunks(claim)
             if mine is None:
                 mine = max((time.perf_counter() - began) * 1e3, 1e-3)
                 comm.counter(f"{key}/ms{comm.rank}", max(1, round(mine * 1e3)))  # in microseconds
                 comm.counter(probed, 1)
+
+    def _first_batch_ms(self, key: str) -> list[float | None]:
+        """The first-batch times the probe's workers published (microseconds on the store), None
+        for a worker still in its first batch."""
+        times = [self.comm.counter(f"{key}/ms{r}", 0) for r in range(self.comm.world)]
+        return [t / 1e3 if t > 0 else None for t in times]
 
     def _decide_tiers(self) -> None:
         """Nested windows' tiers from the smoothed speeds (:func:`~flodl_hf.distributed.nest_tiers`),
@@ -712,7 +716,8 @@ class Trainer:
         tiers = nest_tiers(self._ms)
         if tiers is not None:
             self._set_tiers(tiers)
-        self._release_groups(keep=self._inner)
+        else:
+            self._release_groups(keep=None)  # flat windows: no subgroup kept
 
     def _set_tiers(self, tiers: tuple[tuple[int, ...], tuple[int, ...]], start=None, probe=None) -> None:
         """Nest: the inner tier's process group (made up front where it is a candidate), and for
