@@ -295,6 +295,31 @@ def rounding_wait(anchor: int, ms_per_batch: Sequence[float]) -> float:
     return max(ends) - min(ends)
 
 
+def split_by_speed(rates: Sequence[float], total: int) -> tuple[int, ...]:
+    """Samples per worker of a balanced DDP step of ``total``, in proportion to ``rates`` (each
+    worker's measured samples a second), so that the workers' gradients are ready together.
+
+    Every worker gets at least one sample while ``total`` allows (a DDP worker joins every step's
+    all-reduce, and one without a sample would add a gradient of nothing); the rest goes by the
+    largest remainder, ties to the lower rank. Rates that are all zero or missing split evenly.
+    Every worker computes the same split from the same gathered rates.
+    """
+    world = len(rates)
+    if total < world:  # an epoch's tail: one sample each while they last
+        return tuple(1 if r < total else 0 for r in range(world))
+    weights = [r if r > 0 and math.isfinite(r) else 0.0 for r in rates]
+    if sum(weights) <= 0:
+        weights = [1.0] * world
+    ideal = [total * w / sum(weights) for w in weights]
+    sizes = [max(1, math.floor(x)) for x in ideal]
+    while sum(sizes) > total:  # the floor of one took more than its share: the most over gives one back
+        r = max((r for r in range(world) if sizes[r] > 1), key=lambda r: (sizes[r] - ideal[r], -r))
+        sizes[r] -= 1
+    for r in sorted(range(world), key=lambda r: (sizes[r] - ideal[r], r))[:total - sum(sizes)]:
+        sizes[r] += 1
+    return tuple(sizes)
+
+
 def deal(counts: Sequence[int], batch_size: int, remaining: int) -> tuple[int, ...]:
     """Samples per worker for a window: ``counts`` batches each, clamped to ``remaining``.
 

@@ -6,7 +6,9 @@ synchronisation, evaluation, checkpoints and the record of the run. The same scr
 as one process or as N processes under ``torchrun`` (or ``flodl-hf train --workers N``).
 
 Synchronisation (``sync=``)
-    ``"ddp"``     DistributedDataParallel: gradients all-reduced every step.
+    ``"ddp"``     DistributedDataParallel: gradients all-reduced every step; with
+                  ``balance=True`` each step's samples are split by the workers' measured speeds,
+                  and each worker's loss weighted by its share (the step's mean gradient).
     ``"el-che"``  local SGD paced by the slowest worker (:class:`~flodl_hf.distributed.ElChe`);
                   parameters averaged by samples at the end of each window, optionally
                   followed by an outer optimizer (``outer=DiLoCo(...)``).
@@ -90,7 +92,7 @@ import torch
 from torch import nn
 
 from .distributed import (NEST_GAP, Comm, DiLoCo, ElChe, OuterOptimizer, Plan, TrainerConfigError, TrainerError,
-                          WorkerLostError, deal, inner_candidates, live_overrun_ms, nest_tiers, plan_window,
+                          WorkerLostError, deal, inner_candidates, split_by_speed, live_overrun_ms, nest_tiers, plan_window,
                           probe_tiers)
 from . import checkpoint_schema, lora
 from .errors import InputError
@@ -117,7 +119,7 @@ class Trainer:
     ``eval_fn(model)`` runs on worker 0 in eval mode without gradients and returns a number or
     a dict of numbers; ``stop_when(metrics)`` may end the run after an evaluation.
     ``sync`` is ``"ddp"``, ``"el-che"`` (or an :class:`ElChe`), or ``"none"``; ``outer`` a
-    :class:`DiLoCo` for El Che. ``timeout`` (seconds) bounds every collective when the trainer
+    :class:`DiLoCo` for El Che; ``balance=True`` splits DDP steps by speed. ``timeout`` (seconds) bounds every collective when the trainer
     starts the process group itself (from torchrun's environment). ``portal=True`` (or a port)
     serves the run's record live from worker 0 while it trains (:mod:`flodl_hf.portal`).
     """
@@ -133,7 +135,8 @@ class Trainer:
                  log_every: int = 10, progress: bool = True, report: bool = True, tensorboard: bool = False,
                  stop_when: Callable[[dict], bool] | None = None, timeout: float = 300.0,
                  verify_sync: bool = False, portal: bool | int = False, batching: str = "fixed",
-                 max_tokens: int | None = None, lengths: Sequence[int] | None = None) -> None:
+                 max_tokens: int | None = None, lengths: Sequence[int] | None = None,
+                 balance: bool = False) -> None:
         if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
             raise TrainerConfigError("data must be sized and indexable (a list, a map-style Dataset); "
                                      f"got {type(data).__name__}")
@@ -156,6 +159,11 @@ class Trainer:
             el_che, sync = sync, "el-che"
         else:
             raise TrainerConfigError(f"sync must be 'ddp', 'el-che', 'none' or an ElChe, got {type(sync).__name__}")
+        if balance and (sync != "ddp" or batching != "fixed"):
+            raise TrainerConfigError("balance=True splits each DDP step's samples by the workers' speeds: it "
+                                     f"needs sync='ddp' and batching='fixed' (got sync={sync!r}, "
+                                     f"batching={batching!r})")
+        self.balance = bool(balance)
         if outer is not None and sync != "el-che":
             raise TrainerConfigError("outer=DiLoCo(...) averages windows: it needs sync='el-che'")
         if outer is not None and el_che.overlap:
@@ -271,6 +279,10 @@ class Trainer:
             # a store that outlives the fit (a torchrun restart, fits in a row) never mixes them up.
             self._run_key = str(int(comm.gather_floats([time.time_ns() % 2**52])[0, 0]))
         self._sync_ema: float | None = None
+        # balance=True: each worker's samples a second (an average over steps, the same on every worker),
+        # when its gradients were last ready (the DDP hook's stamp) and its last optimizer step's seconds.
+        self._rates: list[float] | None = None
+        self._ready_at, self._opt_s = None, 0.0
         # Nested windows (ElChe.nested): (inner ranks, outer ranks) once decided, the inner tier's Comm
         # (None on an outer worker) and the inner window's start; this window's inner syncs and their ms.
         self._tiers_decided, self._tiers, self._inner, self._inner_start = False, None, None, None
@@ -294,6 +306,8 @@ class Trainer:
         if self.sync == "ddp" and comm.world > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.wrapped: nn.Module = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+            if self.balance:
+                self.wrapped.register_comm_hook(None, self._stamp_ready)
         else:
             self.wrapped = self.model
             # Workers start from worker 0's weights (DDP does this itself).
@@ -355,7 +369,7 @@ class Trainer:
         return {"sync": self.sync, "world_size": self.comm.world, "batch_size": self.batch_size,
                 "batching": self.batching, "max_tokens": self.max_tokens,
                 "batches_per_epoch": self._units if self._batches is not None else None,
-                "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
+                "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps, "balance": self.balance,
                 "samples_per_epoch": len(self.data), "seed": self.seed, "device": str(self.device),
                 "el_che": dataclasses.asdict(self.el_che) if self.el_che else None,
                 "outer": dataclasses.asdict(self.outer_cfg) if self.outer_cfg else None,
@@ -406,17 +420,50 @@ class Trainer:
         return _to_device(self.collate_fn([self.data[i] for i in indices.tolist()]), self.device)
 
     # ---- one batch ---------------------------------------------------------------------------
-    def _train_batch(self, indices: torch.Tensor) -> torch.Tensor:
+    def _train_batch(self, indices: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        """One batch: forward, backward (``weight`` scales the loss there, not the one returned),
+        clipping, the optimizer and scheduler steps."""
         self.optimizer.zero_grad(set_to_none=True)
         loss = _loss_of(self.step_fn(self.wrapped, self._batch(indices)))
-        loss.backward()
+        (loss if weight == 1.0 else loss * weight).backward()
+        t0 = time.perf_counter()
         if self.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.trainable, self.grad_clip)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+        self._opt_s = time.perf_counter() - t0
         self.batches += 1
         return loss.detach()
+
+    def _stamp_ready(self, state, bucket):  # unannotated: DDP checks a hook's annotations at run time
+        """DDP's comm hook under ``balance=True``: the plain all-reduce (divided by the world size), and
+        the time this worker's last bucket of gradients is ready, its backward's end before any wait for
+        the others' buckets: what its speed is measured on."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        if bucket.is_last():
+            self._sync_device()
+            self._ready_at = time.perf_counter()
+        return allreduce_hook(state, bucket)
+
+    def _balanced_sizes(self) -> tuple[int, ...]:
+        """This DDP step's samples per worker under ``balance=True``: the step's share of the epoch split
+        by the measured rates (evenly until there are some)."""
+        total = min(self.global_batch, self._remaining())
+        return split_by_speed(self._rates or [1.0] * self.comm.world, total)
+
+    def _measure_rates(self, samples: int, busy_s: float) -> None:
+        """Gather every worker's samples and busy seconds of the step just taken (its optimizer step
+        before, then collate, forward and backward up to its gradients' readiness) and fold their rates
+        into the running average, the same on every worker. A worker without a sample keeps its rate."""
+        rows = self.comm.gather_floats([samples, busy_s]).tolist()
+        seen = [n / s if n > 0 and s > 0 else None for n, s in rows]
+        if self._rates is None:
+            if any(r is None for r in seen):
+                return
+            self._rates = seen
+            return
+        self._rates = [old if new is None else 0.5 * old + 0.5 * new for old, new in zip(self._rates, seen)]
 
     def _sync_device(self) -> None:
         if self.device.type == "cuda":
@@ -428,18 +475,25 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=self._acc_dtype, device=self.device)
         acc = self._fresh_acc()
         logged = self.step
+        balance = self.balance and comm.world > 1
         while not self._done():
-            sizes = deal([1] * comm.world, self._unit_batch, self._remaining())
+            sizes = self._balanced_sizes() if balance else deal([1] * comm.world, self._unit_batch, self._remaining())
             chunks = self._chunks(self.position + sum(sizes[:comm.rank]), sizes[comm.rank])
             if not chunks and self.sync == "ddp":
                 chunks = [self._chunks(0, 1)[0][:1]]  # every DDP worker must join the step's all-reduce
+            # balance=True: the loss weighted by this worker's share of the step, so that DDP's mean over
+            # workers is the mean over the step's samples (a worker without a sample adds nothing).
+            weight = comm.world * sizes[comm.rank] / sum(sizes) if balance else 1.0
+            opt_before = self._opt_s
             t0 = time.perf_counter()
             for indices in chunks:
-                loss = self._train_batch(indices)
+                loss = self._train_batch(indices, weight)
                 loss_sum += loss.to(self._acc_dtype) * len(indices)
                 acc["batches"] += 1
                 acc["samples"] += len(indices)
             acc["compute_ms"] += (time.perf_counter() - t0) * 1e3
+            if balance:
+                self._measure_rates(sizes[comm.rank], opt_before + (self._ready_at or time.perf_counter()) - t0)
             before = self.step
             self._advance(sum(sizes), self._samples_in(self.position, sum(sizes)))
             if self._crossed(before, self.log_every) or self._done():

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from flodl_hf.distributed import ElChe, Plan, deal, inner_candidates, nest_tiers, plan_window, probe_tiers
+from flodl_hf.distributed import (ElChe, Plan, deal, inner_candidates, nest_tiers, plan_window, probe_tiers,
+                                  split_by_speed)
 from flodl_hf.records import load_tree
 from flodl_hf.report import write_report
 from flodl_hf.errors import CheckpointFormatError, FlodlHFError, InputError
@@ -186,6 +187,39 @@ def test_deal_never_skips_or_overshoots():
         sizes = deal(counts, bs, remaining)
         assert sum(sizes) == min(remaining, bs * sum(counts))
         assert all(0 <= s <= c * bs for s, c in zip(sizes, counts))
+
+
+def test_split_by_speed_follows_the_rates():
+    assert split_by_speed([30.0, 10.0], 16) == (12, 4)
+    assert split_by_speed([1.0, 1.0], 16) == (8, 8)
+    assert split_by_speed([0.0, 0.0], 5) == (3, 2)  # no rates yet: even, ties to the lower rank
+    assert split_by_speed([12.0, 4.0, 1.0], 17) == (12, 4, 1)
+    # Every worker keeps a sample (it joins the step's all-reduce), taken from the one most over its share.
+    assert split_by_speed([1000.0, 1.0], 16) == (15, 1)
+    assert split_by_speed([1000.0, 1.0, 1.0], 4) == (2, 1, 1)
+    # An epoch's tail with fewer samples than workers: one each while they last.
+    assert split_by_speed([5.0, 1.0, 1.0], 2) == (1, 1, 0)
+
+
+def test_split_by_speed_is_complete_and_close_to_the_rates():
+    rng = random.Random(0)
+    for _ in range(500):
+        rates = [rng.uniform(0.1, 50.0) for _ in range(rng.randint(1, 6))]
+        total = rng.randint(1, 300)
+        sizes = split_by_speed(rates, total)
+        assert sum(sizes) == total and len(sizes) == len(rates)
+        if total >= len(rates):
+            assert min(sizes) >= 1
+            for n, r in zip(sizes, rates):  # within one sample of the share, or at the floor of one
+                assert n == 1 or abs(n - total * r / sum(rates)) < 1 + len(rates), (rates, total, sizes)
+
+
+def test_balance_needs_ddp_and_fixed_batches():
+    data = [torch.zeros(2)] * 8
+    for kw in ({"sync": "el-che"}, {"sync": "none"}, {"batching": "length", "max_tokens": 8, "lengths": [1] * 8}):
+        with pytest.raises(TrainerConfigError, match="balance"):
+            Trainer(nn.Linear(2, 1), lambda m, b: m(b).sum(), lambda p: torch.optim.SGD(p, lr=0.1), data,
+                    batch_size=2, epochs=1, balance=True, **kw)
 
 
 # ---- a tiny task ---------------------------------------------------------------------------------

@@ -606,6 +606,55 @@ def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
 
 # ---- scenario 2: a worker dies or stops answering -----------------------------------------------
 
+# ---- DDP balanced across uneven workers ----------------------------------------------------------
+
+def _balanced(rank: int, out: str) -> dict:
+    result: dict = {}
+    # Even speeds, plain SGD: whatever split the timings give, each step's gradient is the mean over its
+    # 8 samples, as one process taking the same global batches computes it.
+    model = mlp()
+    run(model, sync="ddp", balance=True, max_steps=6)
+    result["even"] = flat(model)
+    # Uneven: worker 1 sleeps 6 ms a sample in collate, worker 0 2 ms, so worker 1 is about 3x slower.
+    # Each worker records the size of every batch it takes.
+    sizes: list[int] = []
+
+    def slow_collate(items):
+        sizes.append(len(items))
+        time.sleep((0.006 if rank == 1 else 0.002) * len(items))
+        return torch.utils.data.default_collate(items)
+
+    model = mlp()
+    t = run(model, sync="ddp", balance=True, batch_size=8, n=320, epochs=1, collate_fn=slow_collate)
+    result["uneven"], result["sizes"], result["rates"] = flat(model), sizes, t._rates
+    return result
+
+
+def test_ddp_balance_splits_by_speed_and_keeps_the_global_batch_mean(tmp_path):
+    res = spawn(_balanced, tmp_path, deadline=120.0)
+    r0, r1 = res[0], res[1]
+    for key in ("even", "uneven"):
+        assert torch.equal(r0[key], r1[key]), f"{key}: workers differ"
+    # Replay in one process: SGD on each global batch (8, then 16 samples) of the epoch's order.
+    for key, batch, steps, n in (("even", 8, 6, 64), ("uneven", 16, 20, 320)):
+        data, ref = Points(n), mlp()
+        opt = sgd(ref.parameters())
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))  # epoch 0's order, seed 0
+        for s in range(steps):
+            idx = perm[s * batch:(s + 1) * batch].tolist()
+            opt.zero_grad()
+            mse_step(ref, torch.utils.data.default_collate([data[i] for i in idx])).backward()
+            opt.step()
+        torch.testing.assert_close(r0[key], flat(ref), rtol=0, atol=1e-6, msg=key)
+    # Every sample of the epoch once, and the split follows the speeds: from the fifth step on, the
+    # fast worker takes at least twice the slow one's samples (3 : 1 would be 12 : 4).
+    assert sum(r0["sizes"]) + sum(r1["sizes"]) == 320
+    assert r0["sizes"][0] == r1["sizes"][0] == 8  # an even split until the first step is measured
+    later = list(zip(r0["sizes"][4:], r1["sizes"][4:]))
+    assert later and all(fast >= 2 * slow for fast, slow in later), later
+    assert r0["rates"] == r1["rates"] and r0["rates"][0] > 2 * r0["rates"][1]
+
+
 def _lost_worker(rank: int, out: str, how: str) -> dict:
     calls = 0
 
