@@ -75,8 +75,9 @@ COHORTS = {"2x": (1.0, 3.0), "3x": (1.0, 3.0, 12.0), "2x-netns": (1.0, 3.0)}  # 
 NETNS = {"2x-netns"}  # one network namespace per worker (flodl_hf.testing.netns), torchrun across them
 ARMS = ("fast worker alone", "DDP", "El Che", "El Che + DiLoCo")
 # Run only when named (--arms): El Che with ElChe(overlap=True), the sync behind the next window; El Che
-# with ElChe(nested=True), the tiers found inside the first window, whatever --nested says.
-MORE_ARMS = ("El Che, overlapped", "El Che, tiers found")
+# with ElChe(nested=True), the tiers found inside the first window, whatever --nested says; DDP with
+# Trainer(balance=True) at the fast worker alone's batch (BATCH samples a step, split by the workers' speeds).
+MORE_ARMS = ("El Che, overlapped", "El Che, tiers found", "DDP, balanced")
 BATCH, LR, MAX_LEN = 16, 5e-5, 64
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -193,7 +194,7 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
         return model(**batch)
 
     def optimizer(params):
-        opt = torch.optim.AdamW(params, lr=LR)
+        opt = torch.optim.AdamW(params, lr=LR, fused=args.get("fused", False))
         def throttle_hook(*_):
             # This batch's own work (collate, forward, backward, step) in the training thread's CPU time
             # (a device's speed; not gloo's threads, which run ElChe(overlap=True)'s sync): waiting for the
@@ -234,13 +235,15 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
     el_che = ElChe(anchor=args["anchor"], combine=args["combine"] if plain else "average",
                    windows=args["windows"], sync_share=args.get("sync_share", 0.10), compress=args.get("compress"),
                    nested=(True if arm == "El Che, tiers found" else
-                           nested_tiers(args.get("nested"), ks) if arm != "DDP" else False),
+                           nested_tiers(args.get("nested"), ks) if not arm.startswith("DDP") else False),
                    overlap=arm == "El Che, overlapped")
-    sync = {"fast worker alone": "none", "DDP": "ddp"}.get(arm, el_che)
+    sync = {"fast worker alone": "none", "DDP": "ddp", "DDP, balanced": "ddp"}.get(arm, el_che)
+    balance = arm == "DDP, balanced"
+    batch = max(1, BATCH // world) if balance else BATCH  # balanced: a step of BATCH samples, as one worker's
     started = time.monotonic()
-    trainer = Trainer(model, step, optimizer, train, batch_size=BATCH, epochs=args["epochs"], sync=sync,
+    trainer = Trainer(model, step, optimizer, train, batch_size=batch, epochs=args["epochs"], sync=sync,
                       outer=DiLoCo() if arm == "El Che + DiLoCo" else None, seed=seed, collate_fn=timed_collate,
-                      eval_fn=evaluate, eval_every=max(1, args["eval_every"] // (world * BATCH)),
+                      eval_fn=evaluate, eval_every=max(1, args["eval_every"] // (world * batch)), balance=balance,
                       stop_when=lambda m: reached(m, args) or time.monotonic() - started > args["cap"],
                       log_dir=out, log_every=5, progress=False, report=True, timeout=120)
     trainer.fit()
@@ -362,6 +365,8 @@ def summarize(out: Path, args: dict, world: int) -> dict:
               "accuracy": at.get("accuracy"), "eval_loss": at.get("eval_loss"), "shaping": args.get("shaping"),
               "last_time": evals[-1]["time"] if evals else None, "windows": None, "sync": None, "idle": None,
               "fast_ms": statistics.median(r["ms_per_batch"] for r in ranks[0] if r.get("ms_per_batch"))}
+    # Samples a step per worker (DDP; under balance=True the split the speeds gave).
+    result["split"] = [sum(r["samples"] for r in rank) / max(1, sum(r["batches"] for r in rank)) for rank in ranks]
     timed = [[r for r in rank if r.get("window_ms")] for rank in ranks]  # El Che windows
     if timed and timed[0]:
         result["windows"] = [statistics.mean(r["batches"] for r in timed[w]) for w in range(world)]
@@ -398,8 +403,12 @@ def table(cohort: str, results: dict[str, list[dict]], note: str = "") -> str:
         n = mean_sd([r["samples"] for r in runs if r["time"] is not None and r.get("samples")], ".0f")
         wins = [r["windows"] for r in runs if r["windows"]]
         win = " / ".join(f"{statistics.mean(w[i] for w in wins):.1f}" for i in range(len(wins[0]))) if wins else "-"
+        splits = [r["split"] for r in runs if r.get("split")]
+        if arm == "DDP, balanced" and splits:  # no windows: the samples a step each worker took
+            win = " / ".join(f"{statistics.mean(sp[i] for sp in splits):.1f}" for i in range(len(splits[0])))
+            win += " samples a step"
         syncs = [r["sync"] for r in runs if r["sync"] is not None]
-        sync = f"{statistics.mean(syncs):.1%}" if syncs else ("in backward" if arm == "DDP" else "-")
+        sync = f"{statistics.mean(syncs):.1%}" if syncs else ("in backward" if arm.startswith("DDP") else "-")
         idles = [r["idle"] for r in runs if r["idle"]]
         idle = " / ".join(f"{statistics.mean(i[w] for i in idles):.0%}" for w in range(len(idles[0]))) if idles else "-"
         lines.append(f"| {arm} | {shown} | {ratio} | {per_seed} | {n} | {acc}% | {loss} | {win} | {sync} | {idle} |")
@@ -437,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(the tiers from the cohort's slowdowns, nested from the first window)")
     parser.add_argument("--link-rate", default="1gbit", help="the netns cohort's link rate (tc)")
     parser.add_argument("--link-delay", default="5ms", help="the netns cohort's link delay, each way (tc netem)")
+    parser.add_argument("--fused", action="store_true",
+                        help="torch's fused AdamW (transformers.Trainer's default; 11 ms a step on MiniLM where "
+                             "the for-loop default takes 94), in every arm")
     parser.add_argument("--out", type=Path, default=Path("out/bench_trainer"))
     parser.add_argument("--summarize", action="store_true", help="rebuild the tables from the records under --out")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # a torchrun worker of the netns cohort
@@ -448,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     conf = {"target": args.target, "train": args.train, "held_out": args.held_out, "epochs": args.epochs,
             "eval_every": args.eval_every, "cap": args.cap, "combine": args.combine,
             "windows": args.windows, "anchor": args.anchor, "sync_share": args.sync_share, "compress": args.compress,
-            "nested": args.nested,
+            "nested": args.nested, "fused": args.fused,
             "target_loss": args.target_loss, "link_rate": args.link_rate, "link_delay": args.link_delay}
     load_start = os.getloadavg()[0]
     texts = []
@@ -480,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             else f"held-out accuracy {args.target:.1%}")
     head = (f"MiniLM spam fine-tune: target {goal} on {args.held_out} messages; "
             f"{args.train} training messages, {args.epochs} epoch(s) at most; {args.seeds} seed(s); batch {BATCH} "
-            f"per worker; throttle {args.throttle}; load average {load_start:.1f} at the start, "
+            f"per worker (DDP, balanced: {BATCH} a step); {'fused ' if args.fused else ''}AdamW; throttle {args.throttle}; load average {load_start:.1f} at the start, "
             f"{os.getloadavg()[0]:.1f} at the end.")
     text = head + "\n\n" + "\n\n".join(texts)
     print("\n" + text)
