@@ -92,8 +92,8 @@ import torch
 from torch import nn
 
 from .distributed import (NEST_GAP, Comm, DiLoCo, ElChe, OuterOptimizer, Plan, TrainerConfigError, TrainerError,
-                          WorkerLostError, deal, inner_candidates, split_by_speed, live_overrun_ms, nest_tiers, plan_window,
-                          probe_tiers)
+                          WorkerLostError, deal, inner_candidates, live_overrun_ms, nest_tiers, plan_window,
+                          probe_tiers, split_by_speed)
 from . import checkpoint_schema, lora
 from .errors import InputError
 
@@ -119,8 +119,9 @@ class Trainer:
     ``eval_fn(model)`` runs on worker 0 in eval mode without gradients and returns a number or
     a dict of numbers; ``stop_when(metrics)`` may end the run after an evaluation.
     ``sync`` is ``"ddp"``, ``"el-che"`` (or an :class:`ElChe`), or ``"none"``; ``outer`` a
-    :class:`DiLoCo` for El Che; ``balance=True`` splits DDP steps by speed. ``timeout`` (seconds) bounds every collective when the trainer
-    starts the process group itself (from torchrun's environment). ``portal=True`` (or a port)
+    :class:`DiLoCo` for El Che; ``balance=True`` splits DDP steps by the workers' speeds. ``timeout``
+    (seconds) bounds every collective when the trainer starts the process group itself (from
+    torchrun's environment). ``portal=True`` (or a port)
     serves the run's record live from worker 0 while it trains (:mod:`flodl_hf.portal`).
     """
 
