@@ -565,8 +565,9 @@ def test_probe_tiers_nest_the_workers_still_in_their_first_batch_once_they_are_t
     assert probe_tiers([10.0, 30.0, 40.0], 500.0) is None                # all ended one: after the window
     # Every tier it can return has a process group made up front (3 workers: 3 pairs; 4: 6 pairs, 4 triples).
     assert inner_candidates(3) == [(0, 1), (0, 2), (1, 2)] and len(inner_candidates(4)) == 10
-    assert inner_candidates(2) == [] and inner_candidates(5) == []
-    for world in (3, 4):
+    assert len(inner_candidates(5)) == 25 and len(inner_candidates(6)) == 56
+    assert inner_candidates(2) == [] and inner_candidates(7) == []
+    for world in (3, 4, 5, 6):
         for finished in inner_candidates(world):
             ms = [10.0 if r in finished else None for r in range(world)]
             assert probe_tiers(ms, 20.0)[0] in inner_candidates(world)

@@ -317,6 +317,33 @@ def _nested(rank: int, out: str) -> dict:
     return result
 
 
+def _five(rank: int, out: str) -> dict:
+    """Five workers, three fast (10 to 20 ms a batch) and two at 400 ms, under nested=True."""
+    def step(model, batch):
+        time.sleep((0.010, 0.015, 0.020, 0.400, 0.400)[rank])
+        return mse_step(model, batch)
+
+    groups = dist.distributed_c10d._world.pg_map
+    before = len(groups)
+    t = run(mlp(), step=step, sync=ElChe(anchor=2, max_anchor=2, windows="live", combine="sum", nested=True),
+            n=240, epochs=1, verify_sync=True)
+    return {"records": [(w["batches"], w.get("inner_syncs")) for w in t.records], "samples": t.samples,
+            "nested": [e for e in t.history if e.get("event") == "nested"], "params": flat(t.model),
+            "groups": (before, len(groups))}
+
+
+def test_nested_true_finds_the_tiers_of_five_workers_in_the_first_window(tmp_path):
+    res = spawn(_five, tmp_path, world=5, deadline=120.0)
+    nested = res[0]["nested"]
+    assert len(nested) == 1 and nested[0]["inner"] == [0, 1, 2] and nested[0]["outer"] == [3, 4], nested
+    assert nested[0]["found"] == "in the first window", nested  # 25 candidate groups made at the start
+    assert nested[0]["first_batch_ms"][3] is None and nested[0]["first_batch_ms"][4] is None, nested
+    assert all(res[r]["samples"] == 240 for r in range(5))
+    assert all(torch.equal(res[0]["params"], res[r]["params"]) for r in range(1, 5))
+    assert res[0]["records"][0][1] >= 2, res[0]["records"]  # the fast trio synced inside the first window
+    assert all(res[r]["groups"][0] == res[r]["groups"][1] for r in range(5)), [res[r]["groups"] for r in range(5)]
+
+
 def _overlap_reference(weight: float | None = None, n: int = 64, per_window: int = 2, batch: int = 4) -> torch.Tensor:
     """ElChe(anchor=2, adaptive=False, combine="sum", overlap=True) on two workers, replayed in one
     process with the same float ops: worker r runs its 2 batches of each window (planned, in data
