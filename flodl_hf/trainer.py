@@ -308,6 +308,8 @@ class Trainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.wrapped: nn.Module = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
             if self.balance:
+                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+                self._allreduce_hook = allreduce_hook
                 self.wrapped.register_comm_hook(None, self._stamp_ready)
         else:
             self.wrapped = self.model
@@ -441,11 +443,10 @@ class Trainer:
         """DDP's comm hook under ``balance=True``: the plain all-reduce (divided by the world size), and
         the time this worker's last bucket of gradients is ready, its backward's end before any wait for
         the others' buckets: what its speed is measured on."""
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         if bucket.is_last():
             self._sync_device()
             self._ready_at = time.perf_counter()
-        return allreduce_hook(state, bucket)
+        return self._allreduce_hook(state, bucket)
 
     def _balanced_sizes(self) -> tuple[int, ...]:
         """This DDP step's samples per worker under ``balance=True``: the step's share of the epoch split
