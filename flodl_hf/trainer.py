@@ -542,6 +542,9 @@ class Trainer:
         prev = {"collective_ms": 0.0, "window_ms": 0.0, "pause_ms": 0.0}
         pause_ms = 0.0
         first = True  # the first window after (re)starting: warm-up, and no sync measured yet
+        # The sync that ended it allocated the sync's buffers: reported in the next window, it is not
+        # the sync's time (MiniLM's first took 270 ms where the next took 155, and grew the anchor).
+        warm_sync = True
         # A fresh adaptive cohort knows no speeds: its first window is one batch per worker, the
         # cheapest measurement (the fast workers wait for one slow batch, not for ``anchor`` of them).
         live = self._live
@@ -624,13 +627,13 @@ class Trainer:
                     # Half the weight on the newest smooths jitter; a change of more than a quarter is
                     # a new regime (warm-up over, a device throttled), taken at once rather than chased.
                     self._ms[r] = ms if old is None or not 0.75 <= ms / old <= 1.25 else (old + ms) / 2
-            if timing is not None or comm.world == 1:
+            if (timing is not None and not warm_sync) or comm.world == 1:
                 sync = timing["sync_ms"] if timing is not None else 0.0
                 self._sync_ema = sync if self._sync_ema is None else (self._sync_ema + sync) / 2
             self.plan = plan_window(self._ms, self._sync_ema, self.plan, self.el_che)
             if live and self.el_che.nested and not self._tiers_decided and None not in self._ms:
                 self._decide_tiers()
-            first = False
+            warm_sync, first = first, False
 
             wall = time.perf_counter() - window_start - self._window_eval_s  # inner syncs' evaluations out
             self.train_time += wall
