@@ -167,6 +167,9 @@ class Trainer:
         self.balance = bool(balance)
         if outer is not None and sync != "el-che":
             raise TrainerConfigError("outer=DiLoCo(...) averages windows: it needs sync='el-che'")
+        if outer is not None and el_che.combine == "lead":
+            raise TrainerConfigError("ElChe(combine='lead') does not go with outer=DiLoCo(...): the lead's "
+                                     "optimizer already takes the others' work as steps")
         if outer is not None and el_che.overlap:
             raise TrainerConfigError("ElChe(overlap=True) does not go with outer=DiLoCo(...): the outer step "
                                      "needs the window's combined change at the window's end")
@@ -338,6 +341,8 @@ class Trainer:
         self._anchor = [p.detach().clone() for p in self.trainable] if overlap else None
         self._delta = [torch.empty_like(p) for p in self.trainable] if overlap else None
         self._pending = None
+        # ElChe(combine="lead"): worker 0 holds the optimizer, the others send it gradients.
+        self._lead, self._lead_warned = el_che is not None and el_che.combine == "lead", False
         from .records import Resources, decode_name, encode_name, host_names, local_identity
         host, node = local_identity()
         ids = comm.gather_floats([float(node), *encode_name(host)])  # the tree's host names, once
@@ -429,6 +434,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = _loss_of(self.step_fn(self.wrapped, self._batch(indices)))
         (loss if weight == 1.0 else loss * weight).backward()
+        self._optimizer_step()
+        self.batches += 1
+        return loss.detach()
+
+    def _optimizer_step(self) -> None:
+        """Clipping, the optimizer and scheduler steps, on the gradients in place."""
         t0 = time.perf_counter()
         if self.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.trainable, self.grad_clip)
@@ -436,6 +447,22 @@ class Trainer:
         if self.scheduler is not None:
             self.scheduler.step()
         self._opt_s = time.perf_counter() - t0
+
+    def _grad_batch(self, indices: torch.Tensor, seen: int) -> torch.Tensor:
+        """``ElChe(combine="lead")`` on a worker other than the lead: forward and backward only, at
+        the window's start, the gradient kept as the window's mean by samples (``seen`` samples
+        of the window before this batch); the lead takes it at the window's end."""
+        loss = _loss_of(self.step_fn(self.wrapped, self._batch(indices)))
+        n = len(indices)
+        if seen == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        else:
+            with torch.no_grad():
+                for p in self.trainable:
+                    if p.grad is not None:
+                        p.grad.mul_(seen / (seen + n))
+            (loss * (n / (seen + n))).backward()
         self.batches += 1
         return loss.detach()
 
@@ -578,8 +605,10 @@ class Trainer:
             loss_sum = torch.zeros((), dtype=self._acc_dtype, device=self.device)
             batches = n = 0
             first_done = None  # when the window's first batch ended: later ones are past warm-up
+            follow = self._lead and comm.rank > 0  # combine="lead": gradients only, for the lead
             for chunk in chunks:
-                loss_sum += self._train_batch(chunk).to(self._acc_dtype) * len(chunk)
+                loss = self._grad_batch(chunk, n) if follow else self._train_batch(chunk)
+                loss_sum += loss.to(self._acc_dtype) * len(chunk)
                 batches += 1
                 n += len(chunk)
                 if first_done is None:
@@ -633,6 +662,14 @@ class Trainer:
             self.plan = plan_window(self._ms, self._sync_ema, self.plan, self.el_che)
             if live and self.el_che.nested and not self._tiers_decided and None not in self._ms:
                 self._decide_tiers()
+            if self._lead and not self._lead_warned and None not in self._ms and min(self._ms) < 0.8 * self._ms[0]:
+                self._lead_warned = True
+                if comm.rank == 0:
+                    fastest = min(range(comm.world), key=lambda r: self._ms[r])
+                    warnings.warn(f"ElChe(combine='lead'): worker 0 holds the optimizer, but worker {fastest} is "
+                                  f"faster ({self._ms[fastest]:.0f} against {self._ms[0]:.0f} ms a batch); the "
+                                  "others' batches count as one stale step a window, so start the fastest "
+                                  "device as rank 0")
             warm_sync, first = first, False
 
             wall = time.perf_counter() - window_start - self._window_eval_s  # inner syncs' evaluations out
@@ -885,6 +922,8 @@ class Trainer:
         comm = self.comm
         if self._anchor is not None:
             return self._overlap(weight, stats)
+        if self._lead:
+            return self._lead_sync(stats)
         start = self._start
         if start is None:
             rows = comm.reduce_window([(self.trainable, weight),
@@ -927,6 +966,29 @@ class Trainer:
             for p, a, d in zip(self.trainable, self._anchor, self._delta):
                 torch.add(a, d, out=p)
         _copy_into(self._start, self.trainable)
+        return rows
+
+    def _lead_sync(self, stats: list[float]) -> torch.Tensor:
+        """``ElChe(combine="lead")``'s sync: gather the window's numbers; the others send their
+        gradients, weighed by their samples, to the lead, which takes them as one more optimizer
+        step and sends its parameters back to all."""
+        comm = self.comm
+        rows = comm.gather_floats(stats)
+        others = float(rows[1:, 1].sum())  # the samples the other workers' gradients hold
+        weight = stats[1] / others if comm.rank > 0 and others > 0 else 0.0
+
+        def step(grads: list[torch.Tensor]) -> None:
+            if others > 0:
+                for p, g in zip(self.trainable, grads):
+                    p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+                self._optimizer_step()
+
+        grads = [p.grad if comm.rank > 0 else None for p in self.trainable]
+        comm.lead_exchange(self.trainable + self._float_buffers, grads + [None] * len(self._float_buffers),
+                           weight, step)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.verify_sync:
+            self._check_synced(f"the lead's step ending at step {self.step}")
         return rows
 
     def _land(self) -> bool:

@@ -436,6 +436,12 @@ def test_evaluations_sit_on_the_training_clock_between_log_points(tmp_path):
     with pytest.raises(TrainerConfigError, match="overlap=True.*DiLoCo"):
         Trainer(Net(0), slow_step, adamw, Indexed(64), batch_size=8, epochs=1, sync=ElChe(overlap=True),
                 outer=DiLoCo(), progress=False, report=False)
+    for kw in ({"overlap": True}, {"compress": "bf16"}, {"windows": "live", "nested": True}):
+        with pytest.raises(TrainerConfigError, match="combine='lead'.*not with"):
+            ElChe(combine="lead", **kw)
+    with pytest.raises(TrainerConfigError, match="combine='lead'.*DiLoCo"):
+        Trainer(Net(0), slow_step, adamw, Indexed(64), batch_size=8, epochs=1, sync=ElChe(combine="lead"),
+                outer=DiLoCo(), progress=False, report=False)
 
 
 def test_compressed_pack_of_a_given_change_leaves_it_untouched():

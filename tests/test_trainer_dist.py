@@ -241,9 +241,22 @@ def _equivalences_and_uneven(rank: int, out: str) -> dict:
     return result
 
 
+def _exchange_tensors(rank: int) -> tuple[list, list]:
+    g = torch.Generator().manual_seed(rank)
+    params = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g)]
+    return params, [torch.randn(5, 3, generator=g), None]
+
+
 def _nested(rank: int, out: str) -> dict:
-    """Three workers at 1 : 1/3 : 1/12 (sleeps) with nested windows, plain and with DiLoCo."""
+    """Three workers at 1 : 1/3 : 1/12 (sleeps) with nested windows, plain and with DiLoCo; and
+    Comm.lead_exchange with two workers sending to the lead."""
     result: dict = {}
+    comm = Comm(rank, 3, rank, None, torch.device("cpu"), 30.0)
+    params, grads = _exchange_tensors(rank)
+    got: list = []
+    comm.lead_exchange(params, grads if rank else [None, None], (0.0, 0.25, 0.75)[rank],
+                       lambda summed: got.append([t.clone() for t in summed]))
+    result["exchange"] = (params, got)
     for name, combine, outer in (("sum", "sum", None), ("diloco", "sum", DiLoCo()),
                                  ("average-diloco", "average", DiLoCo())):
         seen: list[int] = []
@@ -433,10 +446,131 @@ def test_el_che_overlap_matches_its_replay_resumes_and_runs_live(tmp_path):
     assert len(evals) >= 3 and evals[-1]["samples"] == 250, evals
 
 
+def _lead_reference(make_opt, n: int = 64, per_window: int = 2, batch: int = 4) -> torch.Tensor:
+    """ElChe(anchor=2, adaptive=False, combine="lead") on two workers, replayed in one process with
+    the same float ops: per window worker 1 takes its 2 batches' gradient (their mean by samples) at
+    the window's start; worker 0 trains on its 2 batches, then steps on worker 1's gradient, and
+    worker 1 takes its parameters."""
+    data = Points(n)
+    lead, follower = mlp(), mlp()
+    opt = make_opt(lead.parameters())
+
+    def items(first):
+        return torch.utils.data.default_collate([data[i] for i in range(first, first + batch)])
+
+    position = 0
+    while position < n:
+        for b in range(per_window):  # worker 1, at the window's start
+            loss = mse_step(follower, items(position + (per_window + b) * batch))
+            if b == 0:
+                for p in follower.parameters():
+                    p.grad = None
+                loss.backward()
+            else:
+                seen = b * batch
+                with torch.no_grad():
+                    for p in follower.parameters():
+                        p.grad.mul_(seen / (seen + batch))
+                (loss * (batch / (seen + batch))).backward()
+        for b in range(per_window):
+            opt.zero_grad(set_to_none=True)
+            mse_step(lead, items(position + b * batch)).backward()
+            opt.step()
+        for p, q in zip(lead.parameters(), follower.parameters()):
+            p.grad = q.grad.clone()
+        opt.step()
+        with torch.no_grad():
+            for q, p in zip(follower.parameters(), lead.parameters()):
+                q.copy_(p)
+        position += 2 * per_window * batch
+    return flat(lead)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=0.01)
+
+
+def _lead(rank: int, out: str) -> dict:
+    """ElChe(combine="lead"): planned windows against the one-process replay (SGD and AdamW), a
+    checkpoint and resume, and live windows on an uneven pair."""
+    result: dict = {}
+    el_che = ElChe(anchor=2, adaptive=False, combine="lead")
+    for name, make in (("sgd", sgd), ("adamw", adamw)):
+        planned = run(mlp(), sync=el_che, opt=make, epochs=1, shuffle=False, verify_sync=True)
+        result[name] = (flat(planned.model), _lead_reference(make) if rank == 0 else None)
+    result["sum"] = flat(run(mlp(), sync=ElChe(anchor=2, adaptive=False, combine="sum"), epochs=1, shuffle=False).model)
+    # Every worker holds the lead's parameters after each sync, so a run resumed from step 4 repeats the
+    # straight run that also checkpointed at step 4.
+    straight = run(mlp(), sync=el_che, opt=adamw, max_steps=8, checkpoint_dir=Path(out) / "ck-straight",
+                   checkpoint_every=4)
+    ck = Path(out) / "ck"
+    run(mlp(), sync=el_che, opt=adamw, max_steps=4, checkpoint_dir=ck, checkpoint_every=4)
+    resumed = run(mlp(), sync=el_che, opt=adamw, max_steps=8, checkpoint_dir=ck, checkpoint_every=4, verify_sync=True)
+    result["resume"] = (flat(straight.model), flat(resumed.model), resumed.resumed_from.name,
+                        len(resumed.optimizer.state))
+    # Live windows, 3 : 1 by sleeps: every sample once, the same bits at the end.
+    seen: list[int] = []
+
+    def live_step(model, batch):
+        seen.extend(batch[0].tolist())
+        time.sleep(0.010 if rank == 0 else 0.030)
+        return mse_step(model, batch)
+
+    t = run(mlp(), step=live_step, sync=ElChe(anchor=1, windows="live", combine="lead"), opt=adamw,
+            n=250, epochs=1, verify_sync=True, eval_fn=lambda m: {"loss": 0.0}, eval_every=4)
+    result["live"] = {"seen": seen, "params": flat(t.model), "records": t.records, "history": t.history}
+    # Worker 0 slower than worker 1: the lead is the wrong one, and worker 0 says so once.
+    import warnings
+
+    def backwards_step(model, batch):
+        time.sleep(0.030 if rank == 0 else 0.005)
+        return mse_step(model, batch)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(mlp(), step=backwards_step, sync=ElChe(anchor=1, windows="live", combine="lead"), n=96, epochs=1)
+    result["warned"] = [str(w.message) for w in caught if "combine='lead'" in str(w.message)]
+    return result
+
+
+def test_el_che_lead_matches_its_replay_resumes_and_runs_live(tmp_path):
+    """ElChe(combine="lead"): the planned run equals the one-process replay bit for bit (SGD and
+    AdamW); a resumed run equals the straight one; live windows train every sample once and end
+    with the same bits on both workers."""
+    res = spawn(_lead, tmp_path)
+    for name in ("sgd", "adamw"):
+        assert torch.equal(res[0][name][0], res[1][name][0]), name
+        assert torch.equal(res[0][name][0], res[0][name][1]), name
+    # Not the sum of two optimizers' changes, nor the untrained model.
+    assert not torch.equal(res[0]["sgd"][0], res[0]["sum"]) and not torch.equal(res[0]["sgd"][0], flat(mlp()))
+    for r in range(2):
+        straight, resumed, name, states = res[r]["resume"]
+        assert name == "step-00000004.pt" and torch.equal(straight, resumed), r
+        assert (states > 0) == (r == 0), (r, states)  # one optimizer: the lead's
+    runs = [res[r]["live"] for r in range(2)]
+    assert sorted(runs[0]["seen"] + runs[1]["seen"]) == list(range(250))
+    assert torch.equal(runs[0]["params"], runs[1]["params"])
+    fast, slow = (sum(w["batches"] for w in runs[r]["records"]) for r in range(2))
+    assert fast > 2 * slow, (fast, slow)
+    evals = [e for e in runs[0]["history"] if e.get("event") == "eval"]
+    assert len(evals) >= 3 and evals[-1]["samples"] == 250, evals
+    assert len(res[0]["warned"]) == 1 and "worker 1 is faster" in res[0]["warned"][0], res[0]["warned"]
+    assert res[1]["warned"] == []
+
+
 def test_nested_windows_three_uneven_workers(tmp_path):
     """The fast pair syncs among itself between the slowest worker's syncs; every worker ends each
     outer sync with the same bits (verify_sync, inner syncs included); every sample is trained once."""
     res = spawn(_nested, tmp_path, world=3, deadline=120.0)
+    # Comm.lead_exchange: the lead's step sees 0.25 g1 + 0.75 g2 (zeros where none was given), added in
+    # rank order, once; every worker ends with the lead's parameters.
+    lead_params, _ = _exchange_tensors(0)
+    (g1, _), (g2, _) = _exchange_tensors(1)[1], _exchange_tensors(2)[1]
+    got = res[0]["exchange"][1]
+    assert len(got) == 1 and torch.equal(got[0][0], g1 * 0.25 + g2 * 0.75) and torch.equal(got[0][1], torch.zeros(7))
+    for r in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(res[r]["exchange"][0], lead_params)), r
+        assert r == 0 or res[r]["exchange"][1] == []
     for name in ("sum", "diloco", "average-diloco"):
         runs = [res[r][name] for r in range(3)]
         assert sorted(sum((r["seen"] for r in runs), [])) == list(range(400)), name
