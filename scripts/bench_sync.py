@@ -6,7 +6,9 @@ added back on the way out) against the unfused form it replaced (subtract in pla
 the weight, concatenate, all-reduce, copy back, add the start). Both give the same bits; the
 script checks that, then prints the median milliseconds of each and their ratio. It also times
 ``ElChe(compress="bf16")``'s sync (the changes sent in bfloat16, the remainder carried), and
-how far its result lands from the float32 one.
+how far its result lands from the float32 one; and ``ElChe(combine="lead")``'s exchange (worker
+1's gradients to worker 0, then worker 0's parameters back, after a gather of the window's
+numbers; the lead's optimizer step between them is not timed).
 
     python scripts/bench_sync.py                 # 22.7M float32 parameters (all-MiniLM-L6-v2), 15 rounds
     python scripts/bench_sync.py --params 110e6  # BERT-base
@@ -75,7 +77,7 @@ def worker(rank: int, port: int, total: int, rounds: int, out: str) -> None:
     comm.reduce_window([(c, 1.0, start, carried)], stats)
     off = max((x - y).abs().max().item() for x, y in zip(a, c))
     change = max((x - s).abs().max().item() for x, s in zip(a, start))
-    times = {"packed": [], "unfused": [], "bf16": []}
+    times = {"packed": [], "unfused": [], "bf16": [], "lead": []}
     with torch.no_grad():
         for _ in range(rounds):
             for name in times:
@@ -86,17 +88,21 @@ def worker(rank: int, port: int, total: int, rounds: int, out: str) -> None:
                     comm.reduce_window([(params, 1.0, start)], stats)
                 elif name == "bf16":
                     comm.reduce_window([(params, 1.0, start, carried)], stats)
+                elif name == "lead":
+                    comm.gather_floats(stats)
+                    comm.lead_exchange(params, [None] * len(params) if rank == 0 else moved, 1.0, lambda grads: None)
                 else:
                     unfused(comm, params, start, stats)
                 times[name].append((time.perf_counter() - t0) * 1e3)
     if rank == 0:
-        packed, plain, half = (statistics.median(times[k]) for k in ("packed", "unfused", "bf16"))
+        packed, plain, half, lead = (statistics.median(times[k]) for k in ("packed", "unfused", "bf16", "lead"))
         n = sum(t.numel() for t in start)
         Path(out).write_text(f"{n / 1e6:.1f}M float32 parameters, 2 workers (gloo, 127.0.0.1), {rounds} rounds: "
                              f"packed {packed:.0f} ms, unfused {plain:.0f} ms, ratio {packed / plain:.2f}; "
                              f"same bits: {same}\n"
                              f"compress='bf16': {half:.0f} ms ({half / packed:.2f}x packed); max abs off the float32 "
-                             f"sum {off:.1e}, where the summed change reaches {change:.1e}\n")
+                             f"sum {off:.1e}, where the summed change reaches {change:.1e}\n"
+                             f"combine='lead': {lead:.0f} ms ({lead / packed:.2f}x packed)\n")
     dist.barrier()
     os._exit(0)
 

@@ -32,7 +32,8 @@ Making a worker k times slower without letting it take the fast one's CPU:
   each worker's sleep with the others' (at 1 : 1/3 : 1/12 DDP steps grew to 34 s, then gloo's
   timeout). Sleeping takes no CPU, so the fast
   worker keeps its core; and since the sleep scales with the worker's own compute, the ratio
-  holds whatever the machine's load does to both.
+  holds whatever the machine's load does to both. A worker that never steps (the others than worker
+  0 under ``ElChe(combine="lead")``) has its batch's work end with backward.
 - ``cgroup`` (root; cgroup v2's cpu controller, or v1's on machines that still mount it): the
   worker runs in its own cgroup limited to 1/k of a core (``cpu.max``; v1: ``cpu.cfs_quota_us``,
   the same CFS bandwidth control). The kernel enforces it, as a slower device would be, but a
@@ -76,8 +77,9 @@ NETNS = {"2x-netns"}  # one network namespace per worker (flodl_hf.testing.netns
 ARMS = ("fast worker alone", "DDP", "El Che", "El Che + DiLoCo")
 # Run only when named (--arms): El Che with ElChe(overlap=True), the sync behind the next window; El Che
 # with ElChe(nested=True), the tiers found inside the first window, whatever --nested says; DDP with
-# Trainer(balance=True) at the fast worker alone's batch (BATCH samples a step, split by the workers' speeds).
-MORE_ARMS = ("El Che, overlapped", "El Che, tiers found", "DDP, balanced")
+# Trainer(balance=True) at the fast worker alone's batch (BATCH samples a step, split by the workers' speeds);
+# El Che with ElChe(combine="lead"), one optimizer on the fast worker (worker 0) taking the others' gradients.
+MORE_ARMS = ("El Che, overlapped", "El Che, tiers found", "DDP, balanced", "El Che, one optimizer")
 BATCH, LR, MAX_LEN = 16, 5e-5, 64
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -207,7 +209,12 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
             if first and k > 1 and throttle in ("sleep", "both"):
                 throttle_sleep((k - 1) * last[0])
 
-        opt.register_step_post_hook(throttle_hook)
+        if arm == "El Che, one optimizer" and rank > 0:
+            # ElChe(combine="lead"): this worker never steps, so its batch's own work ends with
+            # backward, when the first parameter's gradient (the embeddings', the last reached) lands.
+            params[0].register_post_accumulate_grad_hook(throttle_hook)
+        else:
+            opt.register_step_post_hook(throttle_hook)
         return opt
 
     held.sort(key=lambda item: len(item[0]))  # batches of similar length: less padding, same answers
@@ -232,10 +239,12 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
         return {"accuracy": correct / len(held), "eval_loss": loss / len(held)}
 
     plain = arm in ("El Che", "El Che, overlapped", "El Che, tiers found")  # El Che's own combine; DiLoCo's arm averages
-    el_che = ElChe(anchor=args["anchor"], combine=args["combine"] if plain else "average",
+    combine = "lead" if arm == "El Che, one optimizer" else args["combine"] if plain else "average"
+    el_che = ElChe(anchor=args["anchor"], combine=combine,
                    windows=args["windows"], sync_share=args.get("sync_share", 0.10), compress=args.get("compress"),
                    nested=(True if arm == "El Che, tiers found" else
-                           nested_tiers(args.get("nested"), ks) if not arm.startswith("DDP") else False),
+                           nested_tiers(args.get("nested"), ks) if not arm.startswith("DDP") and combine != "lead"
+                           else False),
                    overlap=arm == "El Che, overlapped")
     sync = {"fast worker alone": "none", "DDP": "ddp", "DDP, balanced": "ddp"}.get(arm, el_che)
     balance = arm == "DDP, balanced"
