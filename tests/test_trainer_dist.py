@@ -424,6 +424,17 @@ def _overlap(rank: int, out: str) -> dict:
     return result
 
 
+def _assert_live_pair(runs: list[dict], n: int) -> None:
+    """Live windows on a 3 : 1 pair: every sample trained once, the same bits on both workers at the
+    end, the fast worker at more than twice the slow one's batches, evaluations up to the last sample."""
+    assert sorted(runs[0]["seen"] + runs[1]["seen"]) == list(range(n))
+    assert torch.equal(runs[0]["params"], runs[1]["params"])
+    fast, slow = (sum(w["batches"] for w in runs[r]["records"]) for r in range(2))
+    assert fast > 2 * slow, (fast, slow)
+    evals = [e for e in runs[0]["history"] if e.get("event") == "eval"]
+    assert len(evals) >= 3 and evals[-1]["samples"] == n, evals
+
+
 def test_el_che_overlap_matches_its_replay_resumes_and_runs_live(tmp_path):
     """ElChe(overlap=True): the planned run equals the one-process replay bit for bit; a resumed run
     equals the straight one; live windows train every sample once and end with the same bits."""
@@ -437,13 +448,7 @@ def test_el_che_overlap_matches_its_replay_resumes_and_runs_live(tmp_path):
     for r in range(2):
         straight, resumed, name = res[r]["resume"]
         assert name == "step-00000004.pt" and torch.equal(straight, resumed), r
-    runs = [res[r]["live"] for r in range(2)]
-    assert sorted(runs[0]["seen"] + runs[1]["seen"]) == list(range(250))
-    assert torch.equal(runs[0]["params"], runs[1]["params"])
-    fast, slow = (sum(w["batches"] for w in runs[r]["records"]) for r in range(2))
-    assert fast > 2 * slow, (fast, slow)
-    evals = [e for e in runs[0]["history"] if e.get("event") == "eval"]
-    assert len(evals) >= 3 and evals[-1]["samples"] == 250, evals
+    _assert_live_pair([res[r]["live"] for r in range(2)], 250)
 
 
 def _lead_reference(make_opt, n: int = 64, per_window: int = 2, batch: int = 4) -> torch.Tensor:
@@ -547,13 +552,7 @@ def test_el_che_lead_matches_its_replay_resumes_and_runs_live(tmp_path):
         straight, resumed, name, states = res[r]["resume"]
         assert name == "step-00000004.pt" and torch.equal(straight, resumed), r
         assert (states > 0) == (r == 0), (r, states)  # one optimizer: the lead's
-    runs = [res[r]["live"] for r in range(2)]
-    assert sorted(runs[0]["seen"] + runs[1]["seen"]) == list(range(250))
-    assert torch.equal(runs[0]["params"], runs[1]["params"])
-    fast, slow = (sum(w["batches"] for w in runs[r]["records"]) for r in range(2))
-    assert fast > 2 * slow, (fast, slow)
-    evals = [e for e in runs[0]["history"] if e.get("event") == "eval"]
-    assert len(evals) >= 3 and evals[-1]["samples"] == 250, evals
+    _assert_live_pair([res[r]["live"] for r in range(2)], 250)
     assert len(res[0]["warned"]) == 1 and "worker 1 is faster" in res[0]["warned"][0], res[0]["warned"]
     assert res[1]["warned"] == []
 
