@@ -562,77 +562,71 @@ class Comm:
     def lead_exchange(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], weight: float,
                       step: Callable[[list[torch.Tensor]], None], lead: int = 0) -> None:
         """``ElChe(combine="lead")``'s sync: every other worker sends ``weight_r * grads_r`` to
-        worker ``lead``, which calls ``step`` on their sum (shaped as ``params``; views of a buffer
+        worker ``lead``, which calls ``step`` on their sum (one tensor per parameter, in buffers
         kept between windows) and then sends its ``params`` back to all: every worker ends with
         the lead's bits.
 
-        Point-to-point sends, one per dtype and worker each way: with two workers that is one
-        copy of the parameters each way, where an all-reduce moves more, and on gloo a send and a
-        receive took 77 ms where the all-reduce took 82 (``scripts/bench_sync.py``). ``grads``
-        holds one tensor per parameter (None: zeros); the lead's own are not read. The others'
-        gradients are added in rank order, so one other worker's arrive bit for bit. Low-precision
-        gradients travel in float32."""
+        Point-to-point sends, one per tensor, with no packing: on gloo, MiniLM's 126 tensors went
+        one way and back in 57 ms, where packed into one buffer they took 121 and the packed
+        all-reduce of a window's changes 136 (``scripts/bench_sync.py``). ``grads`` holds one
+        tensor per parameter (None: zeros); the lead's own are not read. The others' gradients
+        are added in rank order, so one other worker's arrive bit for bit. Low-precision gradients
+        travel in float32."""
         if self.world == 1:
             return
-        buffers = self._buffers
         peers = [r for r in range(self.world) if r != lead]
-        groups = _by_dtype(list(zip(params, grads)), key=lambda m: m[0].dtype)
-        summed: dict[int, torch.Tensor] = {}
-        for dtype, members in groups.items():
-            numel = sum(p.numel() for p, _ in members)
-            wire = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-            gflat = self._buffer(("grad", wire), numel, buffers)
-            if self.rank == lead:
-                self._run("receiving gradients from worker", dist.recv, gflat, self._global(peers[0]), group=self.plane)
-                if len(peers) > 1:
-                    more = self._buffer(("grad more", wire), numel, buffers)
-                    for r in peers[1:]:
-                        self._run("receiving gradients from worker", dist.recv, more, self._global(r), group=self.plane)
-                        gflat.add_(more)
-                offset = 0
-                for p, _ in members:
-                    summed[id(p)] = gflat[offset:offset + p.numel()].view(p.shape)
-                    offset += p.numel()
-            else:
-                offset = 0
-                with torch.no_grad():
-                    for p, g in members:
-                        n = p.numel()
-                        if g is None:
-                            gflat[offset:offset + n].zero_()
-                        else:
-                            _pack(gflat[offset:offset + n], g, weight, None)
-                        offset += n
-                self._run("sending gradients to the lead", dist.send, gflat, self._global(lead), group=self.plane)
-        if self.rank == lead:
-            step([summed[id(p)].to(p.device) if summed[id(p)].device != p.device else summed[id(p)] for p in params])
-        for dtype, members in groups.items():
-            pflat = self._buffer(("params", dtype), sum(p.numel() for p, _ in members), buffers)
-            if self.rank == lead:
-                offset = 0
-                with torch.no_grad():
-                    for p, _ in members:
-                        pflat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
-                        offset += p.numel()
-                works = [self._run("sending the lead's parameters", dist.isend, pflat, self._global(r), group=self.plane)
-                         for r in peers]
-                for work in works:
-                    self._run("sending the lead's parameters", work.wait)
-            else:
-                self._run("receiving the lead's parameters", dist.recv, pflat, self._global(lead), group=self.plane)
-                _unflatten_into(pflat, [p for p, _ in members])
+        plane = self.plane_device
+
+        def wire(t: torch.Tensor) -> torch.dtype:
+            return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+
+        def wait(works: list, what: str) -> None:
+            for work in works:
+                self._run(what, work.wait)
+
+        if self.rank != lead:
+            outgoing = []
+            for p, g in zip(params, grads):
+                if g is None:
+                    g = torch.zeros(p.shape, dtype=wire(p), device=plane)
+                g = g.detach().to(plane, wire(g))
+                outgoing.append((g * weight if weight != 1.0 else g).contiguous())
+            wait([self._run("sending gradients to the lead", dist.isend, g, self._global(lead), group=self.plane)
+                  for g in outgoing], "sending gradients to the lead")
+            landing = [p.data if p.is_contiguous() and p.device == plane else
+                       torch.empty(p.shape, dtype=p.dtype, device=plane) for p in params]
+            wait([self._run("receiving the lead's parameters", dist.irecv, t, self._global(lead), group=self.plane)
+                  for t in landing], "receiving the lead's parameters")
+            with torch.no_grad():
+                for p, t in zip(params, landing):
+                    if t is not p.data:
+                        p.copy_(t)
+            return
+        summed = [self._buffer(("lead grad", i), p.numel(), self._buffers, wire(p)).view(p.shape)
+                  for i, p in enumerate(params)]
+        for n, r in enumerate(peers):
+            into = summed if n == 0 else [self._buffer(("lead more", i), p.numel(), self._buffers, wire(p)).view(p.shape)
+                                          for i, p in enumerate(params)]
+            wait([self._run("receiving gradients from worker", dist.irecv, t, self._global(r), group=self.plane)
+                  for t in into], f"receiving gradients from worker {r}")
+            if n:
+                for total, more in zip(summed, into):
+                    total.add_(more)
+        step([t if t.device == p.device else t.to(p.device) for t, p in zip(summed, params)])
+        outgoing = [p.detach().to(plane).contiguous() for p in params]
+        works = [self._run("sending the lead's parameters", dist.isend, t, self._global(r), group=self.plane)
+                 for r in peers for t in outgoing]
+        wait(works, "sending the lead's parameters")
 
     def _global(self, rank: int) -> int:
         """The default group's rank of this Comm's ``rank`` (point-to-point calls take those)."""
         return rank if self.plane is None else dist.get_global_rank(self.plane, rank)
 
-    def _buffer(self, key, numel: int, buffers: dict) -> torch.Tensor:
-        """The all-reduce buffer for ``key`` (a dtype, or ``(name, dtype)``), kept between windows
-        (one copy of the parameters)."""
+    def _buffer(self, key, numel: int, buffers: dict, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The buffer for ``key`` (a dtype, or a name and ``dtype``), kept between windows."""
         flat = buffers.get(key)
-        if flat is None or flat.numel() != numel:
-            dtype = key[1] if isinstance(key, tuple) else key
-            flat = buffers[key] = torch.empty(numel, dtype=dtype, device=self.plane_device)
+        if flat is None or flat.numel() != numel or (dtype is not None and flat.dtype != dtype):
+            flat = buffers[key] = torch.empty(numel, dtype=dtype or key, device=self.plane_device)
         return flat
 
     def counter(self, key: str, add: int) -> int:
@@ -702,10 +696,10 @@ class PendingWindow:
         return gathered
 
 
-def _by_dtype(items: Sequence, key=lambda t: t.dtype) -> dict[torch.dtype, list]:
-    groups: dict[torch.dtype, list] = {}
-    for item in items:
-        groups.setdefault(key(item), []).append(item)
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
     return groups
 
 
