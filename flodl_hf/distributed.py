@@ -570,7 +570,8 @@ class Comm:
         Point-to-point sends, one per tensor, with no packing: on gloo, MiniLM's 126 tensors went
         one way and back in 57 ms, where packed into one buffer they took 121 and the packed
         all-reduce of a window's changes 136 (``scripts/bench_sync.py``). ``grads`` holds one
-        tensor per parameter (None: zeros); the lead's own are not read. The others' gradients
+        tensor (None: zeros) for each of the first ``len(grads)`` of ``params``; the rest (float
+        buffers) only go from the lead to the others. The lead's own ``grads`` are not read. The others' gradients
         are added in rank order, so one other worker's arrive bit for bit. Low-precision gradients
         travel in float32."""
         if self.world == 1:
@@ -587,7 +588,7 @@ class Comm:
 
         if self.rank != lead:
             outgoing = []
-            for p, g in zip(params, grads):
+            for p, g in zip(params[:len(grads)], grads, strict=True):
                 if g is None:
                     g = torch.zeros(p.shape, dtype=wire(p), device=plane)
                 g = g.detach().to(plane, wire(g))
@@ -603,17 +604,18 @@ class Comm:
                     if t is not p.data:
                         p.copy_(t)
             return
+        graded = params[:len(grads)]
         summed = [self._buffer(("lead grad", i), p.numel(), self._buffers, wire(p)).view(p.shape)
-                  for i, p in enumerate(params)]
+                  for i, p in enumerate(graded)]
         for n, r in enumerate(peers):
             into = summed if n == 0 else [self._buffer(("lead more", i), p.numel(), self._buffers, wire(p)).view(p.shape)
-                                          for i, p in enumerate(params)]
+                                          for i, p in enumerate(graded)]
             wait([self._run("receiving gradients from worker", dist.irecv, t, self._global(r), group=self.plane)
                   for t in into], f"receiving gradients from worker {r}")
             if n:
                 for total, more in zip(summed, into):
                     total.add_(more)
-        step([t if t.device == p.device else t.to(p.device) for t, p in zip(summed, params)])
+        step([t if t.device == p.device else t.to(p.device) for t, p in zip(summed, graded)])
         outgoing = [p.detach().to(plane).contiguous() for p in params]
         works = [self._run("sending the lead's parameters", dist.isend, t, self._global(r), group=self.plane)
                  for r in peers for t in outgoing]

@@ -983,9 +983,8 @@ class Trainer:
                     p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
                 self._optimizer_step()
 
-        grads = [p.grad if comm.rank > 0 else None for p in self.trainable]
-        comm.lead_exchange(self.trainable + self._float_buffers, grads + [None] * len(self._float_buffers),
-                           weight, step)
+        grads = [p.grad if comm.rank > 0 else None for p in self.trainable]  # float buffers: no gradient
+        comm.lead_exchange(self.trainable + self._float_buffers, grads, weight, step)
         self.optimizer.zero_grad(set_to_none=True)
         if self.verify_sync:
             self._check_synced(f"the lead's step ending at step {self.step}")
