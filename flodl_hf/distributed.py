@@ -61,6 +61,17 @@ class ElChe:
       for. Float buffers are the lead's. Not with ``nested``, ``overlap``, ``compress`` or an outer
       optimizer.
 
+      ``extrapolate`` (on by default with ``"lead"``) takes the others' gradients where the lead
+      is expected to be when it steps on them, not at the window's start: the start plus
+      ``k / (k + 1)`` of the last window's move, ``k`` being the lead's batches in that window
+      (the look-ahead of DANA, Hakimi et al. 2019, for the staleness of asynchronous SGD). The
+      lead's move over a window changes slowly, so the gradient is taken closer to the point it
+      is applied at: the replay at 3 : 1 needed 1.04x the fast worker alone's samples, against
+      1.07x without (better on each of 6 seeds); live, on 5 seeds, the two were within the noise
+      (598 and 602 samples). It costs each other worker one more copy of the
+      trainable parameters (the last window's start) and one pass over them per window;
+      ``extrapolate=False`` takes the gradients at the window's start.
+
     ``windows`` is how a window's batches reach the workers:
 
     - ``"planned"``: each worker runs the plan's count of batches (from the measured speeds),
@@ -136,6 +147,7 @@ class ElChe:
     compress: str | None = None
     nested: bool | tuple[tuple[int, ...], tuple[int, ...]] = False
     overlap: bool = False
+    extrapolate: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.nested, bool):
@@ -163,6 +175,13 @@ class ElChe:
             raise TrainerConfigError(f"ElChe combine='lead' sends parameters one way and gradients the other: not "
                                      f"with nested={self.nested!r}, overlap={self.overlap!r} or "
                                      f"compress={self.compress!r}")
+        if self.extrapolate not in (None, True, False):
+            raise TrainerConfigError(f"ElChe extrapolate must be None, True or False, got {self.extrapolate!r}")
+        if self.extrapolate and self.combine != "lead":
+            raise TrainerConfigError(f"ElChe extrapolate=True moves where the others take gradients for the lead: "
+                                     f"it needs combine='lead', got combine={self.combine!r}")
+        if self.extrapolate is None:
+            object.__setattr__(self, "extrapolate", self.combine == "lead")
         if self.windows not in ("planned", "live"):
             raise TrainerConfigError(f"ElChe windows must be 'planned' or 'live', got {self.windows!r}")
         if self.compress not in (None, "bf16"):

@@ -331,6 +331,11 @@ class Trainer:
         # What bfloat16 did not carry of this worker's changes yet (ElChe.compress), sent with the next.
         self._carried = ([torch.zeros_like(p, dtype=torch.float32) for p in self.trainable]
                          if el_che is not None and el_che.compress is not None else None)
+        # ElChe(combine="lead", extrapolate=True), on the others: the last window's start, and the share
+        # of the last window's move the lead makes before it steps on their gradients (set at each sync).
+        self._ahead = el_che is not None and el_che.combine == "lead" and el_che.extrapolate and comm.rank > 0
+        self._behind: list[torch.Tensor] | None = None
+        self._ahead_share = 1.0
         if checkpoint is not None:
             self._restore(state, worker)
         else:
@@ -447,6 +452,21 @@ class Trainer:
         if self.scheduler is not None:
             self.scheduler.step()
         self._opt_s = time.perf_counter() - t0
+
+    @torch.no_grad()
+    def _look_ahead(self) -> None:
+        """``ElChe(combine="lead", extrapolate=True)`` on a worker other than the lead, at a window's
+        start: move the parameters (the lead's, from the last sync) on by ``self._ahead_share`` of
+        the last window's move, where the lead is expected to be when it steps on this window's
+        gradients, and keep the start for the next window. The first window after a fresh start
+        has no move to go by."""
+        if self._behind is None:
+            self._behind = [p.detach().clone() for p in self.trainable]
+            return
+        for p, before in zip(self.trainable, self._behind):
+            move = torch.sub(p, before)
+            before.copy_(p)
+            p.add_(move, alpha=self._ahead_share)
 
     def _grad_batch(self, indices: torch.Tensor, seen: int) -> torch.Tensor:
         """``ElChe(combine="lead")`` on a worker other than the lead: forward and backward only, at
@@ -606,6 +626,8 @@ class Trainer:
             batches = n = 0
             first_done = None  # when the window's first batch ended: later ones are past warm-up
             follow = self._lead and comm.rank > 0  # combine="lead": gradients only, for the lead
+            if self._ahead:
+                self._look_ahead()
             for chunk in chunks:
                 loss = self._grad_batch(chunk, n) if follow else self._train_batch(chunk)
                 loss_sum += loss.to(self._acc_dtype) * len(chunk)
@@ -976,6 +998,9 @@ class Trainer:
         rows = comm.gather_floats(stats)
         others = float(rows[1:, 1].sum())  # the samples the other workers' gradients hold
         weight = stats[1] / others if comm.rank > 0 and others > 0 else 0.0
+        # The lead's k steps, then this step: the next window's gradients are due k / (k + 1) of the way.
+        k = float(rows[0, 0])
+        self._ahead_share = k / (k + 1) if others > 0 else 1.0
 
         def step(grads: list[torch.Tensor]) -> None:
             if others > 0:
@@ -1105,6 +1130,8 @@ class Trainer:
         worker = {"rng": _rng_state(self.device), "batches": self.batches}
         if self._carried is not None:
             worker["carried"] = [c.clone() for c in self._carried]  # this worker's own, like its optimizer
+        if self._behind is not None:  # extrapolate: the last window's start and the lead's share of its move
+            worker["behind"] = {"share": self._ahead_share, "start": [b.clone() for b in self._behind]}
         if self.sync != "ddp" or comm.rank == 0:
             worker["optimizer"] = self.optimizer.state_dict()
             worker["scheduler"] = self.scheduler.state_dict() if self.scheduler is not None else None
@@ -1158,7 +1185,7 @@ class Trainer:
         if state["world_size"] != world:
             warnings.warn(f"{path}: written by {state['world_size']} workers, resumed by {world}: data position "
                           "is kept, per-worker optimizer and RNG states are not, so the run is not bit-exact")
-            worker = {k: v for k, v in worker.items() if k not in ("rng", "carried")}
+            worker = {k: v for k, v in worker.items() if k not in ("rng", "carried", "behind")}
             state["el_che"] = None
         elif rank > 0:
             side = path.with_name(f"{path.stem}.rank-{rank}.pt")
@@ -1186,6 +1213,12 @@ class Trainer:
             with torch.no_grad():
                 for mine, saved in zip(self._carried, carried):
                     mine.copy_(saved)
+        if self._ahead and worker.get("behind") is not None:
+            behind = worker["behind"]["start"]
+            if len(behind) != len(self.trainable) or any(b.shape != p.shape for b, p in zip(behind, self.trainable)):
+                raise TrainerError(f"{self.resumed_from}: the checkpoint's last window start does not fit this model")
+            self._behind = [b.to(p.device, p.dtype) for b, p in zip(behind, self.trainable)]
+            self._ahead_share = float(worker["behind"]["share"])
         if "rng" in worker:
             _set_rng_state(worker["rng"], self.device)
         else:

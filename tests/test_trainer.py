@@ -442,6 +442,13 @@ def test_evaluations_sit_on_the_training_clock_between_log_points(tmp_path):
     with pytest.raises(TrainerConfigError, match="combine='lead'.*DiLoCo"):
         Trainer(Net(0), slow_step, adamw, Indexed(64), batch_size=8, epochs=1, sync=ElChe(combine="lead"),
                 outer=DiLoCo(), progress=False, report=False)
+    # The look-ahead is the lead's: on by default there, an error asked of another combine.
+    assert ElChe(combine="lead").extrapolate is True and ElChe(combine="sum").extrapolate is False
+    assert ElChe(combine="lead", extrapolate=False).extrapolate is False
+    with pytest.raises(TrainerConfigError, match="extrapolate=True.*combine='sum'"):
+        ElChe(combine="sum", extrapolate=True)
+    with pytest.raises(TrainerConfigError, match="extrapolate must be"):
+        ElChe(combine="lead", extrapolate="yes")
 
 
 def test_compressed_pack_of_a_given_change_leaves_it_untouched():

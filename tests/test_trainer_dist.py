@@ -451,11 +451,13 @@ def test_el_che_overlap_matches_its_replay_resumes_and_runs_live(tmp_path):
     _assert_live_pair([res[r]["live"] for r in range(2)], 250)
 
 
-def _lead_reference(make_opt, n: int = 64, per_window: int = 2, batch: int = 4) -> torch.Tensor:
+def _lead_reference(make_opt, n: int = 64, per_window: int = 2, batch: int = 4,
+                    extrapolate: bool = True) -> torch.Tensor:
     """ElChe(anchor=2, adaptive=False, combine="lead") on two workers, replayed in one process with
     the same float ops: per window worker 1 takes its 2 batches' gradient (their mean by samples) at
-    the window's start; worker 0 trains on its 2 batches, then steps on worker 1's gradient, and
-    worker 1 takes its parameters."""
+    the window's start, or (``extrapolate``, after the first window) at the start plus 2/3 of the
+    last window's move: worker 0's 2 steps of the 3 it takes a window; worker 0 trains on its 2
+    batches, then steps on worker 1's gradient, and worker 1 takes its parameters."""
     data = Points(n)
     lead, follower = mlp(), mlp()
     opt = make_opt(lead.parameters())
@@ -463,8 +465,14 @@ def _lead_reference(make_opt, n: int = 64, per_window: int = 2, batch: int = 4) 
     def items(first):
         return torch.utils.data.default_collate([data[i] for i in range(first, first + batch)])
 
-    position = 0
+    position, before = 0, None
     while position < n:
+        start = [p.detach().clone() for p in follower.parameters()]
+        if extrapolate and before is not None:
+            with torch.no_grad():
+                for q, s, b in zip(follower.parameters(), start, before):
+                    q.add_(s - b, alpha=per_window / (per_window + 1))
+        before = start
         for b in range(per_window):  # worker 1, at the window's start
             loss = mse_step(follower, items(position + (per_window + b) * batch))
             if b == 0:
@@ -503,6 +511,10 @@ def _lead(rank: int, out: str) -> dict:
     for name, make in (("sgd", sgd), ("adamw", adamw)):
         planned = run(mlp(), sync=el_che, opt=make, epochs=1, shuffle=False, verify_sync=True)
         result[name] = (flat(planned.model), _lead_reference(make) if rank == 0 else None)
+    # Gradients at the window's start: the replay without the look-ahead.
+    at_start = run(mlp(), sync=ElChe(anchor=2, adaptive=False, combine="lead", extrapolate=False), opt=adamw,
+                   epochs=1, shuffle=False, verify_sync=True)
+    result["at-start"] = (flat(at_start.model), _lead_reference(adamw, extrapolate=False) if rank == 0 else None)
     result["sum"] = flat(run(mlp(), sync=ElChe(anchor=2, adaptive=False, combine="sum"), epochs=1, shuffle=False).model)
     # Every worker holds the lead's parameters after each sync, so a run resumed from step 4 repeats the
     # straight run that also checkpointed at step 4.
@@ -543,11 +555,12 @@ def test_el_che_lead_matches_its_replay_resumes_and_runs_live(tmp_path):
     AdamW); a resumed run equals the straight one; live windows train every sample once and end
     with the same bits on both workers."""
     res = spawn(_lead, tmp_path)
-    for name in ("sgd", "adamw"):
+    for name in ("sgd", "adamw", "at-start"):
         assert torch.equal(res[0][name][0], res[1][name][0]), name
         assert torch.equal(res[0][name][0], res[0][name][1]), name
-    # Not the sum of two optimizers' changes, nor the untrained model.
+    # Not the sum of two optimizers' changes, nor the untrained model; the look-ahead changes the result.
     assert not torch.equal(res[0]["sgd"][0], res[0]["sum"]) and not torch.equal(res[0]["sgd"][0], flat(mlp()))
+    assert not torch.equal(res[0]["adamw"][0], res[0]["at-start"][0])
     for r in range(2):
         straight, resumed, name, states = res[r]["resume"]
         assert name == "step-00000004.pt" and torch.equal(straight, resumed), r
