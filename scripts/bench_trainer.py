@@ -78,8 +78,10 @@ ARMS = ("fast worker alone", "DDP", "El Che", "El Che + DiLoCo")
 # Run only when named (--arms): El Che with ElChe(overlap=True), the sync behind the next window; El Che
 # with ElChe(nested=True), the tiers found inside the first window, whatever --nested says; DDP with
 # Trainer(balance=True) at the fast worker alone's batch (BATCH samples a step, split by the workers' speeds);
-# El Che with ElChe(combine="lead"), one optimizer on the fast worker (worker 0) taking the others' gradients.
-MORE_ARMS = ("El Che, overlapped", "El Che, tiers found", "DDP, balanced", "El Che, one optimizer")
+# El Che with ElChe(combine="lead"), one optimizer on the fast worker (worker 0) taking the others' gradients
+# (taken ahead, ElChe(extrapolate=True), the default; or at the window's start).
+LEAD_ARMS = ("El Che, one optimizer", "El Che, one optimizer, at the start")
+MORE_ARMS = ("El Che, overlapped", "El Che, tiers found", "DDP, balanced") + LEAD_ARMS
 BATCH, LR, MAX_LEN = 16, 5e-5, 64
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -209,7 +211,7 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
             if first and k > 1 and throttle in ("sleep", "both"):
                 throttle_sleep((k - 1) * last[0])
 
-        if arm == "El Che, one optimizer" and rank > 0:
+        if arm in LEAD_ARMS and rank > 0:
             # ElChe(combine="lead"): this worker never steps, so its batch's own work ends with
             # backward, when the first parameter's gradient (the embeddings', the last reached) lands.
             params[0].register_post_accumulate_grad_hook(throttle_hook)
@@ -239,13 +241,14 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
         return {"accuracy": correct / len(held), "eval_loss": loss / len(held)}
 
     plain = arm in ("El Che", "El Che, overlapped", "El Che, tiers found")  # El Che's own combine; DiLoCo's arm averages
-    combine = "lead" if arm == "El Che, one optimizer" else args["combine"] if plain else "average"
+    combine = "lead" if arm in LEAD_ARMS else args["combine"] if plain else "average"
     el_che = ElChe(anchor=args["anchor"], combine=combine,
                    windows=args["windows"], sync_share=args.get("sync_share", 0.10), compress=args.get("compress"),
                    nested=(True if arm == "El Che, tiers found" else
                            nested_tiers(args.get("nested"), ks) if not arm.startswith("DDP") and combine != "lead"
                            else False),
-                   overlap=arm == "El Che, overlapped")
+                   overlap=arm == "El Che, overlapped", extrapolate=None if combine == "lead" and
+                   arm != "El Che, one optimizer, at the start" else False)
     sync = {"fast worker alone": "none", "DDP": "ddp", "DDP, balanced": "ddp"}.get(arm, el_che)
     balance = arm == "DDP, balanced"
     batch = max(1, BATCH // world) if balance else BATCH  # balanced: a step of BATCH samples, as one worker's

@@ -12,6 +12,9 @@ end, for each way of combining a window (``--variants``):
 - ``seq``: one worker runs every batch in a row (the fast worker alone: the reference);
 - ``stale``: one optimizer, but each window's last batch takes its gradient at the window's start:
   the staleness a window costs, with nothing else changed; ``ElChe(combine="lead")``'s arithmetic;
+- ``ahead``: ``stale`` with the stale gradient taken where the lead is expected to be when it steps on
+  it: the window's start plus 3/4 of the previous window's move (the lead's 3 steps of its 4), the
+  look-ahead of ``ElChe(combine="lead", extrapolate=True)``; ``ahead-1``: plus the whole move;
 - ``lazy``: ``stale`` with the sync left one step short, the form of ``ElChe(combine="lead")`` that
   would need one exchange, not two in a row: each window's last gradient is taken at the window's start
   as it was before the previous window's stale step, and that step is the fast worker's first of the
@@ -36,6 +39,7 @@ The task is bench_trainer's: MiniLM (``samples/minilm``) with a fresh 2-label he
 
     python scripts/sim_el_che.py                       # 6 seeds x 5 variants, both cores (about 19 min)
     python scripts/sim_el_che.py --seeds 2 --variants seq sum
+    python scripts/sim_el_che.py --variants ahead ahead-1      # the look-ahead (about 7 min)
     python scripts/sim_el_che.py --seeds 3 --variants seq sum nested --pattern 12,4,1 --max-batches 136
 """
 
@@ -56,7 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-VARIANTS = ("seq", "stale", "lazy", "sum", "sum-state", "overlap", "nested")
+VARIANTS = ("seq", "stale", "ahead", "ahead-1", "lazy", "lazy-ahead", "sum", "sum-state", "overlap", "nested")
 BATCH, LR = 16, 5e-5
 
 
@@ -114,13 +118,14 @@ def replay(variant: str, seed: int, pattern: tuple[int, ...], target: float, max
         opt.step()
         opt.zero_grad()
 
-    workers = 1 if variant in ("seq", "stale", "lazy") else len(pattern)
+    workers = 1 if variant in ("seq", "stale", "ahead", "ahead-1", "lazy", "lazy-ahead") else len(pattern)
     models = [model] + [copy.deepcopy(model) for _ in range(workers - 1)]
     opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
     for m in models:
         m.train()
     torch.manual_seed(seed + 1)  # dropout
     window, position, history = sum(pattern), 0, []
+    behind: list = []  # lazy-ahead: the last window's shared start
     pending: list = []  # overlap: the changes of the window whose sync is still in flight
     while position + window <= max_batches:
         if variant == "seq":
@@ -140,11 +145,45 @@ def replay(variant: str, seed: int, pattern: tuple[int, ...], target: float, max
             opt.step()
             opt.zero_grad()
             position += 1
-        elif variant == "lazy":
+        elif variant in ("ahead", "ahead-1"):
+            # stale, with the slow gradient taken ahead: at the window's start plus the share of the
+            # previous window's move that the lead makes before the stale step (3 of 4 steps; 1: all).
             m, opt = models[0], opts[0]
+            start = [p.detach().clone() for p in m.parameters()]
+            alpha = 1.0 if variant == "ahead-1" else (window - 1) / window
+            if pending:
+                with torch.no_grad():
+                    for p, s, before in zip(m.parameters(), start, pending):
+                        p.add_(s - before, alpha=alpha)
+            m(**bt.collate(batches[position + window - 1])).loss.backward()
+            stale = [p.grad.clone() for p in m.parameters()]
+            opt.zero_grad()
+            with torch.no_grad():
+                for p, s in zip(m.parameters(), start):
+                    p.copy_(s)
+            for _ in range(window - 1):
+                train_step(m, opt, batches[position])
+                position += 1
+            for p, g in zip(m.parameters(), stale):
+                p.grad = g
+            opt.step()
+            opt.zero_grad()
+            pending = start
+            position += 1
+        elif variant in ("lazy", "lazy-ahead"):
+            m, opt = models[0], opts[0]
+            start = [p.detach().clone() for p in m.parameters()]
+            if variant == "lazy-ahead" and behind:  # plus the whole move between the last two shared starts
+                with torch.no_grad():
+                    for p, s, before in zip(m.parameters(), start, behind):
+                        p.add_(s - before)
+            behind = start
             m(**bt.collate(batches[position + window - 1])).loss.backward()  # at the shared start
             stale = [p.grad.clone() for p in m.parameters()]
             opt.zero_grad()
+            with torch.no_grad():
+                for p, s in zip(m.parameters(), start):
+                    p.copy_(s)
             if pending:  # the previous window's stale step, the fast worker's first of this one
                 for p, g in zip(m.parameters(), pending):
                     p.grad = g
@@ -244,9 +283,10 @@ def replay(variant: str, seed: int, pattern: tuple[int, ...], target: float, max
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=6)
-    parser.add_argument("--variants", nargs="*", default=[v for v in VARIANTS if v not in ("nested", "lazy")],
+    parser.add_argument("--variants", nargs="*", default=[v for v in VARIANTS if v not in ("nested", "lazy", "ahead", "ahead-1")],
                         choices=list(VARIANTS),
-                        help="default: every variant of flat windows but lazy (nested is for --pattern 12,4,1)")
+                        help="default: every variant of flat windows but lazy, ahead and ahead-1 "
+                             "(nested is for --pattern 12,4,1)")
     parser.add_argument("--pattern", default="3,1", help="batches per worker in a window, fastest first")
     parser.add_argument("--target-loss", type=float, default=0.10)
     parser.add_argument("--max-batches", type=int, default=64, help="give up on a run after this many batches")
