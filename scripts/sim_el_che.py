@@ -132,26 +132,13 @@ def replay(variant: str, seed: int, pattern: tuple[int, ...], target: float, max
             for _ in range(window):
                 train_step(models[0], opts[0], batches[position])
                 position += 1
-        elif variant == "stale":
-            m, opt = models[0], opts[0]
-            m(**bt.collate(batches[position + window - 1])).loss.backward()  # at the window's start
-            stale = [p.grad.clone() for p in m.parameters()]
-            opt.zero_grad()
-            for _ in range(window - 1):
-                train_step(m, opt, batches[position])
-                position += 1
-            for p, g in zip(m.parameters(), stale):
-                p.grad = g
-            opt.step()
-            opt.zero_grad()
-            position += 1
-        elif variant in ("ahead", "ahead-1"):
-            # stale, with the slow gradient taken ahead: at the window's start plus the share of the
-            # previous window's move that the lead makes before the stale step (3 of 4 steps; 1: all).
+        elif variant in ("stale", "ahead", "ahead-1"):
+            # The window's last gradient at the window's start (stale), or ahead: plus the share of the
+            # previous window's move that the lead makes before the stale step (3 of 4 steps; ahead-1: all).
             m, opt = models[0], opts[0]
             start = [p.detach().clone() for p in m.parameters()]
-            alpha = 1.0 if variant == "ahead-1" else (window - 1) / window
-            if pending:
+            alpha = {"stale": 0.0, "ahead": (window - 1) / window, "ahead-1": 1.0}[variant]
+            if alpha and pending:
                 with torch.no_grad():
                     for p, s, before in zip(m.parameters(), start, pending):
                         p.add_(s - before, alpha=alpha)
