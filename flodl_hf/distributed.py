@@ -50,15 +50,21 @@ class ElChe:
       of the parameters; docs/benchmarks.md measures what it gains.
     - ``"lead"``: one optimizer, worker 0's (the lead: launch the fastest device as rank 0).
       The lead trains as it would alone; every other worker only computes gradients, at the
-      window's start, over its batches of the window (their mean by samples). At the window's
-      end they send them to the lead, which takes their sum by samples as one more optimizer step
-      and sends its parameters back (:meth:`Comm.lead_exchange`). So the others' batches cost the
+      window's start, over its batches of the window (their mean by samples). As its window
+      ends each sends them to the lead, whose receives were posted at its window's start
+      (:meth:`Comm.lead_gradients`), so they land while the lead finishes its last batch; the
+      lead takes their sum by samples as one more optimizer step and sends its parameters back
+      (:meth:`Comm.lead_exchange`). So the others' batches cost the
       optimizer only their staleness, where ``"sum"`` adds separate optimizers' changes: on the SMS
       fine-tune at 3 : 1 the one-process replay (``scripts/sim_el_che.py``, ``stale``) needed
       1.07x the fast worker alone's samples to the target, ``"sum"`` 1.14x; live, on 10 seeds, it
-      took 0.89x the fast worker alone's time where ``"sum"`` took 0.95x. A window's sync costs
-      one copy of the parameters each way plus the lead's optimizer step, which the others wait
-      for. Float buffers are the lead's. Not with ``nested``, ``overlap``, ``compress`` or an outer
+      took 0.89x the fast worker alone's time where ``"sum"`` took 0.95x. After the lead's window
+      ends, a sync costs its optimizer step and one copy of the parameters to each other worker
+      (43 ms for MiniLM's over gloo, where both ways took 70). Float buffers are the lead's. With
+      ``compress="bf16"`` the gradients travel in bfloat16 (each other worker carries what the
+      rounding leaves out to its next window's), and so does the lead's change since the shared
+      point, which every worker, the lead too, adds to that point: all still end each sync with the
+      same bits, for half the bytes each way. Not with ``nested``, ``overlap`` or an outer
       optimizer.
 
       ``extrapolate`` (on by default with ``"lead"``) takes the others' gradients where the lead
@@ -171,10 +177,9 @@ class ElChe:
                                      "tier's syncs would land a window late in the outer one")
         if self.combine not in ("average", "sum", "lead"):
             raise TrainerConfigError(f"ElChe combine must be 'average', 'sum' or 'lead', got {self.combine!r}")
-        if self.combine == "lead" and (self.nested or self.overlap or self.compress is not None):
+        if self.combine == "lead" and (self.nested or self.overlap):
             raise TrainerConfigError(f"ElChe combine='lead' sends parameters one way and gradients the other: not "
-                                     f"with nested={self.nested!r}, overlap={self.overlap!r} or "
-                                     f"compress={self.compress!r}")
+                                     f"with nested={self.nested!r} or overlap={self.overlap!r}")
         if self.extrapolate not in (None, True, False):
             raise TrainerConfigError(f"ElChe extrapolate must be None, True or False, got {self.extrapolate!r}")
         if self.extrapolate and self.combine != "lead":
@@ -192,6 +197,21 @@ class ElChe:
                 f"{self.min_anchor}, {self.anchor}, {self.max_anchor}")
         if not 0 < self.sync_share < 1 or not 0 <= self.shrink_below < 1 or self.dead_zone < 0:
             raise TrainerConfigError("ElChe needs 0 < sync_share < 1, 0 <= shrink_below < 1 and dead_zone >= 0")
+
+
+def _wire(t: torch.Tensor) -> torch.dtype:
+    """The dtype a gradient travels in between workers: float32 for float16 and bfloat16."""
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+
+
+@dataclass
+class LeadGradients:
+    """The other workers' gradients on their way to the lead (:meth:`Comm.lead_gradients`): the
+    point-to-point works, and the tensors they fill (on the lead, one list per other worker) or
+    read (on the others, kept alive until sent)."""
+
+    works: list
+    tensors: dict[int, list[torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -579,63 +599,119 @@ class Comm:
             landings.append((members, flat, work, extra, len(stats)))
         return PendingWindow(self, row, landings)
 
-    def lead_exchange(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], weight: float,
-                      step: Callable[[list[torch.Tensor]], None], lead: int = 0) -> None:
-        """``ElChe(combine="lead")``'s sync: every other worker sends ``weight_r * grads_r`` to
-        worker ``lead``, which calls ``step`` on their sum (one tensor per parameter, in buffers
-        kept between windows) and then sends its ``params`` back to all: every worker ends with
-        the lead's bits.
+    def lead_gradients(self, graded: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None] | None = None,
+                       lead: int = 0, carried: Sequence[torch.Tensor] | None = None,
+                       compress: bool = False) -> "LeadGradients | None":
+        """Start moving the other workers' gradients to worker ``lead``, for :meth:`lead_exchange`.
 
-        Point-to-point sends, one per tensor, with no packing: on gloo, MiniLM's 126 tensors went
+        On the lead: post one receive per tensor of ``graded`` and per other worker, into buffers
+        kept between windows. Call it at the window's start, before the gradients exist: they then
+        land while the lead computes (gloo moves them in its own threads), and only the lead's
+        parameters travel after the window's end. On the others: send ``grads`` (one per tensor of
+        ``graded``, None: zeros), as soon as they are final. Low-precision gradients travel in
+        float32. ``compress`` (every worker alike; the others give ``carried``, one float32 tensor
+        per gradient) sends them in bfloat16, plus what earlier windows' rounding left in
+        ``carried``, which keeps what this rounding leaves out (error feedback). None on a single
+        worker."""
+        if self.world == 1:
+            return None
+        plane = self.plane_device
+        if self.rank == lead:
+            buffers = {r: [self._buffer(("lead grad", r, i), p.numel(), self._buffers,
+                                        torch.bfloat16 if compress else _wire(p)).view(p.shape)
+                           for i, p in enumerate(graded)] for r in range(self.world) if r != lead}
+            works = [self._run("receiving gradients from worker", dist.irecv, t, self._global(r), group=self.plane)
+                     for r, into in buffers.items() for t in into]
+            return LeadGradients(works, buffers)
+        if grads is None or len(grads) != len(graded):
+            raise TrainerConfigError(f"lead_gradients on worker {self.rank}: one gradient (or None) per tensor, "
+                                     f"{len(graded)} of them")
+        outgoing = [(torch.zeros(p.shape, dtype=_wire(p), device=plane) if g is None
+                     else g.detach().to(plane, _wire(g)).contiguous()) for p, g in zip(graded, grads)]
+        if compress:
+            if carried is None or len(carried) != len(graded):
+                raise TrainerConfigError(f"lead_gradients on worker {self.rank}: compress needs one carried "
+                                         f"remainder per gradient, {len(graded)} of them")
+            views = [self._buffer(("lead grad out", i), g.numel(), self._buffers, torch.bfloat16)
+                     for i, g in enumerate(outgoing)]
+            with torch.no_grad():
+                for view, g, r in zip(views, outgoing, carried):
+                    _pack_carried(view, g, 1.0, None, r)
+            outgoing = [v.view(g.shape) for v, g in zip(views, outgoing)]
+        works = [self._run("sending gradients to the lead", dist.isend, g, self._global(lead), group=self.plane)
+                 for g in outgoing]
+        return LeadGradients(works, {self.rank: outgoing})
+
+    def lead_exchange(self, params: Sequence[torch.Tensor], moving: "LeadGradients | None", weights: Sequence[float],
+                      step: Callable[[list[torch.Tensor]], None], lead: int = 0,
+                      start: Sequence[torch.Tensor] | None = None, carried: Sequence[torch.Tensor] | None = None) -> None:
+        """``ElChe(combine="lead")``'s sync, after :meth:`lead_gradients` (``moving``): worker
+        ``lead`` waits for the others' gradients, calls ``step`` on ``sum_r weights[r] * g_r``
+        (added in rank order; a weight of 1 adds the gradient as it came, so one other worker's
+        arrives bit for bit), then sends its ``params`` back to all: every worker ends with the
+        lead's bits. ``params`` starts with the tensors the gradients are for; the rest (float
+        buffers) only go from the lead to the others.
+
+        ``start`` (with ``compress`` in :meth:`lead_gradients`): the shared point every worker
+        holds, one tensor per gradient, the same bits on all. The lead then sends its change since
+        it in bfloat16, plus the remainder it ``carried`` from earlier windows (error feedback),
+        and every worker, the lead too, takes ``start`` plus that rounded change as its parameters
+        and as the next ``start``: all end with the same bits, half the bytes on the way back.
+
+        Point-to-point, one send per tensor, with no packing: on gloo, MiniLM's 126 tensors went
         one way and back in 57 ms, where packed into one buffer they took 121 and the packed
-        all-reduce of a window's changes 136 (``scripts/bench_sync.py``). ``grads`` holds one
-        tensor (None: zeros) for each of the first ``len(grads)`` of ``params``; the rest (float
-        buffers) only go from the lead to the others. The lead's own ``grads`` are not read. The others' gradients
-        are added in rank order, so one other worker's arrive bit for bit. Low-precision gradients
-        travel in float32."""
+        all-reduce of a window's changes 136 (``scripts/bench_sync.py``)."""
         if self.world == 1:
             return
         peers = [r for r in range(self.world) if r != lead]
         plane = self.plane_device
 
-        def wire(t: torch.Tensor) -> torch.dtype:
-            return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
-
         def wait(works: list, what: str) -> None:
             for work in works:
                 self._run(what, work.wait)
 
+        shared = len(start) if start is not None else 0  # sent as bfloat16 changes from ``start``
         if self.rank != lead:
-            outgoing = []
-            for p, g in zip(params[:len(grads)], grads, strict=True):
-                if g is None:
-                    g = torch.zeros(p.shape, dtype=wire(p), device=plane)
-                g = g.detach().to(plane, wire(g))
-                outgoing.append((g * weight if weight != 1.0 else g).contiguous())
-            wait([self._run("sending gradients to the lead", dist.isend, g, self._global(lead), group=self.plane)
-                  for g in outgoing], "sending gradients to the lead")
-            landing = [p.data if p.is_contiguous() and p.device == plane else
-                       torch.empty(p.shape, dtype=p.dtype, device=plane) for p in params]
+            wait(moving.works, "sending gradients to the lead")
+            landing = [self._buffer(("lead params in", i), p.numel(), self._buffers, torch.bfloat16) if i < shared
+                       else p.data if p.is_contiguous() and p.device == plane else
+                       torch.empty(p.shape, dtype=p.dtype, device=plane) for i, p in enumerate(params)]
             wait([self._run("receiving the lead's parameters", dist.irecv, t, self._global(lead), group=self.plane)
                   for t in landing], "receiving the lead's parameters")
             with torch.no_grad():
-                for p, t in zip(params, landing):
-                    if t is not p.data:
+                for i, (p, t) in enumerate(zip(params, landing)):
+                    if i < shared:
+                        _unpack(t, p.data, start[i])
+                        start[i].copy_(p)
+                    elif t is not p.data:
                         p.copy_(t)
             return
-        graded = params[:len(grads)]
-        summed = [self._buffer(("lead grad", i), p.numel(), self._buffers, wire(p)).view(p.shape)
-                  for i, p in enumerate(graded)]
-        for n, r in enumerate(peers):
-            into = summed if n == 0 else [self._buffer(("lead more", i), p.numel(), self._buffers, wire(p)).view(p.shape)
-                                          for i, p in enumerate(graded)]
-            wait([self._run("receiving gradients from worker", dist.irecv, t, self._global(r), group=self.plane)
-                  for t in into], f"receiving gradients from worker {r}")
-            if n:
-                for total, more in zip(summed, into):
-                    total.add_(more)
+        wait(moving.works, "receiving gradients from the other workers")
+        if moving.tensors[peers[0]][0].dtype == torch.bfloat16:  # compress: summed in float32
+            moving.tensors = {r: [t.to(torch.float32) for t in ts] for r, ts in moving.tensors.items()}
+        summed = moving.tensors[peers[0]]
+        with torch.no_grad():
+            for n, r in enumerate(peers):
+                more = moving.tensors[r]
+                if weights[r] != 1.0:
+                    for t in more:
+                        t.mul_(weights[r])
+                if n:
+                    for total, t in zip(summed, more):
+                        total.add_(t)
+        graded = params[:len(summed)]
         step([t if t.device == p.device else t.to(p.device) for t, p in zip(summed, graded)])
-        outgoing = [p.detach().to(plane).contiguous() for p in params]
+        outgoing = []
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                if i < shared:  # the change since the shared point, rounded with the remainder carried
+                    view = self._buffer(("lead params out", i), p.numel(), self._buffers, torch.bfloat16)
+                    _pack_carried(view, p.data, 1.0, start[i], carried[i])
+                    _unpack(view, p.data, start[i])
+                    start[i].copy_(p)
+                    outgoing.append(view)
+                else:
+                    outgoing.append(p.detach().to(plane).contiguous())
         works = [self._run("sending the lead's parameters", dist.isend, t, self._global(r), group=self.plane)
                  for r in peers for t in outgoing]
         wait(works, "sending the lead's parameters")

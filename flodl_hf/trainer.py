@@ -335,6 +335,7 @@ class Trainer:
         # of the last window's move the lead makes before it steps on their gradients (set at each sync).
         self._ahead = el_che is not None and el_che.combine == "lead" and el_che.extrapolate and comm.rank > 0
         self._behind: list[torch.Tensor] | None = None
+        self._moving = None  # combine="lead", on the lead: the others' gradients on their way (posted receives)
         self._ahead_share = 1.0
         if checkpoint is not None:
             self._restore(state, worker)
@@ -628,6 +629,8 @@ class Trainer:
             follow = self._lead and comm.rank > 0  # combine="lead": gradients only, for the lead
             if self._ahead:
                 self._look_ahead()
+            if self._lead and comm.rank == 0:  # the others' gradients land while the lead computes
+                self._moving = comm.lead_gradients(self.trainable, compress=self._carried is not None)
             for chunk in chunks:
                 loss = self._grad_batch(chunk, n) if follow else self._train_batch(chunk)
                 loss_sum += loss.to(self._acc_dtype) * len(chunk)
@@ -995,9 +998,14 @@ class Trainer:
         gradients, weighed by their samples, to the lead, which takes them as one more optimizer
         step and sends its parameters back to all."""
         comm = self.comm
+        # The others send their gradients before they know the window's samples: the lead weighs them.
+        compress = self._carried is not None  # compress="bf16": gradients, and the lead's change, in bfloat16
+        moving = self._moving if comm.rank == 0 else comm.lead_gradients(
+            self.trainable, [p.grad for p in self.trainable], carried=self._carried, compress=compress)
+        self._moving = None
         rows = comm.gather_floats(stats)
         others = float(rows[1:, 1].sum())  # the samples the other workers' gradients hold
-        weight = stats[1] / others if comm.rank > 0 and others > 0 else 0.0
+        weights = [float(rows[r, 1]) / others if r > 0 and others > 0 else 0.0 for r in range(comm.world)]
         # The lead's k steps, then this step: the next window's gradients are due k / (k + 1) of the way.
         k = float(rows[0, 0])
         self._ahead_share = k / (k + 1) if others > 0 else 1.0
@@ -1008,8 +1016,8 @@ class Trainer:
                     p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
                 self._optimizer_step()
 
-        grads = [p.grad if comm.rank > 0 else None for p in self.trainable]  # float buffers: no gradient
-        comm.lead_exchange(self.trainable + self._float_buffers, grads, weight, step)
+        comm.lead_exchange(self.trainable + self._float_buffers, moving, weights, step,  # float buffers: no gradient
+                           start=self._start if compress else None, carried=self._carried if compress else None)
         self.optimizer.zero_grad(set_to_none=True)
         if self.verify_sync:
             self._check_synced(f"the lead's step ending at step {self.step}")

@@ -254,9 +254,21 @@ def _nested(rank: int, out: str) -> dict:
     comm = Comm(rank, 3, rank, None, torch.device("cpu"), 30.0)
     params, grads = _exchange_tensors(rank)
     got: list = []
-    comm.lead_exchange(params, grads if rank else [None, None], (0.0, 0.25, 0.75)[rank],
-                       lambda summed: got.append([t.clone() for t in summed]))
+    moving = comm.lead_gradients(params, grads if rank else None)
+    comm.lead_exchange(params, moving, (0.0, 0.25, 0.75), lambda summed: got.append([t.clone() for t in summed]))
     result["exchange"] = (params, got)
+    # compress: bfloat16 both ways from a shared start, the remainders carried.
+    start = [t.clone() for t in _exchange_tensors(0)[0]]
+    mine, carried, got = [t.clone() for t in start], [torch.zeros_like(t) for t in start], []
+
+    def descend(summed):
+        got.append([t.clone() for t in summed])
+        for p, g in zip(mine, summed):
+            p.sub_(g)
+
+    moving = comm.lead_gradients(mine, grads if rank else None, carried=carried, compress=True)
+    comm.lead_exchange(mine, moving, (0.0, 0.25, 0.75), descend, start=start, carried=carried)
+    result["compressed"] = (mine, start, carried, got)
     for name, combine, outer in (("sum", "sum", None), ("diloco", "sum", DiLoCo()),
                                  ("average-diloco", "average", DiLoCo())):
         seen: list[int] = []
@@ -525,6 +537,15 @@ def _lead(rank: int, out: str) -> dict:
     resumed = run(mlp(), sync=el_che, opt=adamw, max_steps=8, checkpoint_dir=ck, checkpoint_every=4, verify_sync=True)
     result["resume"] = (flat(straight.model), flat(resumed.model), resumed.resumed_from.name,
                         len(resumed.optimizer.state))
+    # compress="bf16": every sync ends with the same bits (verify_sync), near the float32 run, and the
+    # carried remainders are in the checkpoints (a resumed run repeats the straight one).
+    half = ElChe(anchor=2, adaptive=False, combine="lead", compress="bf16")
+    result["bf16"] = flat(run(mlp(), sync=half, opt=adamw, epochs=1, shuffle=False, verify_sync=True).model)
+    straight = run(mlp(), sync=half, opt=adamw, max_steps=8, checkpoint_dir=Path(out) / "ck-bf16-straight",
+                   checkpoint_every=4)
+    run(mlp(), sync=half, opt=adamw, max_steps=4, checkpoint_dir=Path(out) / "ck-bf16", checkpoint_every=4)
+    resumed = run(mlp(), sync=half, opt=adamw, max_steps=8, checkpoint_dir=Path(out) / "ck-bf16", checkpoint_every=4)
+    result["bf16-resume"] = (flat(straight.model), flat(resumed.model))
     # Live windows, 3 : 1 by sleeps: every sample once, the same bits at the end.
     seen: list[int] = []
 
@@ -561,6 +582,12 @@ def test_el_che_lead_matches_its_replay_resumes_and_runs_live(tmp_path):
     # Not the sum of two optimizers' changes, nor the untrained model; the look-ahead changes the result.
     assert not torch.equal(res[0]["sgd"][0], res[0]["sum"]) and not torch.equal(res[0]["sgd"][0], flat(mlp()))
     assert not torch.equal(res[0]["adamw"][0], res[0]["at-start"][0])
+    # bfloat16 both ways: the same bits on both workers, not the float32 run's, within bfloat16's reach of it.
+    assert torch.equal(res[0]["bf16"], res[1]["bf16"]) and not torch.equal(res[0]["bf16"], res[0]["adamw"][0])
+    moved = (res[0]["adamw"][0] - flat(mlp())).abs().max()
+    assert (res[0]["bf16"] - res[0]["adamw"][0]).abs().max() < 0.05 * moved, (moved,)
+    for r in range(2):
+        assert torch.equal(*res[r]["bf16-resume"]), r
     for r in range(2):
         straight, resumed, name, states = res[r]["resume"]
         assert name == "step-00000004.pt" and torch.equal(straight, resumed), r
@@ -583,6 +610,22 @@ def test_nested_windows_three_uneven_workers(tmp_path):
     for r in range(3):
         assert all(torch.equal(a, b) for a, b in zip(res[r]["exchange"][0], lead_params)), r
         assert r == 0 or res[r]["exchange"][1] == []
+    # compress="bf16": the lead steps on the bfloat16 gradients' weighted sum; every worker ends at the
+    # start plus the lead's change rounded to bfloat16 (that is also the next start); each keeps what
+    # its rounding left out.
+    def bf(t):
+        return t.to(torch.bfloat16).float()
+
+    summed = bf(g1) * 0.25 + bf(g2) * 0.75
+    _, _, lead_carried, got = res[0]["compressed"]
+    assert len(got) == 1 and torch.equal(got[0][0], summed) and torch.equal(got[0][1], torch.zeros(7))
+    change = (lead_params[0] - summed) - lead_params[0]
+    assert not torch.equal(bf(change), change)  # the rounding is there to see
+    for r in range(3):
+        mine, start, carried, _ = res[r]["compressed"]
+        assert torch.equal(mine[0], bf(change) + lead_params[0]) and torch.equal(mine[1], lead_params[1]), r
+        assert all(torch.equal(a, b) for a, b in zip(mine, start)), r
+        assert torch.equal(carried[0], change - bf(change) if r == 0 else (g1, g2)[r - 1] - bf((g1, g2)[r - 1])), r
     for name in ("sum", "diloco", "average-diloco"):
         runs = [res[r][name] for r in range(3)]
         assert sorted(sum((r["seen"] for r in runs), [])) == list(range(400)), name
