@@ -58,7 +58,8 @@ class ElChe:
       optimizer only their staleness, where ``"sum"`` adds separate optimizers' changes: on the SMS
       fine-tune at 3 : 1 the one-process replay (``scripts/sim_el_che.py``, ``stale``) needed
       1.07x the fast worker alone's samples to the target, ``"sum"`` 1.14x; live, on 10 seeds, it
-      took 0.89x the fast worker alone's time where ``"sum"`` took 0.95x. After the lead's window
+      took 0.86x the fast worker alone's time where ``"sum"`` took 0.94x (with ``extrapolate`` and
+      the gradients landing during the lead's last batch; 0.89x against 0.95x before them). After the lead's window
       ends, a sync costs its optimizer step and one copy of the parameters to each other worker
       (43 ms for MiniLM's over gloo, where both ways took 70). Float buffers are the lead's. With
       ``compress="bf16"`` the gradients travel in bfloat16 (each other worker carries what the

@@ -45,6 +45,8 @@ Making a worker k times slower without letting it take the fast one's CPU:
     python scripts/bench_trainer.py --seeds 1 --cohorts 2x --target 0.97
     python scripts/bench_trainer.py --cohorts 2x-netns --arms "fast worker alone" "El Che" "El Che, overlapped" --compress bf16 --sync-share 0.3 --target-loss 0.10
     python scripts/bench_trainer.py --cohorts 3x --nested named --arms "fast worker alone" "El Che" "El Che, tiers found" --target-loss 0.10
+    python scripts/bench_trainer.py --seeds 5 --cohorts 2x --arms "fast worker alone" "El Che" "El Che, one optimizer" --target-loss 0.10 --fused
+    python scripts/bench_trainer.py --seeds 5 --cohorts 2x --arms "fast worker alone" "El Che, one optimizer" "El Che, one optimizer, at the start" --target-loss 0.10 --fused
 
 Tables go to stdout and ``out/bench_trainer/table.md``; each run's ``run.html`` under
 ``out/bench_trainer/``.
