@@ -994,9 +994,10 @@ class Trainer:
         return rows
 
     def _lead_sync(self, stats: list[float]) -> torch.Tensor:
-        """``ElChe(combine="lead")``'s sync: gather the window's numbers; the others send their
-        gradients, weighed by their samples, to the lead, which takes them as one more optimizer
-        step and sends its parameters back to all."""
+        """``ElChe(combine="lead")``'s sync: the others send their gradients to the lead (whose
+        receives were posted at its window's start), then the window's numbers are gathered; the
+        lead weighs the gradients by the others' samples, takes their sum as one more optimizer
+        step and sends its parameters back to all (``compress``: its change, in bfloat16)."""
         comm = self.comm
         # The others send their gradients before they know the window's samples: the lead weighs them.
         compress = self._carried is not None  # compress="bf16": gradients, and the lead's change, in bfloat16

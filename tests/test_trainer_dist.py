@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from flodl_hf.distributed import Comm, ElChe, deal
+from flodl_hf.errors import TrainerConfigError
 from flodl_hf.records import load_tree
 from flodl_hf.trainer import DiLoCo, Trainer, WorkerLostError, launch
 
@@ -266,6 +267,12 @@ def _nested(rank: int, out: str) -> dict:
         for p, g in zip(mine, summed):
             p.sub_(g)
 
+    if rank:  # a gradient list that does not match the tensors, or compress with no remainders: an error, nothing sent
+        for kw in ({"grads": grads[:1]}, {"grads": grads, "compress": True}):
+            try:
+                comm.lead_gradients(mine, **kw)
+            except TrainerConfigError as exc:
+                result.setdefault("refused", []).append(str(exc))
     moving = comm.lead_gradients(mine, grads if rank else None, carried=carried, compress=True)
     comm.lead_exchange(mine, moving, (0.0, 0.25, 0.75), descend, start=start, carried=carried)
     result["compressed"] = (mine, start, carried, got)
@@ -617,6 +624,8 @@ def test_nested_windows_three_uneven_workers(tmp_path):
         return t.to(torch.bfloat16).float()
 
     summed = bf(g1) * 0.25 + bf(g2) * 0.75
+    for r in (1, 2):
+        assert [m.split(":")[1].strip()[:10] for m in res[r]["refused"]] == ["one gradie", "compress n"], res[r]["refused"]
     _, _, lead_carried, got = res[0]["compressed"]
     assert len(got) == 1 and torch.equal(got[0][0], summed) and torch.equal(got[0][1], torch.zeros(7))
     change = (lead_params[0] - summed) - lead_params[0]
