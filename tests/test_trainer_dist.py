@@ -526,6 +526,8 @@ def _lead(rank: int, out: str) -> dict:
     """ElChe(combine="lead"): planned windows against the one-process replay (SGD and AdamW), a
     checkpoint and resume, and live windows on an uneven pair."""
     result: dict = {}
+    import flodl_hf.trainer as trainer_module
+    trainer_module._LOOK_AHEAD_BLOCK = 7  # the look-ahead in blocks, a ragged last one: still the replay's bits
     el_che = ElChe(anchor=2, adaptive=False, combine="lead")
     for name, make in (("sgd", sgd), ("adamw", adamw)):
         planned = run(mlp(), sync=el_che, opt=make, epochs=1, shuffle=False, verify_sync=True)
