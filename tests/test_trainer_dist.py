@@ -120,6 +120,15 @@ def run(model, step=mse_step, **kw) -> Trainer:
     return t
 
 
+def _straight_and_resumed(el_che: ElChe, root: Path, **kw) -> tuple[Trainer, Trainer]:
+    """Eight steps straight, checkpointing at step 4; and four steps, then a run resumed from that
+    step-4 checkpoint to step 8 (``verify_sync``), under ``root``."""
+    straight = run(mlp(), sync=el_che, max_steps=8, checkpoint_dir=root / "ck-straight", checkpoint_every=4, **kw)
+    run(mlp(), sync=el_che, max_steps=4, checkpoint_dir=root / "ck", checkpoint_every=4, **kw)
+    resumed = run(mlp(), sync=el_che, max_steps=8, checkpoint_dir=root / "ck", checkpoint_every=4, verify_sync=True, **kw)
+    return straight, resumed
+
+
 def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
@@ -424,10 +433,7 @@ def _overlap(rank: int, out: str) -> dict:
     result["average"] = (flat(averaged.model), _overlap_reference(0.5) if rank == 0 else None)
     # A checkpoint holds the shared point (the change in flight lands first), so a run resumed from
     # step 4 repeats the straight run that also checkpointed at step 4.
-    straight = run(mlp(), sync=el_che, max_steps=8, checkpoint_dir=Path(out) / "ck-straight", checkpoint_every=4)
-    ck = Path(out) / "ck"
-    run(mlp(), sync=el_che, max_steps=4, checkpoint_dir=ck, checkpoint_every=4)
-    resumed = run(mlp(), sync=el_che, max_steps=8, checkpoint_dir=ck, checkpoint_every=4, verify_sync=True)
+    straight, resumed = _straight_and_resumed(el_che, Path(out))
     result["resume"] = (flat(straight.model), flat(resumed.model), resumed.resumed_from.name)
     # Live windows, 3 : 1 by sleeps, changes in bfloat16: every sample once, the same bits at the end.
     seen: list[int] = []
@@ -539,21 +545,14 @@ def _lead(rank: int, out: str) -> dict:
     result["sum"] = flat(run(mlp(), sync=ElChe(anchor=2, adaptive=False, combine="sum"), epochs=1, shuffle=False).model)
     # Every worker holds the lead's parameters after each sync, so a run resumed from step 4 repeats the
     # straight run that also checkpointed at step 4.
-    straight = run(mlp(), sync=el_che, opt=adamw, max_steps=8, checkpoint_dir=Path(out) / "ck-straight",
-                   checkpoint_every=4)
-    ck = Path(out) / "ck"
-    run(mlp(), sync=el_che, opt=adamw, max_steps=4, checkpoint_dir=ck, checkpoint_every=4)
-    resumed = run(mlp(), sync=el_che, opt=adamw, max_steps=8, checkpoint_dir=ck, checkpoint_every=4, verify_sync=True)
+    straight, resumed = _straight_and_resumed(el_che, Path(out), opt=adamw)
     result["resume"] = (flat(straight.model), flat(resumed.model), resumed.resumed_from.name,
                         len(resumed.optimizer.state))
     # compress="bf16": every sync ends with the same bits (verify_sync), near the float32 run, and the
     # carried remainders are in the checkpoints (a resumed run repeats the straight one).
     half = ElChe(anchor=2, adaptive=False, combine="lead", compress="bf16")
     result["bf16"] = flat(run(mlp(), sync=half, opt=adamw, epochs=1, shuffle=False, verify_sync=True).model)
-    straight = run(mlp(), sync=half, opt=adamw, max_steps=8, checkpoint_dir=Path(out) / "ck-bf16-straight",
-                   checkpoint_every=4)
-    run(mlp(), sync=half, opt=adamw, max_steps=4, checkpoint_dir=Path(out) / "ck-bf16", checkpoint_every=4)
-    resumed = run(mlp(), sync=half, opt=adamw, max_steps=8, checkpoint_dir=Path(out) / "ck-bf16", checkpoint_every=4)
+    straight, resumed = _straight_and_resumed(half, Path(out) / "bf16", opt=adamw)
     result["bf16-resume"] = (flat(straight.model), flat(resumed.model))
     # Live windows, 3 : 1 by sleeps: every sample once, the same bits at the end.
     seen: list[int] = []
