@@ -120,6 +120,16 @@ def run(model, step=mse_step, **kw) -> Trainer:
     return t
 
 
+def _paced(rank: int, seen: list[int]):
+    """The MSE step of a 3 : 1 pair by sleeps (worker 0 10 ms a batch, the others 30), noting the
+    samples it trains on in ``seen``. Sleeps dominate the step, so the ratio holds on a busy machine."""
+    def step(model, batch):
+        seen.extend(batch[0].tolist())
+        time.sleep(0.010 if rank == 0 else 0.030)
+        return mse_step(model, batch)
+    return step
+
+
 def _straight_and_resumed(el_che: ElChe, root: Path, **kw) -> tuple[Trainer, Trainer]:
     """Eight steps straight, checkpointing at step 4; and four steps, then a run resumed from that
     step-4 checkpoint to step 8 (``verify_sync``), under ``root``."""
@@ -210,13 +220,7 @@ def _equivalences_and_uneven(rank: int, out: str) -> dict:
     # (250 = 62 batches of 4 and 2 samples) ends cleanly; every sample is seen once.
     # Sleeps dominate the step time, so the 3:1 ratio holds on a busy machine too.
     seen: list[int] = []
-
-    def slow_step(model, batch):
-        seen.extend(batch[0].tolist())
-        time.sleep(0.010 if rank == 0 else 0.030)
-        return mse_step(model, batch)
-
-    t = run(mlp(), step=slow_step, sync=ElChe(anchor=2), n=250, epochs=1, log_dir=Path(out) / "logs",
+    t = run(mlp(), step=_paced(rank, seen), sync=ElChe(anchor=2), n=250, epochs=1, log_dir=Path(out) / "logs",
             report=True, verify_sync=True)
     result["seen"], result["records"], result["history"] = seen, t.records, t.history
 
@@ -225,13 +229,7 @@ def _equivalences_and_uneven(rank: int, out: str) -> dict:
     for name, el_che, outer in (("live_sum", ElChe(anchor=2, windows="live", combine="sum"), None),
                                 ("live_diloco", ElChe(anchor=2, windows="live"), DiLoCo())):
         seen_live: list[int] = []
-
-        def live_step(model, batch):
-            seen_live.extend(batch[0].tolist())
-            time.sleep(0.010 if rank == 0 else 0.030)
-            return mse_step(model, batch)
-
-        t = run(mlp(), step=live_step, sync=el_che, outer=outer, n=250, epochs=1, verify_sync=True)
+        t = run(mlp(), step=_paced(rank, seen_live), sync=el_che, outer=outer, n=250, epochs=1, verify_sync=True)
         result[name] = {"seen": seen_live, "history": t.history, "params": flat(t.model)}
     # Live windows over padding-free batches: the counter hands out whole length batches.
     seen_length: list[int] = []
@@ -437,13 +435,7 @@ def _overlap(rank: int, out: str) -> dict:
     result["resume"] = (flat(straight.model), flat(resumed.model), resumed.resumed_from.name)
     # Live windows, 3 : 1 by sleeps, changes in bfloat16: every sample once, the same bits at the end.
     seen: list[int] = []
-
-    def live_step(model, batch):
-        seen.extend(batch[0].tolist())
-        time.sleep(0.010 if rank == 0 else 0.030)
-        return mse_step(model, batch)
-
-    t = run(mlp(), step=live_step, sync=ElChe(anchor=2, windows="live", combine="sum", compress="bf16", overlap=True),
+    t = run(mlp(), step=_paced(rank, seen), sync=ElChe(anchor=2, windows="live", combine="sum", compress="bf16", overlap=True),
             n=250, epochs=1, verify_sync=True, eval_fn=lambda m: {"loss": 0.0}, eval_every=4)
     result["live"] = {"seen": seen, "params": flat(t.model), "records": t.records, "history": t.history}
     return result
@@ -556,13 +548,7 @@ def _lead(rank: int, out: str) -> dict:
     result["bf16-resume"] = (flat(straight.model), flat(resumed.model))
     # Live windows, 3 : 1 by sleeps: every sample once, the same bits at the end.
     seen: list[int] = []
-
-    def live_step(model, batch):
-        seen.extend(batch[0].tolist())
-        time.sleep(0.010 if rank == 0 else 0.030)
-        return mse_step(model, batch)
-
-    t = run(mlp(), step=live_step, sync=ElChe(anchor=1, windows="live", combine="lead"), opt=adamw,
+    t = run(mlp(), step=_paced(rank, seen), sync=ElChe(anchor=1, windows="live", combine="lead"), opt=adamw,
             n=250, epochs=1, verify_sync=True, eval_fn=lambda m: {"loss": 0.0}, eval_every=4)
     result["live"] = {"seen": seen, "params": flat(t.model), "records": t.records, "history": t.history}
     # Worker 0 slower than worker 1: the lead is the wrong one, and worker 0 says so once.
