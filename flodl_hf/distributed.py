@@ -646,7 +646,8 @@ class Comm:
 
     def lead_exchange(self, params: Sequence[torch.Tensor], moving: "LeadGradients | None", weights: Sequence[float],
                       step: Callable[[list[torch.Tensor]], None], lead: int = 0,
-                      start: Sequence[torch.Tensor] | None = None, carried: Sequence[torch.Tensor] | None = None) -> None:
+                      start: Sequence[torch.Tensor] | None = None, carried: Sequence[torch.Tensor] | None = None,
+                      background: bool = False) -> "LeadGradients | None":
         """``ElChe(combine="lead")``'s sync, after :meth:`lead_gradients` (``moving``): worker
         ``lead`` waits for the others' gradients, calls ``step`` on ``sum_r weights[r] * g_r``
         (added in rank order; a weight of 1 adds the gradient as it came, so one other worker's
@@ -660,25 +661,27 @@ class Comm:
         and every worker, the lead too, takes ``start`` plus that rounded change as its parameters
         and as the next ``start``: all end with the same bits, half the bytes on the way back.
 
+        ``background=True``: the lead does not wait for its sends. It returns them in flight (a
+        :class:`LeadGradients` of the works and the tensors they read, float buffers from copies)
+        and goes on to its next window, while gloo's threads move the parameters; it must
+        :meth:`finish` their works before it changes its parameters (its next optimizer step). The
+        others wait for them as before. None elsewhere.
+
         Point-to-point, one send per tensor, with no packing: on gloo, MiniLM's 126 tensors went
         one way and back in 57 ms, where packed into one buffer they took 121 and the packed
         all-reduce of a window's changes 136 (``scripts/bench_sync.py``)."""
         if self.world == 1:
-            return
+            return None
         peers = [r for r in range(self.world) if r != lead]
         plane = self.plane_device
 
-        def wait(works: list, what: str) -> None:
-            for work in works:
-                self._run(what, work.wait)
-
         shared = len(start) if start is not None else 0  # sent as bfloat16 changes from ``start``
         if self.rank != lead:
-            wait(moving.works, "sending gradients to the lead")
+            self.finish(moving.works, "sending gradients to the lead")
             landing = [self._buffer(("lead params in", i), p.numel(), self._buffers, torch.bfloat16) if i < shared
                        else p.data if p.is_contiguous() and p.device == plane else
                        torch.empty(p.shape, dtype=p.dtype, device=plane) for i, p in enumerate(params)]
-            wait([self._run("receiving the lead's parameters", dist.irecv, t, self._global(lead), group=self.plane)
+            self.finish([self._run("receiving the lead's parameters", dist.irecv, t, self._global(lead), group=self.plane)
                   for t in landing], "receiving the lead's parameters")
             with torch.no_grad():
                 for i, (p, t) in enumerate(zip(params, landing)):
@@ -687,8 +690,8 @@ class Comm:
                         start[i].copy_(p)
                     elif t is not p.data:
                         p.copy_(t)
-            return
-        wait(moving.works, "receiving gradients from the other workers")
+            return None
+        self.finish(moving.works, "receiving gradients from the other workers")
         if moving.tensors[peers[0]][0].dtype == torch.bfloat16:  # compress: summed in float32
             moving.tensors = {r: [t.to(torch.float32) for t in ts] for r, ts in moving.tensors.items()}
         summed = moving.tensors[peers[0]]
@@ -712,11 +715,22 @@ class Comm:
                     _unpack(view, p.data, start[i])
                     start[i].copy_(p)
                     outgoing.append(view)
+                elif background and i >= len(graded):  # a float buffer: the next forward may change it
+                    outgoing.append(p.detach().to(plane, copy=True).contiguous())
                 else:
                     outgoing.append(p.detach().to(plane).contiguous())
         works = [self._run("sending the lead's parameters", dist.isend, t, self._global(r), group=self.plane)
                  for r in peers for t in outgoing]
-        wait(works, "sending the lead's parameters")
+        if background:
+            return LeadGradients(works, {lead: outgoing})
+        self.finish(works)
+        return None
+
+    def finish(self, works: Sequence, what: str = "sending the lead's parameters") -> None:
+        """Wait for point-to-point works in flight (those :meth:`lead_exchange` left running with
+        ``background``), each failing with :class:`WorkerLostError`."""
+        for work in works:
+            self._run(what, work.wait)
 
     def _global(self, rank: int) -> int:
         """The default group's rank of this Comm's ``rank`` (point-to-point calls take those)."""

@@ -337,6 +337,7 @@ class Trainer:
         self._ahead = el_che is not None and el_che.combine == "lead" and el_che.extrapolate and comm.rank > 0
         self._behind: list[torch.Tensor] | None = None
         self._moving = None  # combine="lead", on the lead: the others' gradients on their way (posted receives)
+        self._sent: list = []  # combine="lead", on the lead: its parameters still on their way to the others
         self._ahead_share = 1.0
         if checkpoint is not None:
             self._restore(state, worker)
@@ -447,6 +448,8 @@ class Trainer:
 
     def _optimizer_step(self) -> None:
         """Clipping, the optimizer and scheduler steps, on the gradients in place."""
+        if self._sent:  # combine="lead": the parameters the last sync sent are read until they land
+            self._land_sent()
         t0 = time.perf_counter()
         if self.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.trainable, self.grad_clip)
@@ -726,6 +729,7 @@ class Trainer:
             self._after(before)
             pause_ms = (time.perf_counter() - t) * 1e3
         self._drain()  # overlap: a stop_when stop without a checkpoint
+        self._land_sent()  # combine="lead": the last sync's parameters have landed before the run ends
 
     def _live_chunks(self, key: str, window_start: float, members: Sequence[int] | None = None,
                      anchor: int | None = None, done_key: str | None = None, overrun: bool = True):
@@ -1024,12 +1028,20 @@ class Trainer:
                     p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
                 self._optimizer_step()
 
-        comm.lead_exchange(self.trainable + self._float_buffers, moving, weights, step,  # float buffers: no gradient
-                           start=self._start if compress else None, carried=self._carried if compress else None)
+        # The lead goes on while its parameters travel: it waits for them before its next step.
+        sent = comm.lead_exchange(self.trainable + self._float_buffers, moving, weights, step,  # float buffers: no gradient
+                                  start=self._start if compress else None, carried=self._carried if compress else None,
+                                  background=True)
+        self._sent = sent.works if sent is not None else []
         self.optimizer.zero_grad(set_to_none=True)
         if self.verify_sync:
             self._check_synced(f"the lead's step ending at step {self.step}")
         return rows
+
+    def _land_sent(self) -> None:
+        """``combine="lead"``, on the lead: wait for the parameters its last sync left on their way."""
+        sent, self._sent = self._sent, []
+        self.comm.finish(sent)
 
     def _land(self) -> bool:
         """Overlap: wait for the all-reduce in flight, if any, and add it to the shared point."""

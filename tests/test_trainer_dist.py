@@ -283,6 +283,16 @@ def _nested(rank: int, out: str) -> dict:
     moving = comm.lead_gradients(mine, grads if rank else None, carried=carried, compress=True)
     comm.lead_exchange(mine, moving, (0.0, 0.25, 0.75), descend, start=start, carried=carried)
     result["compressed"] = (mine, start, carried, got)
+    # background=True: the lead returns its sends in flight and goes on; a float buffer (past the graded
+    # tensors) goes from a copy, so the lead may change it before the sends land.
+    params, grads = _exchange_tensors(rank)
+    buffer = torch.full((4,), float(rank))
+    moving = comm.lead_gradients(params, grads if rank else None)
+    sent = comm.lead_exchange(params + [buffer], moving, (0.0, 0.25, 0.75), lambda summed: None, background=True)
+    if sent is not None:
+        buffer.add_(100.0)
+        comm.finish(sent.works)
+    result["background"] = (None if sent is None else len(sent.works), params, buffer)
     for name, combine, outer in (("sum", "sum", None), ("diloco", "sum", DiLoCo()),
                                  ("average-diloco", "average", DiLoCo())):
         seen: list[int] = []
@@ -546,11 +556,36 @@ def _lead(rank: int, out: str) -> dict:
     result["bf16"] = flat(run(mlp(), sync=half, opt=adamw, epochs=1, shuffle=False, verify_sync=True).model)
     straight, resumed = _straight_and_resumed(half, Path(out) / "bf16", opt=adamw)
     result["bf16-resume"] = (flat(straight.model), flat(resumed.model))
-    # Live windows, 3 : 1 by sleeps: every sample once, the same bits at the end.
+    # Live windows, 3 : 1 by sleeps: every sample once, the same bits at the end. The lead's syncs leave
+    # its parameters on their way (Comm.lead_exchange(background=True)); the order of what it does shows
+    # that it waits for them before its next optimizer step, and before the run ends.
     seen: list[int] = []
-    t = run(mlp(), step=_paced(rank, seen), sync=ElChe(anchor=1, windows="live", combine="lead"), opt=adamw,
-            n=250, epochs=1, verify_sync=True, eval_fn=lambda m: {"loss": 0.0}, eval_every=4)
-    result["live"] = {"seen": seen, "params": flat(t.model), "records": t.records, "history": t.history}
+    order: list[str] = []
+    exchange, finish = Comm.lead_exchange, Comm.finish
+
+    def logged_exchange(self, *args, **kwargs):
+        sent = exchange(self, *args, **kwargs)
+        order.append("sent" if sent is not None else "synced")
+        return sent
+
+    def logged_finish(self, works, what="sending the lead's parameters"):
+        order.append(f"landed {len(works)}" if what == "sending the lead's parameters" else "received")
+        return finish(self, works, what)
+
+    def logged_adamw(params):
+        opt = adamw(params)
+        step = opt.step
+        opt.step = lambda *a, **kw: (order.append("step"), step(*a, **kw))[1]
+        return opt
+
+    Comm.lead_exchange, Comm.finish = logged_exchange, logged_finish
+    try:
+        t = run(mlp(), step=_paced(rank, seen), sync=ElChe(anchor=1, windows="live", combine="lead"), opt=logged_adamw,
+                n=250, epochs=1, verify_sync=True, eval_fn=lambda m: {"loss": 0.0}, eval_every=4)
+    finally:
+        Comm.lead_exchange, Comm.finish = exchange, finish
+    result["live"] = {"seen": seen, "params": flat(t.model), "records": t.records, "history": t.history,
+                      "order": [e for e in order if e != "received"]}
     # Worker 0 slower than worker 1: the lead is the wrong one, and worker 0 says so once.
     import warnings
 
@@ -587,6 +622,15 @@ def test_el_che_lead_matches_its_replay_resumes_and_runs_live(tmp_path):
         assert name == "step-00000004.pt" and torch.equal(straight, resumed), r
         assert (states > 0) == (r == 0), (r, states)  # one optimizer: the lead's
     _assert_live_pair([res[r]["live"] for r in range(2)], 250)
+    # The lead: after each sync, its sends land (one per tensor) before its next step, and before the end.
+    order = res[0]["live"]["order"]
+    tensors = len(list(mlp().parameters()))
+    assert order.count("sent") >= 3 and "synced" not in order, order
+    for i, event in enumerate(order):
+        if event == "sent":
+            assert order[i + 1] == f"landed {tensors}", (i, order)
+    assert order[-1] == "landed 0" or order[-2:] == ["sent", f"landed {tensors}"], order[-4:]
+    assert res[1]["live"]["order"].count("sent") == 0 and "step" not in res[1]["live"]["order"]
     assert len(res[0]["warned"]) == 1 and "worker 1 is faster" in res[0]["warned"][0], res[0]["warned"]
     assert res[1]["warned"] == []
 
@@ -622,6 +666,13 @@ def test_nested_windows_three_uneven_workers(tmp_path):
         assert torch.equal(mine[0], bf(change) + lead_params[0]) and torch.equal(mine[1], lead_params[1]), r
         assert all(torch.equal(a, b) for a, b in zip(mine, start)), r
         assert torch.equal(carried[0], change - bf(change) if r == 0 else (g1, g2)[r - 1] - bf((g1, g2)[r - 1])), r
+    # background=True: only the lead has sends left in flight (one per tensor per other worker); every
+    # worker still ends with the lead's parameters, and the buffer as it was when the lead sent it.
+    for r in range(3):
+        works, params, buffer = res[r]["background"]
+        assert works == (2 * 3 if r == 0 else None), (r, works)
+        assert all(torch.equal(a, b) for a, b in zip(params, lead_params)), r
+        assert torch.equal(buffer, torch.full((4,), 100.0 if r == 0 else 0.0)), r
     for name in ("sum", "diloco", "average-diloco"):
         runs = [res[r][name] for r in range(3)]
         assert sorted(sum((r["seen"] for r in runs), [])) == list(range(400)), name
