@@ -13,8 +13,9 @@ import hashlib
 import itertools
 import math
 import os
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Sequence
 
@@ -214,6 +215,24 @@ class LeadGradients:
 
     works: list
     tensors: dict[int, list[torch.Tensor]]
+    landed_at: float | None = None  # with watch(): when they had all landed (time.perf_counter)
+    _watcher: threading.Thread | None = field(default=None, repr=False)
+    _error: BaseException | None = field(default=None, repr=False)
+
+    def watch(self) -> None:
+        """Wait for the works in a thread of this one's own, so that ``landed_at`` says when they have
+        all landed, without blocking: gloo's works do not report it (``is_completed`` stays False
+        until someone waits). :meth:`Comm.land` joins the thread."""
+        def wait() -> None:
+            try:
+                for work in self.works:
+                    work.wait()
+            except BaseException as exc:  # raised again in the caller's thread by Comm.land
+                self._error = exc
+            self.landed_at = time.perf_counter()
+
+        self._watcher = threading.Thread(target=wait, name="flodl-hf gradients to the lead", daemon=True)
+        self._watcher.start()
 
 
 @dataclass(frozen=True)
@@ -677,7 +696,7 @@ class Comm:
 
         shared = len(start) if start is not None else 0  # sent as bfloat16 changes from ``start``
         if self.rank != lead:
-            self.finish(moving.works, "sending gradients to the lead")
+            self.land(moving, "sending gradients to the lead")
             landing = [self._buffer(("lead params in", i), p.numel(), self._buffers, torch.bfloat16) if i < shared
                        else p.data if p.is_contiguous() and p.device == plane else
                        torch.empty(p.shape, dtype=p.dtype, device=plane) for i, p in enumerate(params)]
@@ -691,7 +710,7 @@ class Comm:
                     elif t is not p.data:
                         p.copy_(t)
             return None
-        self.finish(moving.works, "receiving gradients from the other workers")
+        self.land(moving, "receiving gradients from the other workers")
         if moving.tensors[peers[0]][0].dtype == torch.bfloat16:  # compress: summed in float32
             moving.tensors = {r: [t.to(torch.float32) for t in ts] for r, ts in moving.tensors.items()}
         summed = moving.tensors[peers[0]]
@@ -725,6 +744,20 @@ class Comm:
             return LeadGradients(works, {lead: outgoing})
         self.finish(works)
         return None
+
+    def land(self, flight: LeadGradients, what: str) -> None:
+        """Wait until every work of ``flight`` is done (joining its :meth:`LeadGradients.watch`
+        thread, if any), then drop the works: a gloo receive waited on twice waits for another message."""
+        if flight._watcher is None:
+            self.finish(flight.works, what)
+        else:
+            def joined() -> None:
+                flight._watcher.join()
+                if flight._error is not None:
+                    raise flight._error
+
+            self._run(what, joined)
+        flight.works = []
 
     def finish(self, works: Sequence, what: str = "sending the lead's parameters") -> None:
         """Wait for point-to-point works in flight (those :meth:`lead_exchange` left running with

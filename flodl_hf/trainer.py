@@ -284,6 +284,9 @@ class Trainer:
             # a store that outlives the fit (a torchrun restart, fits in a row) never mixes them up.
             self._run_key = str(int(comm.gather_floats([time.time_ns() % 2**52])[0, 0]))
         self._sync_ema: float | None = None
+        # combine="lead", on the lead: when the others' gradients are expected to have landed, seconds
+        # after its window's start (live windows: it trains on until then; None: not measured yet).
+        self._landing: float | None = None
         # balance=True: each worker's samples a second (an average over steps, the same on every worker),
         # when its gradients were last ready (the DDP hook's stamp) and its last optimizer step's seconds.
         self._rates: list[float] | None = None
@@ -641,6 +644,8 @@ class Trainer:
                 self._look_ahead()
             if self._lead and comm.rank == 0:  # the others' gradients land while the lead computes
                 self._moving = comm.lead_gradients(self.trainable, compress=self._carried is not None)
+                if live:  # a thread waits for them, so the lead's live window knows when they have landed
+                    self._moving.watch()
             for chunk in chunks:
                 loss = self._grad_batch(chunk, n) if follow else self._train_batch(chunk)
                 loss_sum += loss.to(self._acc_dtype) * len(chunk)
@@ -755,14 +760,23 @@ class Trainer:
         # One more batch pays while it ends within the window's time per batch of the slowest's end.
         allowed = live_overrun_ms(ms, self._sync_ema if len(ms) == comm.world else None, anchor) if known else None
         done, marked = 0, False
+        # combine="lead", on the lead: the window ends when the others' gradients have landed, not when
+        # their batches end: across a slow link they take a while, and the lead trains on meanwhile.
+        moving = self._moving if self._lead and comm.rank == 0 and overrun else None
         while True:
             if done >= anchor:
                 # Mark this worker done once (the add returns the count), then read the count.
                 finished = comm.counter(done_key, 0 if marked else 1)
                 marked = True
-                if finished >= len(ms) or not overrun:
+                end = slowest_end
+                if moving is not None:
+                    if moving.landed_at is not None:
+                        return
+                    if self._landing is not None and known:
+                        end = window_start + self._landing
+                elif finished >= len(ms) or not overrun:
                     return
-                if slowest_end is not None and time.perf_counter() + (mine - allowed) / 1e3 > slowest_end:
+                if end is not None and time.perf_counter() + (mine - allowed) / 1e3 > end:
                     return  # another batch would keep the others waiting longer than it is worth
             claim = comm.counter(f"{key}/cursor", 1) - 1
             if claim >= available:
@@ -1016,6 +1030,11 @@ class Trainer:
             self.trainable, [p.grad for p in self.trainable], carried=self._carried, compress=compress)
         self._moving = None
         rows = comm.gather_floats(stats)
+        if comm.rank == 0 and moving is not None and moving._watcher is not None:  # live windows
+            comm.land(moving, "receiving gradients from the other workers")
+            # When the gradients landed, after the window's start: the lead trains on until then.
+            landed = moving.landed_at - self._window_start
+            self._landing = landed if self._landing is None else (self._landing + landed) / 2
         others = float(rows[1:, 1].sum())  # the samples the other workers' gradients hold
         weights = [float(rows[r, 1]) / others if r > 0 and others > 0 else 0.0 for r in range(comm.world)]
         # The lead's k steps, then this step: the next window's gradients are due k / (k + 1) of the way.
