@@ -259,6 +259,8 @@ def _nested(rank: int, out: str) -> dict:
     """Three workers at 1 : 1/3 : 1/12 (sleeps) with nested windows, plain and with DiLoCo; and
     Comm.lead_exchange with two workers sending to the lead."""
     result: dict = {}
+    import flodl_hf.distributed as distributed_module
+    distributed_module.BLOCK = 4  # bfloat16 changes taken in blocks, a ragged last one: the exact values below
     comm = Comm(rank, 3, rank, None, torch.device("cpu"), 30.0)
     params, grads = _exchange_tensors(rank)
     got: list = []
@@ -534,8 +536,8 @@ def _lead(rank: int, out: str) -> dict:
     """ElChe(combine="lead"): planned windows against the one-process replay (SGD and AdamW), a
     checkpoint and resume, and live windows on an uneven pair."""
     result: dict = {}
-    import flodl_hf.trainer as trainer_module
-    trainer_module._LOOK_AHEAD_BLOCK = 7  # the look-ahead in blocks, a ragged last one: still the replay's bits
+    import flodl_hf.distributed as distributed_module
+    distributed_module.BLOCK = 7  # the look-ahead and bfloat16 changes in blocks, a ragged last one: the same bits
     el_che = ElChe(anchor=2, adaptive=False, combine="lead")
     for name, make in (("sgd", sgd), ("adamw", adamw)):
         planned = run(mlp(), sync=el_che, opt=make, epochs=1, shuffle=False, verify_sync=True)
