@@ -60,9 +60,13 @@ class ElChe:
       fine-tune at 3 : 1 the one-process replay (``scripts/sim_el_che.py``, ``stale``) needed
       1.07x the fast worker alone's samples to the target, ``"sum"`` 1.14x; live, on 10 seeds, it
       took 0.86x the fast worker alone's time where ``"sum"`` took 0.94x (with ``extrapolate`` and
-      the gradients landing during the lead's last batch; 0.89x against 0.95x before them). After the lead's window
-      ends, a sync costs its optimizer step and one copy of the parameters to each other worker
-      (43 ms for MiniLM's over gloo, where both ways took 70). Float buffers are the lead's. With
+      the gradients landing during the lead's last batch; 0.89x against 0.95x before them; 0.84x
+      with the lead's side below). After the lead's window ends, a sync costs the lead its optimizer
+      step: it starts its next window while its parameters travel to the others (43 ms for
+      MiniLM's over gloo, where both ways took 70), and waits for those sends before its next
+      step. In live windows the lead trains on until the others' gradients have landed, not only
+      until their batches end: across a 1 Gbit/s link that took one optimizer from 1.13x the fast
+      worker alone's time to 0.89x. Float buffers are the lead's. With
       ``compress="bf16"`` the gradients travel in bfloat16 (each other worker carries what the
       rounding leaves out to its next window's), and so does the lead's change since the shared
       point, which every worker, the lead too, adds to that point: all still end each sync with the
