@@ -743,6 +743,8 @@ class Trainer:
         the slowest member's expected end (by the smoothed speeds): the overrun that still raises
         the window's batches per second. ``overrun=False`` stops at ``anchor``. A worker that finds
         the epoch (or the run) exhausted marks itself done too, so the window always closes.
+        ``ElChe(combine="lead")``'s lead goes on until the others' gradients have landed rather
+        than until they are done, with the same allowance past when they landed in the windows before.
         """
         comm = self.comm
         members = range(comm.world) if members is None else members
@@ -1026,7 +1028,7 @@ class Trainer:
             self.trainable, [p.grad for p in self.trainable], carried=self._carried, compress=compress)
         self._moving = None
         rows = comm.gather_floats(stats)
-        if comm.rank == 0 and moving is not None and moving._watcher is not None:  # live windows
+        if comm.rank == 0 and moving is not None and moving.watched:  # live windows
             comm.land(moving, "receiving gradients from the other workers")
             # When the gradients landed, after the window's start: the lead trains on until then.
             landed = moving.landed_at - self._window_start
