@@ -640,7 +640,10 @@ class Trainer:
                 self._look_ahead()
             if self._lead and comm.rank == 0:  # the others' gradients land while the lead computes
                 self._moving = comm.lead_gradients(self.trainable, compress=self._carried is not None)
-                if live:  # a thread waits for them, so the lead's live window knows when they have landed
+                if live and comm.plane_device.type == "cpu":
+                    # A thread waits for them, so the lead's live window knows when they have landed
+                    # (gloo; a NCCL work's wait returns before the data is in, so there the window
+                    # ends when the others are done, as in the other combines).
                     self._moving.watch()
             for chunk in chunks:
                 loss = self._grad_batch(chunk, n) if follow else self._train_batch(chunk)
@@ -760,7 +763,8 @@ class Trainer:
         done, marked = 0, False
         # combine="lead", on the lead: the window ends when the others' gradients have landed, not when
         # their batches end: across a slow link they take a while, and the lead trains on meanwhile.
-        moving = self._moving if self._lead and comm.rank == 0 and overrun else None
+        moving = self._moving if self._lead and comm.rank == 0 and overrun and self._moving is not None \
+            and self._moving.watched else None
         while True:
             if done >= anchor:
                 # Mark this worker done once (the add returns the count), then read the count.
