@@ -345,6 +345,17 @@ def _nested(rank: int, out: str) -> dict:
             n=120, batching="length", max_tokens=12, lengths=[1 + i % 5 for i in range(120)], epochs=1, verify_sync=True,
             eval_fn=lambda m: {"w": 0.0}, eval_every=1)
     result["length"] = (seen_length, t.samples, [e["samples"] for e in t.history if e.get("event") == "eval"])
+    # One optimizer over three workers in live windows: the lead trains on until both others'
+    # gradients have landed (one thread waits for both); every sample once, the same bits on all.
+    seen_lead: list[int] = []
+
+    def lead_step(model, batch):
+        seen_lead.extend(batch[0].tolist())
+        return paced(model, batch)
+
+    t = run(mlp(), step=lead_step, sync=ElChe(anchor=1, windows="live", combine="lead"), opt=adamw, n=160, epochs=1,
+            verify_sync=True)
+    result["lead"] = (seen_lead, flat(t.model), [w["batches"] for w in t.records])
     # A nested run resumes from its checkpoint (flat for its first window again, then nested).
     ck = Path(out) / "nested-ck"
     el_che = ElChe(anchor=1, windows="live", combine="sum", nested=True)
@@ -714,6 +725,10 @@ def test_nested_windows_three_uneven_workers(tmp_path):
     inner_syncs, samples, nested = res[0]["named"]
     assert samples == 200 and nested[0]["inner"] == [0, 1] and nested[0]["ms_per_batch"] == [None] * 3, nested
     assert inner_syncs[0] >= 2 and res[2]["named"][0][0] is None, (inner_syncs, res[2]["named"][0])
+    seen = sorted(sum((res[r]["lead"][0] for r in range(3)), []))
+    assert seen == list(range(160)) and all(torch.equal(res[0]["lead"][1], res[r]["lead"][1]) for r in (1, 2))
+    lead, middle, slow = (sum(res[r]["lead"][2]) for r in range(3))
+    assert lead > middle >= slow and lead > 3 * slow, (lead, middle, slow)
     seen = sorted(sum((res[r]["length"][0] for r in range(3)), []))
     assert seen == list(range(120)) and res[0]["length"][1] == 120, res[0]["length"][1]
     evals = res[0]["length"][2]
