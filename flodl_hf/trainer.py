@@ -339,7 +339,7 @@ class Trainer:
         self._ahead = el_che is not None and el_che.combine == "lead" and el_che.extrapolate and comm.rank > 0
         self._behind: list[torch.Tensor] | None = None
         self._moving = None  # combine="lead", on the lead: the others' gradients on their way (posted receives)
-        self._sent: list = []  # combine="lead", on the lead: its parameters still on their way to the others
+        self._sent = None  # combine="lead", on the lead: its parameters still on their way to the others
         self._ahead_share = 1.0
         if checkpoint is not None:
             self._restore(state, worker)
@@ -450,7 +450,7 @@ class Trainer:
 
     def _optimizer_step(self) -> None:
         """Clipping, the optimizer and scheduler steps, on the gradients in place."""
-        if self._sent:  # combine="lead": the parameters the last sync sent are read until they land
+        if self._sent is not None:  # combine="lead": the parameters the last sync sent are read until they land
             self._land_sent()
         t0 = time.perf_counter()
         if self.grad_clip is not None:
@@ -1053,7 +1053,7 @@ class Trainer:
         sent = comm.lead_exchange(self.trainable + self._float_buffers, moving, weights, step,  # float buffers: no gradient
                                   start=self._start if compress else None, carried=self._carried if compress else None,
                                   background=True)
-        self._sent = sent.works if sent is not None else []
+        self._sent = sent
         self.optimizer.zero_grad(set_to_none=True)
         if self.verify_sync:
             self._check_synced(f"the lead's step ending at step {self.step}")
@@ -1061,8 +1061,9 @@ class Trainer:
 
     def _land_sent(self) -> None:
         """``combine="lead"``, on the lead: wait for the parameters its last sync left on their way."""
-        sent, self._sent = self._sent, []
-        self.comm.finish(sent)
+        sent, self._sent = self._sent, None
+        if sent is not None:
+            self.comm.land(sent, "sending the lead's parameters")
 
     def _land(self) -> bool:
         """Overlap: wait for the all-reduce in flight, if any, and add it to the shared point."""

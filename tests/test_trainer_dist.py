@@ -640,9 +640,8 @@ def test_el_che_lead_matches_its_replay_resumes_and_runs_live(tmp_path):
     tensors = len(list(mlp().parameters()))
     assert order.count("sent") >= 3 and "synced" not in order, order
     for i, event in enumerate(order):
-        if event == "sent":
+        if event == "sent":  # (the last sync's too: an index past the end fails)
             assert order[i + 1] == f"landed {tensors}", (i, order)
-    assert order[-1] == "landed 0" or order[-2:] == ["sent", f"landed {tensors}"], order[-4:]
     assert res[1]["live"]["order"].count("sent") == 0 and "step" not in res[1]["live"]["order"]
     assert len(res[0]["warned"]) == 1 and "worker 1 is faster" in res[0]["warned"][0], res[0]["warned"]
     assert res[1]["warned"] == []
