@@ -283,9 +283,12 @@ class Trainer:
             # a store that outlives the fit (a torchrun restart, fits in a row) never mixes them up.
             self._run_key = str(int(comm.gather_floats([time.time_ns() % 2**52])[0, 0]))
         self._sync_ema: float | None = None
-        # combine="lead", on the lead: when the others' gradients are expected to have landed, seconds
-        # after its window's start (live windows: it trains on until then; None: not measured yet).
+        # combine="lead", on the lead: how long after the slowest's expected end (by the smoothed speeds
+        # and the window's anchor) the others' gradients land, seconds (live windows: it trains on until
+        # then; None: not measured yet). Measured from that end, not the window's start, so it holds when
+        # the anchor changes: an 8-batch window's gradients land later than a 2-batch one's.
         self._landing: float | None = None
+        self._expected_end: float | None = None  # this live window's slowest expected end (perf_counter)
         # balance=True: each worker's samples a second (an average over steps, the same on every worker),
         # when its gradients were last ready (the DDP hook's stamp) and its last optimizer step's seconds.
         self._rates: list[float] | None = None
@@ -765,6 +768,8 @@ class Trainer:
         # their batches end: across a slow link they take a while, and the lead trains on meanwhile.
         moving = self._moving if self._lead and comm.rank == 0 and overrun and self._moving is not None \
             and self._moving.watched else None
+        if moving is not None:
+            self._expected_end = slowest_end
         while True:
             if done >= anchor:
                 # Mark this worker done once (the add returns the count), then read the count.
@@ -775,7 +780,7 @@ class Trainer:
                     if moving.landed_at is not None:
                         return
                     if self._landing is not None and known:
-                        end = window_start + self._landing
+                        end = slowest_end + self._landing
                 elif finished >= len(ms) or not overrun:
                     return
                 if end is not None and time.perf_counter() + (mine - allowed) / 1e3 > end:
@@ -1034,9 +1039,11 @@ class Trainer:
         rows = comm.gather_floats(stats)
         if comm.rank == 0 and moving is not None and moving.watched:  # live windows
             comm.land(moving, "receiving gradients from the other workers")
-            # When the gradients landed, after the window's start: the lead trains on until then.
-            landed = moving.landed_at - self._window_start
-            self._landing = landed if self._landing is None else (self._landing + landed) / 2
+            # When the gradients landed, after the slowest's expected end: the lead trains on until then.
+            if self._expected_end is not None:
+                landed = moving.landed_at - self._expected_end
+                self._landing = landed if self._landing is None else (self._landing + landed) / 2
+            self._expected_end = None
         others = float(rows[1:, 1].sum())  # the samples the other workers' gradients hold
         weights = [float(rows[r, 1]) / others if r > 0 and others > 0 else 0.0 for r in range(comm.world)]
         # The lead's k steps, then this step: the next window's gradients are due k / (k + 1) of the way.

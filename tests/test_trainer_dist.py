@@ -635,6 +635,10 @@ def test_el_che_lead_matches_its_replay_resumes_and_runs_live(tmp_path):
         assert name == "step-00000004.pt" and torch.equal(straight, resumed), r
         assert (states > 0) == (r == 0), (r, states)  # one optimizer: the lead's
     _assert_live_pair([res[r]["live"] for r in range(2)], 250)
+    # The lead trains on until the slow worker's gradients land in every window but the epoch's last,
+    # also after the anchor grows (when they land is measured from the slowest's expected end).
+    windows = [w["batches"] for w in res[0]["live"]["history"] if w.get("event") == "train"]
+    assert all(fast > slow for fast, slow in windows[:-1]), windows
     # The lead: after each sync, its sends land (one per tensor) before its next step, and before the end.
     order = res[0]["live"]["order"]
     tensors = len(list(mlp().parameters()))
