@@ -464,6 +464,38 @@ def test_compressed_pack_of_a_given_change_leaves_it_untouched():
     assert torch.equal(view.float() + residual, change * 0.25)
 
 
+def test_lead_gradients_widen_once_landed_in_the_watching_thread():
+    """ElChe(combine="lead", compress="bf16"), on the lead: the thread watching the others' gradients
+    widens them into the float32 buffers it was given once they have landed (exact, once), so the
+    lead's sync finds them summable; a failed receive leaves them as they came."""
+    from flodl_hf.distributed import LeadGradients
+
+    class Work:
+        def __init__(self, fail: bool = False):
+            self.fail = fail
+
+        def wait(self):
+            if self.fail:
+                raise RuntimeError("connection closed")
+
+    g = torch.Generator().manual_seed(0)
+    landed = {1: [torch.randn(5, 3, generator=g).to(torch.bfloat16), torch.randn(7, generator=g).to(torch.bfloat16)]}
+    wide = {1: [torch.full((5, 3), float("nan")), torch.full((7,), float("nan"))]}
+    flight = LeadGradients([Work(), Work()], dict(landed), wide={1: list(wide[1])})
+    flight.watch()
+    flight._watcher.join()
+    assert flight.landed_at is not None and flight.wide is None
+    assert all(t is w for t, w in zip(flight.tensors[1], wide[1]))  # the kept buffers, no new tensors
+    assert all(t.dtype == torch.float32 and torch.equal(t, b.float()) for t, b in zip(flight.tensors[1], landed[1]))
+    flight.widen()  # once: nothing left to widen
+    assert all(t is w for t, w in zip(flight.tensors[1], wide[1]))
+    failed = LeadGradients([Work(), Work(fail=True)], dict(landed), wide={1: list(wide[1])})
+    failed.watch()
+    failed._watcher.join()
+    assert isinstance(failed._error, RuntimeError) and failed.wide is not None
+    assert all(t.dtype == torch.bfloat16 for t in failed.tensors[1])
+
+
 def test_diloco_identity_in_one_process_equals_plain_local_sgd():
     data = Indexed(40)
     plain, outer = Net(0), Net(0)
