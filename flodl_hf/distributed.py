@@ -250,6 +250,12 @@ class LeadGradients:
         """Whether :meth:`watch` started a thread waiting for these works."""
         return self._watcher is not None
 
+    def wait(self, seconds: float) -> bool:
+        """Wait at most ``seconds`` for the :meth:`watch` thread to end (the works done, the gradients
+        widened, or an error kept for :meth:`Comm.land`); whether it has."""
+        self._watcher.join(max(seconds, 0.0))
+        return not self._watcher.is_alive()
+
     def widen(self) -> None:
         """Copy landed bfloat16 gradients into the float32 buffers of ``wide`` and take those as
         ``tensors`` (once; exact). Into buffers kept between windows: converting into fresh

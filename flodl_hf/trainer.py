@@ -612,6 +612,7 @@ class Trainer:
         while not self._done():
             window_start = time.perf_counter()
             self._inner_syncs, self._inner_ms, self._window_eval_s = 0, 0.0, 0.0
+            self._waited_ms = 0.0  # the lead's wait for the others' gradients inside the window: idle
             self._window_start = window_start
             if live:
                 key = f"flodl-hf/el-che/{self._run_key}/{self.epoch}/{self.position}"
@@ -659,7 +660,7 @@ class Trainer:
             self._sync_device()
             end = time.perf_counter()
             # Nested windows' inner syncs, and evaluations at them, are not the batches' time.
-            inside = self._inner_ms + self._window_eval_s * 1e3
+            inside = self._inner_ms + self._window_eval_s * 1e3 + self._waited_ms
             compute_ms = (end - window_start) * 1e3 - inside
             steady = (batches - 1, (end - first_done) * 1e3 - inside) if batches > 1 else (0, 0.0)
             local_loss = loss_sum.item()
@@ -684,7 +685,7 @@ class Trainer:
                 total = int(rows[:, 1].sum())
             else:
                 units_done, total = sum(units), sum(sizes)
-            collective_ms = (time.perf_counter() - t) * 1e3
+            collective_ms = (time.perf_counter() - t) * 1e3 + self._waited_ms
             timing = None if first else _window_timing(rows[:, 4:7])
             for r in range(comm.world):
                 # The first window after (re)starting carries warm-up costs (allocations, caches):
@@ -751,6 +752,9 @@ class Trainer:
         the epoch (or the run) exhausted marks itself done too, so the window always closes.
         ``ElChe(combine="lead")``'s lead goes on until the others' gradients have landed rather
         than until they are done, with the same allowance past when they landed in the windows before.
+        Where that allowance says stop, it waits for them at most until they are due plus the wait one
+        more batch would cost the others, then runs one more and asks again: a slowest batch that runs
+        long costs the lead no idle time past that.
         """
         comm = self.comm
         members = range(comm.world) if members is None else members
@@ -784,7 +788,16 @@ class Trainer:
                 elif finished >= len(ms) or not overrun:
                     return
                 if end is not None and time.perf_counter() + (mine - allowed) / 1e3 > end:
-                    return  # another batch would keep the others waiting longer than it is worth
+                    if moving is None:
+                        return  # another batch would keep the others waiting longer than it is worth
+                    # The lead waits for the gradients only while that is worth it: until they are due,
+                    # plus the wait one more batch would cost the others. Later than that the slowest's
+                    # batch ran long, and the lead trains on rather than idle until they land.
+                    waited = time.perf_counter()
+                    landed = moving.wait(max(end - waited, 0.0) + max(mine - allowed, 0.0) / 1e3)
+                    self._waited_ms += (time.perf_counter() - waited) * 1e3
+                    if landed:
+                        return
             claim = comm.counter(f"{key}/cursor", 1) - 1
             if claim >= available:
                 if not marked:

@@ -651,6 +651,39 @@ def test_el_che_lead_matches_its_replay_resumes_and_runs_live(tmp_path):
     assert res[1]["warned"] == []
 
 
+def _lead_late(rank: int, out: str) -> dict:
+    """Live one-optimizer windows on a 3 : 1 pair whose slow worker runs long on every second batch
+    (0.3 s, not 0.03)."""
+    seen: list[int] = []
+    batches = [0]
+
+    def step(model, batch):
+        seen.extend(batch[0].tolist())
+        batches[0] += 1
+        time.sleep(0.010 if rank == 0 else 0.3 if batches[0] % 2 == 0 else 0.030)
+        return mse_step(model, batch)
+
+    t = run(mlp(), step=step, sync=ElChe(anchor=1, windows="live", combine="lead"), opt=adamw, n=480, epochs=1,
+            verify_sync=True, eval_fn=lambda m: {"loss": 0.0}, eval_every=4)
+    return {"seen": seen, "params": flat(t.model), "records": t.records, "history": t.history, "late": batches[0] // 2}
+
+
+def test_el_che_lead_trains_on_while_the_slow_worker_runs_long(tmp_path):
+    """ElChe(combine="lead"), live: where the slow worker's batch runs far past its expected end, the
+    lead waits for its gradients no longer than that wait is worth and trains on; its idle time
+    is a small part of the slow worker's delays, every sample is trained once, the same bits on both."""
+    res = spawn(_lead_late, tmp_path)
+    _assert_live_pair([res[0], res[1]], 480)
+    late_ms = res[1]["late"] * 270.0  # each late batch 270 ms past the usual 30
+    # The lead's idle time in a window: its collective (its wait for the gradients included) past the
+    # shorter of the two, which is the sync itself.
+    pairs = list(zip(res[0]["records"], res[1]["records"], strict=True))
+    idle_ms = sum(lead["collective_ms"] - min(lead["collective_ms"], slow["collective_ms"]) for lead, slow in pairs)
+    windows = [w["batches"] for w in res[0]["history"] if w.get("event") == "train"]
+    print(f"late batches {res[1]['late']} ({late_ms:.0f} ms), lead idle {idle_ms:.0f} ms, windows {windows}")
+    assert res[1]["late"] >= 3 and idle_ms < 0.25 * late_ms, (idle_ms, late_ms, windows)
+
+
 def test_nested_windows_three_uneven_workers(tmp_path):
     """The fast pair syncs among itself between the slowest worker's syncs; every worker ends each
     outer sync with the same bits (verify_sync, inner syncs included); every sample is trained once."""
