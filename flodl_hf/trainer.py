@@ -599,7 +599,7 @@ class Trainer:
         comm = self.comm
         # This worker's previous window: its collective (waiting included), its length, and
         # the pause before it (evaluation, checkpoint), reported to all in the next window's row.
-        prev = {"collective_ms": 0.0, "window_ms": 0.0, "pause_ms": 0.0}
+        prev = {"collective_ms": 0.0, "window_ms": 0.0, "pause_ms": 0.0, "waited_ms": 0.0}
         pause_ms = 0.0
         first = True  # the first window after (re)starting: warm-up, and no sync measured yet
         # The sync that ended it allocated the sync's buffers: reported in the next window, it is not
@@ -675,7 +675,8 @@ class Trainer:
                          if self.el_che.combine == "average" else [n] * comm.world)
             rows = self._average(weight_n / max(1, sum(sizes)),
                                  [batches, n, local_loss, compute_ms, prev["collective_ms"],
-                                  prev["window_ms"], prev["pause_ms"], *steady, *self._resources.sample()])
+                                  prev["window_ms"], prev["pause_ms"], prev["waited_ms"], *steady,
+                                  *self._resources.sample()])
             if live:
                 if comm.rank == 0:  # every worker is past its last read: the window's keys can go
                     comm.drop_keys([f"{key}/cursor", f"{key}/done"] + (
@@ -686,13 +687,13 @@ class Trainer:
             else:
                 units_done, total = sum(units), sum(sizes)
             collective_ms = (time.perf_counter() - t) * 1e3 + self._waited_ms
-            timing = None if first else _window_timing(rows[:, 4:7])
+            timing = None if first else _window_timing(rows[:, 4:8])
             for r in range(comm.world):
                 # The first window after (re)starting carries warm-up costs (allocations, caches):
                 # its speeds come from the batches after each worker's first where it ran several;
                 # a one-batch probe's warm-up stretches every worker alike, and the next windows refine it.
-                steady = first and comm.world > 1 and rows[r, 7] > 0
-                done, ms_sum = (rows[r, 7], rows[r, 8]) if steady else (rows[r, 0], rows[r, 3])
+                steady = first and comm.world > 1 and rows[r, 8] > 0
+                done, ms_sum = (rows[r, 8], rows[r, 9]) if steady else (rows[r, 0], rows[r, 3])
                 if done > 0:
                     ms = float(ms_sum / done)
                     old = self._ms[r]
@@ -717,7 +718,8 @@ class Trainer:
 
             wall = time.perf_counter() - window_start - self._window_eval_s  # inner syncs' evaluations out
             self.train_time += wall
-            prev = {"collective_ms": collective_ms, "window_ms": wall * 1e3, "pause_ms": pause_ms}
+            prev = {"collective_ms": collective_ms, "window_ms": wall * 1e3, "pause_ms": pause_ms,
+                    "waited_ms": self._waited_ms}
             before = self.step
             self._advance(units_done, total)
             if self._done():  # overlap: the last change lands before the final evaluation
@@ -1368,15 +1370,18 @@ def _atomic_save(obj: dict, path: Path) -> None:
 # ---- small helpers -----------------------------------------------------------------------------
 
 def _window_timing(prev: torch.Tensor) -> dict:
-    """Overheads of the previous window from each worker's (collective, window, pause) ms.
+    """Overheads of the previous window from each worker's (collective, window, pause[, waited]) ms.
 
     The worker that reached the collective last waited least, so the shortest collective is
     the averaging itself (sync) and the rest of each worker's collective is idle. A worker
     that paused less than another (worker 0 evaluates) waits that difference too: that wait is
-    taken out of its idle time and of its window.
+    taken out of its idle time and of its window. ``waited`` is the part of a worker's collective
+    spent waiting before it (``combine="lead"``'s lead, for the others' gradients): idle, never
+    the sync, even where the others then waited for it in turn.
     """
     collective, window, pause = prev[:, 0], prev[:, 1], prev[:, 2]
-    sync = float(collective.min())
+    waited = prev[:, 3] if prev.shape[1] > 3 else torch.zeros_like(collective)
+    sync = float((collective - waited).min())
     lag = pause.max() - pause
     return {"sync_ms": sync, "idle_ms": (collective - sync - lag).clamp(min=0).tolist(),
             "window_ms": (window - lag).clamp(min=1e-9).tolist()}

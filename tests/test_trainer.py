@@ -165,6 +165,12 @@ def test_window_timing_splits_collective_into_sync_and_idle():
     assert timing["sync_ms"] == 15.0
     assert timing["idle_ms"] == [15.0, 0.0]
     assert timing["window_ms"] == [100.0, 100.0]
+    # (collective, window, pause, waited): the lead waited 300 ms for the gradients, then ran one more
+    # batch, which the slow worker waited out (900 ms) before the 80 ms sync. Its shorter collective
+    # (380) is not the sync: both waits are idle.
+    timing = _window_timing(torch.tensor([[380.0, 5000.0, 0.0, 300.0], [980.0, 5000.0, 0.0, 0.0]], dtype=torch.float64))
+    assert timing["sync_ms"] == 80.0
+    assert timing["idle_ms"] == [300.0, 900.0]
 
 
 # ---- dealing samples ---------------------------------------------------------------------------

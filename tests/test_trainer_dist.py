@@ -675,13 +675,17 @@ def test_el_che_lead_trains_on_while_the_slow_worker_runs_long(tmp_path):
     res = spawn(_lead_late, tmp_path)
     _assert_live_pair([res[0], res[1]], 480)
     late_ms = res[1]["late"] * 270.0  # each late batch 270 ms past the usual 30
-    # The lead's idle time in a window: its collective (its wait for the gradients included) past the
-    # shorter of the two, which is the sync itself.
-    pairs = list(zip(res[0]["records"], res[1]["records"], strict=True))
-    idle_ms = sum(lead["collective_ms"] - min(lead["collective_ms"], slow["collective_ms"]) for lead, slow in pairs)
+    # The lead's time off its batches: each window's length past its batches' time (idle and sync).
+    idle_ms = sum(w["window_ms"] - w["compute_ms"] for w in res[0]["records"])
+    # The trainer's own account of it (history: idle per worker, from the windows' collectives and
+    # waits, for every window but the first) fits inside it.
+    reported = sum(w["idle_ms"][0] + w["sync_ms"] for w in res[0]["history"] if "idle_ms" in w)
     windows = [w["batches"] for w in res[0]["history"] if w.get("event") == "train"]
-    print(f"late batches {res[1]['late']} ({late_ms:.0f} ms), lead idle {idle_ms:.0f} ms, windows {windows}")
-    assert res[1]["late"] >= 3 and idle_ms < 0.25 * late_ms, (idle_ms, late_ms, windows)
+    print(f"late batches {res[1]['late']} ({late_ms:.0f} ms), lead off its batches {idle_ms:.0f} ms "
+          f"(reported idle and sync {reported:.0f}), windows {windows}")
+    # (0.72 of the delays when the lead waited until the gradients landed, 0.20 here)
+    assert res[1]["late"] >= 3 and idle_ms < 0.4 * late_ms, (idle_ms, late_ms, windows)
+    assert 0 < reported <= idle_ms, (reported, idle_ms)
 
 
 def test_nested_windows_three_uneven_workers(tmp_path):
