@@ -15,6 +15,11 @@ end, for each way of combining a window (``--variants``):
 - ``ahead``: ``stale`` with the stale gradient taken where the lead is expected to be when it steps on
   it: the window's start plus 3/4 of the previous window's move (the lead's 3 steps of its 4), the
   look-ahead of ``ElChe(combine="lead", extrapolate=True)``; ``ahead-1``: plus the whole move;
+- ``early``: ``ahead`` with the stale step taken as soon as the slow gradient lands, while the
+  lead's next batch is under way; that batch's gradient, taken before the stale step, is the lead's
+  first step of the next window. The lead never waits and the others never wait for its batch to
+  end, at the price of one lead gradient a window one step stale. Measured, and not built
+  (docs/benchmarks.md);
 - ``lazy``: ``stale`` with the sync left one step short, the form of ``ElChe(combine="lead")`` that
   would need one exchange, not two in a row: each window's last gradient is taken at the window's start
   as it was before the previous window's stale step, and that step is the fast worker's first of the
@@ -40,6 +45,7 @@ The task is bench_trainer's: MiniLM (``samples/minilm``) with a fresh 2-label he
     python scripts/sim_el_che.py                       # 6 seeds x 5 variants, both cores (about 19 min)
     python scripts/sim_el_che.py --seeds 2 --variants seq sum
     python scripts/sim_el_che.py --variants ahead ahead-1      # the look-ahead (about 7 min)
+    python scripts/sim_el_che.py --variants seq ahead early    # the stale step as the gradient lands (about 10 min)
     python scripts/sim_el_che.py --seeds 3 --variants seq sum nested --pattern 12,4,1 --max-batches 136
 """
 
@@ -60,7 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-VARIANTS = ("seq", "stale", "ahead", "ahead-1", "lazy", "lazy-ahead", "sum", "sum-state", "overlap", "nested")
+VARIANTS = ("seq", "stale", "ahead", "ahead-1", "early", "lazy", "lazy-ahead", "sum", "sum-state", "overlap", "nested")
 BATCH, LR = 16, 5e-5
 
 
@@ -118,7 +124,7 @@ def replay(variant: str, seed: int, pattern: tuple[int, ...], target: float, max
         opt.step()
         opt.zero_grad()
 
-    workers = 1 if variant in ("seq", "stale", "ahead", "ahead-1", "lazy", "lazy-ahead") else len(pattern)
+    workers = 1 if variant in ("seq", "stale", "ahead", "ahead-1", "early", "lazy", "lazy-ahead") else len(pattern)
     models = [model] + [copy.deepcopy(model) for _ in range(workers - 1)]
     opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
     for m in models:
@@ -127,6 +133,8 @@ def replay(variant: str, seed: int, pattern: tuple[int, ...], target: float, max
     window, position, history = sum(pattern), 0, []
     behind: list = []  # lazy-ahead: the last window's shared start
     pending: list = []  # overlap: the changes of the window whose sync is still in flight
+    carried: list = []  # early: the lead's gradient under way when the stale step was taken
+    drawn = 0  # early: batches drawn from the epoch's order (one ahead of those applied)
     while position + window <= max_batches:
         if variant == "seq":
             for _ in range(window):
@@ -157,6 +165,44 @@ def replay(variant: str, seed: int, pattern: tuple[int, ...], target: float, max
             opt.zero_grad()
             pending = start
             position += 1
+        elif variant == "early":
+            # ``ahead``, with the stale step taken as soon as the slow gradient lands, while the lead's
+            # next batch is under way: that batch's gradient, at the params before the stale step, is
+            # applied first in the next window (the lead never waits, and the others never wait for
+            # the lead's batch to end).
+            m, opt = models[0], opts[0]
+            start = [p.detach().clone() for p in m.parameters()]
+            if pending:
+                with torch.no_grad():
+                    for p, s, before in zip(m.parameters(), start, pending):
+                        p.add_(s - before, alpha=(window - 1) / window)
+            m(**bt.collate(batches[drawn])).loss.backward()
+            drawn += 1
+            stale = [p.grad.clone() for p in m.parameters()]
+            opt.zero_grad()
+            with torch.no_grad():
+                for p, s in zip(m.parameters(), start):
+                    p.copy_(s)
+            fresh = window - 1
+            if carried:
+                for p, g in zip(m.parameters(), carried):
+                    p.grad = g
+                opt.step()
+                opt.zero_grad()
+                fresh -= 1
+            for _ in range(fresh):
+                train_step(m, opt, batches[drawn])
+                drawn += 1
+            m(**bt.collate(batches[drawn])).loss.backward()  # under way as the slow gradient lands
+            drawn += 1
+            carried = [p.grad.clone() for p in m.parameters()]
+            opt.zero_grad()
+            for p, g in zip(m.parameters(), stale):
+                p.grad = g
+            opt.step()
+            opt.zero_grad()
+            pending = start
+            position += window
         elif variant in ("lazy", "lazy-ahead"):
             m, opt = models[0], opts[0]
             start = [p.detach().clone() for p in m.parameters()]
