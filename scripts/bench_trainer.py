@@ -39,6 +39,11 @@ Making a worker k times slower without letting it take the fast one's CPU:
   the same CFS bandwidth control). The kernel enforces it, as a slower device would be, but a
   quota only slows a worker that would otherwise have a whole core: on a machine with fewer
   free cores than workers the ratio is not k. ``both`` applies the two.
+- ``lead`` (a diagnostic, not the benchmark's throttle): each batch of a slower worker takes k times
+  worker 0's smoothed batch time (published through the rendezvous store) rather than k times its
+  own work. On two cores the slow worker's own batch, always run beside the fast one's, takes longer
+  than the fast one's, so ``sleep`` makes it 3.1 to 3.3x the fast batch at k = 3; this one makes it
+  3x, to measure what that excess costs.
 
     python scripts/bench_trainer.py --target-loss 0.10          # 3 seeds, every cohort and arm (root for 2x-netns)
     python scripts/bench_trainer.py --summarize --target-loss 0.10   # the tables again from the records
@@ -187,13 +192,22 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
             if not busy:
                 left -= chunk
 
+    LEAD_MS = "bench/lead-batch-s"  # --throttle lead: worker 0's smoothed batch time, in seconds
+    fresh, lead_ema = [False], [0.0]
+
     def timed_collate(items):
         # The throttle sleeps at the start of a batch, for (k - 1) times the previous batch's own work,
         # so the wait comes before this batch's gradient sync (DDP) or the window's (El Che), never
         # hidden in another worker's evaluation.
         if k > 1 and throttle in ("sleep", "both") and last[0]:
             throttle_sleep((k - 1) * last[0])
+        elif k > 1 and throttle == "lead" and last[0]:
+            # The diagnostic throttle: this batch is to take k times worker 0's (its smoothed batch
+            # time, published through the store), its own work (the previous batch's) included.
+            lead = float(store.get(LEAD_MS)) if store is not None and store.check([LEAD_MS]) else None
+            throttle_sleep(max(0.0, k * lead - last[0]) if lead else (k - 1) * last[0])
         began[0] = time.thread_time()  # a batch's own work starts with building it
+        fresh[0] = True
         return collate(items)
 
     def step(model, batch):
@@ -210,7 +224,13 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
             # sleeps after itself, so that it too takes k times its work.
             first = not last[0]
             last[0] = time.thread_time() - began[0]
-            if first and k > 1 and throttle in ("sleep", "both"):
+            if throttle == "lead" and rank == 0 and store is not None and fresh[0]:
+                # Worker 0 publishes its batch time (not its step on the others' gradients, which
+                # follows no batch of its own): half the weight on the newest.
+                lead_ema[0] = last[0] if not lead_ema[0] else (lead_ema[0] + last[0]) / 2
+                store.set(LEAD_MS, repr(lead_ema[0]))
+            fresh[0] = False
+            if first and k > 1 and throttle in ("sleep", "both", "lead"):
                 throttle_sleep((k - 1) * last[0])
 
         if arm in LEAD_ARMS and rank > 0:
@@ -294,8 +314,8 @@ def interpolate(before: tuple[float, float] | None, hit: tuple[float, float], go
 def run_netns(cohort: str, arm: str, ks: tuple, seed: int, args: dict, out: Path, throttle: str) -> dict:
     """One worker per network namespace, each a host of its own, torchrun across the shaped link."""
     from flodl_hf.testing.netns import Cluster
-    if throttle != "sleep":  # `ip netns exec` mounts a sysfs of its own: no cgroup tree in there
-        raise SystemExit(f"cohort {cohort} runs with --throttle sleep only")
+    if throttle in ("cgroup", "both"):  # `ip netns exec` mounts a sysfs of its own: no cgroup tree in there
+        raise SystemExit(f"cohort {cohort} runs with --throttle sleep or lead only")
     job = out / "worker.json"
     job.write_text(json.dumps({"arm": arm, "ks": ks, "seed": seed, "args": args, "out": str(out),
                                "throttle": throttle}))
@@ -332,7 +352,7 @@ def run_once(cohort: str, arm: str, seed: int, args: dict, out: Path, throttle: 
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=worker, args=(r, world, port, arm, ks, seed, args, str(out), throttle))
              for r in range(world)]
-    groups = [cgroup_path(f"{out.name}-r{r}") for r in range(world)] if throttle != "sleep" else []
+    groups = [cgroup_path(f"{out.name}-r{r}") for r in range(world)] if throttle in ("cgroup", "both") else []
     for p in procs:
         p.start()
     try:
@@ -445,7 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=48, help="evaluate every this many samples")
     parser.add_argument("--cap", type=float, default=100.0,
                         help="stop a run after this many seconds of wall time (evaluations included)")
-    parser.add_argument("--throttle", choices=["sleep", "cgroup", "both"], default="sleep")
+    parser.add_argument("--throttle", choices=["sleep", "cgroup", "both", "lead"], default="sleep",
+                        help="lead: a diagnostic, each batch k times worker 0's smoothed batch rather than "
+                             "k times the worker's own work")
     parser.add_argument("--combine", choices=["sum", "average"], default="sum", help="El Che's combine")
     parser.add_argument("--windows", choices=["live", "planned"], default="live",
                         help="El Che's windows: batches dealt as workers go (live) or planned counts")
@@ -469,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker is not None:
         torchrun_worker(args.worker)
-    if args.throttle != "sleep" and cgroup_version() is None:
+    if args.throttle in ("cgroup", "both") and cgroup_version() is None:
         raise SystemExit("--throttle cgroup needs the cpu controller of cgroup v2 (or v1), writable (root)")
     conf = {"target": args.target, "train": args.train, "held_out": args.held_out, "epochs": args.epochs,
             "eval_every": args.eval_every, "cap": args.cap, "combine": args.combine,
