@@ -41,9 +41,9 @@ Making a worker k times slower without letting it take the fast one's CPU:
   free cores than workers the ratio is not k. ``both`` applies the two.
 - ``lead`` (a diagnostic, not the benchmark's throttle): each batch of a slower worker takes k times
   worker 0's smoothed batch time (published through the rendezvous store) rather than k times its
-  own work. On two cores the slow worker's own batch, always run beside the fast one's, takes longer
-  than the fast one's, so ``sleep`` makes it 3.1 to 3.3x the fast batch at k = 3; this one makes it
-  3x, to measure what that excess costs.
+  own work. With ``sleep`` at k = 3 the slow worker's windows ran 3.1 to 3.3x the fast batch a
+  batch; this one paces the batch itself at 3x, to measure what the excess costs (10 seeds: 3.08x,
+  since the slow worker's work outside its batches still counts in its windows; docs/benchmarks.md).
 
     python scripts/bench_trainer.py --target-loss 0.10          # 3 seeds, every cohort and arm (root for 2x-netns)
     python scripts/bench_trainer.py --summarize --target-loss 0.10   # the tables again from the records
