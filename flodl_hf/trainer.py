@@ -379,7 +379,7 @@ class Trainer:
                              dynamic_ncols=True)
         self._stop = False
         self._saved_step = self.step if self.resumed_from else -1
-        self._evaluated_step = -1
+        self._evaluated_at: tuple[int, int] | None = None  # (epoch, position) of the last evaluation
         self._eval_s = 0.0
         self._fit_start = time.perf_counter()
         self._perm_epoch, self._perm = -1, None
@@ -1158,9 +1158,13 @@ class Trainer:
         outer tier learns it at the outer sync."""
         step = self.step if inner is None else inner[0]
         if inner is None:  # (an inner sync's evaluation is of other parameters than the outer sync's at its step)
-            if self._evaluated_step == step:
+            # Once per point of training, not per step number: live windows end anywhere in a step
+            # of ``global_batch`` samples, so the window that ends the epoch can share its step number
+            # with the one before, and the final parameters would go unevaluated.
+            point = (self.epoch, self.position)
+            if self._evaluated_at == point:
                 return
-            self._evaluated_step = step
+            self._evaluated_at = point
         metrics: dict = {}
         stop = False
         if self.comm.rank == 0:

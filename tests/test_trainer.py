@@ -291,6 +291,25 @@ def same_state(a: nn.Module, b: nn.Module) -> bool:
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def test_evaluation_once_per_point_of_training_not_per_step_number(tmp_path):
+    """Live El Che windows end anywhere inside a step of ``global_batch`` samples, so two points of
+    training can share a step number (positions 5 and 8 of 8-sample steps are both step 1). The
+    final window's evaluation must not be skipped as if it were the one before; the same point is
+    still evaluated once."""
+    t = trainer(Net(0), Indexed(16), tmp_path, max_steps=1, sync="none", eval_fn=noisy_eval, eval_every=1)
+    t.fit()
+    evals = lambda: [r for r in t.history if r.get("event") == "eval"]  # noqa: E731
+    done = len(evals())
+    t.epoch, t.position, t.samples = 0, 5, 5
+    step = t.step
+    t._evaluate()
+    t.position, t.samples = 8, 8
+    assert t.step == step  # the same step number, a later point
+    t._evaluate()
+    t._evaluate()  # the same point again: not evaluated twice
+    assert [r["samples"] for r in evals()[done:]] == [5, 8]
+
+
 # ---- resume --------------------------------------------------------------------------------------
 
 def test_resume_is_bit_exact(tmp_path):
