@@ -124,6 +124,30 @@ def replay(variant: str, seed: int, pattern: tuple[int, ...], target: float, max
         opt.step()
         opt.zero_grad()
 
+    def gradient_ahead(m, opt, items, before: list, alpha: float) -> tuple[list, list]:
+        """The window's start, and the gradient of ``items`` taken at it moved on by ``alpha`` of the
+        move since ``before`` (the last window's start; none in the first window); the parameters
+        are put back at the start."""
+        start = [p.detach().clone() for p in m.parameters()]
+        if alpha and before:
+            with torch.no_grad():
+                for p, s, b in zip(m.parameters(), start, before):
+                    p.add_(s - b, alpha=alpha)
+        m(**bt.collate(items)).loss.backward()
+        grads = [p.grad.clone() for p in m.parameters()]
+        opt.zero_grad()
+        with torch.no_grad():
+            for p, s in zip(m.parameters(), start):
+                p.copy_(s)
+        return start, grads
+
+    def step_on(m, opt, grads: list) -> None:
+        """One optimizer step on gradients taken elsewhere."""
+        for p, g in zip(m.parameters(), grads):
+            p.grad = g
+        opt.step()
+        opt.zero_grad()
+
     workers = 1 if variant in ("seq", "stale", "ahead", "ahead-1", "early", "lazy", "lazy-ahead") else len(pattern)
     models = [model] + [copy.deepcopy(model) for _ in range(workers - 1)]
     opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
@@ -144,25 +168,12 @@ def replay(variant: str, seed: int, pattern: tuple[int, ...], target: float, max
             # The window's last gradient at the window's start (stale), or ahead: plus the share of the
             # previous window's move that the lead makes before the stale step (3 of 4 steps; ahead-1: all).
             m, opt = models[0], opts[0]
-            start = [p.detach().clone() for p in m.parameters()]
             alpha = {"stale": 0.0, "ahead": (window - 1) / window, "ahead-1": 1.0}[variant]
-            if alpha and pending:
-                with torch.no_grad():
-                    for p, s, before in zip(m.parameters(), start, pending):
-                        p.add_(s - before, alpha=alpha)
-            m(**bt.collate(batches[position + window - 1])).loss.backward()
-            stale = [p.grad.clone() for p in m.parameters()]
-            opt.zero_grad()
-            with torch.no_grad():
-                for p, s in zip(m.parameters(), start):
-                    p.copy_(s)
+            start, stale = gradient_ahead(m, opt, batches[position + window - 1], pending, alpha)
             for _ in range(window - 1):
                 train_step(m, opt, batches[position])
                 position += 1
-            for p, g in zip(m.parameters(), stale):
-                p.grad = g
-            opt.step()
-            opt.zero_grad()
+            step_on(m, opt, stale)
             pending = start
             position += 1
         elif variant == "early":
@@ -171,24 +182,11 @@ def replay(variant: str, seed: int, pattern: tuple[int, ...], target: float, max
             # applied first in the next window (the lead never waits, and the others never wait for
             # the lead's batch to end).
             m, opt = models[0], opts[0]
-            start = [p.detach().clone() for p in m.parameters()]
-            if pending:
-                with torch.no_grad():
-                    for p, s, before in zip(m.parameters(), start, pending):
-                        p.add_(s - before, alpha=(window - 1) / window)
-            m(**bt.collate(batches[drawn])).loss.backward()
+            start, stale = gradient_ahead(m, opt, batches[drawn], pending, (window - 1) / window)
             drawn += 1
-            stale = [p.grad.clone() for p in m.parameters()]
-            opt.zero_grad()
-            with torch.no_grad():
-                for p, s in zip(m.parameters(), start):
-                    p.copy_(s)
             fresh = window - 1
             if carried:
-                for p, g in zip(m.parameters(), carried):
-                    p.grad = g
-                opt.step()
-                opt.zero_grad()
+                step_on(m, opt, carried)
                 fresh -= 1
             for _ in range(fresh):
                 train_step(m, opt, batches[drawn])
@@ -197,10 +195,7 @@ def replay(variant: str, seed: int, pattern: tuple[int, ...], target: float, max
             drawn += 1
             carried = [p.grad.clone() for p in m.parameters()]
             opt.zero_grad()
-            for p, g in zip(m.parameters(), stale):
-                p.grad = g
-            opt.step()
-            opt.zero_grad()
+            step_on(m, opt, stale)
             pending = start
             position += window
         elif variant in ("lazy", "lazy-ahead"):
