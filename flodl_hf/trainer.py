@@ -35,7 +35,8 @@ samples they hold), ``steps_per_epoch = ceil(batches / world_size)`` and ``posit
 Checkpoint format
 -----------------
 ``checkpoint_dir/step-XXXXXXXX.pt`` (``torch.save``, loadable with ``weights_only=True``),
-written by worker 0 to a temporary file and renamed into place::
+written by worker 0 to a temporary file and renamed into place. A later point of training with the
+same step number (a live El Che window that ends inside the step) is ``step-XXXXXXXX-SAMPLES.pt``::
 
     {
       "format": "flodl-hf/trainer-checkpoint", "version": 1,
@@ -102,7 +103,7 @@ __all__ = ["Trainer", "ElChe", "DiLoCo", "TrainerError", "TrainerConfigError", "
 
 CHECKPOINT_FORMAT = checkpoint_schema.FORMAT    # flodl_hf.checkpoint_schema holds the schema
 CHECKPOINT_VERSION = checkpoint_schema.VERSION
-_CHECKPOINT_RE = re.compile(r"^step-(\d{8,})\.pt$")
+_CHECKPOINT_RE = re.compile(r"^step-(\d{8,})(?:-(\d+))?\.pt$")  # step, then the samples of a later point
 
 StepFn = Callable[[nn.Module, Any], Any]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -378,7 +379,8 @@ class Trainer:
             self._bar = tqdm(total=self.total_steps, initial=self.step, unit="step", desc="train",
                              dynamic_ncols=True)
         self._stop = False
-        self._saved_step = self.step if self.resumed_from else -1
+        self._saved_step = self.step if self.resumed_from else -1  # the last checkpoint's step number
+        self._saved_at = (self.epoch, self.position) if self.resumed_from else None  # and its point
         self._evaluated_at: tuple[int, int] | None = None  # (epoch, position) of the last evaluation
         self._eval_s = 0.0
         self._fit_start = time.perf_counter()
@@ -1198,11 +1200,15 @@ class Trainer:
     # ---- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
         """Write the checkpoint for the current step (every worker calls it); worker 0 returns its path."""
-        if self.checkpoint_dir is None or self._saved_step == self.step:
+        point = (self.epoch, self.position)
+        if self.checkpoint_dir is None or self._saved_at == point:
             return None
-        self._saved_step = self.step
+        # Live El Che windows end anywhere inside a step of ``global_batch`` samples, so the last
+        # window can share its step number with the checkpoint before it: that later point gets a
+        # name of its own (the samples seen added), never an overwrite of a set already complete.
+        name = f"step-{self.step:08d}" + (f"-{self.samples}" if self._saved_step == self.step else "")
+        self._saved_at, self._saved_step = point, self.step
         comm, directory = self.comm, self.checkpoint_dir
-        name = f"step-{self.step:08d}"
         worker = {"rng": _rng_state(self.device), "batches": self.batches}
         if self._carried is not None:
             worker["carried"] = [c.clone() for c in self._carried]  # this worker's own, like its optimizer
@@ -1332,7 +1338,8 @@ class Trainer:
 # ---- checkpoints -------------------------------------------------------------------------------
 
 def _checkpoints(directory: Path) -> list[Path]:
-    found = [(int(m.group(1)), p) for p in directory.glob("step-*.pt") if (m := _CHECKPOINT_RE.match(p.name))]
+    found = [((int(m.group(1)), int(m.group(2) or -1)), p) for p in directory.glob("step-*.pt")
+             if (m := _CHECKPOINT_RE.match(p.name))]
     return [p for _, p in sorted(found)]
 
 

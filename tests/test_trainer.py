@@ -353,6 +353,34 @@ def test_resume_false_starts_fresh_and_mismatch_is_refused(tmp_path):
 
 # ---- checkpoints ---------------------------------------------------------------------------------
 
+def test_checkpoint_at_a_later_point_of_the_same_step_number_gets_its_own_name(tmp_path):
+    """Positions 12 and 16 of 8-sample steps are both step 2 (a live El Che window can end inside a
+    step). The later point is checkpointed too, under a name that sorts after the first and never
+    overwrites it; the same point is written once; pruning and resume see the order."""
+    t = trainer(Net(0), Indexed(24), tmp_path, max_steps=1, sync="none", keep_checkpoints=2)
+    t.fit()
+    assert latest_checkpoint(tmp_path).name == "step-00000001.pt"
+    t.epoch, t.position, t.samples = 0, 12, 12
+    first = t.save_checkpoint()
+    with torch.no_grad():
+        t.model.body[0].weight.add_(1.0)  # the later point's parameters differ
+    t.position, t.samples = 16, 16
+    assert t.step == 2
+    later = t.save_checkpoint()
+    assert t.save_checkpoint() is None  # the same point again
+    assert (first.name, later.name) == ("step-00000002.pt", "step-00000002-16.pt")
+    assert {p.name for p in tmp_path.glob("*.pt")} == {first.name, later.name}  # step 1 pruned
+    assert latest_checkpoint(tmp_path) == later
+    saved = load_checkpoint(tmp_path)
+    assert (saved["step"], saved["position"], saved["samples"]) == (2, 16, 16)
+    assert torch.equal(saved["model"]["body.0.weight"], t.model.body[0].weight)
+    assert not torch.equal(load_checkpoint(first)["model"]["body.0.weight"], t.model.body[0].weight)
+    again = trainer(Net(1), Indexed(24), tmp_path, max_steps=2, sync="none", keep_checkpoints=2)
+    again.fit()  # resumes at the later point, already at max_steps: nothing to train, nothing written
+    assert again.resumed_from == later and (again.position, again.samples) == (16, 16)
+    assert latest_checkpoint(tmp_path) == later
+
+
 def test_checkpoint_format_and_pruning(tmp_path):
     model = Net(0)
     trainer(model, Indexed(40), tmp_path, max_steps=9, checkpoint_every=2, keep_checkpoints=2, sync="none").fit()
