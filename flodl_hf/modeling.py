@@ -341,6 +341,14 @@ class TaskModel(PreTrainedModel):
         """The task's loss, as the task registry declares it."""
         return self.spec.loss(self, logits, **labels)
 
+    def logits_and_loss(self, labels: torch.Tensor | None = None, **inputs: torch.Tensor | None):
+        """``(logits, loss)``: the backbone on ``inputs``, the head part on its output, and the task's
+        loss where ``labels`` are given (else None). The head shapes whose logits are the head part's
+        output as it is (sequence and token classification, masked LM) forward through this."""
+        out = self.run_backbone(**inputs)
+        logits = self.head(out.last_hidden_state, out.pooler_output, inputs.get("attention_mask"))
+        return logits, None if labels is None else self.compute_loss(logits, labels=labels)
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self.backbone.get_input_embeddings()
 

@@ -22,12 +22,9 @@ class ModelForMaskedLM(TaskModel):
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> MaskedLMOutput:
-        out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                                position_ids=position_ids, inputs_embeds=inputs_embeds)
-        logits = self.head(out.last_hidden_state, out.pooler_output, attention_mask)
-        loss = None
-        if labels is not None:
-            loss = self.compute_loss(logits, labels=labels)
+        logits, loss = self.logits_and_loss(labels, input_ids=input_ids, attention_mask=attention_mask,
+                                            token_type_ids=token_type_ids, position_ids=position_ids,
+                                            inputs_embeds=inputs_embeds)
         return MaskedLMOutput(loss=loss, logits=logits)
 
     def logits_at(self, rows: torch.Tensor, columns: torch.Tensor, input_ids: torch.Tensor | None = None,

@@ -29,10 +29,7 @@ class ModelForTokenClassification(TaskModel):
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 ) -> TokenClassifierOutput:
-        out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                                position_ids=position_ids, inputs_embeds=inputs_embeds)
-        logits = self.head(out.last_hidden_state, out.pooler_output, attention_mask)
-        loss = None
-        if labels is not None:
-            loss = self.compute_loss(logits, labels=labels)
+        logits, loss = self.logits_and_loss(labels, input_ids=input_ids, attention_mask=attention_mask,
+                                            token_type_ids=token_type_ids, position_ids=position_ids,
+                                            inputs_embeds=inputs_embeds)
         return TokenClassifierOutput(loss=loss, logits=logits)
