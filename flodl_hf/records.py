@@ -207,10 +207,25 @@ def child_statuses(children: dict[str, dict], rates: dict[str, float | None]) ->
 
 # ---- writing (rank 0) ------------------------------------------------------------------------
 
+def _after_point(record: dict, point: int | tuple[int, float]) -> bool:
+    """Whether ``record`` was logged after ``point`` (a step, or (step, training time)). Times are
+    compared as records round them (4 decimals); a record without a time is placed by its step."""
+    step, time_ = point if isinstance(point, tuple) else (point, None)
+    mine = record.get("step", 0)
+    if mine != step or time_ is None or not isinstance(record.get("time"), (int, float)):
+        return mine > step
+    return record["time"] > round(time_, 4)
+
+
 class TreeWriter:
     """Writes the whole tree from rank 0: one line per level per window, from every rank's row."""
 
-    def __init__(self, run: str | os.PathLike, hosts: Sequence[str], truncate_after: int | None = None) -> None:
+    def __init__(self, run: str | os.PathLike, hosts: Sequence[str],
+                 truncate_after: int | tuple[int, float] | None = None) -> None:
+        """``truncate_after``: a resumed run's checkpoint, its step or ``(step, training time)``.
+        What the interrupted run logged after that point is dropped: a later step, or the same
+        step at a later training time (a live El Che window can end inside the checkpoint's step);
+        ``None`` starts the files afresh."""
         self.run, self.hosts = Path(run), list(hosts)
         self.paths = [rank_path(h, r) for r, h in enumerate(self.hosts)]
         self.host_paths = list(dict.fromkeys(f"host-{h}" for h in self.hosts))
@@ -224,7 +239,7 @@ class TreeWriter:
             file.parent.mkdir(parents=True, exist_ok=True)
             if truncate_after is not None and file.exists():
                 # A resumed run drops what the interrupted one logged after its checkpoint.
-                kept = [r for r in read_records(file) if r.get("step", 0) <= truncate_after]
+                kept = [r for r in read_records(file) if not _after_point(r, truncate_after)]
                 file.write_text("".join(json.dumps(r) + "\n" for r in kept))
             elif truncate_after is None and file.exists():
                 file.unlink()

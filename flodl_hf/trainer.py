@@ -362,8 +362,8 @@ class Trainer:
         ids = comm.gather_floats([float(node), *encode_name(host)])  # the tree's host names, once
         hosts = host_names([(decode_name(row[1:]), int(row[0])) for row in ids.tolist()])
         self._resources = Resources(self.device)
-        self._log = _RunLog(self.log_dir, comm.rank, hosts, self.tensorboard, truncate_after=self.step
-                            if self.resumed_from else None)
+        resumed_at = (self.step, self.train_time) if self.resumed_from else None  # records after it are dropped
+        self._log = _RunLog(self.log_dir, comm.rank, hosts, self.tensorboard, truncate_after=resumed_at)
         self._portal = None
         if self.portal is not None and comm.rank == 0:
             from .portal import start_portal
@@ -1511,7 +1511,7 @@ class _RunLog:
     on other workers it writes nothing (their numbers reach worker 0 in the all-gathers)."""
 
     def __init__(self, log_dir: Path | None, rank: int, hosts: Sequence[str], tensorboard: bool,
-                 truncate_after: int | None) -> None:
+                 truncate_after: tuple[int, float] | None) -> None:
         self.tree, self.tb = None, None
         if log_dir is None or rank != 0:
             return

@@ -594,11 +594,15 @@ def test_records_and_report(tmp_path):
 
 
 def test_resumed_run_drops_records_after_its_checkpoint(tmp_path):
+    """After the checkpoint's point: a later step, or its step at a later training time."""
     data = Indexed(40)
     trainer(Net(0), data, tmp_path, max_steps=4, sync="none", log_every=1).fit()
     rank_file = next(tmp_path.glob("host-*/rank-0/records.jsonl"))
-    with rank_file.open("a") as f:  # as if the run had gone on, then crashed mid-line
-        f.write(json.dumps({"event": "train", "step": 5, "loss": 0.0}) + "\n" + '{"event": "tra')
+    saved = load_checkpoint(tmp_path)["train_time"]
+    with rank_file.open("a") as f:  # as if the run had gone on, then crashed mid-line; the first
+        # record is a live El Che window that ended inside the checkpoint's step, after it
+        f.write(json.dumps({"event": "train", "step": 4, "time": round(saved + 0.5, 4), "loss": 0.0}) + "\n"
+                + json.dumps({"event": "train", "step": 5, "loss": 0.0}) + "\n" + '{"event": "tra')
     trainer(Net(0), data, tmp_path, max_steps=6, sync="none", log_every=1).fit()
     steps = [r["step"] for r in load_tree(tmp_path)[rank_file.parent.relative_to(tmp_path).as_posix()]
              if r["event"] == "train"]
