@@ -8,6 +8,9 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+import torch
+
 from flodl_hf.parity import quiet_transformers
 from flodl_hf.matrix import generate_checkpoint
 
@@ -27,3 +30,13 @@ def make_checkpoint(config_fields: dict, task: str, seed: int = 0, root: Path | 
     generate_checkpoint(config_fields, task, tmp, seed=seed, perturb=perturb)
     tmp.rename(out)
     return out
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run faster on one thread, and far faster on a busy machine (no spin-waiting).
+    A module takes it for all its tests with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

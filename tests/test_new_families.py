@@ -16,7 +16,7 @@ from flodl_hf.auto import AutoConfig
 from flodl_hf.parity import check_parity, make_batch, quiet_transformers
 
 from cases import CASES
-from helpers import CACHE, make_checkpoint
+from helpers import CACHE, make_checkpoint, one_thread  # noqa: F401  (the fixture)
 from test_batching import WIDE, _formed_batches, texts
 from test_tasks import LABELS, TEXTS, TOKENIZERS, pipeline, task_dir
 from test_tokenizer_dirs import all_dirs, corpus
@@ -25,12 +25,7 @@ BERT_TOK, BPE_TOK = TOKENIZERS[0], TOKENIZERS[1]
 MODERNBERT_SMALL = dict(num_hidden_layers=4, local_attention=8)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/helpers.py
 
 
 def _case(case_id: str) -> tuple[str, dict]:

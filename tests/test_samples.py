@@ -22,20 +22,14 @@ import torch
 from flodl_hf import AutoTokenizer, embed, fill_mask, io, load_model, samples
 from flodl_hf.errors import SourceNotFoundError
 from flodl_hf.samples import Sample, SampleError
-from helpers import make_checkpoint, quiet_transformers
+from helpers import make_checkpoint, quiet_transformers, one_thread  # noqa: F401  (the fixture)
 from test_tokenizer_dirs import saved_dir, wordpiece_vocab_dir
 
 TINY_BERT = dict(model_type="bert", vocab_size=400, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                  intermediate_size=64, max_position_embeddings=64)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: one thread is faster, and far faster on a busy machine (no spin-waiting)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/helpers.py
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ import flodl_hf
 from flodl_hf import InputError, answer, classify, embed, fill_mask, rank, tag
 from flodl_hf.registry import supported_model_types
 from flodl_hf.tasks import clear_cache, load
-from helpers import CACHE, make_checkpoint, quiet_transformers
+from helpers import CACHE, make_checkpoint, quiet_transformers, one_thread  # noqa: F401  (the fixture)
 from test_tokenizer_dirs import all_dirs
 
 DIRS = all_dirs()
@@ -49,13 +49,7 @@ CONTEXT = ("John Smith is a teacher in Paris. He likes coffee and reads a book e
 QUESTIONS = ["Where does Mary Anne work?", "What is the capital of France?", "Who is a teacher?"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: one thread is faster, and far faster on a busy machine (no spin-waiting)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/helpers.py
 
 
 def task_dir(tokenizer: str, task: str, model_type: str = "bert", **config) -> Path:
