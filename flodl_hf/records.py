@@ -207,6 +207,18 @@ def child_statuses(children: dict[str, dict], rates: dict[str, float | None]) ->
 
 # ---- writing (rank 0) ------------------------------------------------------------------------
 
+def _finite(value):
+    """``value`` with every NaN or infinite float as None: records are strict JSON (the portal's
+    responses and the page's ``JSON.parse`` refuse ``NaN``), and a diverged loss reads as a gap."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _after_point(record: dict, point: int | tuple[int, float]) -> bool:
     """Whether ``record`` was logged after ``point`` (a step, or (step, training time)). Times are
     compared as records round them (4 decimals); a record without a time is placed by its step."""
@@ -253,7 +265,7 @@ class TreeWriter:
         f = self._files.get(path)
         if f is None:  # closed: the run is over
             return
-        f.write(json.dumps(record, separators=(",", ":")) + "\n")
+        f.write(json.dumps(_finite(record), separators=(",", ":")) + "\n")
         f.flush()
         if record.get("event") == "train":
             self._last[path] = record

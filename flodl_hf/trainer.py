@@ -187,13 +187,26 @@ class Trainer:
         self.batching, self.max_tokens, self.lengths = batching, max_tokens, lengths
         if checkpoint_every is not None and checkpoint_dir is None:
             raise TrainerConfigError("checkpoint_every needs checkpoint_dir")
+        if eval_fn is None and (eval_every is not None or stop_when is not None):
+            raise TrainerConfigError(f"{'eval_every' if eval_every is not None else 'stop_when'} needs eval_fn "
+                                     "(the evaluation it acts on)")
+        if grad_clip is not None and (isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float))
+                                      or not math.isfinite(grad_clip) or grad_clip < 0):
+            raise TrainerConfigError(f"grad_clip must be a positive number (the gradients' max norm), or None or 0 "
+                                     f"for no clipping; got {grad_clip!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TrainerConfigError(f"seed must be an int, got {seed!r}")
+        for name, where in (("checkpoint_dir", checkpoint_dir), ("log_dir", log_dir)):
+            if where is not None and Path(where).exists() and not Path(where).is_dir():
+                raise TrainerConfigError(f"{name} {where} exists and is not a directory")
         self.model, self.step_fn, self.optimizer_factory, self.data = model, step, optimizer, data
         self.batch_size, self.epochs, self.max_steps = batch_size, epochs, max_steps
         self.scheduler_factory, self.eval_fn, self.eval_every = scheduler, eval_fn, eval_every
         self.sync, self.el_che, self.outer_cfg = sync, el_che, outer
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every, self.keep_checkpoints, self.resume = checkpoint_every, keep_checkpoints, resume
-        self.seed, self.shuffle, self.grad_clip, self.device_arg = seed, shuffle, grad_clip, device
+        self.seed, self.shuffle, self.device_arg = seed, shuffle, device
+        self.grad_clip = grad_clip or None  # 0: no clipping, as transformers' max_grad_norm=0
         self.collate_fn = collate_fn or torch.utils.data.default_collate
         log_dir = log_dir if log_dir is not None else checkpoint_dir
         self.log_dir = Path(log_dir) if log_dir is not None else None
@@ -207,6 +220,7 @@ class Trainer:
         self.epoch = self.position = self.samples = self.batches = 0
         self.train_time = 0.0
         self.resumed_from: Path | None = None
+        self._fitted = False
         self.history: list[dict] = []   # rolled-up records (every worker; eval records on worker 0)
         self.records: list[dict] = []   # this worker's records
 
@@ -217,7 +231,12 @@ class Trainer:
         return self.epoch * self.steps_per_epoch + math.ceil(self.position / self.global_batch)
 
     def fit(self) -> dict:
-        """Train until ``epochs`` or ``max_steps`` (or ``stop_when``); return a summary."""
+        """Train until ``epochs`` or ``max_steps`` (or ``stop_when``); return a summary. Once per
+        Trainer: to train on, build a new one on the same ``checkpoint_dir`` (it resumes)."""
+        if self._fitted:
+            raise TrainerError("fit() already ran on this Trainer; build a new Trainer to train again "
+                               "(on the same checkpoint_dir it resumes where this one ended)")
+        self._fitted = True
         self.comm, self.device = Comm.connect(self.device_arg, self.timeout)
         try:
             self._setup()
@@ -307,9 +326,17 @@ class Trainer:
         if self._live and self.el_che.nested is True:
             self._candidates = {ranks: comm.subgroup(ranks) for ranks in inner_candidates(comm.world)}
 
+        if self.checkpoint_dir is not None and not self.resume and comm.rank == 0:
+            # A fresh run in a directory holding an earlier run's checkpoints: they go, as its records
+            # do, or pruning (by step) would keep them over this run's and a later resume take them.
+            removed = _remove_checkpoints(self.checkpoint_dir)
+            if removed:
+                warnings.warn(f"resume=False: removed {len(removed)} checkpoint file(s) of an earlier run from "
+                              f"{self.checkpoint_dir} (newest {removed[-1]})")
         checkpoint = self._find_resume()
         if checkpoint is not None:
             state, worker = checkpoint
+            _check_model_fits(self.model, state, self.resumed_from)  # before any tensor is copied
             try:
                 lora.load_trainer_state(self.model, state, str(self.resumed_from))  # LoRA: the adapter only
             except RuntimeError as exc:
@@ -325,7 +352,13 @@ class Trainer:
             self.wrapped = self.model
             # Workers start from worker 0's weights (DDP does this itself).
             comm.broadcast_(list(self.model.parameters()) + list(self.model.buffers()))
-        self.optimizer = self.optimizer_factory([p for p in self.wrapped.parameters() if p.requires_grad])
+        params = [p for p in self.wrapped.parameters() if p.requires_grad]
+        if not params:
+            raise TrainerConfigError(f"model: {type(self.model).__name__} has no parameter that requires grad")
+        self.optimizer = self.optimizer_factory(params)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TrainerConfigError(f"optimizer(params) must return a torch.optim.Optimizer, got "
+                                     f"{type(self.optimizer).__name__}")
         self.scheduler = self.scheduler_factory(self.optimizer) if self.scheduler_factory else None
         self.outer = OuterOptimizer(self.trainable, self.outer_cfg) if self.outer_cfg else None
         # combine="sum" adds each worker's change to the window's shared start, and compress="bf16" sends
@@ -1176,9 +1209,11 @@ class Trainer:
             self.model.eval()
             devices = [self.device.index] if self.device.type == "cuda" else []
             # Evaluation must not move the training RNG, or resuming would not be bit-exact.
-            with torch.random.fork_rng(devices=devices), torch.no_grad():
-                out = self.eval_fn(self.model)
-            self.model.train(was_training)
+            try:
+                with torch.random.fork_rng(devices=devices), torch.no_grad():
+                    out = self.eval_fn(self.model)
+            finally:
+                self.model.train(was_training)
             metrics = _metrics(out)
             eval_s = time.perf_counter() - t
             self._eval_s += eval_s
@@ -1236,6 +1271,7 @@ class Trainer:
             "step": self.step, "epoch": self.epoch, "position": self.position, "samples": self.samples,
             "train_time": self.train_time, "seed": self.seed, "batch_size": self.batch_size,
             "world_size": comm.world, "sync": self.sync, "batching": self.batching, "max_tokens": self.max_tokens,
+            "data_size": len(self.data), "shuffle": self.shuffle,
             "el_che": {"anchor": self.plan.anchor, "counts": list(self.plan.counts), "ms_per_batch": self._ms}
             if self.plan is not None else None,
             "outer": self.outer.state_dict() if self.outer is not None else None,
@@ -1258,7 +1294,8 @@ class Trainer:
         state = load_checkpoint(path)
         for key, mine, old in (("batch_size", self.batch_size, None), ("sync", self.sync, None),
                                ("seed", self.seed, None), ("batching", self.batching, "fixed"),
-                               ("max_tokens", self.max_tokens, None)):
+                               ("max_tokens", self.max_tokens, None), ("data_size", len(self.data), len(self.data)),
+                               ("shuffle", self.shuffle, self.shuffle)):  # (the last two: older checkpoints lack them)
             if state.get(key, old) != mine:
                 raise TrainerError(f"{path}: checkpoint has {key}={state.get(key)!r} but this Trainer has "
                                    f"{key}={mine!r}; pass the same value, or resume=False to start fresh")
@@ -1279,9 +1316,20 @@ class Trainer:
     def _restore(self, state: dict, worker: dict) -> None:
         self.epoch, self.position, self.samples = state["epoch"], state["position"], state["samples"]
         self.train_time, self.batches = state["train_time"], worker.get("batches", 0)
-        self.optimizer.load_state_dict(worker["optimizer"])
-        if self.scheduler is not None and worker.get("scheduler") is not None:
-            self.scheduler.load_state_dict(worker["scheduler"])
+        try:
+            # torch loads another optimizer's groups without a word and fails at the first step: the
+            # groups must carry every setting this optimizer's do.
+            lacking = sorted({k for g in self.optimizer.param_groups for k in g}
+                             - {k for g in worker["optimizer"].get("param_groups", []) for k in g})
+            if lacking:
+                raise ValueError(f"its parameter groups lack {', '.join(lacking)}")
+            self.optimizer.load_state_dict(worker["optimizer"])
+            if self.scheduler is not None and worker.get("scheduler") is not None:
+                self.scheduler.load_state_dict(worker["scheduler"])
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise TrainerError(f"{self.resumed_from}: the checkpoint's optimizer or scheduler state does not fit "
+                               f"this Trainer's ({type(self.optimizer).__name__}): {type(exc).__name__}: {exc}; "
+                               "pass the same optimizer, or resume=False to start fresh") from exc
         if self.outer is not None and state.get("outer") is not None:
             self.outer.load_state_dict(state["outer"])
         if self.plan is not None and state.get("el_che"):
@@ -1313,7 +1361,7 @@ class Trainer:
         summary = {"step": self.step, "epoch": self.epoch, "samples": self.samples,
                    "train_time": self.train_time, "wall_time": time.perf_counter() - self._fit_start,
                    "loss": last.get("loss"), "batches": self.batches,
-                   "eval": {k: v for k, v in evals[-1].items() if k not in ("event", "step", "epoch", "time", "eval_s")}
+                   "eval": {k: v for k, v in evals[-1].items() if k not in _EVAL_FIELDS}
                    if evals else None,
                    "stopped_early": self._stop, "checkpoint": None, "report": None}
         if self.checkpoint_dir is not None and self.comm.rank == 0:
@@ -1371,11 +1419,45 @@ def _copy_into(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor])
 
 def _atomic_save(obj: dict, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write (a full disk) leaves nothing behind
+        raise
+
+
+_RANK_FILE_RE = re.compile(r"^step-\d{8,}(?:-\d+)?\.rank-\d+\.pt$")
+
+
+def _remove_checkpoints(directory: Path) -> list[str]:
+    """Remove the trainer's checkpoint sets (main and rank files, by their names only) from ``directory``;
+    return the removed names, oldest first. Nothing else in the directory is touched."""
+    if not directory.is_dir():
+        return []
+    mains = [p.name for p in _checkpoints(directory)]
+    sides = sorted(p.name for p in directory.glob("step-*.pt") if _RANK_FILE_RE.match(p.name))
+    for name in sides + mains:
+        (directory / name).unlink(missing_ok=True)
+    return sides + mains
+
+
+def _check_model_fits(model: nn.Module, state: dict, path: Path | None) -> None:
+    """Resume: a full checkpoint's ``model`` must hold this model's keys with its shapes, checked before
+    any tensor is copied (``load_state_dict`` copies what fits before it reports what does not)."""
+    if (state.get("lora") or {}).get("adapter_only"):
+        return  # flodl_hf.lora checks the adapter against the model
+    mine, saved = model.state_dict(), state["model"]
+    problems = [f"missing {k}" for k in mine if k not in saved][:3]
+    problems += [f"unexpected {k}" for k in saved if k not in mine][:3]
+    problems += [f"{k}: {tuple(saved[k].shape)} in the checkpoint, {tuple(v.shape)} in the model"
+                 for k, v in mine.items() if k in saved and tuple(saved[k].shape) != tuple(v.shape)][:3]
+    if problems:
+        raise TrainerError(f"{path}: the checkpoint does not fit this model ({'; '.join(problems)}); "
+                           "pass the model it was trained from, or resume=False to start fresh")
 
 
 # ---- small helpers -----------------------------------------------------------------------------
@@ -1441,15 +1523,31 @@ def _loss_of(out: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TrainerConfigError("step(model, batch) must return a scalar loss tensor or an output with .loss; "
                                  f"got {type(out).__name__}" + ("" if loss is None else f" whose loss is {loss!r}"))
+    if not loss.requires_grad:
+        raise TrainerConfigError("step(model, batch) returned a loss that does not require grad: compute it from "
+                                 "the model's output, outside torch.no_grad()")
     return loss.reshape(())
 
 
+_EVAL_FIELDS = ("event", "step", "epoch", "time", "samples", "eval_s")  # the evaluation record's own
+
+
 def _metrics(out: Any) -> dict:
-    if isinstance(out, Mapping):
-        return {str(k): float(v) for k, v in out.items()}
+    """``eval_fn``'s result as metrics: a mapping of numbers, one number (``eval``), or None."""
     if out is None:
         return {}
-    return {"eval": float(out)}
+    metrics = {}
+    for key, value in (out.items() if isinstance(out, Mapping) else [("eval", out)]):
+        key = str(key)
+        if key in _EVAL_FIELDS:
+            raise TrainerConfigError(f"eval_fn returned a metric named {key!r}, a field of the evaluation record "
+                                     f"({', '.join(_EVAL_FIELDS)}): give it another name")
+        try:
+            metrics[key] = float(value)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TrainerConfigError(f"eval_fn's {key!r} must be a number (or a one-element tensor), got "
+                                     f"{type(value).__name__}") from exc
+    return metrics
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

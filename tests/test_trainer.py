@@ -609,6 +609,131 @@ def test_resumed_run_drops_records_after_its_checkpoint(tmp_path):
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+# ---- misuse: a typed error before anything is lost ------------------------------------------------
+
+def test_fresh_run_removes_an_earlier_runs_checkpoints_and_nothing_else(tmp_path):
+    trainer(Net(0), Indexed(40), tmp_path, max_steps=10, checkpoint_every=5, sync="none").fit()
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.warns(UserWarning, match=r"resume=False: removed 2 checkpoint file\(s\)"):
+        t = trainer(Net(0), Indexed(40), tmp_path, max_steps=3, checkpoint_every=1, sync="none", resume=False)
+        summary = t.fit()
+    # pruning by step no longer keeps the earlier run's step 10 over this run's, nor does a resume take it
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["step-00000002.pt", "step-00000003.pt"]
+    assert Path(summary["checkpoint"]).name == "step-00000003.pt"
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_grad_clip_seed_and_directories_are_checked_up_front(tmp_path):
+    for bad in (-1.0, float("nan"), float("inf"), "1", True):
+        with pytest.raises(TrainerConfigError, match="grad_clip"):
+            trainer(Net(0), Indexed(16), tmp_path, max_steps=1, grad_clip=bad)
+    for bad in (None, 1.5):
+        with pytest.raises(TrainerConfigError, match="seed must be an int"):
+            trainer(Net(0), Indexed(16), tmp_path, max_steps=1, seed=bad)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(TrainerConfigError, match="checkpoint_dir .*file exists and is not a directory"):
+        trainer(Net(0), Indexed(16), tmp_path / "file", max_steps=1)
+    with pytest.raises(TrainerConfigError, match="log_dir .*file exists and is not a directory"):
+        trainer(Net(0), Indexed(16), tmp_path / "ck", max_steps=1, log_dir=tmp_path / "file")
+    with pytest.raises(TrainerConfigError, match="eval_every needs eval_fn"):
+        trainer(Net(0), Indexed(16), tmp_path / "ck", max_steps=1, eval_every=1)
+    with pytest.raises(TrainerConfigError, match="stop_when needs eval_fn"):
+        trainer(Net(0), Indexed(16), tmp_path / "ck", max_steps=1, stop_when=lambda m: True)
+    assert not (tmp_path / "ck").exists()
+    # 0 means no clipping, as transformers' max_grad_norm=0: the same weights as None
+    a, b = Net(0), Net(0)
+    trainer(a, Indexed(16), tmp_path / "a", max_steps=2, sync="none", grad_clip=0).fit()
+    trainer(b, Indexed(16), tmp_path / "b", max_steps=2, sync="none", grad_clip=None).fit()
+    assert same_state(a, b)
+
+
+def test_fit_runs_once_per_trainer(tmp_path):
+    t = trainer(Net(0), Indexed(16), tmp_path, max_steps=1, sync="none")
+    t.fit()
+    with pytest.raises(TrainerError, match="fit\\(\\) already ran"):
+        t.fit()
+
+
+def test_resume_refuses_other_data_or_shuffle(tmp_path):
+    trainer(Net(0), Indexed(40), tmp_path, max_steps=4, sync="none").fit()
+    with pytest.raises(TrainerError, match="data_size=40 but this Trainer has data_size=8"):
+        trainer(Net(0), Indexed(8), tmp_path, max_steps=6, sync="none").fit()
+    with pytest.raises(TrainerError, match="shuffle=True but this Trainer has shuffle=False"):
+        trainer(Net(0), Indexed(40), tmp_path, max_steps=6, sync="none", shuffle=False).fit()
+
+
+def test_resume_into_another_model_or_optimizer_is_refused_and_leaves_the_model_alone(tmp_path):
+    trainer(Net(0), Indexed(40), tmp_path, max_steps=2, sync="none").fit()
+    other = Net(5)
+    other.body[3] = nn.Linear(16, 2)  # another head: the first layer would fit, the last does not
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(TrainerError, match=r"step-00000002.pt: the checkpoint does not fit this model \(body.3"):
+        trainer(other, Indexed(40), tmp_path, max_steps=4, sync="none").fit()
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())  # nothing copied
+    sgd = Trainer(Net(0), net_step, lambda p: torch.optim.SGD(p, lr=0.1), Indexed(40), batch_size=8, max_steps=2,
+                  checkpoint_dir=tmp_path / "sgd", sync="none", progress=False, report=False)
+    sgd.fit()
+    with pytest.raises(TrainerError, match="optimizer or scheduler state does not fit this Trainer's \\(Adam\\)"):
+        Trainer(Net(0), net_step, lambda p: torch.optim.Adam(p), Indexed(40), batch_size=8, max_steps=4,
+                checkpoint_dir=tmp_path / "sgd", sync="none", progress=False, report=False).fit()
+
+
+def test_user_callables_that_cannot_train_get_typed_errors(tmp_path):
+    with pytest.raises(TrainerConfigError, match="must return a torch.optim.Optimizer, got object"):
+        Trainer(Net(0), net_step, lambda p: object(), Indexed(16), batch_size=8, max_steps=1, sync="none",
+                progress=False, report=False).fit()
+    frozen = Net(0).requires_grad_(False)
+    with pytest.raises(TrainerConfigError, match="Net has no parameter that requires grad"):
+        Trainer(frozen, net_step, adamw, Indexed(16), batch_size=8, max_steps=1, sync="none",
+                progress=False, report=False).fit()
+    with pytest.raises(TrainerConfigError, match="does not require grad"):
+        Trainer(Net(0), lambda m, b: torch.tensor(1.0), adamw, Indexed(16), batch_size=8, max_steps=1,
+                sync="none", progress=False, report=False).fit()
+
+
+def test_eval_fn_results_are_checked_and_the_model_goes_back_to_training(tmp_path):
+    for result, match in (({"acc": "x"}, "eval_fn's 'acc' must be a number"),
+                          ({"acc": torch.ones(2)}, "eval_fn's 'acc' must be a number"),
+                          ({"step": 99}, "a metric named 'step'"), ({"samples": 1.0}, "a metric named 'samples'")):
+        with pytest.raises(TrainerConfigError, match=match):
+            trainer(Net(0), Indexed(16), tmp_path / "a", max_steps=1, sync="none", resume=False,
+                    eval_fn=lambda m, r=result: r).fit()
+    model = Net(0)
+
+    def broken(m):
+        raise ZeroDivisionError("the user's own")
+    with pytest.raises(ZeroDivisionError):
+        trainer(model, Indexed(16), tmp_path / "b", max_steps=1, sync="none", eval_fn=broken).fit()
+    assert model.training
+    summary = trainer(Net(0), Indexed(16), tmp_path / "c", max_steps=1, sync="none",
+                      eval_fn=lambda m: {"acc": torch.tensor(0.5)}).fit()
+    assert summary["eval"] == {"acc": 0.5}  # the metrics only, not the record's own fields
+
+
+def test_a_failed_checkpoint_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import flodl_hf.trainer as trainer_module
+
+    def full_disk(obj, f):
+        f.write(b"partial")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(trainer_module.torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        trainer(Net(0), Indexed(16), tmp_path, max_steps=1, sync="none").fit()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".pt") or ".tmp-" in p.name]
+
+
+def test_a_diverged_loss_is_recorded_as_null_in_strict_json(tmp_path):
+    def nan_step(model, batch):
+        return model(batch["x"], batch["y"]).loss * float("nan")
+    Trainer(Net(0), nan_step, adamw, Indexed(16), batch_size=8, max_steps=2, sync="none", log_every=1,
+            log_dir=tmp_path, progress=False, report=False).fit()
+    for file in tmp_path.rglob("records.jsonl"):
+        for line in file.read_text().splitlines():
+            json.loads(line, parse_constant=lambda c: pytest.fail(f"{file}: {c} in {line}"))
+    rank = next(tmp_path.glob("host-*/rank-0/records.jsonl"))
+    assert [json.loads(x)["loss"] for x in rank.read_text().splitlines() if '"train"' in x][0] is None
+
+
 def test_old_layout_is_read_as_a_tree(tmp_path):
     rows = [{"event": "start", "world_size": 2}, {"event": "train", "step": 1, "loss": 1.0},
             {"event": "train", "step": 2, "loss": 0.5}]
