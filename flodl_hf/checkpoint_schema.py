@@ -37,6 +37,9 @@ def read(path: str | os.PathLike) -> dict[str, Any]:
     try:
         data = torch.load(str(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
+        if "global" not in str(exc):  # no object refused: the bytes themselves are not a pickle torch reads
+            raise CheckpointFormatError(f"{path}: not a readable trainer checkpoint (truncated, or other bytes than "
+                                        "torch.save writes)") from exc
         raise CheckpointFormatError(
             f"{path}: not a flodl-hf trainer checkpoint: it holds objects other than tensors and plain "
             f"containers, which are refused, never unpickled ({str(exc).splitlines()[0]})") from exc

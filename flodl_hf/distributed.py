@@ -464,9 +464,16 @@ def default_backend() -> str:
 def resolve_device(device: str | torch.device | None, local_rank: int) -> torch.device:
     """``None`` picks this worker's GPU (``LOCAL_RANK``) when there is one, else the CPU."""
     if device is not None:
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise TrainerConfigError(f"device {device!r} is not a torch device ('cpu', 'cuda', 'cuda:1', ...)") from exc
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0 or (device.index is not None and device.index >= count):
+                raise TrainerConfigError(f"device {str(device)!r}: this machine has {count} CUDA device(s)")
+            if device.index is None:
+                device = torch.device("cuda", local_rank % count)
         return device
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())

@@ -637,6 +637,9 @@ def test_grad_clip_seed_and_directories_are_checked_up_front(tmp_path):
         trainer(Net(0), Indexed(16), tmp_path / "ck", max_steps=1, log_dir=tmp_path / "file")
     with pytest.raises(TrainerConfigError, match="eval_every needs eval_fn"):
         trainer(Net(0), Indexed(16), tmp_path / "ck", max_steps=1, eval_every=1)
+    for bad, match in (("gpu", "'gpu' is not a torch device"), ("cuda:99", "'cuda:99': this machine has")):
+        with pytest.raises(TrainerConfigError, match=match):
+            trainer(Net(0), Indexed(16), tmp_path / "ck", max_steps=1, device=bad).fit()
     with pytest.raises(TrainerConfigError, match="stop_when needs eval_fn"):
         trainer(Net(0), Indexed(16), tmp_path / "ck", max_steps=1, stop_when=lambda m: True)
     assert not (tmp_path / "ck").exists()
