@@ -36,17 +36,40 @@ def saved_page(run: str | os.PathLike) -> str:
     return render_page(title=f"flodl-hf run: {run.name}", data={"paths": list(nodes), "nodes": nodes})
 
 
-def write_report(log_dir: str | os.PathLike, path: str | os.PathLike | None = None) -> Path:
-    """Write ``log_dir``'s whole record tree as one page (default ``log_dir/run.html``); return its path."""
+def write_report(log_dir: str | os.PathLike, path: str | os.PathLike | None = None, force: bool = False) -> Path:
+    """Write ``log_dir``'s whole record tree as one page (default ``log_dir/run.html``, replaced at
+    each write); return its path. A ``path`` that exists is replaced only with ``force``, and only
+    where it is a page (``<!doctype html>``): never a directory, a record file or anything else."""
+    from .errors import InputError, OutputExistsError, SourceNotFoundError
     log_dir = Path(log_dir)
     if not tree_paths(log_dir):
-        from .errors import SourceNotFoundError
         raise SourceNotFoundError(f"{log_dir}: no run records here (records.jsonl, or the older run.jsonl)")
-    out = Path(path) if path is not None else log_dir / REPORT_NAME
+    out = Path(path).expanduser() if path is not None else log_dir / REPORT_NAME
+    if path is not None:
+        if out.is_dir():
+            raise OutputExistsError(f"{out} is a directory: give the page's file name (nothing was written)")
+        if not out.parent.is_dir():
+            raise InputError(f"{out}: its directory {out.parent} does not exist (nothing was written)")
+        if out.exists() or out.is_symlink():
+            if not force:
+                raise OutputExistsError(f"{out} already exists: pass --force (force=True) to replace it, or "
+                                        "choose another path (nothing was written)")
+            if out.is_symlink() or not _is_page(out):
+                raise OutputExistsError(f"{out} is not a page (no <!doctype html> at its start): --force replaces "
+                                        "only an earlier page; choose another path (nothing was written)")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.write_text(saved_page(log_dir))
-    os.replace(tmp, out)
+    try:
+        tmp.write_text(saved_page(log_dir))
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return out
+
+
+def _is_page(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(15).lower() == b"<!doctype html>"
 
 
 _PAGE = """<!doctype html>

@@ -277,3 +277,21 @@ def test_old_layout_run_is_served_as_a_tree(tmp_path):
     assert client.get("/paths").json()["paths"] == ["", "host-local", "host-local/rank-0"]
     assert client.get("/node/host-local/rank-0").json()["record"]["loss"] == 1.0
     assert client.get("/history/?since=4").json()["records"][0]["step"] == 1
+
+
+def test_save_replaces_only_an_earlier_page(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    synthetic_run(run, hosts=1, per_host=2, windows=3).close()
+    monkeypatch.chdir(tmp_path)
+    records = run / "records.jsonl"
+    before = records.read_bytes()
+    assert main(["portal", str(run), "--save", "page.html"]) == 0
+    assert (tmp_path / "page.html").read_text().startswith("<!doctype html>")
+    assert main(["portal", str(run), "--save", "page.html"]) == 2  # exists: --force replaces it
+    assert main(["portal", str(run), "--save", "page.html", "--force"]) == 0
+    (tmp_path / "keep.txt").write_text("precious")
+    (tmp_path / "adir").mkdir()
+    for target, force in (("keep.txt", True), (str(records), True), ("adir", True), ("nodir/x.html", False)):
+        assert main(["portal", str(run), "--save", target] + (["--force"] if force else [])) == 2, target
+    assert (tmp_path / "keep.txt").read_text() == "precious" and records.read_bytes() == before
+    assert not (tmp_path / "nodir").exists() and not list(tmp_path.rglob(".*tmp-*"))

@@ -19,6 +19,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--token", default=None, help="a secret every request must carry (?token= or Bearer)")
     p.add_argument("--save", metavar="FILE", default=None, help="write the self-contained page to FILE and exit")
+    p.add_argument("--force", action="store_true", help="with --save: replace FILE if it is an earlier page")
     p.set_defaults(func=_cmd_portal)
 
 
@@ -27,7 +28,7 @@ def _cmd_portal(args: argparse.Namespace) -> int:
         from ..report import write_report
         if not Path(args.run).is_dir():
             raise SourceNotFoundError(f"{args.run}: no such run directory")
-        print(write_report(args.run, args.save))
+        print(write_report(args.run, args.save, force=args.force))
         return 0
     serve(args.run, host=args.host, port=args.port, token=args.token)
     return 0
