@@ -150,6 +150,12 @@ def _inputs(directory: Path, config: BaseConfig, task: str, prompts: list[str] |
         return make_batch(config, task), "random token ids, 2 sequences padded 13/8 (no tokenizer in DIR)", None
     transformers = quiet_transformers()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+    if tokenizer.pad_token is None:  # decoders' tokenizers (LLaMA, Mistral) often have none: pad with EOS,
+        # as generation does; the mask keeps the padding out, and both models see the same batch
+        if tokenizer.eos_token is None:
+            raise InputError(f"{directory}: the tokenizer has neither a pad token nor an EOS token to pad the "
+                             "prompts with; set pad_token in tokenizer_config.json")
+        tokenizer.pad_token = tokenizer.eos_token
     texts = list(prompts or DEFAULT_PROMPTS)
     limit = min(128, getattr(config, "max_position_embeddings", 256) // 2)
     enc = tokenizer(texts, padding=True, truncation=True, max_length=limit, return_tensors="pt")

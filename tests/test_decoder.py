@@ -279,3 +279,17 @@ def test_trainer_fine_tunes_a_decoder_with_the_causal_lm_loss(tmp_path):
     with torch.no_grad():
         after = model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
     assert after < before
+
+
+def test_export_and_verify_a_decoder_whose_tokenizer_has_no_pad_token(tmp_path):
+    """LLaMA tokenizers often have no pad token: verify-export pads its prompts with EOS, on both sides."""
+    from flodl_hf.export import export
+    from flodl_hf.verify import verify_export
+    root = _text_model(tmp_path)
+    (root / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    assert quiet_transformers().AutoTokenizer.from_pretrained(str(root)).pad_token is None
+    export(str(root), tmp_path / "out")
+    report = verify_export(tmp_path / "out")
+    assert report.ok, report
+    assert "padded" in report.inputs and "random" not in report.inputs
+
