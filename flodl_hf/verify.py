@@ -121,6 +121,32 @@ class _Source:
         return [self.path] if self.kind == "trainer" else list(self.ckpt.weight_files)
 
 
+def _read_stamp(raw: dict, config_path: Path) -> dict:
+    """config.json's ``flodl_hf`` stamp, its fields checked for the types export writes (an edited or
+    foreign stamp is a ConfigError naming the field, not a crash further on); {} where there is none."""
+    stamp = raw.get(STAMP_KEY)
+    if stamp is None:
+        return {}
+    if not isinstance(stamp, dict):
+        raise ConfigError(f"{config_path}: field {STAMP_KEY!r} is a {type(stamp).__name__}, not flodl-hf "
+                          "export's stamp (a JSON object)")
+    def bad(key: str, what: str) -> ConfigError:
+        return ConfigError(f"{config_path}: field {STAMP_KEY}.{key} is {stamp[key]!r}, not {what}")
+    for key in ("source", "format", "commit", "revision", "task"):
+        if stamp.get(key) is not None and not isinstance(stamp[key], str):
+            raise bad(key, "a string")
+    dtype = stamp.get("dtype")
+    if dtype is not None and dtype != "keep" and not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+        raise bad("dtype", "'keep' or a torch dtype's name")
+    if not isinstance(stamp.get("fresh", []), (list, bool)):
+        raise bad("fresh", "a list of keys")
+    sums = stamp.get("weights_sha256")
+    if sums is not None and not (isinstance(sums, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                 for k, v in sums.items())):
+        raise bad("weights_sha256", "an object of file names to sha256 strings")
+    return stamp
+
+
 def _find_source(directory: Path, stamp: dict, source: str | None, no_source: bool) -> _Source | None:
     if no_source:
         return None
@@ -343,7 +369,7 @@ def verify_export(directory: str | os.PathLike, source: str | None = None, no_so
         task = architecture_task(architectures[0], config.model_type)
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{config_path}: architectures[0] is {architectures[0]!r}: {exc}") from None
-    stamp = raw.get(STAMP_KEY) or {}
+    stamp = _read_stamp(raw, config_path)
     src = _find_source(directory, stamp, source, no_source)
     # What the export declared (a cast, fresh keys) holds whichever source it is compared with.
     cast_name = stamp.get("dtype") or "keep"

@@ -475,3 +475,19 @@ def test_verify_matrix_reports_a_broken_cell(tmp_path, monkeypatch):
     assert "ERROR" in result.html_path.read_text()
     with pytest.raises(UnsupportedModelError, match="funnel"):
         verify_matrix(families=["funnel"], out_dir=None)
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda c: c.update(flodl_hf="x"), "'flodl_hf' is a str"),
+    (lambda c: c["flodl_hf"].update(source=5), "flodl_hf.source is 5"),
+    (lambda c: c["flodl_hf"].update(dtype="float99"), "flodl_hf.dtype is 'float99'"),
+    (lambda c: c["flodl_hf"].update(weights_sha256=["a"]), "flodl_hf.weights_sha256"),
+])
+def test_verify_refuses_an_edited_stamp_naming_the_field(tmp_path, edit, field):
+    out = export(_tiny("seqcls"), tmp_path / "out").out
+    config = _config(out)
+    edit(config)
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=f"config.json: field {field}"):
+        verify_export(out)
+    assert main(["verify-export", str(out)]) == 2
