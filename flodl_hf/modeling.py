@@ -363,12 +363,12 @@ class LoadReport:
 
 def _check_kinds(model: nn.Module, state: dict[str, torch.Tensor], untied: dict[str, torch.Tensor],
                  source: str) -> None:
-    """A floating parameter needs a floating tensor: an integer or bool tensor in its place is refused,
-    naming the key (transformers would cast it silently)."""
+    """A floating parameter needs a real floating tensor: an integer, bool or complex tensor in its place
+    is refused, naming the key (transformers would cast it silently; a complex one fails in the forward)."""
     expected = dict(model.state_dict(keep_vars=True))
     for key, tensor in [*state.items(), *untied.items()]:
         want = expected.get(key)
-        if want is not None and want.is_floating_point() and not (tensor.is_floating_point() or tensor.is_complex()):
+        if want is not None and want.is_floating_point() and not tensor.is_floating_point():
             raise CheckpointFormatError(f"{source}: key {key!r} holds a {str(tensor.dtype).removeprefix('torch.')} "
                                         "tensor where the model has a floating-point parameter; nothing was loaded")
 

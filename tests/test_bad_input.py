@@ -515,6 +515,8 @@ for _fmt in ("safetensors", "bin"):
          CheckpointFormatError, LN)
     case("load_model", f"{_fmt}-bool-tensor-for-float", _weights(lambda d: {**d, LN: d[LN] > 0}, _fmt),
          lambda s, t: load_model(s), CheckpointFormatError, LN)
+    case("load_model", f"{_fmt}-complex-tensor-for-float", _weights(lambda d: {**d, LN: d[LN].to(torch.complex64)}, _fmt),
+         lambda s, t: load_model(s), CheckpointFormatError, LN)
     case("load_model", f"{_fmt}-shape-mismatch", _weights(lambda d: {**d, LN: torch.zeros(3)}, _fmt),
          lambda s, t: load_model(s), WeightsMismatchError, LN)
     case("load_model", f"{_fmt}-missing-key", _weights(lambda d: {k: v for k, v in d.items() if k != LN}, _fmt),
