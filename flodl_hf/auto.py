@@ -13,7 +13,7 @@ import torch
 
 from . import io
 from .config import BaseConfig
-from .errors import ConfigError, UnsupportedModelError
+from .errors import ConfigError, InputError, UnsupportedModelError
 from .keys import has_pooler
 from .layers import check_attn_implementation, init_weights
 from .modeling import PreTrainedModel, load_weights, meta_device
@@ -95,12 +95,27 @@ def build_model(config: BaseConfig, task: str, add_pooling_layer: bool = True,
     return (family or get_family(config.model_type)).build(config, task, add_pooling_layer=add_pooling_layer)
 
 
-def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | None = None,
+def _dtype_arg(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``dtype`` as transformers' ``from_pretrained`` takes it: a floating torch dtype, its name
+    ("float16", "torch.bfloat16"), or "auto" / None (the checkpoint's own)."""
+    if dtype is None or dtype == "auto":
+        return None
+    found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+        raise InputError(f"dtype must be a floating torch dtype, its name ('float32', 'bfloat16') or 'auto'; "
+                         f"got {dtype!r}")
+    return found
+
+
+def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | str | None = None,
                revision: str | None = None, num_labels: int | None = None, attn_implementation: str = "sdpa",
                config: BaseConfig | None = None, expect: type | None = None,
                adapter: str | Path | None = None) -> PreTrainedModel:
     """Resolve, read and strictly load a checkpoint into the native model for ``task``; ``adapter``: a PEFT
     LoRA adapter directory to put on it (flodl_hf.lora.load_adapter)."""
+    dtype = _dtype_arg(dtype)
+    if num_labels is not None and (isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1):
+        raise InputError(f"num_labels must be a positive int, got {num_labels!r}")
     ckpt = io.resolve(source, revision)
     # The family is resolved once, here; the model carries it from here on.
     if config is None:
@@ -113,7 +128,7 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | N
     if task == "auto":
         task = task_of(config, family)
     if task not in task_names():
-        raise ValueError(f"task {task!r}: expected one of {', '.join(task_names())} or 'auto'")
+        raise InputError(f"task {task!r}: expected one of {', '.join(task_names())} or 'auto'")
     cls = family.model_class(task)
     if expect is not None and expect is not PreTrainedModel and not issubclass(cls, expect):
         raise UnsupportedModelError(f"{source} holds a {config.model_type!r} model; {expect.__name__} cannot load it "

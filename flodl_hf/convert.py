@@ -91,6 +91,7 @@ def verify_written(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
 def convert(source: str | os.PathLike, out: str | os.PathLike, revision: str | None = None,
             max_shard_size: int | str = "5GB", force: bool = False) -> ConvertResult:
     """Convert a ``.bin`` checkpoint (directory, file or hub id) to safetensors in ``out``."""
+    io.parse_size(max_shard_size)  # a bad size fails before any work
     out_path = check_out(out, force, local_source(source))
     ckpt = io.resolve(source, revision)
     if ckpt.format != "bin":

@@ -243,7 +243,12 @@ def check_out(out: str | os.PathLike, force: bool, protect: list[Protected] | No
     """Refuse an unusable ``out`` before anything is written: a file, a symlink, an existing directory
     without ``force`` or (with it) one flodl-hf did not write, or a path overlapping what is read."""
     from .validate import overlap, real
+    if not isinstance(out, (str, os.PathLike)) or not str(out):
+        raise InputError(f"out must be a directory path, got {out!r}")
     path = Path(out).expanduser().absolute()
+    above = next((p for p in path.parents if p.exists() or p.is_symlink()), None)
+    if above is not None and not above.is_dir():
+        raise OutputExistsError(f"--out {path}: {above} is a file, not a directory (nothing was written)")
     for src, both_ways in protect or []:
         how = overlap(path, src)
         if how == "is inside" and not both_ways:
@@ -449,6 +454,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, head: str = "auto"
     take the model card and sentence-transformers layout from (default: the source); see flodl_hf.carry.
     """
     cast = parse_dtype(dtype)
+    io.parse_size(max_shard_size)  # a bad size fails before any work, as a bad out does
     out_path = check_out(out, force, local_source(source))  # fail before any heavy work (a download)
     ckpt = io.resolve(source, revision)
     like_dir = carry.like_root(like) if like is not None else None
@@ -548,6 +554,7 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, head: str
     path = Path(ckpt).expanduser().absolute()
     tok_root = tokenizer_root(tokenizer) if tokenizer is not None else None
     protect: list[Protected] = [(path, True)] + ([(tok_root, True)] if tok_root is not None else [])
+    io.parse_size(max_shard_size)
     out_path = check_out(out, force, protect)
     config_dict, state = read_trainer_checkpoint(path)
     config = config_from_dict(config_dict, f"{path} (config)")

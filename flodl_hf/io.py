@@ -290,15 +290,23 @@ def _unify_dtypes(tensors: dict[str, torch.Tensor], ckpt: Checkpoint) -> None:
 
 
 def parse_size(size: int | str) -> int:
-    """'5GB' -> bytes (decimal units, as transformers reads them); ints pass through."""
-    if isinstance(size, int):
-        return size
-    text = size.strip().upper()
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
+    """'5GB' -> bytes (decimal units, as transformers reads them); ints pass through. Anything but a
+    positive size is an InputError naming max_shard_size."""
+    from .errors import InputError
+    value = None
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    elif isinstance(size, str):
+        text = size.strip().upper()
+        units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+        unit = next((u for u in units if text.endswith(u)), None)
+        try:
+            value = int(float(text[: -len(unit)] if unit else text) * units.get(unit, 1))
+        except ValueError:
+            value = None
+    if value is None or value < 1:
+        raise InputError(f"max_shard_size must be a positive size such as 5GB, 400MB or 2GiB (or bytes); got {size!r}")
+    return value
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], directory: Path, max_shard_size: int | str = "5GB",

@@ -69,7 +69,8 @@ def check_attn_implementation(name: str, family: "type[Family] | None" = None) -
     """``name`` if attend() has that path (and, given a family, the family declares it); else ValueError."""
     known = ATTN_IMPLEMENTATIONS if family is None else tuple(family.attn_implementations)
     if name not in ATTN_IMPLEMENTATIONS or (family is not None and name not in known and len(known) > 1):
-        raise ValueError(f"attn_implementation={name!r}: expected one of {', '.join(known)}")
+        from .errors import InputError
+        raise InputError(f"attn_implementation={name!r}: expected one of {', '.join(known)}")
     return name
 
 

@@ -987,3 +987,29 @@ def test_relative_only_deberta_takes_inputs_past_max_position_embeddings() -> No
     ids = (torch.arange(fields.get("max_position_embeddings", 512) + 8) % 50 + 5)[None]
     with torch.no_grad():
         assert torch.equal(ours(input_ids=ids).last_hidden_state, theirs(input_ids=ids).last_hidden_state)
+
+
+def test_arguments_of_the_python_api_and_the_commands_get_typed_errors(tmp_path):
+    """Arguments, not files: each gets an InputError (exit 2 from the command) naming it, before any write."""
+    src = _tiny("seqcls")
+    for kwargs, named in ((dict(task="foo"), "task 'foo'"), (dict(attn_implementation="foo"), "attn_implementation"),
+                          (dict(dtype="float99"), "dtype"), (dict(dtype=torch.int8), "dtype"),
+                          (dict(num_labels="x"), "num_labels"), (dict(num_labels=0), "num_labels")):
+        with pytest.raises(InputError, match=named):
+            load_model(src, **kwargs)
+    # dtype by name, as transformers' from_pretrained takes it
+    assert next(load_model(src, dtype="bfloat16").parameters()).dtype == torch.bfloat16
+    assert next(load_model(src, dtype="torch.float32").parameters()).dtype == torch.float32
+    for size in ("abc", "1XB", [1], -1, "0MB"):
+        with pytest.raises(InputError, match="max_shard_size"):
+            export(src, tmp_path / "out", max_shard_size=size)
+    with pytest.raises(InputError, match="out must be a directory path"):
+        export(src, None)
+    (tmp_path / "afile").write_text("")
+    from flodl_hf.cli import main
+    for argv in (["export", "--hub", str(src), "--out", str(tmp_path / "out"), "--max-shard-size", "abc"],
+                 ["convert", str(src), "--out", str(tmp_path / "out"), "--max-shard-size", "1XB"],
+                 ["export", "--hub", str(src), "--out", str(tmp_path / "afile" / "sub")],
+                 ["generate", "hi", "-m", str(src), "--eos-token-id", "abc"]):
+        assert main(argv) == 2, argv
+    assert not (tmp_path / "out").exists() and (tmp_path / "afile").read_text() == ""

@@ -5,13 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..errors import InputError
 from ..generate import generate
 from .tasks import _texts
 
 
+def _ids(text: str) -> list[int]:
+    """``--eos-token-id``: comma-separated non-negative ints ('' for none)."""
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    if not all(t.isdigit() for t in parts):
+        raise InputError(f"--eos-token-id {text!r}: expected comma-separated token ids such as 2 or 2,32000")
+    return [int(t) for t in parts]
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     prompts = _texts(args)
-    eos = None if args.eos_token_id is None else [int(t) for t in args.eos_token_id.split(",") if t.strip()]
+    eos = None if args.eos_token_id is None else _ids(args.eos_token_id)
     results = generate(prompts, args.model, max_new_tokens=args.max_new_tokens, do_sample=args.sample,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                        eos_token_id=eos)
