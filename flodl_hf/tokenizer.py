@@ -23,6 +23,7 @@ import base64
 import copy
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -597,6 +598,7 @@ class AutoTokenizer:
         root = tokenizer_directory(source, revision)
         tok_config = {k: v for k, v in _read_json(root / TOKENIZER_CONFIG).items()}
         tok_config.update(options)
+        _check_tokenizer_config(root, tok_config, options)
         class_name = class_name_for(root, tok_config)
         recipe = RECIPES.get(class_name or "")
         tokenizer_json = root / TOKENIZER_FILE
@@ -616,6 +618,53 @@ class AutoTokenizer:
         return _from_transformers(root, str(source), options)
 
 
+def _setting(root: Path, options: dict, key: str) -> str:
+    """Where a tokenizer_config.json setting came from, for an error message."""
+    return f"from_pretrained option {key}" if key in options else f"{root / TOKENIZER_CONFIG}: {key}"
+
+
+def _check_special_token(value: Any, where: str) -> None:
+    """A special token is a string, an AddedToken-style object with a string 'content', or null."""
+    if value is None or isinstance(value, str):
+        return
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return
+    raise ConfigError(f"{where} is {value!r} ({type(value).__name__}): expected a token string or an "
+                      "AddedToken object with a string 'content'")
+
+
+def _is_max_length(value: Any) -> bool:
+    """model_max_length as transformers writes it: a non-negative int, or an integral float (old files wrote
+    the 'no limit' value 1e30 as a float)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value >= 0
+    return isinstance(value, float) and math.isfinite(value) and value.is_integer() and value >= 0
+
+
+def _check_tokenizer_config(root: Path, tok_config: dict, options: dict) -> None:
+    """Refuse at load the tokenizer_config.json values (or from_pretrained options) that would otherwise fail
+    only when encoding, or be blamed on another file: sides, model_max_length, special tokens."""
+    for key in ("padding_side", "truncation_side"):
+        if key in tok_config and tok_config[key] not in ("left", "right"):
+            value = tok_config[key]
+            raise ConfigError(f"{_setting(root, options, key)} is {value!r} ({type(value).__name__}): "
+                              "expected 'left' or 'right'")
+    for key in ("model_max_length", "max_len"):
+        value = tok_config.get(key)
+        if value is not None and not _is_max_length(value):
+            raise ConfigError(f"{_setting(root, options, key)} is {value!r} ({type(value).__name__}): "
+                              "expected a non-negative integer (the most tokens the model takes)")
+    for name in SPECIAL_TOKEN_NAMES:
+        if name in tok_config:
+            _check_special_token(tok_config[name], _setting(root, options, name))
+    for key in ("extra_special_tokens", "additional_special_tokens"):
+        if isinstance(tok_config.get(key), list):
+            for i, value in enumerate(tok_config[key]):
+                _check_special_token(value, f"{_setting(root, options, key)}[{i}]")
+
+
 def _special_tokens(root: Path, tok_config: dict, defaults: dict) -> tuple[dict[str, Any], list[Any]]:
     """Named special tokens as transformers resolves them: tokenizer_config.json, then (legacy, when it has
     no added_tokens_decoder) special_tokens_map.json over it, then the class defaults."""
@@ -624,8 +673,11 @@ def _special_tokens(root: Path, tok_config: dict, defaults: dict) -> tuple[dict[
     if "added_tokens_decoder" not in tok_config:
         for name, value in _read_json(root / SPECIAL_TOKENS_MAP).items():
             if name in SPECIAL_TOKEN_NAMES:
+                _check_special_token(value, f"{root / SPECIAL_TOKENS_MAP}: {name}")
                 values[name] = value
             elif name in ("additional_special_tokens", "extra_special_tokens") and isinstance(value, list):
+                for i, token in enumerate(value):
+                    _check_special_token(token, f"{root / SPECIAL_TOKENS_MAP}: {name}[{i}]")
                 extras = list(extras) + [v for v in value if v not in extras]
     for name in SPECIAL_TOKEN_NAMES:
         if name not in values and name in defaults:
@@ -648,6 +700,8 @@ def _from_recipe(root: Path, data: dict, tok_config: dict, class_name: str, reci
     options = {**recipe.defaults, **{k: v for k, v in tok_config.items() if k in recipe.defaults},
                **{k: _token_text(v) for k, v in specials.items()}}
     options["_spm_precompiled_charsmap"] = _charsmap(data)
+    if recipe.model_type == "WordPiece":
+        _check_wordpiece_unk(root / TOKENIZER_FILE, data["model"].get("vocab"), options.get("unk_token"))
 
     # The added tokens transformers puts on its fresh backend: tokenizer_config.json's added_tokens_decoder,
     # or (legacy) tokenizer.json's own list; then every special token not among them yet.
@@ -689,6 +743,20 @@ def _from_recipe(root: Path, data: dict, tok_config: dict, class_name: str, reci
         split_special_tokens=bool(tok_config.get("split_special_tokens", False)),
     )
     return Tokenizer(backend, settings, source)
+
+
+def _check_wordpiece_unk(path: Path, vocab: Any, unk: str | None, section: str = "model.vocab") -> None:
+    """WordPiece maps every word it cannot split to its unk_token, which must be in the model's own vocabulary
+    (an added token does not count): without it, encoding such a word fails, so refuse the file at load."""
+    if not isinstance(vocab, dict):
+        return  # not a WordPiece vocabulary at all: building the model names the problem
+    if unk is None:
+        raise ConfigError(f"{path}: unk_token is null, but a WordPiece model needs one (set unk_token in "
+                          f"{TOKENIZER_CONFIG} to a token of the vocabulary)")
+    if unk not in vocab:
+        raise ConfigError(f"{path}: the model's vocab lacks its unk_token {unk!r}, so any unknown word would fail "
+                          f"to encode: add {unk!r} to {section} or set unk_token in {TOKENIZER_CONFIG} to a "
+                          "token the vocab has")
 
 
 VOCABULARY_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "*.model")
@@ -734,6 +802,10 @@ def _from_transformers(root: Path, source: str, options: dict) -> Tokenizer:
     if backend is None:
         raise SourceNotFoundError(f"{source}: transformers built a {type(reference).__name__}, which has no "
                                   "tokenizers backend to drive")
+    if type(backend.model).__name__ == "WordPiece":
+        vocab_file = root / "vocab.txt"
+        _check_wordpiece_unk(vocab_file if vocab_file.is_file() else root, backend.get_vocab(with_added_tokens=False),
+                             backend.model.unk_token, "the vocabulary")
     settings = TokenizerSettings(
         class_name=type(reference).__name__,
         special_tokens={name: _token_text(getattr(reference, name, None)) for name in SPECIAL_TOKEN_NAMES},

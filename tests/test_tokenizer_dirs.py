@@ -14,7 +14,13 @@ import os
 import random
 import shutil
 from pathlib import Path
+from typing import Callable
 
+import pytest
+
+from flodl_hf import AutoTokenizer
+from flodl_hf.errors import ConfigError
+from flodl_hf.tokenizer import VERY_LARGE_INTEGER
 from helpers import CACHE, quiet_transformers
 
 BUILD_VERSION = "1"  # bump when a builder changes
@@ -200,3 +206,65 @@ def all_dirs() -> dict[str, Path]:
     dirs["deberta-v2/lower-punct"] = saved_dir(spm_dir("deberta-v2"), "deberta-lower-punct", do_lower_case=True,
                                                split_by_punct=True)
     return dirs
+
+
+# ---- bad tokenizer files are refused at load, naming the file and the field -----------------------------
+
+def _edited_bert(tmp_path: Path, config: dict | None = None, model: Callable | None = None) -> Path:
+    """A copy of the saved BERT directory, tokenizer_config.json updated with ``config``, tokenizer.json's
+    model section edited in place by ``model``."""
+    target = tmp_path / "bert"
+    shutil.copytree(saved_dir(wordpiece_vocab_dir()), target)
+    if config:
+        path = target / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    if model:
+        path = target / "tokenizer.json"
+        data = json.loads(path.read_text())
+        model(data["model"])
+        path.write_text(json.dumps(data))
+    return target
+
+
+@pytest.mark.parametrize("key", ["truncation_side", "padding_side"])
+@pytest.mark.parametrize("value", [5, "middle", None])
+def test_bad_padding_or_truncation_side_is_refused_at_load(tmp_path, key, value):
+    directory = _edited_bert(tmp_path, {key: value})
+    with pytest.raises(ConfigError, match=rf"tokenizer_config\.json: {key} is .*'left' or 'right'"):
+        AutoTokenizer.from_pretrained(directory)
+    with pytest.raises(ConfigError, match=rf"from_pretrained option {key}"):
+        AutoTokenizer.from_pretrained(saved_dir(wordpiece_vocab_dir()), **{key: value})
+    AutoTokenizer.from_pretrained(_edited_bert(tmp_path / "ok", {key: "left"}))
+
+
+def test_special_token_of_wrong_type_or_missing_from_the_vocab_is_refused_at_load(tmp_path):
+    with pytest.raises(ConfigError, match=r"tokenizer_config\.json: unk_token is 5 \(int\)"):
+        AutoTokenizer.from_pretrained(_edited_bert(tmp_path / "int", {"unk_token": 5}))
+    with pytest.raises(ConfigError, match=r"tokenizer_config\.json: mask_token is \{'lstrip': True\}"):
+        AutoTokenizer.from_pretrained(_edited_bert(tmp_path / "dict", {"mask_token": {"lstrip": True}}))
+    no_unk = _edited_bert(tmp_path / "vocab", model=lambda m: m["vocab"].pop("[UNK]"))
+    with pytest.raises(ConfigError, match=r"tokenizer\.json: the model's vocab lacks its unk_token '\[UNK\]'"):
+        AutoTokenizer.from_pretrained(no_unk)
+    raw = tmp_path / "vocab-txt"  # the same for a vocab.txt that transformers converts
+    shutil.copytree(wordpiece_vocab_dir(), raw)
+    lines = (raw / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    (raw / "vocab.txt").write_text("".join(f"{t}\n" for t in lines if t != "[UNK]"), encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"vocab\.txt: the model's vocab lacks its unk_token '\[UNK\]'"):
+        AutoTokenizer.from_pretrained(raw)
+    # an AddedToken object, as transformers writes one, still loads
+    token = {"__type": "AddedToken", "content": "[UNK]", "lstrip": False, "rstrip": False, "normalized": False,
+             "single_word": False, "special": True}
+    assert AutoTokenizer.from_pretrained(_edited_bert(tmp_path / "added", {"unk_token": token})).unk_token == "[UNK]"
+
+
+@pytest.mark.parametrize("value", ["abc", -3, 12.5, True, [512]])
+def test_bad_model_max_length_names_tokenizer_config(tmp_path, value):
+    with pytest.raises(ConfigError, match=r"tokenizer_config\.json: model_max_length is .*non-negative integer"):
+        AutoTokenizer.from_pretrained(_edited_bert(tmp_path, {"model_max_length": value}))
+
+
+def test_model_max_length_as_transformers_writes_it_still_loads(tmp_path):
+    """An int, the 'no limit' int(1e30), and 1e30 or 512.0 as floats (older transformers wrote floats)."""
+    for i, value in enumerate([512, VERY_LARGE_INTEGER, 1e30, 512.0]):
+        ours = AutoTokenizer.from_pretrained(_edited_bert(tmp_path / str(i), {"model_max_length": value}))
+        assert ours.model_max_length == int(value)
