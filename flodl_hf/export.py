@@ -502,7 +502,8 @@ def read_trainer_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], di
     (the rules are flodl_hf.checkpoint_schema's, shared with the trainer's own reader)."""
     path = Path(path).expanduser()
     data = checkpoint_schema.read(path)
-    if (data.get("lora") or {}).get("adapter_only"):  # LoRA: the referenced base with the adapter merged in
+    from .lora import checkpoint_entry
+    if (checkpoint_entry(data, path) or {}).get("adapter_only"):  # LoRA: the referenced base, the adapter merged in
         from .lora import merged_checkpoint_state
         data = {**data, "model": merged_checkpoint_state(data, path)}
     return checkpoint_schema.model_part(data, path)

@@ -378,24 +378,146 @@ def _save_file(tensors: dict[str, torch.Tensor], directory: Path) -> None:
 
 # ---- reading PEFT's adapters --------------------------------------------------------------------------
 
+_REQUIRED = object()
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return (text[:77] + "...") if len(text) > 80 else text
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_names(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+# The LoRA settings, as PEFT's LoraConfig types them: (field, default, check, what is expected).
+_LORA_FIELDS: tuple[tuple[str, Any, Any, str], ...] = (
+    ("r", _REQUIRED, lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0, "a positive int (the rank)"),
+    ("lora_alpha", 8, _is_number, "a number"),
+    ("lora_dropout", 0.0, lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    ("target_modules", None, lambda v: v is None or isinstance(v, str) or _is_names(v),
+     "a list of module names, a regular expression string, or null (PEFT's default for the model type)"),
+    ("modules_to_save", None, lambda v: v is None or _is_names(v), "a list of module names or null"),
+    ("use_rslora", False, lambda v: isinstance(v, bool), "JSON true or false"),
+    ("bias", "none", lambda v: v in BIAS_MODES and isinstance(v, str), f"one of {', '.join(BIAS_MODES)}"),
+)
+
+
+def lora_settings(data: dict[str, Any], where: str, error: type[Exception] = AdapterError,
+                  defaults: bool = True) -> dict[str, Any]:
+    """The LoRA settings of ``data`` (adapter_config.json, or a trainer checkpoint's ``lora`` config), checked:
+    r, lora_alpha, lora_dropout, target_modules, modules_to_save, use_rslora, bias with PEFT's types and
+    defaults (``defaults=False``: every one must be there). Anything else is an ``error`` naming ``where`` and
+    the field, with what was found and what is expected."""
+    out: dict[str, Any] = {}
+    for name, default, ok, expected in _LORA_FIELDS:
+        if name not in data:
+            if default is _REQUIRED or not defaults:
+                raise error(f"{where}: no field {name!r}; expected {expected}")
+            out[name] = default
+            continue
+        value = data[name]
+        if not ok(value):
+            raise error(f"{where}: field {name!r} is {_show(value)} ({type(value).__name__}); expected {expected}")
+        out[name] = value
+    targets = out["target_modules"]
+    if isinstance(targets, str):  # PEFT: a regex over the whole module name, or its 'all-linear' wildcard
+        if targets == "all-linear":
+            raise (UnsupportedAdapterError if issubclass(error, AdapterError) else error)(
+                f"{where}: field 'target_modules' is 'all-linear', PEFT's wildcard, which flodl-hf does not "
+                "implement; expected a list of module names or a regular expression")
+        try:
+            re.compile(targets)
+        except re.error as exc:
+            raise error(f"{where}: field 'target_modules' is {_show(targets)}, not a valid regular expression "
+                        f"({exc}); expected a list of module names or a regular expression string") from None
+    return out
+
+
+def _check_base_record(base: Any, where: str, error: type[Exception]) -> None:
+    """A recorded base (``{"source", "weights_sha256"}``) or None; anything else is an ``error``."""
+    if base is None:
+        return
+    if not isinstance(base, dict):
+        raise error(f"{where}: field 'base' is {_show(base)} ({type(base).__name__}); expected an object with "
+                    "'source' and 'weights_sha256', or null")
+    source, sha = base.get("source"), base.get("weights_sha256")
+    if source is not None and not isinstance(source, str):
+        raise error(f"{where}: field 'base' -> 'source' is {_show(source)} ({type(source).__name__}); expected the "
+                    "base's path or hub id (a string) or null")
+    if sha is not None and not (isinstance(sha, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                              for k, v in sha.items())):
+        raise error(f"{where}: field 'base' -> 'weights_sha256' is {_show(sha)} ({type(sha).__name__}); expected "
+                    "an object of file name -> sha256 hex string, or null")
+
+
+def _check_task(task: Any, where: str, error: type[Exception], field_name: str = "task") -> None:
+    from .task_registry import task_names
+    if not isinstance(task, str) or task not in task_names():
+        raise error(f"{where}: field {field_name!r} is {_show(task)} ({type(task).__name__}); expected one of "
+                    f"{', '.join(task_names())}")
+
+
+# adapter_config.json's other fields that we read: (field, check, what is expected).
+_OTHER_FIELDS: tuple[tuple[str, Any, str], ...] = (
+    ("task_type", lambda v: v is None or isinstance(v, str), "a string or null"),
+    ("base_model_name_or_path", lambda v: v is None or isinstance(v, str), "a string or null"),
+    ("auto_mapping", lambda v: v is None or (isinstance(v, dict) and isinstance(v.get("base_model_class"),
+                                                                                 (str, type(None)))),
+     "an object or null, its 'base_model_class' a string"),
+)
+
+
 def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
-    """``adapter_config.json``, checked: a PEFT type and options we implement, or a typed error naming them."""
+    """``adapter_config.json``, checked: a PEFT type and options we implement, each field of PEFT's type, or a
+    typed error naming the file and the field."""
     path = Path(directory).expanduser() / ADAPTER_CONFIG
     if not path.is_file():
         raise AdapterError(f"{Path(directory)}: no {ADAPTER_CONFIG}, so this is not a PEFT adapter directory")
+    from .errors import ConfigError
     from .io import read_json
-    data = read_json(path, ADAPTER_CONFIG)
+    try:
+        data = read_json(path, ADAPTER_CONFIG)
+    except ConfigError as exc:
+        raise AdapterError(str(exc)) from exc
     kind = data.get("peft_type")
     if kind not in SUPPORTED_PEFT_TYPES:
-        raise UnsupportedAdapterError(f"{path}: peft_type {kind!r} is not supported; flodl-hf reads "
+        raise UnsupportedAdapterError(f"{path}: peft_type {_show(kind)} is not supported; flodl-hf reads "
                                       f"{', '.join(SUPPORTED_PEFT_TYPES)} adapters")
     for name, default in _UNSUPPORTED_FIELDS.items():
         value = data.get(name, default)
+        if default is False and value is not None and not isinstance(value, bool):
+            raise AdapterError(f"{path}: field {name!r} is {_show(value)} ({type(value).__name__}); expected JSON "
+                               "true or false")
         if value not in (default, None, {}, [], False) or (default is False and value):
-            raise UnsupportedAdapterError(f"{path}: {name}={value!r} is not supported (flodl-hf implements plain "
-                                          f"LoRA on linear layers; {name} must be {default!r})")
-    if data.get("bias", "none") not in BIAS_MODES:
-        raise UnsupportedAdapterError(f"{path}: bias={data.get('bias')!r}: expected one of {', '.join(BIAS_MODES)}")
+            raise UnsupportedAdapterError(f"{path}: {name}={_show(value)} is not supported (flodl-hf implements "
+                                          f"plain LoRA on linear layers; {name} must be {default!r})")
+    lora_settings(data, str(path))
+    for name, ok, expected in _OTHER_FIELDS:
+        if not ok(data.get(name)):
+            value = data[name]
+            raise AdapterError(f"{path}: field {name!r} is {_show(value)} ({type(value).__name__}); expected {expected}")
+    return data
+
+
+def read_base_stamp(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """Our side file (``flodl_hf_base.json``: the task and the base reference), checked; None where absent."""
+    path = Path(directory) / BASE_STAMP
+    if not path.is_file():
+        return None
+    from .errors import ConfigError
+    from .io import read_json
+    try:
+        data = read_json(path, BASE_STAMP)
+    except ConfigError as exc:
+        raise AdapterError(str(exc)) from exc
+    if data.get("task") is not None:
+        _check_task(data["task"], str(path), AdapterError)
+    _check_base_record(data.get("base"), str(path), AdapterError)
     return data
 
 
@@ -404,11 +526,9 @@ def adapter_task(data: dict[str, Any], directory: Path) -> str | None:
     reverse = {v: k for k, v in PEFT_TASK_TYPES.items()}
     if data.get("task_type") in reverse:
         return reverse[data["task_type"]]
-    stamp = directory / BASE_STAMP
-    if stamp.is_file():
-        task = json.loads(stamp.read_text()).get("task")
-        if task:
-            return task
+    stamp = read_base_stamp(directory)
+    if stamp and stamp.get("task"):
+        return stamp["task"]
     arch = (data.get("auto_mapping") or {}).get("base_model_class")
     if arch:
         from .registry import parse_architecture
@@ -453,19 +573,25 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
     if not weights.is_file():
         raise AdapterError(f"{directory}: no {ADAPTER_WEIGHTS} (adapters saved as .bin are not read; save with "
                            "safe_serialization=True)")
-    stamp = directory / BASE_STAMP
-    if stamp.is_file():
-        _check_base(model, json.loads(stamp.read_text()).get("base"), str(directory))
+    stamp = read_base_stamp(directory)
+    if stamp:
+        _check_base(model, stamp.get("base"), str(directory))
+    settings = lora_settings(data, str(directory / ADAPTER_CONFIG))
     task = getattr(model, "task", "base")
-    to_save = data.get("modules_to_save")
+    to_save = settings["modules_to_save"]
     if to_save is not None and task in TASK_MODULES_TO_SAVE:
         to_save = [m for m in to_save if m not in TASK_MODULES_TO_SAVE[task]] or None
-    with torch.random.fork_rng(devices=[]):  # the init is overwritten: leave the caller's RNG as it was
-        add_lora(model, r=int(data["r"]), alpha=data.get("lora_alpha", 8), dropout=data.get("lora_dropout", 0.0),
-                 target_modules=data.get("target_modules"), modules_to_save=to_save,
-                 use_rslora=bool(data.get("use_rslora", False)), bias=data.get("bias", "none"))
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
-    raw = load_file(str(weights))
+    try:  # read before the model is touched: a bad file leaves it as it was
+        raw = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise AdapterError(f"{weights}: not a readable safetensors file ({exc}); {ADAPTER_WEIGHTS} must be what "
+                           "PeftModel.save_pretrained writes") from exc
+    with torch.random.fork_rng(devices=[]):  # the init is overwritten: leave the caller's RNG as it was
+        add_lora(model, r=settings["r"], alpha=settings["lora_alpha"], dropout=settings["lora_dropout"],
+                 target_modules=settings["target_modules"], modules_to_save=to_save,
+                 use_rslora=settings["use_rslora"], bias=settings["bias"])
     ours = {}
     hf_of = {_to_hf(model, k): k for k in adapter_state(model)}
     for key, tensor in raw.items():
@@ -506,10 +632,38 @@ def trainer_entry(model: nn.Module) -> dict[str, Any] | None:
     return {"config": model.lora_config.to_dict(), "base": base, "adapter_only": bool((base or {}).get("source"))}
 
 
+def checkpoint_entry(data: dict[str, Any], path: str | os.PathLike | None) -> dict[str, Any] | None:
+    """A trainer checkpoint's ``"lora"`` entry, checked (what :func:`trainer_entry` writes): None for a model
+    without LoRA, else a dict with ``config`` (the LoRA settings and ``task``), ``base`` and ``adapter_only``.
+    Anything else is a CheckpointFormatError naming the file and the entry."""
+    entry = data.get("lora")
+    if entry is None:
+        return None
+    where = f"{path}: entry 'lora'"
+    if not isinstance(entry, dict):
+        raise CheckpointFormatError(f"{where} is {_show(entry)} ({type(entry).__name__}); expected None or a dict "
+                                    "with 'config', 'base' and 'adapter_only' (flodl_hf.lora.trainer_entry)")
+    for key in ("config", "adapter_only"):
+        if key not in entry:
+            raise CheckpointFormatError(f"{where} has no field {key!r}; expected a dict with 'config', 'base' and "
+                                        "'adapter_only' (flodl_hf.lora.trainer_entry)")
+    if not isinstance(entry["adapter_only"], bool):
+        raise CheckpointFormatError(f"{where}: field 'adapter_only' is {_show(entry['adapter_only'])} "
+                                    f"({type(entry['adapter_only']).__name__}); expected True or False")
+    cfg = entry["config"]
+    if not isinstance(cfg, dict):
+        raise CheckpointFormatError(f"{where}: field 'config' is {_show(cfg)} ({type(cfg).__name__}); expected the "
+                                    "adapter's settings (a dict: r, lora_alpha, lora_dropout, target_modules ...)")
+    lora_settings(cfg, f"{where}, 'config'", CheckpointFormatError, defaults=False)
+    _check_task(cfg.get("task"), f"{where}, 'config'", CheckpointFormatError)
+    _check_base_record(entry.get("base"), where, CheckpointFormatError)
+    return entry
+
+
 def load_trainer_state(model: nn.Module, state: dict[str, Any], where: str) -> None:
     """Resume: put a checkpoint's ``"model"`` back, strictly (adapter-only checkpoints into a LoRA model)."""
-    entry = state.get("lora")
-    if not entry or not entry.get("adapter_only"):
+    entry = checkpoint_entry(state, where)
+    if not entry or not entry["adapter_only"]:
         model.load_state_dict(state["model"])
         return
     if not is_lora(model):
@@ -526,15 +680,18 @@ def _settings(cfg: dict[str, Any]) -> str:
 
 def model_from_checkpoint(data: dict[str, Any], path: str | os.PathLike) -> nn.Module:
     """The LoRA model a trainer checkpoint describes: the referenced base (sha256 checked), the adapter on it."""
+    from . import checkpoint_schema
     from .auto import config_from_dict, load_model
-    entry = data.get("lora")
+    entry = checkpoint_entry(data, path)
     if not entry:
         raise CheckpointFormatError(f"{path}: not a LoRA checkpoint (no 'lora' entry); export it without --adapter")
-    cfg = dict(entry["config"])
+    cfg = entry["config"]
+    settings = lora_settings(cfg, f"{path}: entry 'lora', 'config'", CheckpointFormatError, defaults=False)
     base = entry.get("base") or {}
     if not base.get("source"):
         raise CheckpointFormatError(f"{path}: the LoRA checkpoint records no base source")
-    config = config_from_dict(data["config"], f"{path} (config)")
+    config_dict, saved = checkpoint_schema.model_part(data, path)
+    config = config_from_dict(config_dict, f"{path} (config)")
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a head fresh on the base is a module to save, loaded below
@@ -542,15 +699,14 @@ def model_from_checkpoint(data: dict[str, Any], path: str | os.PathLike) -> nn.M
     model.lora_base = base_reference(model)
     _check_base(model, base, str(path))
     model.lora_base = base
-    to_save = cfg.get("modules_to_save")
+    to_save = settings["modules_to_save"]
     if to_save is not None and cfg["task"] in TASK_MODULES_TO_SAVE:
         to_save = [m for m in to_save if m not in TASK_MODULES_TO_SAVE[cfg["task"]]] or None
     with torch.random.fork_rng(devices=[]):
-        add_lora(model, r=cfg["r"], alpha=cfg["lora_alpha"], dropout=cfg["lora_dropout"],
-                 target_modules=cfg["target_modules"], modules_to_save=to_save, use_rslora=cfg["use_rslora"],
-                 bias=cfg["bias"])
-    state = data["model"] if entry.get("adapter_only") else {k: v for k, v in data["model"].items()
-                                                              if k in adapter_state(model)}
+        add_lora(model, r=settings["r"], alpha=settings["lora_alpha"], dropout=settings["lora_dropout"],
+                 target_modules=settings["target_modules"], modules_to_save=to_save,
+                 use_rslora=settings["use_rslora"], bias=settings["bias"])
+    state = saved if entry["adapter_only"] else {k: v for k, v in saved.items() if k in adapter_state(model)}
     _load_into(model, state, str(path))
     return model.eval()
 
@@ -575,7 +731,7 @@ def export_adapter(checkpoint: str | os.PathLike, out: str | os.PathLike, force:
 def require_lora_checkpoint(checkpoint: str | os.PathLike) -> None:
     """``--merge``: a typed error unless the checkpoint holds a LoRA adapter."""
     from . import checkpoint_schema
-    if not checkpoint_schema.read(checkpoint).get("lora"):
+    if not checkpoint_entry(checkpoint_schema.read(checkpoint), checkpoint):
         raise CheckpointFormatError(f"{checkpoint}: not a LoRA checkpoint (no 'lora' entry); export it without --merge")
 
 

@@ -1448,7 +1448,7 @@ def _remove_checkpoints(directory: Path) -> list[str]:
 def _check_model_fits(model: nn.Module, state: dict, path: Path | None) -> None:
     """Resume: a full checkpoint's ``model`` must hold this model's keys with its shapes, checked before
     any tensor is copied (``load_state_dict`` copies what fits before it reports what does not)."""
-    if (state.get("lora") or {}).get("adapter_only"):
+    if (lora.checkpoint_entry(state, path) or {}).get("adapter_only"):
         return  # flodl_hf.lora checks the adapter against the model
     mine, saved = model.state_dict(), state["model"]
     problems = [f"missing {k}" for k in mine if k not in saved][:3]

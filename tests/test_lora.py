@@ -312,3 +312,147 @@ def test_bias_modes_round_trip(bias, tmp_path):
         assert set(peft.utils.load_peft_weights(str(back_dir))) == set(peft.utils.get_peft_model_state_dict(back))
     with torch.no_grad():
         _equal_fields(ours(**batch), back(**batch))
+
+
+# ---- malformed adapter files and trainer checkpoints: typed errors naming the file and the field --------
+
+_BAD_ADAPTER_CONFIGS = [  # (change to adapter_config.json, field named, what the message must say)
+    ({"r": None}, "r", "positive int"),                      # None: the field removed
+    ({"r": "x"}, "r", "positive int"),
+    ({"r": 2.5}, "r", "positive int"),
+    ({"r": 0}, "r", "positive int"),
+    ({"r": True}, "r", "positive int"),
+    ({"lora_alpha": "x"}, "lora_alpha", "number"),
+    ({"lora_alpha": True}, "lora_alpha", "number"),
+    ({"lora_dropout": "x"}, "lora_dropout", r"\[0, 1\)"),
+    ({"lora_dropout": 1.5}, "lora_dropout", r"\[0, 1\)"),
+    ({"target_modules": 5}, "target_modules", "list of module names"),
+    ({"target_modules": ["query", 5]}, "target_modules", "list of module names"),
+    ({"target_modules": "(query"}, "target_modules", "regular expression"),
+    ({"target_modules": "all-linear"}, "target_modules", "all-linear"),
+    ({"modules_to_save": "classifier"}, "modules_to_save", "list of module names or null"),
+    ({"modules_to_save": [1]}, "modules_to_save", "list of module names or null"),
+    ({"use_rslora": "no"}, "use_rslora", "JSON true or false"),
+    ({"use_rslora": 1}, "use_rslora", "JSON true or false"),
+    ({"bias": 3}, "bias", "none, all, lora_only"),
+    ({"bias": "some"}, "bias", "none, all, lora_only"),
+    ({"use_dora": "no"}, "use_dora", "JSON true or false"),
+    ({"task_type": ["SEQ_CLS"]}, "task_type", "string or null"),
+    ({"auto_mapping": "BertForSequenceClassification"}, "auto_mapping", "object or null"),
+    ({"base_model_name_or_path": 5}, "base_model_name_or_path", "string or null"),
+]
+
+
+@pytest.mark.parametrize("change,name,expected", _BAD_ADAPTER_CONFIGS,
+                         ids=[f"{n}={c[n]!r}" for c, n, _ in _BAD_ADAPTER_CONFIGS])
+def test_malformed_adapter_config_is_a_typed_error_naming_the_field(change, name, expected, tmp_path):
+    from flodl_hf.cli import main
+    source, task, out = _peft_adapter(tmp_path)
+    config_path = out / lora.ADAPTER_CONFIG
+    data = json.loads(config_path.read_text())
+    data.update(change)
+    data = {k: v for k, v in data.items() if not (k == "r" and v is None)}
+    config_path.write_text(json.dumps(data))
+    with pytest.raises(AdapterError, match=expected) as info:
+        load_model(source, task, adapter=out)
+    message = str(info.value)
+    assert str(config_path) in message and repr(name) in message, message
+    with pytest.raises(AdapterError, match=expected):
+        lora.verify_adapter(out, base=str(source))
+    assert main(["verify-export", str(out), "--source", str(source)]) == 2
+
+
+def test_adapter_config_fields_peft_accepts_still_load(tmp_path):
+    """Valid spellings are not refused: a regex target, alpha as a float, modules_to_save null, dropout 0."""
+    source, task, out = _peft_adapter(tmp_path)
+    config_path = out / lora.ADAPTER_CONFIG
+    good = json.loads(config_path.read_text())
+    for change in ({"target_modules": r".*\.(query|value)"}, {"lora_alpha": 8.0}, {"lora_dropout": 0},
+                   {"use_rslora": False}, {"lora_alpha": None}):
+        data = {**good, **change}
+        if change == {"lora_alpha": None}:
+            del data["lora_alpha"]  # absent: PEFT's default, 8
+        config_path.write_text(json.dumps(data))
+        model = load_model(source, task, adapter=out)
+        assert sorted(model.lora_config.targeted), change
+
+
+def test_garbage_adapter_weights_and_base_stamp_are_typed_errors(tmp_path):
+    source, task, out = _peft_adapter(tmp_path)
+    weights = out / lora.ADAPTER_WEIGHTS
+    good_weights = weights.read_bytes()
+    weights.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(AdapterError, match=lora.ADAPTER_WEIGHTS) as info:
+        load_model(source, task, adapter=out)
+    assert str(weights) in str(info.value)
+    weights.write_bytes(good_weights)
+    stamp = out / lora.BASE_STAMP
+    for text, expected in (("{bad", "not valid JSON"), ("[1]", "JSON object"), ('{"base": "x"}', "'base'"),
+                           ('{"task": 5}', "'task'"), ('{"task": "nonsense"}', "'task'"),
+                           ('{"base": {"source": 1}}', "'source'"),
+                           ('{"base": {"weights_sha256": "abc"}}', "'weights_sha256'")):
+        stamp.write_text(text)
+        with pytest.raises(AdapterError, match=expected) as info:
+            load_model(source, task, adapter=out)
+        assert str(stamp) in str(info.value), text
+        with pytest.raises(AdapterError, match=expected):
+            lora.adapter_task(json.loads((out / lora.ADAPTER_CONFIG).read_text()) | {"task_type": None}, out)
+    stamp.write_text(json.dumps({"task": task, "base": None}))
+    assert lora.adapter_state(load_model(source, task, adapter=out))
+
+
+def _lora_checkpoint(tmp_path, lora_entry):
+    """A trainer checkpoint file (the trainer's schema) of a LoRA model, with its 'lora' entry replaced."""
+    from flodl_hf import checkpoint_schema
+    source = make_checkpoint(next(f for c, t, f in CASES if c == "bert-hd24-seqcls"), "seqcls")
+    model = lora.add_lora(load_model(source, "seqcls"), r=4, alpha=8, target_modules=["query", "value"])
+    good = lora.trainer_entry(model)
+    data = {**checkpoint_schema.header(), "model": lora.trainer_model_state(model), "config": model.config.to_dict(),
+            "lora": lora_entry(good) if callable(lora_entry) else lora_entry}
+    path = tmp_path / "step-1.pt"
+    torch.save(data, str(path))
+    return path, model, good
+
+
+_BAD_LORA_ENTRIES = [
+    ("config-missing", {"adapter_only": True}, "'config'"),
+    ("string", "x", "'lora'"),
+    ("list", [1], "'lora'"),
+    ("adapter_only-str", lambda g: {**g, "adapter_only": "yes"}, "'adapter_only'"),
+    ("config-str", lambda g: {**g, "config": "r=4"}, "'config'"),
+    ("r-str", lambda g: {**g, "config": {**g["config"], "r": "4"}}, "'r'"),
+    ("alpha-missing", lambda g: {**g, "config": {k: v for k, v in g["config"].items() if k != "lora_alpha"}},
+     "'lora_alpha'"),
+    ("task-list", lambda g: {**g, "config": {**g["config"], "task": ["seqcls"]}}, "'task'"),
+    ("modules_to_save-str", lambda g: {**g, "config": {**g["config"], "modules_to_save": "classifier"}},
+     "'modules_to_save'"),
+    ("base-str", lambda g: {**g, "base": "somewhere"}, "'base'"),
+    ("sha-list", lambda g: {**g, "base": {**g["base"], "weights_sha256": ["0" * 64]}}, "'weights_sha256'"),
+]
+
+
+@pytest.mark.parametrize("entry,expected", [pytest.param(e, x, id=i) for i, e, x in _BAD_LORA_ENTRIES])
+def test_malformed_checkpoint_lora_entry_is_a_checkpoint_format_error(entry, expected, tmp_path):
+    from flodl_hf.cli import main
+    from flodl_hf.errors import CheckpointFormatError
+    path, model, _ = _lora_checkpoint(tmp_path, entry)
+    data = torch.load(str(path), weights_only=True)
+    for call in (lambda: lora.checkpoint_entry(data, path),
+                 lambda: lora.export_adapter(path, tmp_path / "adapter"),
+                 lambda: lora.merged_checkpoint_state(data, path),
+                 lambda: lora.require_lora_checkpoint(path),
+                 lambda: lora.load_trainer_state(model, data, str(path))):
+        with pytest.raises(CheckpointFormatError, match=expected) as info:
+            call()
+        assert str(path) in str(info.value) and "'lora'" in str(info.value), str(info.value)
+    assert main(["export", "--checkpoint", str(path), "--out", str(tmp_path / "cli"), "--adapter"]) == 2
+    assert not (tmp_path / "adapter").exists() and not (tmp_path / "cli").exists()
+
+
+def test_checkpoint_lora_entry_well_formed(tmp_path):
+    path, model, good = _lora_checkpoint(tmp_path, lambda g: g)
+    data = torch.load(str(path), weights_only=True)
+    assert lora.checkpoint_entry(data, path) == good
+    assert lora.checkpoint_entry({"lora": None}, path) is None and lora.checkpoint_entry({}, path) is None
+    out = lora.export_adapter(path, tmp_path / "adapter")
+    assert (out / lora.ADAPTER_WEIGHTS).is_file()
