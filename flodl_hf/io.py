@@ -104,6 +104,12 @@ def _is_hub_id(source: str) -> bool:
 
 def _weights_in_dir(root: Path, source: str) -> tuple[list[Path], str, dict[str, str] | None]:
     """Pick the weight files of a directory: safetensors first, then .bin; sharded via index."""
+    from .validate import is_within
+    allowed = link_root(root)
+    for name in (SAFE_SINGLE, BIN_SINGLE, CONFIG_NAME):  # as the shards of an index: no link out of the checkpoint
+        if (root / name).is_symlink() and not is_within(root / name, allowed):
+            raise CheckpointFormatError(f"{root / name} is a link to {os.path.realpath(root / name)}, outside the "
+                                        f"checkpoint {root}: nothing is read from there; copy the file in instead")
     for index_name, single, fmt in ((SAFE_INDEX, SAFE_SINGLE, "safetensors"), (BIN_INDEX, BIN_SINGLE, "bin")):
         if (root / single).is_file():
             return [root / single], fmt, None

@@ -1013,3 +1013,30 @@ def test_arguments_of_the_python_api_and_the_commands_get_typed_errors(tmp_path)
                  ["generate", "hi", "-m", str(src), "--eos-token-id", "abc"]):
         assert main(argv) == 2, argv
     assert not (tmp_path / "out").exists() and (tmp_path / "afile").read_text() == ""
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "pytorch_model.bin", "config.json"])
+def test_a_weights_or_config_file_linking_out_of_the_checkpoint_is_not_read(tmp_path, name):
+    """As for the shards of an index and the tokenizer's files: a directory's file that is a link out of
+    it is refused, naming it; a link inside the directory, and a hub cache's links into its blobs, are read."""
+    src = source(tmp_path, fmt="bin" if name == "pytorch_model.bin" else "safetensors")
+    moved = tmp_path / f"elsewhere-{name}"
+    (src / name).rename(moved)
+    (src / name).symlink_to(moved)
+    with pytest.raises(CheckpointFormatError, match=f"{name} is a link to .*outside the checkpoint"):
+        load_model(src)
+    from flodl_hf.cli import main
+    assert main(["export", "--hub", str(src), "--out", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()
+    (src / name).unlink()
+    (src / f"real-{name}").write_bytes(moved.read_bytes())
+    (src / name).symlink_to(src / f"real-{name}")  # a link inside the checkpoint is the checkpoint's own
+    load_model(src)
+    cache = tmp_path / "hub" / "models--org--tiny"
+    (cache / "blobs").mkdir(parents=True)
+    snapshot = cache / "snapshots" / "abc123"
+    shutil.copytree(src, snapshot, symlinks=False)
+    (snapshot / name).unlink()
+    shutil.copy(moved, cache / "blobs" / "0123abcd")
+    (snapshot / name).symlink_to(cache / "blobs" / "0123abcd")  # as huggingface_hub lays a snapshot out
+    load_model(snapshot)
