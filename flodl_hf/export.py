@@ -106,6 +106,20 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 # ---- small shared helpers -----------------------------------------------------------------------
 
+def written_files(directory: Path) -> dict[str, str]:
+    """sha256 of every file of an export (relative paths), config.json's over its fields without the
+    stamp (which holds this record): what the export wrote, for verify-export to find any edit since."""
+    found = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() or p.is_symlink()):
+        rel = path.relative_to(directory).as_posix()
+        if rel == io.CONFIG_NAME:
+            config = {k: v for k, v in json.loads(path.read_text(encoding="utf-8")).items() if k != STAMP_KEY}
+            found[rel] = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+        else:
+            found[rel] = sha256_file(path) if path.is_file() else f"link {os.readlink(path)}"
+    return found
+
+
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file; a progress bar on stderr for files over 256 MB."""
     from tqdm.auto import tqdm
@@ -428,6 +442,8 @@ def _write(model: PreTrainedModel, out: Path, force: bool, task: str, stamp: dic
         _stage("config")
         tokenizer_files = write_tokenizer(tok_root, tmp) if tok_root is not None else []
         carried.copy_into(tmp)  # the model card, sentence-transformers layout, the tokenizer's own files
+        stamp["files_sha256"] = written_files(tmp)  # what verify-export's check 7 compares DIR with
+        (tmp / io.CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         _stage("tokenizer")
         files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
     if tok_root is None:

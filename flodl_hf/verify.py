@@ -12,7 +12,9 @@
 5. tokenizer: DIR's tokenizer gives the source tokenizer's ids on the prompts;
 6. sentence-transformers, only when DIR or its source has a modules.json: it loads DIR and the
    source into the same module list, and their ``encode`` outputs on the prompts are ``torch.equal``
-   (``flodl_hf.carry``); a source with modules.json and a DIR without fails.
+   (``flodl_hf.carry``); a source with modules.json and a DIR without fails;
+7. files: every file of DIR as the export wrote it, by the sha256s in its stamp (config.json by its
+   fields other than the stamp): an edit since (labels, a tokenizer file, an added file) fails.
 
 The source is the one stamped in ``config.json`` by ``flodl_hf.export`` unless ``source`` is
 given; ``no_source`` (a fine-tuned model with no upstream) runs checks 1 and 4 only.
@@ -35,7 +37,7 @@ from .auto import build_model, config_from_dict
 from .config import BaseConfig
 from .errors import ConfigError, FlodlHFError, InputError, SourceNotFoundError, UnsupportedModelError
 from .export import (STAMP_KEY, architecture_task, has_tokenizer, read_trainer_checkpoint, same_bytes,
-                     sha256_file)
+                     sha256_file, written_files)
 from .keys import expected, has_pooler, normalise
 from .parity import REFERENCE_CLASSES, check_parity, compare_outputs, make_batch, quiet_transformers
 from .registry import get_family
@@ -50,6 +52,7 @@ CHECK_NAMES = {
     4: "native vs transformers (export)",
     5: "tokenizer ids equal to source's",
     6: "sentence-transformers: vs source",
+    7: "files unchanged since export",
 }
 
 
@@ -140,10 +143,11 @@ def _read_stamp(raw: dict, config_path: Path) -> dict:
         raise bad("dtype", "'keep' or a torch dtype's name")
     if not isinstance(stamp.get("fresh", []), (list, bool)):
         raise bad("fresh", "a list of keys")
-    sums = stamp.get("weights_sha256")
-    if sums is not None and not (isinstance(sums, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                                                 for k, v in sums.items())):
-        raise bad("weights_sha256", "an object of file names to sha256 strings")
+    for key in ("weights_sha256", "files_sha256"):
+        sums = stamp.get(key)
+        if sums is not None and not (isinstance(sums, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                     for k, v in sums.items())):
+            raise bad(key, "an object of file names to sha256 strings")
     return stamp
 
 
@@ -397,7 +401,23 @@ def verify_export(directory: str | os.PathLike, source: str | None = None, no_so
         report.checks.append(_guard(5, _check_tokenizer, src, tokenizer, list(prompts or DEFAULT_PROMPTS))[0])
         check6 = _guard(6, _check_sentence, directory, src, stamp, cast, list(prompts or DEFAULT_PROMPTS))[0]
         report.checks += [check6] if check6 is not None else []
+        report.checks.append(_guard(7, _check_files, directory, stamp)[0])
     return report
+
+
+def _check_files(directory: Path, stamp: dict) -> Check:
+    name = CHECK_NAMES[7]
+    recorded = stamp.get("files_sha256")
+    if recorded is None:
+        return Check(7, name, SKIP, "the stamp records no files (an export written before this check, or none)")
+    now = written_files(directory)
+    changed = [f for f in recorded if f in now and now[f] != recorded[f]]
+    problems = [f"{what}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
+                for what, names in (("changed", changed), ("missing", [f for f in recorded if f not in now]),
+                                    ("added", [f for f in now if f not in recorded])) if names]
+    if problems:
+        return Check(7, name, FAIL, "; ".join(problems) + " (since the export)")
+    return Check(7, name, PASS, f"{len(now)} files as the export wrote them")
 
 
 # The verify-matrix builder (tiny_config, generate_checkpoint, verify_matrix ...) lives in flodl_hf.matrix;

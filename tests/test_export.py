@@ -105,7 +105,7 @@ def test_round_trip(tmp_path, task, fields):
     assert _loading_info(out, task) == {}
     report = verify_export(out)
     assert report.ok, report.format_table()
-    assert _statuses(report) == {1: PASS, 2: PASS, 3: PASS, 4: PASS, 5: SKIP}
+    assert _statuses(report) == {1: PASS, 2: PASS, 3: PASS, 4: PASS, 5: SKIP, 7: PASS}
     assert report.max_abs_diff == 0.0
 
 
@@ -240,9 +240,9 @@ def test_export_trainer_checkpoint(tmp_path):
     assert _config(result.out)["flodl_hf"]["format"] == "flodl-checkpoint"
     report = verify_export(result.out)
     assert report.ok, report.format_table()
-    assert _statuses(report) == {1: PASS, 2: PASS, 3: SKIP, 4: PASS, 5: SKIP}
+    assert _statuses(report) == {1: PASS, 2: PASS, 3: SKIP, 4: PASS, 5: SKIP, 7: PASS}
     report = verify_export(result.out, no_source=True)
-    assert report.ok and _statuses(report) == {1: PASS, 2: SKIP, 3: SKIP, 4: PASS, 5: SKIP}
+    assert report.ok and _statuses(report) == {1: PASS, 2: SKIP, 3: SKIP, 4: PASS, 5: SKIP, 7: PASS}
 
 
 def test_trainer_checkpoint_head_from_its_weights(tmp_path, capsys):
@@ -340,7 +340,7 @@ def test_verify_json_and_explicit_source(tmp_path, capsys):
     result = export(src, tmp_path / "out")
     assert main(["verify-export", str(result.out), "--source", str(src), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["ok"] and [c["status"] for c in data["checks"]] == [PASS, PASS, PASS, PASS, SKIP]
+    assert data["ok"] and [c["status"] for c in data["checks"]] == [PASS, PASS, PASS, PASS, SKIP, PASS]
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------
@@ -491,3 +491,29 @@ def test_verify_refuses_an_edited_stamp_naming_the_field(tmp_path, edit, field):
     with pytest.raises(ConfigError, match=f"config.json: field {field}"):
         verify_export(out)
     assert main(["verify-export", str(out)]) == 2
+
+
+def test_verify_finds_any_edit_made_after_the_export(tmp_path):
+    """Check 7: labels, a special token, a vocabulary file, an added file: none changes the logits on the
+    prompts, so checks 1 to 5 pass; each is found by the sha256s the export recorded."""
+    src = tmp_path / "src"
+    shutil.copytree(_tiny("seqcls"), src)
+    out = export(src, tmp_path / "out").out
+    assert verify_export(out).check(7).status == PASS
+    config = _config(out)
+    labels = config["id2label"]
+    config["id2label"] = {**labels, "0": labels["1"], "1": labels["0"]}  # two labels swapped
+    (out / "config.json").write_text(json.dumps(config))
+    report = verify_export(out)
+    assert report.check(7).status == FAIL and "changed: config.json" in report.check(7).detail
+    assert not report.ok and _statuses(report)[4] == PASS  # the logits alone would not have shown it
+    out2 = export(src, tmp_path / "out2").out
+    (out2 / "extra.bin").write_bytes(b"x")
+    weights = load_file(str(out2 / "model.safetensors"))
+    first = sorted(weights)[0]
+    weights[first] = weights[first] + 1
+    save_file(weights, str(out2 / "model.safetensors"), metadata={"format": "pt"})
+    detail = verify_export(out2).check(7).detail
+    assert detail == "changed: model.safetensors; added: extra.bin (since the export)"
+    assert main(["verify-export", str(out2)]) == 1
+
