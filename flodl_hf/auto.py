@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from . import io
-from .config import BaseConfig
+from .config import Activation, BaseConfig
 from .errors import ConfigError, InputError, UnsupportedModelError
 from .keys import has_pooler
 from .layers import check_attn_implementation, init_weights
@@ -43,9 +43,14 @@ def family_and_config(data: dict[str, Any], where: str = "config.json") -> tuple
         except UnsupportedModelError as exc:
             raise ConfigError(f"{where}: no model_type, and {exc}") from None
         model_type = family.model_type
-    family = get_family(model_type)
+    try:
+        family = get_family(model_type)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{where}: {exc}") from None
     try:
         config = family.config_class.from_dict(data)
+        if "hidden_act" in data:  # read only when the layers are built: checked here, where the file is known
+            Activation.parse(data["hidden_act"])
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     if not config.raw.get("model_type"):

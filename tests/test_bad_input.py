@@ -1040,3 +1040,17 @@ def test_a_weights_or_config_file_linking_out_of_the_checkpoint_is_not_read(tmp_
     shutil.copy(moved, cache / "blobs" / "0123abcd")
     (snapshot / name).symlink_to(cache / "blobs" / "0123abcd")  # as huggingface_hub lays a snapshot out
     load_model(snapshot)
+
+
+@pytest.mark.parametrize("edit, error, named", [
+    (lambda c: c.update(model_type="nosuch"), UnsupportedModelError, "config.json: model_type 'nosuch'"),
+    (lambda c: c.update(hidden_act=None), ConfigError, "config.json: config field hidden_act=None"),
+    (lambda c: c.update(hidden_act="swoosh"), ConfigError, "config.json: config field hidden_act='swoosh'"),
+])
+def test_an_unknown_family_or_activation_names_config_json(tmp_path, edit, error, named):
+    src = source(tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    edit(config)
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(error, match=named):
+        load_model(src)
