@@ -1054,3 +1054,10 @@ def test_an_unknown_family_or_activation_names_config_json(tmp_path, edit, error
     (src / "config.json").write_text(json.dumps(config))
     with pytest.raises(error, match=named):
         load_model(src)
+
+
+def test_a_classifier_trained_for_the_other_classification_task_is_refused():
+    """Sequence and token classification heads share their keys and shapes (`classifier`), so loading one
+    for the other initialises nothing; the checkpoint's architectures tells them apart."""
+    with pytest.raises(MissingHeadError, match="architectures names a seqcls model, so tag cannot run"):
+        tag("hello world", _tiny("seqcls"))

@@ -83,6 +83,12 @@ def _load_with_head(source: str, task: str) -> nn.Module:
     report = getattr(model, "load_report", None)
     prefix = getattr(model, "base_model_prefix", "") + "."
     head = [k for k in (report.fresh if report else []) if task != "base" and not k.startswith(prefix)]
+    trained_for = _architecture_task(model)
+    if not head and {task, trained_for} == {"seqcls", "tokcls"}:  # both heads are `classifier`, of one shape
+        raise MissingHeadError(f"{source}: config.json's architectures names a {trained_for} model, so "
+                               f"{_TASK_FUNCTION[task]} cannot run on it: its classifier was trained to score "
+                               f"{'whole texts' if trained_for == 'seqcls' else 'tokens'}. Pass a checkpoint "
+                               "fine-tuned for this task")
     if head:
         raise MissingHeadError(f"{source}: has no {task} head (missing {', '.join(head)}), so "
                                f"{_TASK_FUNCTION.get(task, task)} cannot run on it: a head initialised at random "
@@ -91,6 +97,17 @@ def _load_with_head(source: str, task: str) -> nn.Module:
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return model
+
+
+def _architecture_task(model: nn.Module) -> str | None:
+    """The task of the checkpoint's ``architectures[0]`` (``BertForSequenceClassification``: seqcls), if known."""
+    from ..registry import parse_architecture
+    from ..errors import UnsupportedModelError
+    names = (getattr(getattr(model, "config", None), "raw", None) or {}).get("architectures") or []
+    try:
+        return parse_architecture(names[0])[1] if names and isinstance(names[0], str) else None
+    except UnsupportedModelError:
+        return None
 
 
 _TASK_FUNCTION = {"mlm": "fill_mask", "seqcls": "classify", "tokcls": "tag", "qa": "answer", "base": "embed"}
