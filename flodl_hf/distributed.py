@@ -556,13 +556,18 @@ class Comm:
         try:
             return fn(*args, **kwargs)
         except RuntimeError as exc:
-            waited = time.perf_counter() - start
-            limit = f"{self.timeout:g}s" if self.timeout else "the process group's"
-            cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise WorkerLostError(
-                f"worker {self.rank}/{self.world}: {what} failed after {waited:.1f}s: another worker died or "
-                f"stopped answering (timeout: {limit}). Check the other workers' logs; under torchrun with "
-                f"--max-restarts the run resumes from the last checkpoint. Cause: {cause}") from exc
+            raise self.lost(what, exc, time.perf_counter() - start) from exc
+
+    def lost(self, what: str, exc: BaseException, waited: float | None = None) -> WorkerLostError:
+        """The WorkerLostError for a collective (``what``) that failed with ``exc``."""
+        limit = f"{self.timeout:g}s" if self.timeout else "the process group's"
+        cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        after = f" after {waited:.1f}s" if waited is not None else ""
+        return WorkerLostError(
+            f"worker {self.rank}/{self.world}: {what} failed{after}: another worker died or stopped answering, "
+            f"or ran longer than the timeout ({limit}) in its own work, such as worker 0's evaluation. "
+            "Check the other workers' logs; under torchrun with --max-restarts the run resumes from the last "
+            f"checkpoint. Cause: {cause}")
 
     def gather_floats(self, values: Sequence[float]) -> torch.Tensor:
         """All-gather one row of numbers per worker: a ``(world, len(values))`` float64 CPU tensor."""

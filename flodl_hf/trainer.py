@@ -199,6 +199,9 @@ class Trainer:
         for name, where in (("checkpoint_dir", checkpoint_dir), ("log_dir", log_dir)):
             if where is not None and Path(where).exists() and not Path(where).is_dir():
                 raise TrainerConfigError(f"{name} {where} exists and is not a directory")
+            above = next((p for p in Path(where).absolute().parents if p.exists()), None) if where is not None else None
+            if above is not None and not above.is_dir():
+                raise TrainerConfigError(f"{name} {where}: {above} is a file, not a directory")
         self.model, self.step_fn, self.optimizer_factory, self.data = model, step, optimizer, data
         self.batch_size, self.epochs, self.max_steps = batch_size, epochs, max_steps
         self.scheduler_factory, self.eval_fn, self.eval_every = scheduler, eval_fn, eval_every
@@ -274,6 +277,7 @@ class Trainer:
             self._units, self._unit_batch = len(self._batches), 1
         else:
             self._batches, self._units, self._unit_batch = None, len(self.data), self.batch_size
+        self._check_same_settings()
         self.global_batch = comm.world * self._unit_batch
         self.steps_per_epoch = math.ceil(self._units / self.global_batch)
         ends = []
@@ -480,8 +484,13 @@ class Trainer:
         """One batch: forward, backward (``weight`` scales the loss there, not the one returned),
         clipping, the optimizer and scheduler steps."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = _loss_of(self.step_fn(self.wrapped, self._batch(indices)))
-        (loss if weight == 1.0 else loss * weight).backward()
+        try:
+            loss = _loss_of(self.step_fn(self.wrapped, self._batch(indices)))
+            (loss if weight == 1.0 else loss * weight).backward()
+        except RuntimeError as exc:  # DDP all-reduces in backward (and syncs buffers in forward)
+            if self.wrapped is not self.model and _collective_failed(exc):
+                raise self.comm.lost("DDP's gradient all-reduce", exc) from exc
+            raise
         self._optimizer_step()
         self.batches += 1
         return loss.detach()
@@ -1285,6 +1294,25 @@ class Trainer:
                 f.unlink(missing_ok=True)
         return path
 
+    def _check_same_settings(self) -> None:
+        """Every worker must be given the same run: a seed, batch size or data of its own would deal
+        samples twice or never, or stop one worker's collectives short of the others' (a gloo abort
+        that names nothing). Compared once, at the start; every worker raises the same error."""
+        if self.comm.world == 1:
+            return
+        mine = {"seed": self.seed, "batch_size": self.batch_size if self.batch_size is not None else -1,
+                "data size": len(self.data), "shuffle": int(bool(self.shuffle)),
+                "sync": ("ddp", "el-che", "none").index(self.sync), "epochs": self.epochs or -1,
+                "max_steps": self.max_steps or -1, "max_tokens": self.max_tokens or -1,
+                "batching": ("fixed", "length").index(self.batching)}
+        rows = self.comm.gather_floats([float(v) for v in mine.values()]).tolist()
+        for i, name in enumerate(mine):
+            values = [row[i] for row in rows]
+            if len(set(values)) > 1:
+                shown = ", ".join(f"worker {r}: {int(v)}" for r, v in enumerate(values))
+                raise TrainerConfigError(f"{name} differs between the workers ({shown}): give every worker "
+                                         "the same Trainer arguments and data")
+
     def _find_resume(self) -> tuple[dict, dict] | None:
         if self.checkpoint_dir is None or not self.resume:
             return None
@@ -1514,6 +1542,13 @@ def _item_length(data: Sequence, i: int) -> int:
         raise TrainerConfigError(f"batching='length' cannot tell data[{i}]'s length ({type(item).__name__}); pass "
                                  "lengths= (one token count per item) or items with input_ids")
     return len(ids)
+
+
+def _collective_failed(exc: BaseException) -> bool:
+    """A RuntimeError from gloo or NCCL (a peer gone, a timeout), not from the user's own graph."""
+    text = str(exc)
+    return any(mark in text for mark in ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out waiting",
+                                         "collective mismatch", "ProcessGroup"))
 
 
 def _loss_of(out: Any) -> torch.Tensor:

@@ -989,11 +989,30 @@ def _lost_worker(rank: int, out: str, how: str) -> dict:
 
     start = time.monotonic()
     try:  # "killed-overlap": the survivor has a window's all-reduce in flight when its peer dies
-        run(mlp(), step=step, sync=ElChe(anchor=2, overlap=how.endswith("overlap")), n=400, epochs=5,
-            log_dir=Path(out) / "logs")
+        sync = "ddp" if how == "killed-ddp" else ElChe(anchor=2, overlap=how.endswith("overlap"))
+        run(mlp(), step=step, sync=sync, n=400, epochs=5, log_dir=Path(out) / "logs")
     except WorkerLostError as exc:
         return {"error": str(exc), "after": time.monotonic() - start}
     return {"error": None}
+
+
+def _mismatched(rank: int, out: str, what: str, sync: str) -> dict:
+    """Each worker given its own ``what`` (a user's bug): refused on both, before any sample is dealt."""
+    own = {"seed": dict(seed=rank), "batch_size": dict(batch_size=4 + rank), "data size": dict(n=64 + 8 * rank)}
+    try:
+        run(mlp(), sync=ElChe(anchor=2) if sync == "el-che" else sync, epochs=1, **own[what])
+    except TrainerConfigError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("what", ["seed", "batch_size", "data size"])
+def test_workers_given_different_settings_are_refused(tmp_path, what):
+    """A seed of its own dealt samples twice and others never; a batch size or data of its own ended one
+    worker's collectives before the other's, which gloo reported as an abort or a lost worker."""
+    res = spawn(_mismatched, tmp_path, what, "ddp" if what != "seed" else "el-che", pg_timeout=10.0, deadline=45.0)
+    for r in (0, 1):
+        assert res[r]["error"] is not None and f"{what} differs between the workers" in res[r]["error"], res[r]
 
 
 def _lost_outer(rank: int, out: str, how: str) -> dict:
@@ -1031,8 +1050,9 @@ def test_lost_outer_worker_of_nested_windows_gives_an_error(tmp_path, how):
         print(f"worker {r}: WorkerLostError after {res[r]['after']:.1f} s")
 
 
-@pytest.mark.parametrize("how", ["killed", "silent", "killed-overlap"])
+@pytest.mark.parametrize("how", ["killed", "silent", "killed-overlap", "killed-ddp"])
 def test_lost_worker_gives_an_error_not_a_hang(tmp_path, how):
+    """``killed-ddp``: DDP's all-reduce runs inside backward, where gloo's own RuntimeError surfaced."""
     res = spawn(_lost_worker, tmp_path, how, pg_timeout=4.0, deadline=45.0, wait_for=(0,))
     assert res[0]["error"] is not None and "another worker died or stopped answering" in res[0]["error"]
     assert res[0]["after"] < 30
