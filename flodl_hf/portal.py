@@ -26,6 +26,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 from .errors import InputError, SourceNotFoundError
 from .records import NODE_RE, RECORDS, level_of, load_tree, parse_lines, read_records, tree_paths
@@ -63,9 +64,10 @@ class RunSource:
         return path
 
     def file(self, path: str) -> Path | None:
-        """The node's JSONL file; None for a run in the old layout (read whole, see records)."""
+        """The node's JSONL file; None for a run in the old layout (read whole, see records). A file
+        that is a link out of the run is not one (``lookup`` has refused the node already)."""
         file = self.run / path / RECORDS
-        return file if file.is_file() else None
+        return file if file.is_file() and file.resolve().is_relative_to(self.run) else None
 
     def records(self, path: str) -> list[dict]:
         file = self.file(path)
@@ -75,7 +77,7 @@ class RunSource:
 def stream_message(record: dict, turn: int, sent: dict[str, str]) -> dict:
     """What a stream sends for one record: the node's own numbers, one child's summary in turn,
     and every child whose status changed since this stream last sent it."""
-    children = record.get("children")
+    children = _children(record)
     if not children:
         return record
     names = sorted(children)
@@ -84,6 +86,14 @@ def stream_message(record: dict, turn: int, sent: dict[str, str]) -> dict:
     for k in pick:
         sent[k] = children[k].get("status")
     return {**record, "children": {k: children[k] for k in sorted(pick)}, "children_n": len(names)}
+
+
+def _children(record: dict) -> dict[str, dict]:
+    """A record's children as the trainer writes them (an object of objects); anything else, none."""
+    children = record.get("children")
+    if not isinstance(children, dict):
+        return {}
+    return {str(k): c for k, c in children.items() if isinstance(c, dict)}
 
 
 def create_app(run: str | Path, token: str | None = None, poll_s: float = POLL_S):
@@ -105,18 +115,18 @@ def create_app(run: str | Path, token: str | None = None, poll_s: float = POLL_S
         except NodeNotFound as exc:
             raise HTTPException(404, str(exc)) from None
 
-    async def page(request: Request):
+    def page(request: Request):  # (sync endpoints run in the threadpool: file work never blocks the loop)
         return HTMLResponse(render_page(title=f"flodl-hf run: {source.run.name}"))
 
-    async def paths(request: Request):
+    def paths(request: Request):
         return JSONResponse({"paths": source.paths()})
 
-    async def node(request: Request):
+    def node(request: Request):
         path = lookup(request)
         records = source.records(path)
         last = next((r for r in reversed(records) if r.get("event") in ("train", "end")), records[-1] if records else None)
         return JSONResponse({"path": path, "level": level_of(path), "record": last,
-                             "children": (last or {}).get("children", {})})
+                             "children": _children(last or {})})
 
     def since_of(request: Request) -> float | None:
         raw = request.query_params.get("since")
@@ -125,7 +135,7 @@ def create_app(run: str | Path, token: str | None = None, poll_s: float = POLL_S
         except ValueError:
             raise HTTPException(400, f"since must be a number (a record's t), got {raw!r}") from None
 
-    async def history(request: Request):
+    def history(request: Request):
         path = lookup(request)
         since = since_of(request)
         records = source.records(path)
@@ -138,31 +148,45 @@ def create_app(run: str | Path, token: str | None = None, poll_s: float = POLL_S
         file = source.file(path)
         since = since_of(request)
 
-        async def events():
+        def read_new(offset: int, held: int) -> tuple[int, bytes, bool]:
+            """(offset, bytes, rewritten): what was written past ``offset`` and the ``held`` bytes of an
+            unfinished line already read (a long line in progress is read once, not at every poll)."""
+            if file is None:
+                return offset, b"", False
+            try:
+                size = file.stat().st_size
+                if size < offset + held:  # rewritten (a resumed run drops its tail): follow from its end
+                    return _complete_size(file), b"", True
+                if size > offset + held:
+                    with open(file, "rb") as f:
+                        f.seek(offset + held)
+                        return offset, f.read(size - offset - held), False
+            except FileNotFoundError:
+                pass
+            return offset, b"", False
+
+        def setup() -> tuple[int, dict]:
             # From the end of what is written; with ?since=T from the first record after T, so a
             # page that read /history up to T misses nothing written before it connected.
             offset = 0 if since is not None else _complete_size(file)
             # The page drew the children from /history; the stream sends their changes from here.
-            before = source.records(path)
-            last = next((r for r in reversed(before) if r.get("children")), {})
-            sent = {k: c.get("status") for k, c in last.get("children", {}).items()}
+            last = next((r for r in reversed(source.records(path)) if r.get("children")), {})
+            return offset, {k: c.get("status") for k, c in _children(last).items()}
+
+        async def events():
+            offset, sent = await asyncio.to_thread(setup)  # file work off the event loop
+            pending = b""
             turn, quiet = 0, time.monotonic()
             yield ": following " + (path or "the root") + "\n\n"
             while not stopping.is_set() and not await request.is_disconnected():
-                data = b""
-                if file is not None:
-                    try:
-                        size = file.stat().st_size
-                        if size < offset:  # rewritten (a resumed run drops its tail): follow from its end
-                            offset = _complete_size(file)
-                        elif size > offset:
-                            with open(file, "rb") as f:
-                                f.seek(offset)
-                                data = f.read(size - offset)
-                    except FileNotFoundError:
-                        pass
-                records, used = parse_lines(data)
-                offset += used
+                offset, new, rewritten = await asyncio.to_thread(read_new, offset, len(pending))
+                records, used = [], 0
+                if rewritten:
+                    pending = b""
+                if new:
+                    data = pending + new
+                    records, used = parse_lines(data) if b"\n" in new else ([], 0)
+                    offset, pending = offset + used, data[used:]
                 chunk = []  # what this poll found goes out as one write, then the disconnect check
                 for record in records:
                     if since is not None and not (isinstance(record.get("t"), (int, float)) and record["t"] > since):
@@ -190,11 +214,17 @@ def create_app(run: str | Path, token: str | None = None, poll_s: float = POLL_S
               Route("/stream", stream), Route("/stream/{path:path}", stream)]
     app = Starlette(routes=routes, exception_handlers={HTTPException: not_found})
     app.state.stopping = stopping
-    if token is None:
-        return app
 
     async def guarded(scope, receive, send):
-        if scope["type"] == "http" and not _token_ok(scope, token):
+        # Without a token the portal listens on loopback only, and answers only requests that name a
+        # loopback host: a page elsewhere cannot reach it by a name of its own resolving to 127.0.0.1
+        # (DNS rebinding). With a token, the token is the check.
+        if scope["type"] == "http" and token is None and not _host_ok(scope):
+            await JSONResponse({"error": "the Host header must name this machine's loopback (127.0.0.1, localhost, "
+                                         "[::1]); serve with --token to be reached by another name",
+                                "status": 421}, status_code=421)(scope, receive, send)
+            return
+        if scope["type"] == "http" and token is not None and not _token_ok(scope, token):
             await JSONResponse({"error": "missing or wrong token (?token= or Authorization: Bearer)",
                                 "status": 401}, status_code=401)(scope, receive, send)
             return
@@ -202,6 +232,18 @@ def create_app(run: str | Path, token: str | None = None, poll_s: float = POLL_S
 
     guarded.state = app.state  # type: ignore[attr-defined]
     return guarded
+
+
+def _host_ok(scope: dict) -> bool:
+    """The request's Host header names a loopback address (its port aside)."""
+    host = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"host"), "")
+    if host.startswith("[") and "]" in host:  # [::1]:8765
+        name = host[1:host.index("]")]
+    elif host.count(":") == 1:                # 127.0.0.1:8765, localhost:8765
+        name = host.split(":")[0]
+    else:
+        name = host
+    return _is_loopback(name.lower())
 
 
 def _token_ok(scope: dict, token: str) -> bool:
@@ -275,7 +317,7 @@ def start_portal(run: str | Path, *, host: str = DEFAULT_HOST, port: int = DEFAU
         time.sleep(0.02)
     bound = server.servers[0].sockets[0].getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    url = f"http://{shown}:{bound}/" + (f"?token={token}" if token else "")
+    url = f"http://{shown}:{bound}/" + (f"?token={quote(token, safe='')}" if token else "")
     return Portal(server, thread, url, app)
 
 
@@ -284,5 +326,6 @@ def serve(run: str | Path, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
     import uvicorn
     check_bind(host, token)
     app = create_app(run, token=token)
-    print(f"flodl-hf portal: http://{host}:{port}/" + (f"?token={token}" if token else ""), flush=True)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"flodl-hf portal: http://{shown}:{port}/" + (f"?token={quote(token, safe='')}" if token else ""), flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)

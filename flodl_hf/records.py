@@ -101,11 +101,16 @@ def parse_lines(data: bytes) -> tuple[list[dict], int]:
     for line in data[:end].splitlines():
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(record, dict):
-            out.append(record)
+            out.append(_finite(record))  # a foreign NaN or Infinity reads as null, as the trainer writes it
     return out, end
+
+
+def _in_run(run: Path, file: Path) -> bool:
+    """``file`` is a file of the run directory itself: not a link to one outside it."""
+    return file.is_file() and file.resolve().is_relative_to(run.resolve())
 
 
 def tree_paths(run: str | os.PathLike) -> list[str]:
@@ -113,11 +118,11 @@ def tree_paths(run: str | os.PathLike) -> list[str]:
     run = Path(run)
     if not (run / RECORDS).is_file() and _legacy_files(run):
         return list(_legacy_tree(run))
-    paths = [""] if (run / RECORDS).is_file() else []
+    paths = [""] if _in_run(run, run / RECORDS) else []
     for host in sorted(run.glob("host-*")):
-        if (host / RECORDS).is_file() and NODE_RE.match(host.name):
+        if _in_run(run, host / RECORDS) and NODE_RE.match(host.name):
             paths.append(host.name)
-            ranks = [p for p in host.glob("rank-*") if (p / RECORDS).is_file() and NODE_RE.match(f"{host.name}/{p.name}")]
+            ranks = [p for p in host.glob("rank-*") if _in_run(run, p / RECORDS) and NODE_RE.match(f"{host.name}/{p.name}")]
             paths += [f"{host.name}/{p.name}" for p in sorted(ranks, key=lambda p: int(p.name[5:]))]
     return paths
 
@@ -131,14 +136,17 @@ def load_tree(run: str | os.PathLike) -> dict[str, list[dict]]:
 
 
 def _legacy_files(run: Path) -> bool:
-    return (run / "run.jsonl").is_file() or any(run.glob("worker-*.jsonl"))
+    return _in_run(run, run / "run.jsonl") or any(_in_run(run, p) for p in run.glob("worker-*.jsonl"))
 
 
 def _legacy_tree(run: Path) -> dict[str, list[dict]]:
     """A run written as ``run.jsonl`` + ``worker-R.jsonl`` (before the tree), as a tree in memory."""
-    root = [dict(r, level="root", name="run") for r in read_records(run / "run.jsonl")]
+    root = [dict(r, level="root", name="run") for r in read_records(run / "run.jsonl")] \
+        if _in_run(run, run / "run.jsonl") else []
     ranks = {}
     for p in run.glob("worker-*.jsonl"):
+        if not _in_run(run, p):
+            continue
         try:
             rank = int(p.stem.split("-")[1])
         except ValueError:

@@ -125,7 +125,7 @@ let view = {path: null, train: [], evals: [], last: null, children: {}, spark: {
 let xAxis = "step";
 
 function api(u) { return TOKEN ? u + (u.includes("?") ? "&" : "?") + "token=" + encodeURIComponent(TOKEN) : u; }
-function esc(s) { return String(s).replace(/[&<>"]/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c])); }
+function esc(s) { return String(s).replace(/[&<>"']/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c])); }
 function fmt(v) {
   if (v === undefined || v === null) return "-";
   if (typeof v !== "number") return esc(v);
@@ -184,7 +184,7 @@ function render() {
   const p = view.path, last = view.last || {};
   const parts = p === "" ? [] : p.split("/");
   let crumbs = `<a href="#/" data-path="">run</a>`, acc = "";
-  for (const part of parts) { acc = join(acc, part); crumbs += ` › <a href="#/${acc}" data-path="${acc}">${esc(part)}</a>`; }
+  for (const part of parts) { acc = join(acc, part); crumbs += ` › <a href="#/${esc(acc)}" data-path="${esc(acc)}">${esc(part)}</a>`; }
   document.getElementById("crumbs").innerHTML = crumbs;
   document.getElementById("name").textContent = nameOf(p);
   document.getElementById("level").textContent = levelOf(p) + (last.ranks ? ` · ${last.alive} of ${last.ranks} ranks alive` : "");
@@ -203,7 +203,7 @@ function render() {
                   ["idle", c.idle_share === undefined ? undefined : (100 * c.idle_share).toFixed(1) + "%"]]
       .concat(c.alive !== undefined ? [["alive", `${c.alive}/${c.alive + (c.dead || 0)}`]] : []);
     return `<div class="child" data-child="${esc(k)}" data-path="${esc(join(p, k))}"><b>${esc(k)}</b>
-      <span class="badge b-${cst}">${cst}</span>${spark(view.spark[k] || [])}
+      <span class="badge b-${esc(cst)}">${esc(cst)}</span>${spark(view.spark[k] || [])}
       <table>${rows.map(([a, b]) => `<tr><td>${a}</td><td class="v">${typeof b === "string" ? esc(b) : fmt(b)}</td></tr>`).join("")}</table></div>`;
   });
   document.getElementById("children").innerHTML = grid.join("");
@@ -245,7 +245,7 @@ function chart(key, label, series) {
   const yt = ticks(Math.min(...all.map(q => q[1])), Math.max(...all.map(q => q[1])), 4);
   const x0 = xt[0], x1 = xt[xt.length - 1], y0 = yt[0], y1 = yt[yt.length - 1];
   const px = x => L + (x - x0) / (x1 - x0) * pw, py = y => T + ph - (y - y0) / (y1 - y0) * ph;
-  let s = `<h2>${esc(label)}</h2><svg xmlns="http://www.w3.org/2000/svg" width="${W}" height="${H}" data-metric="${key}" data-points="${series[0].pts.length}">`;
+  let s = `<h2>${esc(label)}</h2><svg xmlns="http://www.w3.org/2000/svg" width="${W}" height="${H}" data-metric="${esc(key)}" data-points="${series[0].pts.length}">`;
   for (const v of yt) s += `<line x1="${L}" x2="${L + pw}" y1="${py(v).toFixed(1)}" y2="${py(v).toFixed(1)}" class="grid"/><text x="${L - 5}" y="${(py(v) + 3).toFixed(1)}" text-anchor="end">${fmt(v)}</text>`;
   for (const v of xt) s += `<text x="${px(v).toFixed(1)}" y="${T + ph + 13}" text-anchor="middle">${fmt(v)}</text>`;
   s += `<rect x="${L}" y="${T}" width="${pw}" height="${ph}" class="frame"/><text x="${L + pw / 2}" y="${H - 3}" text-anchor="middle">${xAxis === "step" ? "step" : "seconds"}</text>`;
@@ -268,7 +268,11 @@ function spark(vals) {
   return `<svg width="120" height="24" class="spark" data-points="${v.length}"><polyline points="${pts}" fill="none" stroke="#1f77b4" stroke-width="1.2"/></svg>`;
 }
 
-function route() { show(decodeURIComponent(location.hash.replace(/^#\/?/, ""))); }
+function route() {  // a node path of the tree's names only: anything else shows the root
+  let p = "";
+  try { p = decodeURIComponent(location.hash.replace(/^#\/?/, "")); } catch (e) { p = ""; }
+  show(/^[A-Za-z0-9._-]+(\/[A-Za-z0-9._-]+)*$/.test(p) && !p.split("/").includes("..") ? p : "");
+}
 document.addEventListener("click", e => {
   const el = e.target.closest("[data-path]");
   if (el) { e.preventDefault(); location.hash = "#/" + el.dataset.path; }

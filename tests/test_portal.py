@@ -52,7 +52,7 @@ def run(tmp_path) -> Path:
 
 @pytest.fixture()
 def client(run) -> TestClient:
-    return TestClient(create_app(run))
+    return TestClient(create_app(run), base_url="http://127.0.0.1:8765")
 
 
 # ---- the tree -------------------------------------------------------------------------------------
@@ -112,7 +112,7 @@ def test_raw_dot_dot_path_is_refused(run):
     portal = start_portal(run, port=0)
     try:
         with socket.create_connection(("127.0.0.1", portal.port), timeout=5) as s:
-            s.sendall(b"GET /node/host-h00/../../../../etc/passwd HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            s.sendall(b"GET /node/host-h00/../../../../etc/passwd HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
             reply = b""
             while chunk := s.recv(65536):
                 reply += chunk
@@ -273,7 +273,7 @@ def test_trainer_portal_serves_the_run_while_it_trains(tmp_path, capsys):
 def test_old_layout_run_is_served_as_a_tree(tmp_path):
     (tmp_path / "run.jsonl").write_text(json.dumps({"event": "train", "step": 1, "loss": 1.0, "t": 5.0}) + "\n")
     (tmp_path / "worker-0.jsonl").write_text(json.dumps({"step": 1, "rank": 0, "loss": 1.0}) + "\n")
-    client = TestClient(create_app(tmp_path))
+    client = TestClient(create_app(tmp_path), base_url="http://127.0.0.1:8765")
     assert client.get("/paths").json()["paths"] == ["", "host-local", "host-local/rank-0"]
     assert client.get("/node/host-local/rank-0").json()["record"]["loss"] == 1.0
     assert client.get("/history/?since=4").json()["records"][0]["step"] == 1
@@ -295,3 +295,37 @@ def test_save_replaces_only_an_earlier_page(tmp_path, monkeypatch):
         assert main(["portal", str(run), "--save", target] + (["--force"] if force else [])) == 2, target
     assert (tmp_path / "keep.txt").read_text() == "precious" and records.read_bytes() == before
     assert not (tmp_path / "nodir").exists() and not list(tmp_path.rglob(".*tmp-*"))
+
+
+def test_only_loopback_host_names_are_answered_without_a_token(run):
+    """DNS rebinding: a page elsewhere could point a name of its own at 127.0.0.1 and read the run."""
+    app = create_app(run)
+    for base in ("http://127.0.0.1:8765", "http://localhost", "http://[::1]:8765"):
+        assert TestClient(app, base_url=base).get("/paths").status_code == 200, base
+    for base in ("http://attacker.example", "http://attacker.example:8765", "http://10.0.0.1"):
+        res = TestClient(app, base_url=base).get("/paths")
+        assert res.status_code == 421 and "Host header" in res.json()["error"], base
+    # with a token, the token is the check, whatever the name
+    assert TestClient(create_app(run, token="t"), base_url="http://box.lan").get("/paths?token=t").status_code == 200
+
+
+def test_records_linking_out_of_the_run_and_malformed_lines_are_never_served(run, tmp_path):
+    secret = tmp_path / "secret.jsonl"
+    secret.write_text(json.dumps({"event": "train", "step": 1, "SECRET": "outside"}) + "\n")
+    (run / "host-x").mkdir()
+    (run / "host-x" / "records.jsonl").symlink_to(secret)
+    client = TestClient(create_app(run), base_url="http://127.0.0.1")
+    assert "host-x" not in client.get("/paths").json()["paths"]
+    for url in ("/node/host-x", "/history/host-x", "/stream/host-x"):
+        assert client.get(url).status_code == 404, url
+    with (run / "host-h00" / "records.jsonl").open("a") as f:  # a foreign writer's lines
+        f.write('{"event": "train", "step": 9999, "loss": NaN, "t": 2e9}\n')
+        f.write('{"event": "train", "step": 10000, "t": 2e9, "children": {"rank-0": 1}}\n')
+        f.write("[" * 100000 + "\n")
+    for url in ("/node/host-h00", "/history/host-h00"):
+        res = client.get(url)
+        assert res.status_code == 200, url
+    records = client.get("/history/host-h00").json()["records"]
+    assert [r["loss"] for r in records if r["step"] == 9999] == [None]
+    assert stream_message(records[-1], 0, {}) == records[-1]  # children that are not objects: none
+

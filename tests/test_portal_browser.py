@@ -242,3 +242,25 @@ def test_statuses_token_and_time_axis_on_a_synthetic_tree(browser, tmp_path):
         page.close()
     finally:
         portal.stop()
+
+
+def test_a_crafted_fragment_injects_nothing(browser, tmp_path):
+    """The node path comes from the URL's fragment, which any page can link to: it is escaped where it is
+    shown, and a path that is not the tree's shows the root."""
+    from flodl_hf.portal import start_portal
+    from flodl_hf.records import TreeWriter
+
+    writer = TreeWriter(tmp_path / "run", ["a"])
+    writer.window({"step": 4, "epoch": 0, "time": 0.5}, [{"samples": 32, "loss": 1.0}])
+    writer.close()
+    portal = start_portal(tmp_path / "run", port=0)
+    try:
+        page = browser.new_page()
+        for fragment in ("%23%22%3E%3Cimg%20src=x%20onerror=%22document.title='XSS'%22%3E",
+                         "host-a%22%3E%3Cimg%20src=x%20onerror=%22document.title='XSS'%22%3E"):
+            page.goto(portal.url + "#/" + fragment)
+            page.wait_for_selector("[data-child='host-a']")
+            time.sleep(0.3)
+            assert page.title() != "XSS" and page.locator("img").count() == 0, fragment
+    finally:
+        portal.stop()
