@@ -256,12 +256,12 @@ def local_source(source: str | os.PathLike) -> list[Protected]:
 def check_out(out: str | os.PathLike, force: bool, protect: list[Protected] | None = None) -> Path:
     """Refuse an unusable ``out`` before anything is written: a file, a symlink, an existing directory
     without ``force`` or (with it) one flodl-hf did not write, or a path overlapping what is read."""
-    from .validate import overlap, real
+    from .validate import file_above, overlap, real
     if not isinstance(out, (str, os.PathLike)) or not str(out):
         raise InputError(f"out must be a directory path, got {out!r}")
     path = Path(out).expanduser().absolute()
-    above = next((p for p in path.parents if p.exists() or p.is_symlink()), None)
-    if above is not None and not above.is_dir():
+    above = file_above(path)
+    if above is not None:
         raise OutputExistsError(f"--out {path}: {above} is a file, not a directory (nothing was written)")
     for src, both_ways in protect or []:
         how = overlap(path, src)

@@ -97,6 +97,7 @@ from .distributed import (NEST_GAP, Comm, DiLoCo, ElChe, OuterOptimizer, Plan, T
                           probe_tiers, split_by_speed)
 from . import checkpoint_schema, lora
 from .errors import InputError
+from .validate import file_above
 
 __all__ = ["Trainer", "ElChe", "DiLoCo", "TrainerError", "TrainerConfigError", "WorkerLostError",
            "length_batches", "latest_checkpoint", "load_checkpoint", "launch"]
@@ -199,8 +200,8 @@ class Trainer:
         for name, where in (("checkpoint_dir", checkpoint_dir), ("log_dir", log_dir)):
             if where is not None and Path(where).exists() and not Path(where).is_dir():
                 raise TrainerConfigError(f"{name} {where} exists and is not a directory")
-            above = next((p for p in Path(where).absolute().parents if p.exists()), None) if where is not None else None
-            if above is not None and not above.is_dir():
+            above = file_above(where) if where is not None else None
+            if above is not None:
                 raise TrainerConfigError(f"{name} {where}: {above} is a file, not a directory")
         self.model, self.step_fn, self.optimizer_factory, self.data = model, step, optimizer, data
         self.batch_size, self.epochs, self.max_steps = batch_size, epochs, max_steps

@@ -36,6 +36,13 @@ def overlap(a: str | os.PathLike, b: str | os.PathLike) -> str | None:
     return None
 
 
+def file_above(path: str | os.PathLike) -> Path | None:
+    """The nearest existing ancestor of ``path`` where it is not a directory (nothing can be made
+    below it), else None."""
+    above = next((p for p in Path(path).expanduser().absolute().parents if p.exists() or p.is_symlink()), None)
+    return above if above is not None and not above.is_dir() else None
+
+
 def safe_member(root: Path, name: object, allowed: Path | None = None) -> Path | None:
     """``root / name`` when ``name`` is a relative path that stays inside ``root`` (or ``allowed``, the
     directory its symlinks may point into, e.g. a hub cache's blobs), else None."""
