@@ -23,6 +23,7 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -260,10 +261,18 @@ def _complete_size(file: Path | None) -> int:
     if file is None:
         return 0
     try:
-        data = file.read_bytes()
+        with open(file, "rb") as f:  # from the end, a block at a time: the last newline, not the whole file
+            end = f.seek(0, os.SEEK_END)
+            while end > 0:
+                start = max(0, end - (1 << 16))
+                f.seek(start)
+                found = f.read(end - start).rfind(b"\n")
+                if found >= 0:
+                    return start + found + 1
+                end = start
     except FileNotFoundError:
-        return 0
-    return data.rfind(b"\n") + 1
+        pass
+    return 0
 
 
 def _is_loopback(host: str) -> bool:
