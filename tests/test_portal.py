@@ -154,11 +154,14 @@ def test_stream_sends_new_records_once_their_line_is_complete(run):
     writer = TreeWriter(run, ["h00", "h00", "h01", "h01"], truncate_after=10**9)
     portal = start_portal(run, port=0, poll_s=0.05)
     got: list[dict] = []
+    following = threading.Event()
 
     def follow():
         with httpx.stream("GET", f"http://127.0.0.1:{portal.port}/stream/host-h01/rank-2", timeout=10) as res:
             assert res.headers["content-type"].startswith("text/event-stream")
             for line in res.iter_lines():
+                if line.startswith(": following"):
+                    following.set()
                 if line.startswith("data: "):
                     got.append(json.loads(line[6:]))
                     if len(got) == 2:
@@ -167,7 +170,9 @@ def test_stream_sends_new_records_once_their_line_is_complete(run):
     thread = threading.Thread(target=follow, daemon=True)
     try:
         thread.start()
-        time.sleep(0.5)  # connected: the stream starts after what is already written
+        # The stream's first line comes once it has fixed its start, after what is already written (the
+        # response's headers come before that: a fixed sleep lost the race on a loaded machine).
+        assert following.wait(10)
         file = run / "host-h01/rank-2/records.jsonl"
         with file.open("a") as f:
             f.write('{"event": "train", "step": 1000, "t": 1')
@@ -204,8 +209,9 @@ def _root_stream_cost(run: Path, hosts: int, per_host: int, windows: int) -> tup
 
     def follow():
         with httpx.stream("GET", f"http://127.0.0.1:{portal.port}/stream/", timeout=30) as res:
-            ready.set()
             for line in res.iter_lines():
+                if line.startswith(": following"):  # its start is fixed
+                    ready.set()
                 size[0] += len(line.encode()) + 1
                 if line.startswith("data: "):
                     messages.append(line)
@@ -216,7 +222,6 @@ def _root_stream_cost(run: Path, hosts: int, per_host: int, windows: int) -> tup
     try:
         thread.start()
         assert ready.wait(10)
-        time.sleep(0.2)
         start = (run / "records.jsonl").stat().st_size
         for w in range(windows):
             write_window(writer, names, random.Random(100 + w))
