@@ -23,6 +23,7 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import math
 import os
 import threading
 import time
@@ -132,9 +133,12 @@ def create_app(run: str | Path, token: str | None = None, poll_s: float = POLL_S
     def since_of(request: Request) -> float | None:
         raw = request.query_params.get("since")
         try:
-            return float(raw) if raw is not None else None
+            since = float(raw) if raw is not None else None
         except ValueError:
-            raise HTTPException(400, f"since must be a number (a record's t), got {raw!r}") from None
+            since = math.nan
+        if since is not None and not math.isfinite(since):  # nan compares false with every t: no records
+            raise HTTPException(400, f"since must be a finite number (a record's t), got {raw!r}")
+        return since
 
     def history(request: Request):
         path = lookup(request)

@@ -93,7 +93,10 @@ def test_paths_node_history(client, run):
     assert len(records) == 5
     later = client.get(f"/history/host-h00?since={records[2]['t']}").json()["records"]
     assert later == [r for r in records if r["t"] > records[2]["t"]]
-    assert client.get("/history/?since=soon").status_code == 400
+    for bad in ("soon", "nan", "inf", "-inf"):  # nan would match no record: an empty answer, not an error
+        answer = client.get(f"/history/?since={bad}")
+        assert answer.status_code == 400 and "since" in answer.json()["error"], bad
+        assert client.get(f"/stream/?since={bad}").status_code == 400, bad
     page = client.get("/")
     assert page.status_code == 200 and "EventSource" in page.text
 
