@@ -643,9 +643,18 @@ def _is_max_length(value: Any) -> bool:
     return isinstance(value, float) and math.isfinite(value) and value.is_integer() and value >= 0
 
 
+# tokenizer_config.json's switches: decoding and splitting in every class, and each recipe's own options
+_BOOL_SETTINGS = ("clean_up_tokenization_spaces", "split_special_tokens", "do_lower_case", "tokenize_chinese_chars",
+                  "strip_accents", "add_prefix_space", "trim_offsets", "keep_accents", "split_by_punct")
+# BertTokenizer's strip_accents None follows do_lower_case; a null clean_up_tokenization_spaces loads in
+# transformers as off
+_NULLABLE = ("strip_accents", "clean_up_tokenization_spaces")
+
+
 def _check_tokenizer_config(root: Path, tok_config: dict, options: dict) -> None:
     """Refuse at load the tokenizer_config.json values (or from_pretrained options) that would otherwise fail
-    only when encoding, or be blamed on another file: sides, model_max_length, special tokens."""
+    only when encoding, be blamed on another file, or act unseen: sides, model_max_length, switches, input names,
+    special tokens."""
     for key in ("padding_side", "truncation_side"):
         if key in tok_config and tok_config[key] not in ("left", "right"):
             value = tok_config[key]
@@ -656,6 +665,15 @@ def _check_tokenizer_config(root: Path, tok_config: dict, options: dict) -> None
         if value is not None and not _is_max_length(value):
             raise ConfigError(f"{_setting(root, options, key)} is {value!r} ({type(value).__name__}): "
                               "expected a non-negative integer (the most tokens the model takes)")
+    for key in _BOOL_SETTINGS:  # bool("false") is True: a string here would silently turn the option on
+        value = tok_config.get(key)
+        if key in tok_config and not isinstance(value, bool) and not (value is None and key in _NULLABLE):
+            raise ConfigError(f"{_setting(root, options, key)} is {value!r} ({type(value).__name__}): expected "
+                              "true or false" + (" (or null)" if key in _NULLABLE else ""))
+    names = tok_config.get("model_input_names")
+    if names is not None and not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)):
+        raise ConfigError(f"{_setting(root, options, 'model_input_names')} is {names!r}: expected a list of "
+                          "input names such as [\"input_ids\", \"attention_mask\"]")
     for name in SPECIAL_TOKEN_NAMES:
         if name in tok_config:
             _check_special_token(tok_config[name], _setting(root, options, name))

@@ -237,6 +237,28 @@ def test_bad_padding_or_truncation_side_is_refused_at_load(tmp_path, key, value)
     AutoTokenizer.from_pretrained(_edited_bert(tmp_path / "ok", {key: "left"}))
 
 
+@pytest.mark.parametrize("key, value", [(key, value) for key in ("clean_up_tokenization_spaces",
+                                        "split_special_tokens", "do_lower_case") for value in ("false", 0, None)
+                                        if not (key == "clean_up_tokenization_spaces" and value is None)])
+def test_a_switch_that_is_not_a_bool_is_refused_at_load(tmp_path, key, value):
+    """bool("false") is True: the string would have turned the switch on without a word."""
+    with pytest.raises(ConfigError, match=rf"tokenizer_config\.json: {key} is .*expected true or false"):
+        AutoTokenizer.from_pretrained(_edited_bert(tmp_path, {key: value}))
+    with pytest.raises(ConfigError, match=rf"from_pretrained option {key}"):
+        AutoTokenizer.from_pretrained(saved_dir(wordpiece_vocab_dir()), **{key: value})
+    assert getattr(AutoTokenizer.from_pretrained(_edited_bert(tmp_path / "ok", {key: True})).settings,
+                   key, True) is True
+
+
+def test_null_switches_that_transformers_loads_load_and_model_input_names_must_be_names(tmp_path):
+    AutoTokenizer.from_pretrained(_edited_bert(tmp_path / "null", {"strip_accents": None}))
+    ours = AutoTokenizer.from_pretrained(_edited_bert(tmp_path / "off", {"clean_up_tokenization_spaces": None}))
+    assert not ours.settings.clean_up_tokenization_spaces
+    for i, names in enumerate(["input_ids", [], ["input_ids", 3]]):
+        with pytest.raises(ConfigError, match=r"tokenizer_config\.json: model_input_names is .*list of input names"):
+            AutoTokenizer.from_pretrained(_edited_bert(tmp_path / str(i), {"model_input_names": names}))
+
+
 def test_special_token_of_wrong_type_or_missing_from_the_vocab_is_refused_at_load(tmp_path):
     with pytest.raises(ConfigError, match=r"tokenizer_config\.json: unk_token is 5 \(int\)"):
         AutoTokenizer.from_pretrained(_edited_bert(tmp_path / "int", {"unk_token": 5}))
