@@ -1061,3 +1061,7 @@ def test_a_classifier_trained_for_the_other_classification_task_is_refused():
     for the other initialises nothing; the checkpoint's architectures tells them apart."""
     with pytest.raises(MissingHeadError, match="architectures names a seqcls model, so tag cannot run"):
         tag("hello world", _tiny("seqcls"))
+    # The other way round the load failed first, on the pooler classify needs and a token classifier lacks
+    # (a WeightsMismatchError whose hint, pass num_labels=, did not help)
+    with pytest.raises(MissingHeadError, match="architectures names a tokcls model, so classify cannot run"):
+        classify("hello world", _tiny("tokcls"))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .. import batching
-from ..errors import InputError, MissingHeadError
+from ..errors import InputError, MissingHeadError, WeightsMismatchError
 from ..tokenizer import LARGE_INTEGER, AutoTokenizer, BatchEncoding, Tokenizer, check_text
 
 
@@ -79,16 +79,21 @@ def _load_with_head(source: str, task: str) -> nn.Module:
     from ..auto import load_model
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = load_model(source, task)
+        try:
+            model = load_model(source, task)
+        except WeightsMismatchError as exc:
+            # A token classifier has no pooler, which classify's head needs: the load fails on the base model's
+            # keys, but what is wrong is the task (the checkpoint's architectures says which it was trained for).
+            trained_for = _architecture_task(_raw_config(source))
+            if trained_for in _TASK_FUNCTION and trained_for != task:
+                raise _wrong_task(source, task, trained_for) from exc
+            raise
     report = getattr(model, "load_report", None)
     prefix = getattr(model, "base_model_prefix", "") + "."
     head = [k for k in (report.fresh if report else []) if task != "base" and not k.startswith(prefix)]
-    trained_for = _architecture_task(model)
+    trained_for = _architecture_task(getattr(getattr(model, "config", None), "raw", None))
     if not head and {task, trained_for} == {"seqcls", "tokcls"}:  # both heads are `classifier`, of one shape
-        raise MissingHeadError(f"{source}: config.json's architectures names a {trained_for} model, so "
-                               f"{_TASK_FUNCTION[task]} cannot run on it: its classifier was trained to score "
-                               f"{'whole texts' if trained_for == 'seqcls' else 'tokens'}. Pass a checkpoint "
-                               "fine-tuned for this task")
+        raise _wrong_task(source, task, trained_for)
     if head:
         raise MissingHeadError(f"{source}: has no {task} head (missing {', '.join(head)}), so "
                                f"{_TASK_FUNCTION.get(task, task)} cannot run on it: a head initialised at random "
@@ -99,13 +104,32 @@ def _load_with_head(source: str, task: str) -> nn.Module:
     return model
 
 
-def _architecture_task(model: nn.Module) -> str | None:
-    """The task of the checkpoint's ``architectures[0]`` (``BertForSequenceClassification``: seqcls), if known."""
+_SCORES = {"seqcls": "whole texts", "tokcls": "tokens", "qa": "answer spans", "mlm": "masked tokens"}
+
+
+def _wrong_task(source: str, task: str, trained_for: str) -> MissingHeadError:
+    return MissingHeadError(f"{source}: config.json's architectures names a {trained_for} model, so "
+                            f"{_TASK_FUNCTION[task]} cannot run on it: its head was trained to score "
+                            f"{_SCORES.get(trained_for, trained_for)}. Pass a checkpoint fine-tuned for this task")
+
+
+def _raw_config(source: str) -> dict | None:
+    """``source``'s config.json, or None where it cannot be read (the load's own error stands then)."""
+    from .. import io
+    try:
+        return io.read_json(io.resolve(source).config_path, "config.json")
+    except Exception:  # noqa: BLE001 - only a hint for a better error; the original one is raised otherwise
+        return None
+
+
+def _architecture_task(raw: dict | None) -> str | None:
+    """The task of a config's ``architectures[0]`` (``BertForSequenceClassification``: seqcls), if known."""
     from ..registry import parse_architecture
     from ..errors import UnsupportedModelError
-    names = (getattr(getattr(model, "config", None), "raw", None) or {}).get("architectures") or []
+    names = (raw if isinstance(raw, dict) else {}).get("architectures") or []
     try:
-        return parse_architecture(names[0])[1] if names and isinstance(names[0], str) else None
+        return parse_architecture(names[0])[1] if isinstance(names, list) and names and isinstance(names[0], str) \
+            else None
     except UnsupportedModelError:
         return None
 
