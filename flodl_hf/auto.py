@@ -134,6 +134,10 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | s
         task = task_of(config, family)
     if task not in task_names():
         raise InputError(f"task {task!r}: expected one of {', '.join(task_names())} or 'auto'")
+    if task in ("seqcls", "tokcls") and sorted(config.id2label) != list(range(config.num_labels)):
+        # The head's output i is the label id2label[i]: ids with a gap leave an output without a name
+        raise ConfigError(f"{ckpt.config_path}: id2label's ids are {sorted(config.id2label)}; a classifier's "
+                          f"labels must be numbered 0 to {config.num_labels - 1}, one per output")
     cls = family.model_class(task)
     if expect is not None and expect is not PreTrainedModel and not issubclass(cls, expect):
         raise UnsupportedModelError(f"{source} holds a {config.model_type!r} model; {expect.__name__} cannot load it "

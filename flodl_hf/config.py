@@ -199,6 +199,12 @@ class BaseConfig:
             config = cls(**kwargs)
         except TypeError as exc:
             raise ConfigError(f"config.json does not fit {cls.__name__}: {exc}") from exc
+        # As transformers: without id2label, num_labels sets the labels (LABEL_0...); with it, id2label wins
+        n = data.get("num_labels")
+        if data.get("id2label") is None and n is not None:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ConfigError(f"config field num_labels={n!r} must be a positive integer")
+            config.num_labels = n
         config.raw = copy.deepcopy(dict(data))
         return config
 

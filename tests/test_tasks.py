@@ -154,6 +154,26 @@ def test_classify_matches_pipeline(tokenizer, problem):
                 plain(pipe(TEXTS, function_to_apply=function))
 
 
+def test_num_labels_without_id2label_names_the_labels_as_transformers_does(tmp_path):
+    """config.json with num_labels and no id2label: transformers reads LABEL_0... LABEL_{n-1}; we read 2
+    labels and refused the 3-output head as a weights mismatch."""
+    directory = tmp_path / "three"
+    shutil.copytree(task_dir(TOKENIZERS[0], "seqcls", id2label={0: "a", 1: "b", 2: "c"}), directory)
+    config = json.loads((directory / "config.json").read_text())
+    for key in ("id2label", "label2id"):
+        config.pop(key, None)
+    (directory / "config.json").write_text(json.dumps({**config, "num_labels": 3}))
+    ours = classify(TEXTS, directory, top_k=None, batch_size=1)
+    assert ours == plain(pipeline("text-classification", directory)(TEXTS, top_k=None))
+    assert {r["label"] for r in ours[0]} == {"LABEL_0", "LABEL_1", "LABEL_2"}
+    # ids with a gap leave an output without a name: the pipeline fails on a KeyError, we at load
+    config["id2label"] = {"0": "a", "2": "b", "5": "c"}
+    (directory / "config.json").write_text(json.dumps(config))
+    clear_cache()
+    with pytest.raises(flodl_hf.ConfigError, match=r"config\.json: id2label's ids are \[0, 2, 5\]"):
+        classify(TEXTS, directory)
+
+
 # ---- token classification ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tokenizer", TOKENIZERS)
