@@ -601,6 +601,7 @@ class AutoTokenizer:
         _check_tokenizer_config(root, tok_config, options)
         class_name = class_name_for(root, tok_config)
         recipe = RECIPES.get(class_name or "")
+        _check_switches(root, tok_config, options, recipe)
         tokenizer_json = root / TOKENIZER_FILE
         data = _read_json(tokenizer_json) if tokenizer_json.exists() else None
         if data is not None and not isinstance(data.get("model"), dict):
@@ -643,18 +644,25 @@ def _is_max_length(value: Any) -> bool:
     return isinstance(value, float) and math.isfinite(value) and value.is_integer() and value >= 0
 
 
-# tokenizer_config.json's switches: decoding and splitting in every class, and each recipe's own options
-_BOOL_SETTINGS = ("clean_up_tokenization_spaces", "split_special_tokens", "do_lower_case", "tokenize_chinese_chars",
-                  "strip_accents", "add_prefix_space", "trim_offsets", "keep_accents", "split_by_punct")
-# BertTokenizer's strip_accents None follows do_lower_case; a null clean_up_tokenization_spaces loads in
-# transformers as off
-_NULLABLE = ("strip_accents", "clean_up_tokenization_spaces")
+def _check_switches(root: Path, tok_config: dict, options: dict, recipe: Recipe | None) -> None:
+    """tokenizer_config.json's switches are true or false: bool("false") is True, so a string would turn one
+    on unseen. Decoding and splitting in every class; a recipe's own options (do_lower_case, add_prefix_space...)
+    where we build the tokenizer from its recipe (other classes, such as LLaMA's null add_prefix_space, are
+    transformers' to read). Null is allowed where transformers takes it: BertTokenizer's strip_accents (follow
+    do_lower_case) and clean_up_tokenization_spaces (off)."""
+    switches = {"clean_up_tokenization_spaces": True, "split_special_tokens": False}
+    if recipe is not None:
+        switches.update({k: v is None for k, v in recipe.defaults.items() if isinstance(v, bool) or v is None})
+    for key, nullable in switches.items():
+        value = tok_config.get(key)
+        if key in tok_config and not isinstance(value, bool) and not (value is None and nullable):
+            raise ConfigError(f"{_setting(root, options, key)} is {value!r} ({type(value).__name__}): expected "
+                              "true or false" + (" (or null)" if nullable else ""))
 
 
 def _check_tokenizer_config(root: Path, tok_config: dict, options: dict) -> None:
     """Refuse at load the tokenizer_config.json values (or from_pretrained options) that would otherwise fail
-    only when encoding, be blamed on another file, or act unseen: sides, model_max_length, switches, input names,
-    special tokens."""
+    only when encoding, or be blamed on another file: sides, model_max_length, input names, special tokens."""
     for key in ("padding_side", "truncation_side"):
         if key in tok_config and tok_config[key] not in ("left", "right"):
             value = tok_config[key]
@@ -665,11 +673,6 @@ def _check_tokenizer_config(root: Path, tok_config: dict, options: dict) -> None
         if value is not None and not _is_max_length(value):
             raise ConfigError(f"{_setting(root, options, key)} is {value!r} ({type(value).__name__}): "
                               "expected a non-negative integer (the most tokens the model takes)")
-    for key in _BOOL_SETTINGS:  # bool("false") is True: a string here would silently turn the option on
-        value = tok_config.get(key)
-        if key in tok_config and not isinstance(value, bool) and not (value is None and key in _NULLABLE):
-            raise ConfigError(f"{_setting(root, options, key)} is {value!r} ({type(value).__name__}): expected "
-                              "true or false" + (" (or null)" if key in _NULLABLE else ""))
     names = tok_config.get("model_input_names")
     if names is not None and not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)):
         raise ConfigError(f"{_setting(root, options, 'model_input_names')} is {names!r}: expected a list of "
