@@ -6,19 +6,45 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import InputError
-from ..tokenizer import Tokenizer
+from ..tokenizer import Tokenizer, check_text
 from .runtime import BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _as_list, _check_texts, _check_top_k, _encode, _np_sigmoid, _np_softmax, _rows, _run, load
 
 
-def _split_pairs(texts: list) -> tuple[list[str], list[str] | None]:
-    if all(isinstance(t, dict) for t in texts):
-        try:
-            return [t["text"] for t in texts], [t["text_pair"] for t in texts] if "text_pair" in texts[0] else None
-        except KeyError as exc:
-            raise InputError(f"a text pair is a dict with keys 'text' and 'text_pair' (missing {exc})") from None
-    if not all(isinstance(t, str) for t in texts):
-        raise InputError("texts: expected strings, or dicts {'text': ..., 'text_pair': ...} for pairs")
-    return texts, None
+def _split_pairs(texts: list) -> tuple[list[str], list[str | None]]:
+    """Each item's text and pair (None for a single text). The pipeline tokenises each dict on its own, as
+    ``tokenizer(**item)``, and transformers encodes a single text when ``text_pair`` is absent, None or ""."""
+    firsts: list = []
+    seconds: list = []
+    for i, item in enumerate(texts):
+        if isinstance(item, dict):
+            if "text" not in item:
+                raise InputError(f"texts[{i}]: a text pair is a dict with keys 'text' and 'text_pair' "
+                                 f"(missing 'text'; keys: {sorted(map(str, item))})")
+            pair = item.get("text_pair")
+            firsts.append(item["text"])
+            seconds.append(pair if pair is not None and pair != "" else None)
+        elif isinstance(item, str):
+            firsts.append(item)
+            seconds.append(None)
+        else:
+            raise InputError(f"texts[{i}] is a {type(item).__name__}: expected strings, or dicts "
+                             "{'text': ..., 'text_pair': ...} for pairs")
+    return firsts, seconds
+
+
+def _encode_rows(loaded, firsts: list[str], seconds: list[str | None]) -> list[dict[str, list]]:
+    """Model rows in the items' order: single texts and pairs are tokenised apart (each as it would be alone)."""
+    rows: list = [None] * len(firsts)
+    singles = [i for i, pair in enumerate(seconds) if pair is None]
+    pairs = [i for i, pair in enumerate(seconds) if pair is not None]
+    if singles:
+        for i, row in zip(singles, _rows(_encode(loaded, [firsts[i] for i in singles]), _MODEL_KEYS)):
+            rows[i] = row
+    if pairs:
+        for i, row in zip(pairs, _rows(_encode(loaded, [firsts[i] for i in pairs], [seconds[i] for i in pairs]),
+                                       _MODEL_KEYS)):
+            rows[i] = row
+    return rows
 
 
 def classify(texts: str | dict | Sequence[str | dict], model: Source, top_k: int | None = 1,
@@ -39,10 +65,10 @@ def classify(texts: str | dict | Sequence[str | dict], model: Source, top_k: int
         return []
     firsts, seconds = _split_pairs(items)
     _check_texts(firsts)
-    if seconds is not None:
-        _check_texts(seconds, "text_pair")
-    enc = _encode(loaded, firsts, seconds)
-    outputs = _run(loaded, _rows(enc, _MODEL_KEYS), batch_size, {"logits": False})
+    for i, pair in enumerate(seconds):
+        if pair is not None:
+            check_text(pair, f"texts[{i}]['text_pair']")
+    outputs = _run(loaded, _encode_rows(loaded, firsts, seconds), batch_size, {"logits": False})
     config = loaded.model.config
     problem = getattr(getattr(config, "problem_type", None), "value", getattr(config, "problem_type", None))
     function = (function_to_apply or "").lower() or None

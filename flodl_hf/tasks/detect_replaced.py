@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from ..errors import InputError
 from ..tokenizer import Tokenizer
-from .runtime import BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _encode, _rows, _run, load
+from .runtime import BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _as_list, _check_texts, _encode, _rows, _run, load
+
+
+def _check_threshold(threshold: object) -> None:
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or math.isnan(threshold):
+        raise InputError(f"threshold={threshold!r}: must be a number (a token is replaced when its score is above it)")
 
 
 def detect_replaced(texts: str | Sequence[str], model: Source, threshold: float = 0.5,
@@ -20,10 +28,14 @@ def detect_replaced(texts: str | Sequence[str], model: Source, threshold: float 
     ``score`` is ``sigmoid(logit)`` of ``ElectraForPreTraining``, ``replaced`` is ``score > threshold``,
     ``start``/``end`` are character offsets into the text. A list of texts gives one list per text.
     """
+    _check_threshold(threshold)
+    single = isinstance(texts, str)
+    items = [texts] if single else _as_list(texts)
+    _check_texts(items)
     loaded = load(model, "pretraining", tokenizer, precision)
     tok = loaded.tokenizer
-    single = isinstance(texts, str)
-    items = [texts] if single else list(texts)
+    if not items:
+        return []
     enc = _encode(loaded, items, return_offsets_mapping=True, return_special_tokens_mask=True)
     outputs = _run(loaded, _rows(enc, _MODEL_KEYS), batch_size, {"logits": True})
     results = []

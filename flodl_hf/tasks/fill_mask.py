@@ -75,8 +75,7 @@ def fill_mask(text_or_texts: str | Sequence[str], model: Source | None = None, t
     tok = loaded.tokenizer
     if tok.mask_token is None:
         raise InputError(f"{loaded.source}: the tokenizer defines no mask token, so it cannot fill masks")
-    vocab = getattr(getattr(loaded.model, "config", None), "vocab_size", None)
-    _check_top_k(top_k, limit=vocab)
+    _check_top_k(top_k)  # against the vocabulary below, once targets (which cap it) are known
     single = isinstance(text_or_texts, str)
     texts = [text_or_texts] if single else _as_list(text_or_texts)
     _check_texts(texts)
@@ -95,7 +94,9 @@ def fill_mask(text_or_texts: str | Sequence[str], model: Source | None = None, t
                              "where the word to predict goes")
     target_ids = _target_ids(tok, targets) if targets is not None else None
     if target_ids is not None and target_ids.shape[0] < top_k:
-        top_k = target_ids.shape[0]
+        top_k = target_ids.shape[0]  # FillMaskPipeline.postprocess: targets cap top_k before any other limit
+    if target_ids is None:
+        _check_top_k(top_k, limit=getattr(getattr(loaded.model, "config", None), "vocab_size", None))
     mask_id = tok.mask_token_id
     masked = [[p for p, t in enumerate(ids) if t == mask_id] for ids in enc["input_ids"]]
     # Only the masked positions' logits are kept (a row of vocabulary logits per token would not fit in memory).
