@@ -159,7 +159,8 @@ def test_ddp_two_hosts_equals_two_workers_on_one_host(tmp_path):
 
 @pytest.mark.parametrize("windows", ["planned", "live"])
 def test_el_che_uneven_hosts_and_one_record_tree(tmp_path, windows):
-    # Host 1 sleeps 3x as long per batch. verify_sync makes every sync check that both hosts
+    # Host 1 sleeps 3x as long per batch (4 and 12 ms: each batch's own work, the same on both, brings the
+    # ratio to 2.5 on a busy machine, and nearer 1 the busier it is). verify_sync makes every sync check that both hosts
     # hold bit-identical parameters (a TrainerError otherwise). Live windows claim their batches
     # from the counter on node 0's store, across the link.
     _run_cluster(tmp_path, {"sync": "el-che", "steps": 120, "ms": [4, 12], "windows": windows})
@@ -167,7 +168,7 @@ def test_el_che_uneven_hosts_and_one_record_tree(tmp_path, windows):
     windows_ = _windows(summary)
     fast, slow = (sum(w["batches"][r] for w in windows_[2:]) for r in (0, 1))
     print(f"El Che ({windows} windows), 2 hosts: batches fast {fast}, slow {slow}, ratio {fast / slow:.2f}")
-    assert 1.5 < fast / slow < 6
+    assert 1.3 < fast / slow < 6
     assert summary["summary"]["samples"] == 120 * 2 * 4  # max_steps' data, each sample once
     tree = load_tree(tmp_path / "logs")
     hosts = sorted(p for p in tree if p and "/" not in p)
@@ -192,7 +193,7 @@ def test_el_che_diloco_anchor_grows_behind_a_slow_link(tmp_path):
     assert anchors[-1] >= 4 * anchors[0]
     assert min(shares[-3:]) < 0.10 < shares[0]
     fast, slow = (sum(w["batches"][r] for w in windows[3:]) for r in (0, 1))
-    assert 1.5 < fast / slow < 6
+    assert 1.3 < fast / slow < 6
 
 
 def _survivor_stops(tmp_path: Path, victim: int, how: str, store_timeout: float) -> tuple[list, float, str]:

@@ -467,11 +467,13 @@ def _overlap(rank: int, out: str) -> dict:
 
 def _assert_live_pair(runs: list[dict], n: int) -> None:
     """Live windows on a 3 : 1 pair: every sample trained once, the same bits on both workers at the
-    end, the fast worker at more than twice the slow one's batches, evaluations up to the last sample."""
+    end, the fast worker ahead of the slow one's batches, evaluations up to the last sample. (Each batch's
+    own work adds the same c ms to both sleeps, 10 and 30 ms, so the ratio is (30 + c) / (10 + c): 2.6 on
+    an idle machine, under 2 with four busy loops on the 2 cores, where > 2 failed 3 runs of 3.)"""
     assert sorted(runs[0]["seen"] + runs[1]["seen"]) == list(range(n))
     assert torch.equal(runs[0]["params"], runs[1]["params"])
     fast, slow = (sum(w["batches"] for w in runs[r]["records"]) for r in range(2))
-    assert fast > 2 * slow, (fast, slow)
+    assert fast > 1.3 * slow, (fast, slow)
     evals = [e for e in runs[0]["history"] if e.get("event") == "eval"]
     assert len(evals) >= 3 and evals[-1]["samples"] == n, evals
 
@@ -638,8 +640,10 @@ def test_el_che_lead_matches_its_replay_resumes_and_runs_live(tmp_path):
     _assert_live_pair([res[r]["live"] for r in range(2)], 250)
     # The lead trains on until the slow worker's gradients land in every window but the epoch's last,
     # also after the anchor grows (when they land is measured from the slowest's expected end).
+    # (A stall of the lead's own batch on a loaded machine can leave one window at 1 : 1.)
     windows = [w["batches"] for w in res[0]["live"]["history"] if w.get("event") == "train"]
-    assert all(fast > slow for fast, slow in windows[:-1]), windows
+    assert all(fast >= slow for fast, slow in windows[:-1]), windows
+    assert sum(fast > slow for fast, slow in windows[:-1]) >= 0.75 * len(windows[:-1]), windows
     # The lead: after each sync, its sends land (one per tensor) before its next step, and before the end.
     order = res[0]["live"]["order"]
     tensors = len(list(mlp().parameters()))
@@ -684,8 +688,9 @@ def test_el_che_lead_trains_on_while_the_slow_worker_runs_long(tmp_path):
     windows = [w["batches"] for w in res[0]["history"] if w.get("event") == "train"]
     print(f"late batches {res[1]['late']} ({late_ms:.0f} ms), lead off its batches {idle_ms:.0f} ms "
           f"(reported idle and sync {reported:.0f}), windows {windows}")
-    # (0.72 of the delays when the lead waited until the gradients landed, 0.20 here)
-    assert res[1]["late"] >= 3 and idle_ms < 0.4 * late_ms, (idle_ms, late_ms, windows)
+    # (0.72 of the delays when the lead waited until the gradients landed; 0.23 here on an idle machine,
+    # up to 0.33 under four busy loops, as the lead's sync and idle grow with the load and the delays do not)
+    assert res[1]["late"] >= 3 and idle_ms < 0.55 * late_ms, (idle_ms, late_ms, windows)
     assert 0 < reported <= idle_ms, (reported, idle_ms)
 
 
@@ -891,7 +896,7 @@ def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
     # arithmetic itself is test_trainer.py's injected-timing test). Bounds chosen from 10 runs under a
     # concurrent 2-core load (docs/trainer.md): they sit outside the spread measured there.
     print(f"El Che uneven pair: fast {fast} vs slow {slow} batches, ratio {fast / slow:.2f}")
-    assert 1.6 <= fast / slow <= 5.0, f"fast {fast} vs slow {slow} batches"
+    assert 1.3 <= fast / slow <= 5.0, f"fast {fast} vs slow {slow} batches"
     assert windows[-1]["step"] == 32 and windows[-1]["samples"] == 250
     logs = tmp_path / "logs"
     tree = load_tree(logs)  # worker 0 wrote every level, from the windows' all-gathers
@@ -919,7 +924,7 @@ def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
             assert w["batches"][1] == anchor, (name, w)
         fast, slow = (sum(w["batches"][r] for w in live) for r in range(2))
         print(f"El Che live windows ({name}): fast {fast} vs slow {slow} batches, ratio {fast / slow:.2f}")
-        assert 1.6 <= fast / slow <= 5.0, (name, fast, slow)
+        assert 1.3 <= fast / slow <= 5.0, (name, fast, slow)
     # The resume is from the first run's end (64 samples), named step-00000008-64.pt where a window ended
     # inside step 8 before it (and was checkpointed as step-00000008.pt), else step-00000008.pt.
     assert r0["live_resumed"] == r1["live_resumed"] and r0["live_resumed"][1:] == (64, 128, 16), r0["live_resumed"]
@@ -955,7 +960,7 @@ def _balanced(rank: int, out: str) -> dict:
 
 
 def test_ddp_balance_splits_by_speed_and_keeps_the_global_batch_mean(tmp_path):
-    res = spawn(_balanced, tmp_path, deadline=120.0)
+    res = spawn(_balanced, tmp_path, deadline=300.0)  # a hang guard: 15 s idle, 108 s under a 2-core load
     r0, r1 = res[0], res[1]
     for key in ("even", "uneven"):
         assert torch.equal(r0[key], r1[key]), f"{key}: workers differ"
@@ -971,12 +976,14 @@ def test_ddp_balance_splits_by_speed_and_keeps_the_global_batch_mean(tmp_path):
             opt.step()
         torch.testing.assert_close(r0[key], flat(ref), rtol=0, atol=1e-6, msg=key)
     # Every sample of the epoch once, and the split follows the speeds: from the fifth step on, the
-    # fast worker takes at least twice the slow one's samples (3 : 1 would be 12 : 4).
+    # fast worker takes at least twice the slow one's samples over those steps (3 : 1 would be 12 : 4; the
+    # newest step weighs half in the rates, so one stall on a loaded machine splits a step 11 : 5).
     assert sum(r0["sizes"]) + sum(r1["sizes"]) == 320
     assert r0["sizes"][0] == r1["sizes"][0] == 8  # an even split until the first step is measured
     later = list(zip(r0["sizes"][4:], r1["sizes"][4:]))
-    assert later and all(fast >= 2 * slow for fast, slow in later), later
-    assert r0["rates"] == r1["rates"] and r0["rates"][0] > 2 * r0["rates"][1]
+    assert later and all(fast > slow for fast, slow in later), later
+    assert sum(f for f, _ in later) >= 2 * sum(s for _, s in later), later
+    assert r0["rates"] == r1["rates"] and r0["rates"][0] > 1.5 * r0["rates"][1]
 
 
 def _lost_worker(rank: int, out: str, how: str) -> dict:
@@ -1047,7 +1054,7 @@ def test_lost_outer_worker_of_nested_windows_gives_an_error(tmp_path, how):
     """The inner tier trains on while the outer one computes, so a dead outer worker is noticed by
     time: ``timeout`` past its expected end (or the first window's start, before any speed is known)
     the inner tier goes to the outer sync, which reports it."""
-    res = spawn(_lost_outer, tmp_path, how, world=3, pg_timeout=4.0, deadline=45.0, wait_for=(0, 1))
+    res = spawn(_lost_outer, tmp_path, how, world=3, pg_timeout=4.0, deadline=120.0, wait_for=(0, 1))
     for r in (0, 1):
         assert res[r]["error"] is not None and "another worker died or stopped answering" in res[r]["error"]
         assert res[r]["after"] < 20, res[r]  # the epoch alone would take over a minute
@@ -1057,7 +1064,7 @@ def test_lost_outer_worker_of_nested_windows_gives_an_error(tmp_path, how):
 @pytest.mark.parametrize("how", ["killed", "silent", "killed-overlap", "killed-ddp"])
 def test_lost_worker_gives_an_error_not_a_hang(tmp_path, how):
     """``killed-ddp``: DDP's all-reduce runs inside backward, where gloo's own RuntimeError surfaced."""
-    res = spawn(_lost_worker, tmp_path, how, pg_timeout=4.0, deadline=45.0, wait_for=(0,))
+    res = spawn(_lost_worker, tmp_path, how, pg_timeout=4.0, deadline=120.0, wait_for=(0,))
     assert res[0]["error"] is not None and "another worker died or stopped answering" in res[0]["error"]
     assert res[0]["after"] < 30
     end = load_tree(tmp_path / "logs")[""][-1]  # worker 0's record says how the run ended
