@@ -87,7 +87,7 @@ class LlamaConfig(BaseConfig):
 
     def rope(self) -> Rope:
         return Rope.resolve(self.rope_parameters, self.rope_scaling, self.rope_theta, self.default_theta,
-                            self.max_position_embeddings)
+                            self.max_position_embeddings, self.raw.get("original_max_position_embeddings"))
 
     def biases(self) -> tuple[bool, bool, bool]:
         """(q/k/v, o_proj, MLP) biases: ``attention_bias`` and ``mlp_bias`` for LLaMA."""

@@ -53,6 +53,13 @@ class SwiGLU(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _number(value: Any, field: str, keep_int: bool = False) -> float:
+    """A RoPE field as a float (an int kept with ``keep_int``); JSON numbers only (not strings, not booleans)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"config field {field}={value!r}: expected a number")
+    return value if keep_int and isinstance(value, int) else float(value)
+
+
 # ---- RoPE -------------------------------------------------------------------------------------------
 
 ROPE_TYPES = ("default", "llama3")
@@ -67,27 +74,48 @@ class Rope:
     factor: float | None = None
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
-    original_max_position_embeddings: int | None = None
+    original_max_position_embeddings: float | None = None
 
     @classmethod
     def resolve(cls, rope_parameters: dict | None, rope_scaling: dict | None, rope_theta: float | None,
-                default_theta: float, max_position_embeddings: int) -> "Rope":
-        """As ``PreTrainedConfig.standardize_rope_params`` reads them: ``rope_parameters`` (today's), else the
-        older ``rope_scaling`` (``type`` or ``rope_type``) with a top-level ``rope_theta``."""
-        params = dict(rope_parameters or rope_scaling or {})
+                default_theta: float, max_position_embeddings: int,
+                original_max_position_embeddings: Any = None) -> "Rope":
+        """As ``PreTrainedConfig.convert_rope_params_to_dict`` / ``standardize_rope_params`` read them: the older
+        ``rope_scaling`` (``type`` or ``rope_type``) when present, over ``rope_parameters`` (``rope_scaling or
+        rope_parameters``); a ``rope_theta`` inside it, else the top-level ``rope_theta``, else the default.
+        For llama3, a top-level ``original_max_position_embeddings`` (passed here) wins over the nested one,
+        which wins over ``max_position_embeddings``. Numbers must be JSON numbers (transformers fails on
+        strings at the first forward); anything else is a ConfigError naming config.json and the field."""
+        given = rope_scaling or rope_parameters
+        source = "rope_scaling" if rope_scaling else "rope_parameters"
+        if given is not None and not isinstance(given, dict):
+            raise ConfigError(f"config field {source}={given!r}: expected an object")
+        params = dict(given or {})
         rope_type = params.get("rope_type", params.get("type", "default"))
-        theta = params.get("rope_theta", rope_theta if rope_theta is not None else default_theta)
         if rope_type not in ROPE_TYPES:
-            raise ConfigError(f"config: rope_parameters.rope_type={rope_type!r} is not supported "
+            raise ConfigError(f"config field {source}.rope_type={rope_type!r} is not supported "
                               f"(supported: {', '.join(ROPE_TYPES)})")
+        if "rope_theta" in params and params["rope_theta"] is not None:
+            theta = _number(params["rope_theta"], f"{source}.rope_theta")
+        elif rope_theta is not None:
+            theta = _number(rope_theta, "rope_theta")
+        else:
+            theta = float(default_theta)
         if rope_type == "default":
-            return cls("default", float(theta))
+            return cls("default", theta)
         missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
         if missing:
-            raise ConfigError(f"config: rope_parameters (llama3) lacks {', '.join(missing)}")
-        return cls("llama3", float(theta), float(params["factor"]), float(params["low_freq_factor"]),
-                   float(params["high_freq_factor"]),
-                   int(params.get("original_max_position_embeddings", max_position_embeddings)))
+            raise ConfigError(f"config field {source} (llama3) lacks {', '.join(missing)}")
+        if original_max_position_embeddings is not None:  # standardize_rope_params: the top-level one wins
+            old = _number(original_max_position_embeddings, "original_max_position_embeddings", True)
+        elif params.get("original_max_position_embeddings") is not None:
+            old = _number(params["original_max_position_embeddings"], f"{source}.original_max_position_embeddings",
+                          True)
+        else:
+            old = _number(max_position_embeddings, "max_position_embeddings", True)
+        return cls("llama3", theta, _number(params["factor"], f"{source}.factor"),
+                   _number(params["low_freq_factor"], f"{source}.low_freq_factor"),
+                   _number(params["high_freq_factor"], f"{source}.high_freq_factor"), old)
 
     def inverse_frequencies(self, head_dim: int, device: torch.device | None = None) -> torch.Tensor:
         # modeling_rope_utils: compute_default_rope_parameters / _compute_llama3_parameters, in their order
@@ -173,11 +201,20 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
 
     def to_legacy(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """``(keys, values)`` per layer. A sliding layer keeps only its window, so a cache with one cannot be
+        rebuilt from these (``from_legacy`` refuses it, as transformers 5 refuses tuples altogether)."""
         return tuple((k, v) for k, v in zip(self.keys, self.values))
 
     @classmethod
     def from_legacy(cls, layers: Iterable[tuple[torch.Tensor, torch.Tensor]], windows: Sequence[int | None]) -> "KVCache":
-        """A cache filled with ``(keys, values)`` per layer (a full layer's whole history)."""
+        """A cache filled with ``(keys, values)`` per layer (a full layer's whole history). Not for a model with
+        a sliding layer: its tuples hold the last ``window - 1`` tokens only, not how many were seen, so the
+        positions and masks of the next step would be wrong; pass the ``KVCache`` itself."""
+        if any(w is not None for w in windows):
+            from .errors import InputError
+            raise InputError("past_key_values: per-layer (keys, values) tuples cannot carry a sliding-window cache "
+                             "(they lose how many tokens each layer has seen); pass the KVCache the model "
+                             "returned (out.past_key_values) instead")
         cache = cls(windows)
         for i, (k, v) in enumerate(layers):
             cache.update(i, k, v)

@@ -2,39 +2,213 @@
 
 ``generate_ids`` mirrors transformers 5.24's ``GenerationMixin._sample`` step for step, so greedy ids are
 those of ``model.generate`` with the same settings, and so are sampled ids where the RNG use matches:
+- the settings merge as ``_prepare_generation_config`` merges them: an argument given (not None) wins, else
+  the checkpoint's ``generation_config.json`` (eos ids, often a list; pad; do_sample, temperature, top_k,
+  top_p; max_new_tokens / max_length), else transformers' global defaults (greedy, temperature 1.0, top_k 50,
+  top_p 1.0, 20 new tokens); without the file, eos and pad come from config.json (``from_model_config``).
+  A field of the file we do not implement (beams, repetition penalty, min length...) set to a value that
+  changes decoding is a ConfigError naming the file and the field, not ignored;
 - the prompt runs once with ``logits_to_keep=1`` (the prefill), positions ``cumsum(mask) - 1`` (0 on pads);
 - every later step feeds the last token alone, its position, the mask grown by one, and the cache;
 - the next-token scores are the last logits copied to float32, then temperature (``/ t``, when t != 1),
   top-k, top-p, in that order (``_get_logits_processor``), as the logits warpers compute them;
-- greedy takes ``argmax``; sampling ``torch.multinomial(softmax(scores), 1)`` drawn from a generator seeded
-  with ``seed``: transformers draws from torch's global generator, so seeding it with the same number
-  (``torch.manual_seed(seed)``) before ``generate`` gives the same draws;
-- a row that produced eos gets the pad id from then on; generation stops when every row has, or after
-  ``max_new_tokens``.
+- greedy takes ``argmax``; sampling ``torch.multinomial(softmax(scores), 1)`` drawn, as transformers, from
+  torch's global generator (so ``torch.manual_seed(s)`` before either gives the same draws), or with
+  ``seed=s`` from a generator of its own seeded with ``s`` (the same stream on CPU, the global one untouched);
+- a row that produced eos gets the pad id from then on; generation stops when every row has, or at the
+  maximum length.
 ``generate(prompts, model, ...)`` is the one-liner over texts: it tokenizes with left padding and decodes.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from .errors import InputError
+from .errors import ConfigError, InputError
 
 Source = str | Path | torch.nn.Module
 
 
-def _eos_list(eos_token_id: int | Sequence[int] | None) -> list[int]:
+GENERATION_CONFIG = "generation_config.json"
+
+# transformers' GenerationConfig._get_default_generation_params, for the fields generate_ids implements
+GLOBAL_DEFAULTS: dict[str, Any] = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+DEFAULT_NEW_TOKENS = 20  # transformers' max_length=20 default, counted in new tokens (_prepare_generated_length)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _eos_list(eos_token_id: Any, name: str = "eos_token_id", error: type = InputError) -> list[int]:
+    """An eos id, a list of them, or a tensor of them (0-d or 1-d, as transformers takes) -> a list of ids."""
     if eos_token_id is None:
         return []
-    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
+    if isinstance(eos_token_id, torch.Tensor):
+        if eos_token_id.dim() > 1 or eos_token_id.is_floating_point() or eos_token_id.is_complex() \
+                or eos_token_id.dtype == torch.bool:
+            raise error(f"{name}={eos_token_id!r}: expected an integer tensor of 0 or 1 dimensions")
+        eos_token_id = eos_token_id.tolist()
+    ids = [eos_token_id] if not isinstance(eos_token_id, (list, tuple)) else list(eos_token_id)
+    if not all(_is_int(e) for e in ids):
+        raise error(f"{name}={eos_token_id!r}: expected a token id or a list of them")
+    return ids
+
+
+def _pad_id(pad_token_id: Any, name: str = "pad_token_id", error: type = InputError) -> int | None:
+    if isinstance(pad_token_id, torch.Tensor) and pad_token_id.dim() == 0 and not pad_token_id.is_floating_point():
+        pad_token_id = pad_token_id.item()
+    if pad_token_id is not None and not _is_int(pad_token_id):
+        raise error(f"{name}={pad_token_id!r}: expected a token id or None")
+    return pad_token_id
+
+
+# Fields of generation_config.json that generate_ids does not implement, with the test that their value
+# changes nothing (transformers' _get_logits_processor / _get_stopping_criteria skip them then). A field set
+# otherwise is refused rather than ignored. "sample": matters only when sampling; "eos": only with an eos.
+def _off(*neutral: Any):
+    return lambda v: v is None or any(v == n and type(v) is not bool or v is n for n in neutral)
+
+
+_UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "num_beams": (_off(1), "beam search"), "num_beam_groups": (_off(1), "group beam search"),
+    "repetition_penalty": (_off(1.0), "the repetition penalty"),
+    "no_repeat_ngram_size": (_off(0), "the n-gram ban"),
+    "bad_words_ids": (_off(), "the bad-words processor"), "sequence_bias": (_off(), "sequence bias"),
+    "force_words_ids": (_off(), "constrained beam search"), "constraints": (_off(), "constrained beam search"),
+    "forced_bos_token_id": (_off(), "forced bos"), "forced_eos_token_id": (_off(), "forced eos"),
+    "remove_invalid_values": (_off(False), "InfNanRemoveLogitsProcessor"),
+    "exponential_decay_length_penalty": (_off(), "the length penalty"),
+    "suppress_tokens": (_off(), "token suppression"), "begin_suppress_tokens": (_off(), "token suppression"),
+    "renormalize_logits": (_off(False), "logit renormalization"), "guidance_scale": (_off(1), "guidance"),
+    "watermarking_config": (_off(), "watermarking"), "stop_strings": (_off(), "stop strings"),
+    "max_time": (_off(), "the time limit"), "num_return_sequences": (_off(1), "several sequences per prompt"),
+    "penalty_alpha": (_off(), "contrastive search"), "dola_layers": (_off(), "DoLa decoding"),
+    "token_healing": (_off(False), "token healing"), "prompt_lookup_num_tokens": (_off(), "prompt lookup"),
+    "use_cache": (_off(True), "decoding without the cache"), "use_mtp": (_off(False), "multi-token prediction"),
+    "cache_implementation": (_off("dynamic", "hybrid", "dynamic_full"), "another cache"),
+    "min_length": (_off(0), "a minimum length (eos)"), "min_new_tokens": (_off(0), "a minimum length (eos)"),
+    "min_p": (_off(), "min-p sampling"), "top_h": (_off(), "top-h sampling"),
+    "typical_p": (lambda v: v is None or (_is_number(v) and v >= 1.0), "typical sampling"),
+    "epsilon_cutoff": (lambda v: v is None or (_is_number(v) and not 0.0 < v < 1.0), "epsilon sampling"),
+    "eta_cutoff": (lambda v: v is None or (_is_number(v) and not 0.0 < v < 1.0), "eta sampling"),
+}
+_ONLY_WHEN = {"min_p": "sample", "top_h": "sample", "typical_p": "sample", "epsilon_cutoff": "sample",
+              "eta_cutoff": "sample", "min_length": "eos", "min_new_tokens": "eos"}
+
+
+def read_generation_config(root: str | Path | None) -> dict[str, Any] | None:
+    """``generation_config.json`` beside the checkpoint as a dict, or None without one (or without a root)."""
+    if root is None:
+        return None
+    path = Path(root) / GENERATION_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: not a readable JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What ``generate_ids`` runs with, after transformers' merging (``_prepare_generation_config``)."""
+
+    max_length: int | None  # total length, prompt included; None: the prompt + max_new_tokens
+    max_new_tokens: int | None
+    do_sample: bool
+    temperature: float
+    top_k: int | None
+    top_p: float
+    eos: list[int]
+    pad: int | None
+
+
+def _validate_generation_config(data: dict[str, Any], where: str) -> None:
+    def bad(field: str, expected: str) -> ConfigError:
+        return ConfigError(f"{where}: {field}={data[field]!r}: expected {expected}")
+    if data.get("do_sample") is not None and not isinstance(data["do_sample"], bool):
+        raise bad("do_sample", "true or false")
+    if data.get("temperature") is not None and not _is_number(data["temperature"]):
+        raise bad("temperature", "a number")
+    if data.get("top_k") is not None and not (_is_int(data["top_k"]) and data["top_k"] >= 0):
+        raise bad("top_k", "a non-negative integer")
+    if data.get("top_p") is not None and not (_is_number(data["top_p"]) and 0.0 <= data["top_p"] <= 1.0):
+        raise bad("top_p", "a number in [0, 1]")
+    for field in ("max_new_tokens", "max_length"):
+        if data.get(field) is not None and not (_is_int(data[field]) and data[field] >= 1):
+            raise bad(field, "a positive integer")
+    _eos_list(data.get("eos_token_id"), f"{where}: eos_token_id", ConfigError)
+    _pad_id(data.get("pad_token_id"), f"{where}: pad_token_id", ConfigError)
+
+
+def generation_settings(model: torch.nn.Module, max_new_tokens: int | None = None, do_sample: bool | None = None,
+                        temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                        eos_token_id: Any = None, pad_token_id: Any = None) -> GenerationSettings:
+    """transformers' precedence, field by field: the argument when given (not None), else the checkpoint's
+    ``generation_config.json`` (read from ``model.source_root``), else transformers' global default
+    (``do_sample`` False, ``temperature`` 1.0, ``top_k`` 50, ``top_p`` 1.0, 20 new tokens). Without a
+    ``generation_config.json`` transformers builds one from config.json (``from_model_config``): eos, pad and
+    bos ids then come from the model's config; with one, they come from it alone (an eos it lacks is none)."""
+    _check_arguments(max_new_tokens, do_sample, temperature, top_k, top_p)
+    eos_arg, pad_arg = _eos_list(eos_token_id) if eos_token_id is not None else None, _pad_id(pad_token_id)
+    root = getattr(model, "source_root", None)
+    data = read_generation_config(root)
+    if data is None:  # GenerationConfig.from_model_config
+        config = model.config
+        data = {"eos_token_id": getattr(config, "eos_token_id", None),
+                "pad_token_id": getattr(config, "pad_token_id", None)}
+        where = "config.json"
+        _eos_list(data["eos_token_id"], f"{where}: eos_token_id", ConfigError)
+        _pad_id(data["pad_token_id"], f"{where}: pad_token_id", ConfigError)
+    else:
+        where = str(Path(root) / GENERATION_CONFIG)
+        _validate_generation_config(data, where)
+
+    def pick(name: str, given: Any) -> Any:
+        if given is not None:
+            return given
+        return data[name] if data.get(name) is not None else GLOBAL_DEFAULTS[name]
+
+    sample = bool(pick("do_sample", do_sample))
+    eos = eos_arg if eos_arg is not None else _eos_list(data.get("eos_token_id"))
+    pad = pad_arg if pad_arg is not None else _pad_id(data.get("pad_token_id"))
+    if pad is None and eos:
+        pad = eos[0]  # _prepare_special_tokens: "Setting pad_token_id to eos_token_id"
+    settings = GenerationSettings(
+        max_length=None if max_new_tokens is not None else data.get("max_length"),
+        max_new_tokens=max_new_tokens if max_new_tokens is not None else data.get("max_new_tokens"),
+        do_sample=sample, temperature=pick("temperature", temperature), top_k=pick("top_k", top_k),
+        top_p=pick("top_p", top_p), eos=eos, pad=pad)
+    if sample and temperature is None and not settings.temperature > 0:
+        raise ConfigError(f"{where}: temperature={settings.temperature!r}: sampling needs a positive temperature")
+    for field, (neutral, what) in _UNSUPPORTED.items():
+        if field not in data or neutral(data[field]):
+            continue
+        when = _ONLY_WHEN.get(field)
+        if (when == "sample" and not sample) or (when == "eos" and not eos):
+            continue  # transformers applies it only when sampling / with an eos: nothing to refuse
+        raise ConfigError(f"{where}: {field}={data[field]!r} asks for {what}, which flodl-hf's generate does "
+                          f"not implement (transformers would apply it); remove the field or set it to its default")
+    return settings
 
 
 def next_token_scores(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
                       top_p: float | None = None) -> torch.Tensor:
-    """The sampling warpers in transformers' order (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)."""
+    """The sampling warpers in transformers' order (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper);
+    here ``top_k`` None / 0 and ``top_p`` None / 1.0 apply nothing (``generate_ids`` resolves the defaults)."""
     scores = logits
     if temperature is not None and temperature != 1.0:
         scores = scores / temperature
@@ -50,45 +224,78 @@ def next_token_scores(logits: torch.Tensor, temperature: float = 1.0, top_k: int
     return scores
 
 
-def _check(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+def _check_arguments(max_new_tokens: Any, do_sample: Any, temperature: Any, top_k: Any, top_p: Any) -> None:
+    if max_new_tokens is not None and not (_is_int(max_new_tokens) and max_new_tokens >= 1):
         raise InputError(f"max_new_tokens={max_new_tokens!r}: expected a positive integer")
-    if not temperature or temperature <= 0:
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise InputError(f"do_sample={do_sample!r}: expected True, False or None")
+    if temperature is not None and not (_is_number(temperature) and temperature > 0):
         raise InputError(f"temperature={temperature!r}: expected a positive number")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
-        raise InputError(f"top_k={top_k!r}: expected a non-negative integer or None")
-    if top_p is not None and not 0.0 <= top_p <= 1.0:
+    if top_k is not None and not (_is_int(top_k) and top_k >= 0):
+        raise InputError(f"top_k={top_k!r}: expected a non-negative integer (0: no top-k) or None (the default, 50)")
+    if top_p is not None and not (_is_number(top_p) and 0.0 <= top_p <= 1.0):
         raise InputError(f"top_p={top_p!r}: expected a number in [0, 1] or None")
+
+
+def _check_ids(input_ids: Any, attention_mask: Any) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point() \
+            or input_ids.dtype == torch.bool or input_ids.is_complex():
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise InputError(f"input_ids {shape}: expected an integer tensor (batch, prompt length); "
+                         "a single prompt is input_ids[None]")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise InputError(f"input_ids {tuple(input_ids.shape)}: expected at least one prompt of at least one token "
+                         "(transformers cannot start from an empty prompt either without a bos)")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or attention_mask.shape != input_ids.shape):
+        shape = (tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor)
+                 else type(attention_mask).__name__)
+        raise InputError(f"attention_mask {shape}: expected a tensor shaped like input_ids {tuple(input_ids.shape)}")
 
 
 @torch.inference_mode()
 def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0,
+                 max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None) -> torch.Tensor:
+                 eos_token_id: int | Sequence[int] | torch.Tensor | None = None,
+                 pad_token_id: int | None = None) -> torch.Tensor:
     """Prompt ids (B, S), left-padded, -> (B, S + n) ids: the prompts and up to ``max_new_tokens`` new tokens
-    each, as transformers' ``generate`` returns them. ``eos_token_id`` None: the config's (transformers'
-    default); ``pad_token_id`` None: the config's, else the first eos."""
-    _check(max_new_tokens, temperature, top_k, top_p)
+    each, as transformers' ``generate`` returns them. Every setting left None takes transformers' default:
+    the checkpoint's ``generation_config.json``, else its global default (see ``generation_settings``).
+    ``seed``: sample from a generator seeded with it; None samples from torch's global generator."""
     if getattr(model, "task", None) != "causal_lm":
         raise InputError(f"generate needs a causal_lm model, not {type(model).__name__}")
-    config = model.config
-    eos = _eos_list(config.eos_token_id if eos_token_id is None else eos_token_id)
-    pad = pad_token_id if pad_token_id is not None else config.pad_token_id
-    if pad is None and eos:
-        pad = eos[0]  # transformers: "Setting pad_token_id to eos_token_id"
+    _check_ids(input_ids, attention_mask)
+    if seed is not None and not _is_int(seed):
+        raise InputError(f"seed={seed!r}: expected an integer or None")
+    settings = generation_settings(model, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
+                                   pad_token_id)
+    eos, pad = settings.eos, settings.pad
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     device = model.device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     generator = None
-    if do_sample:
+    if settings.do_sample and seed is not None:
         generator = torch.Generator(device=device)
-        generator.manual_seed(seed if seed is not None else torch.seed())
+        generator.manual_seed(seed)
+    # GenerationMixin._prepare_generated_length / _validate_generated_length
+    if settings.max_new_tokens is not None:
+        max_length = input_ids.shape[1] + settings.max_new_tokens
+    elif settings.max_length is not None:
+        max_length = settings.max_length
+    else:
+        max_length = input_ids.shape[1] + DEFAULT_NEW_TOKENS
+        max_positions = getattr(model.config, "max_position_embeddings", None)
+        if max_positions is not None:
+            max_length = min(max_length, max_positions)
+    if input_ids.shape[1] >= max_length:
+        raise InputError(f"input_ids: the prompt has {input_ids.shape[1]} tokens but the maximum length is "
+                         f"{max_length} (max_length of {GENERATION_CONFIG}, or max_position_embeddings); "
+                         "pass max_new_tokens")
     # GenerationMixin._prepare_position_ids_for_generation
     position_ids = attention_mask.long().cumsum(-1) - 1
     position_ids = position_ids.masked_fill(attention_mask == 0, 0)
-    max_length = input_ids.shape[1] + max_new_tokens
     eos_tensor = torch.tensor(eos, device=device, dtype=torch.long) if eos else None
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=device)
     cache = model.backbone.new_cache()
@@ -100,8 +307,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
         position_ids = torch.cat([position_ids, position_ids[..., -1:] + 1], dim=-1)
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], dim=-1)
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
-        if do_sample:
-            scores = next_token_scores(logits, temperature, top_k, top_p)
+        if settings.do_sample:
+            scores = next_token_scores(logits, settings.temperature, settings.top_k, settings.top_p)
             probs = torch.nn.functional.softmax(scores, dim=-1)
             next_tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
         else:
@@ -117,13 +324,14 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
         step_ids, step_pos = input_ids[:, -1:].clone(), position_ids[..., -1:].clone()
 
 
-def generate(prompts: str | Sequence[str], model: Source, max_new_tokens: int = 20, do_sample: bool = False,
-             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int | None = None, eos_token_id: int | Sequence[int] | None = None,
-             tokenizer: Any = None) -> list[dict[str, Any]]:
+def generate(prompts: str | Sequence[str], model: Source, max_new_tokens: int | None = None,
+             do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+             top_p: float | None = None, seed: int | None = None,
+             eos_token_id: int | Sequence[int] | None = None, tokenizer: Any = None) -> list[dict[str, Any]]:
     """Continue each prompt: ``[{"generated_text", "token_ids"}]`` per prompt (the prompt's text plus the new
     text, as transformers' text-generation pipeline writes it, and the new ids). Prompts are batched with
-    left padding; see ``generate_ids`` for the decoding rule."""
+    left padding; see ``generate_ids`` for the decoding rule and the defaults (None: generation_config.json's,
+    else transformers')."""
     from .tasks.runtime import load
     single = isinstance(prompts, str)
     texts = [prompts] if single else list(prompts)
@@ -131,20 +339,21 @@ def generate(prompts: str | Sequence[str], model: Source, max_new_tokens: int = 
         raise InputError("prompts: expected a string or a list of strings")
     loaded = load(model, "causal_lm", tokenizer)
     tok, config = loaded.tokenizer, loaded.model.config
+    settings = generation_settings(loaded.model, max_new_tokens, do_sample, temperature, top_k, top_p,
+                                   eos_token_id)
     # Left padding by hand: LLaMA tokenizers often have no pad token. Padded positions are masked out of
     # every real token's attention, so the pad id (the tokenizer's, the config's, an eos) changes no result.
-    eos = _eos_list(config.eos_token_id)
-    pad = next((p for p in (tok.pad_token_id, config.pad_token_id, *eos) if p is not None), 0)
+    pad = next((p for p in (tok.pad_token_id, config.pad_token_id, *settings.eos) if p is not None), 0)
     rows = tok(texts, return_tensors=None, return_attention_mask=True)["input_ids"]
     width = max(len(r) for r in rows)
     input_ids = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], dtype=torch.long)
     attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
     ids = generate_ids(loaded.model, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,
-                       top_p, seed, eos_token_id, config.pad_token_id if config.pad_token_id is not None else pad)
+                       top_p, seed, eos_token_id)
+    stop = settings.eos
     results = []
     for row, text in zip(ids, texts):
         new = row[width:].tolist()
-        stop = _eos_list(loaded.model.config.eos_token_id if eos_token_id is None else eos_token_id)
         if stop and any(t in stop for t in new):  # drop what follows the first eos (the pad fill)
             new = new[: next(i for i, t in enumerate(new) if t in stop) + 1]
         results.append({"generated_text": text + tok.decode(new, skip_special_tokens=True), "token_ids": new})

@@ -37,11 +37,14 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="continue prompts with a causal LM (LLaMA, Mistral, Qwen2)")
     p.add_argument("texts", nargs="*", metavar="PROMPT", help="prompts (default: one per line on stdin)")
     p.add_argument("--model", "-m", required=True, help="a checkpoint directory, samples/<name>, or a hub id")
-    p.add_argument("--max-new-tokens", type=int, default=20, help="new tokens per prompt, at most (default 20)")
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    # Unset options take generation_config.json's values, else transformers' defaults (as generate() does)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="new tokens per prompt, at most (default: generation_config.json's, else 20)")
+    p.add_argument("--sample", action=argparse.BooleanOptionalAction, default=None,
+                   help="sample (--no-sample: greedy) (default: generation_config.json's do_sample, else greedy)")
+    p.add_argument("--temperature", type=float, default=None, help="default: generation_config.json's, else 1.0")
+    p.add_argument("--top-k", type=int, default=None, help="default: generation_config.json's, else 50; 0 for none")
+    p.add_argument("--top-p", type=float, default=None, help="default: generation_config.json's, else 1.0")
     p.add_argument("--seed", type=int, default=None, help="the sampling seed (same seed, same tokens)")
     p.add_argument("--eos-token-id", default=None,
                    help="comma-separated ids that end a row (default: the config's; '' for none)")
