@@ -19,27 +19,13 @@ from flodl_hf.errors import ConfigError, InputError
 from flodl_hf.generate import generate_ids
 from flodl_hf.parity import quiet_transformers, reference_model
 
-from cases import CASES
 from helpers import make_checkpoint, one_thread  # noqa: F401  (the fixture)
+from test_decoder import _fields, _left_padded
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 LLAMA = "llama-hd24-bias-tied-llama3"
 MISTRAL = "mistral-hd24-window4"
-
-
-def _fields(variant: str) -> dict:
-    return next(f for case_id, t, f in CASES if case_id.startswith(variant + "-") and t == "causal_lm")
-
-
-def _left_padded(vocab: int, lengths=(9, 6, 3), seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.randint(3, vocab, (len(lengths), width), generator=gen)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        mask[row, width - n:] = 1
-    return ids.masked_fill(mask == 0, 0), mask
 
 
 def _copy(variant: str, tmp_path, name: str = "ckpt"):
