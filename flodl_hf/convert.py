@@ -10,6 +10,7 @@ every tensor is read back and compared byte for byte; the other files of the che
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
@@ -53,7 +54,11 @@ def _side_files(ckpt: io.Checkpoint, single_file: bool) -> list[Path]:
     from .validate import is_within
     weights = {p.resolve() for p in ckpt.weight_files}
     if single_file:
-        candidates = [p for pattern in io.SIDE_PATTERNS for p in ckpt.root.glob(pattern)]
+        # a weights file named alone: only the files HF writes beside it (the names export's carry copies),
+        # not whatever else its folder holds
+        from .carry import DESCRIPTION_NAMES, TOKENIZER_NAMES
+        patterns = (io.CONFIG_NAME, *DESCRIPTION_NAMES, *TOKENIZER_NAMES)
+        candidates = [p for p in ckpt.root.iterdir() if any(fnmatch.fnmatchcase(p.name, pat) for pat in patterns)]
     else:
         candidates = []
         for folder, dirs, files in os.walk(ckpt.root, followlinks=False):

@@ -167,9 +167,9 @@ def _stage(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two existing paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``). False where the
-    platform or file system has no such call (then the caller falls back to two renames)."""
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
+    """Linux ``renameat2(a, b, flags)``: True when done, False where the platform or file system has no
+    such call or flag (the caller falls back); any other failure raises OSError (errno set)."""
     if os.environ.get("FLODL_HF_NO_EXCHANGE") or not sys.platform.startswith("linux"):
         return False
     import ctypes
@@ -179,13 +179,59 @@ def _exchange(a: Path, b: Path) -> bool:
     except (OSError, AttributeError):
         return False
     renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), flags) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
         return False
     raise OSError(err, os.strerror(err), str(b))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``). False where the
+    platform or file system has no such call (then the caller falls back to two renames)."""
+    return _renameat2(a, b, 2)  # RENAME_EXCHANGE
+
+
+def _rename_no_replace(a: Path, b: Path) -> None:
+    """Rename ``a`` to ``b`` only if ``b`` does not exist (Linux ``renameat2(RENAME_NOREPLACE)``); whatever
+    is at ``b`` (even an empty directory) makes it OutputExistsError and is left untouched."""
+    import errno
+    clash = OutputExistsError(f"--out {b} appeared while the export was being written (another process?): it was "
+                              "left untouched and nothing was written; pass --force to replace it, or choose another path")
+    try:
+        if _renameat2(a, b, 1):  # RENAME_NOREPLACE
+            return
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise clash from None
+        raise
+    # no renameat2: the narrowest fallback (os.rename would replace an empty directory)
+    if b.exists() or b.is_symlink():
+        raise clash
+    try:
+        os.rename(a, b)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+            raise clash from None
+        raise
+
+
+# Room a scratch sibling's name needs beside the stem: ".", ".partial-", the pid, "-", 8 hex digits.
+_NAME_MAX = 255
+_SCRATCH_ROOM = 40
+
+
+def _scratch_stem(name: str) -> str:
+    """``name`` as it appears in a scratch sibling's name: itself, or for a name too long to take the
+    ``.partial-PID-HEX`` suffix within NAME_MAX, a prefix and a hash of it (recover_scratch matches the same)."""
+    raw = os.fsencode(name)
+    if len(raw) + _SCRATCH_ROOM <= _NAME_MAX:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    prefix = raw[: _NAME_MAX - _SCRATCH_ROOM - 17].decode("utf-8", errors="ignore")
+    return f"{prefix}~{digest}"
 
 
 def recover_scratch(out: Path) -> list[str]:
@@ -201,7 +247,7 @@ def recover_scratch(out: Path) -> list[str]:
     orphans = []
     for entry in out.parent.iterdir():
         match = _SCRATCH.match(entry.name)
-        if match and match["name"] == out.name and not pid_alive(int(match["pid"])) and not entry.is_symlink():
+        if match and match["name"] == _scratch_stem(out.name) and not pid_alive(int(match["pid"])) and not entry.is_symlink():
             orphans.append((match["kind"], entry))
     olds = sorted((e for k, e in orphans if k == "old"), key=lambda e: e.stat().st_mtime, reverse=True)
     if olds and not out.exists() and not out.is_symlink():
@@ -260,6 +306,10 @@ def check_out(out: str | os.PathLike, force: bool, protect: list[Protected] | No
     if not isinstance(out, (str, os.PathLike)) or not str(out):
         raise InputError(f"out must be a directory path, got {out!r}")
     path = Path(out).expanduser().absolute()
+    long = [part for part in path.parts if len(os.fsencode(part)) > _NAME_MAX]
+    if long:
+        raise InputError(f"--out {path}: the name {long[0][:40]}... is {len(os.fsencode(long[0]))} bytes long, over "
+                         f"the file system's limit of {_NAME_MAX}: choose a shorter name (nothing was written)")
     above = file_above(path)
     if above is not None:
         raise OutputExistsError(f"--out {path}: {above} is a file, not a directory (nothing was written)")
@@ -299,25 +349,29 @@ def atomic_directory(out: str | os.PathLike, force: bool = False,
     the sibling is removed and ``out``, if it existed, is untouched.
     """
     path = check_out(out, force, protect)
+    created = [p for p in path.parents if not (p.exists() or p.is_symlink())]  # deepest first
     path.parent.mkdir(parents=True, exist_ok=True)
-    recover_scratch(path)
-    check_out(path, force, protect)  # a restored DIR is judged like any other
-    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
-    tmp = path.with_name(f".{path.name}.partial-{tag}")
-    tmp.mkdir()  # plain mkdir: the umask applies, as for a directory save_pretrained creates
-    _stage("scratch")
+    done = False
+    tmp = None
     try:
+        recover_scratch(path)
+        check_out(path, force, protect)  # a restored DIR is judged like any other
+        tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+        stem = _scratch_stem(path.name)
+        tmp = path.with_name(f".{stem}.partial-{tag}")
+        tmp.mkdir()  # plain mkdir: the umask applies, as for a directory save_pretrained creates
+        _stage("scratch")
         yield tmp
         _stage("written")
         check_out(path, force, protect)  # it may have appeared meanwhile
-        if not path.exists():
-            tmp.rename(path)
+        if not force or not (path.exists() or path.is_symlink()):
+            _rename_no_replace(tmp, path)  # whatever appeared since the check is never replaced
             _stage("swapped")
         elif _exchange(tmp, path):  # tmp now holds the old directory
             _stage("swapped")
             shutil.rmtree(tmp, ignore_errors=True)
         else:
-            old = path.with_name(f".{path.name}.old-{tag}")
+            old = path.with_name(f".{stem}.old-{tag}")
             path.rename(old)
             _stage("old-moved")
             try:
@@ -328,9 +382,16 @@ def atomic_directory(out: str | os.PathLike, force: bool = False,
             _stage("swapped")
             shutil.rmtree(old, ignore_errors=True)
         _stage("cleaned")
+        done = True
     finally:
-        if tmp.exists():
+        if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        if not done:
+            for parent in created:  # the parents this write created, deepest first, only while empty
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
 
 
 # ---- tokenizer --------------------------------------------------------------------------------------
@@ -433,7 +494,9 @@ def _write(model: PreTrainedModel, out: Path, force: bool, task: str, stamp: dic
     notes: list[str] = []
     carried = carried or carry.CarryPlan()
     stamp = {**stamp, "task": task, "dtype": dtype_name(cast) if cast is not None else "keep",
-             "fresh": fresh, "dropped": dropped, "carried_from": str(carried.description_root or "") or None}
+             "fresh": fresh, "dropped": dropped, "carried_from": str(carried.description_root or "") or None,
+             # where the tokenizer files came from (the source, --like or --tokenizer): check 5 compares with it
+             "tokenizer_from": str(Path(tok_root).expanduser().absolute()) if tok_root is not None else None}
     config = export_config(model, task, stamp, cast)
     with atomic_directory(out, force, protect) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
@@ -517,7 +580,18 @@ def read_trainer_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], di
     """(config dict, state_dict) of a checkpoint written by flodl_hf's trainer; anything else is refused
     (the rules are flodl_hf.checkpoint_schema's, shared with the trainer's own reader)."""
     path = Path(path).expanduser()
-    data = checkpoint_schema.read(path)
+    return _trainer_model_part(checkpoint_schema.read(path), path)
+
+
+def lora_base_paths(data: dict[str, Any], path: Path) -> list[Protected]:
+    """The local base model directory a LoRA trainer checkpoint loads (its ``lora.base.source``), as a
+    protected path: [] for a checkpoint without LoRA or whose base is a hub id."""
+    from .lora import _base_protect, checkpoint_entry
+    entry = checkpoint_entry(data, path) or {}
+    return _base_protect((entry.get("base") or {}).get("source"))
+
+
+def _trainer_model_part(data: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     from .lora import checkpoint_entry
     if (checkpoint_entry(data, path) or {}).get("adapter_only"):  # LoRA: the referenced base, the adapter merged in
         from .lora import merged_checkpoint_state
@@ -573,7 +647,10 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, head: str
     protect: list[Protected] = [(path, True)] + ([(tok_root, True)] if tok_root is not None else [])
     io.parse_size(max_shard_size)
     out_path = check_out(out, force, protect)
-    config_dict, state = read_trainer_checkpoint(path)
+    data = checkpoint_schema.read(path)
+    protect += lora_base_paths(data, path)  # a LoRA checkpoint's base, loaded to merge the adapter into
+    check_out(out_path, force, protect)
+    config_dict, state = _trainer_model_part(data, path)
     config = config_from_dict(config_dict, f"{path} (config)")
     from .validate import check_config_fits
     check_config_fits(config, state, f"{path} (config)")

@@ -356,14 +356,29 @@ def peft_config_dict(model: nn.Module, base: str | None = None) -> dict[str, Any
     return out
 
 
+def _base_protect(*sources: Any) -> list[tuple[Path, bool]]:
+    """The local paths an adapter depends on (its base model directory, a checkpoint), as export's
+    ``protect`` entries: --out may neither be, contain, nor lie inside any of them. Hub ids are skipped."""
+    out = []
+    for source in sources:
+        if isinstance(source, (str, os.PathLike)) and str(source):
+            path = Path(source).expanduser()
+            if path.exists() or path.is_symlink():
+                out.append((path.absolute(), True))
+    return out
+
+
 def save_adapter(model: nn.Module, out: str | os.PathLike, force: bool = False,
-                 base: str | os.PathLike | None = None) -> Path:
-    """Write ``model``'s adapter as a PEFT adapter directory (atomically)."""
+                 base: str | os.PathLike | None = None,
+                 protect: list[tuple[Path, bool]] | None = None) -> Path:
+    """Write ``model``'s adapter as a PEFT adapter directory (atomically). ``out`` may not be, contain or lie
+    inside the base model the adapter depends on, nor any path in ``protect``."""
     from .export import atomic_directory, check_out
-    out_path = check_out(out, force)
     ref = getattr(model, "lora_base", None) or {}
     base = str(base) if base is not None else ref.get("source")
-    with atomic_directory(out_path, force) as tmp:
+    protect = list(protect or []) + _base_protect(ref.get("source"), base, getattr(model, "source_root", None))
+    out_path = check_out(out, force, protect)
+    with atomic_directory(out_path, force, protect) as tmp:
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config_dict(model, base), indent=2, sort_keys=True) + "\n")
         _save_file(peft_state(model), tmp)
         (tmp / BASE_STAMP).write_text(json.dumps({"task": model.lora_config.task, "base": ref or None},
@@ -722,10 +737,14 @@ def export_adapter(checkpoint: str | os.PathLike, out: str | os.PathLike, force:
     from . import checkpoint_schema
     path = Path(checkpoint).expanduser().absolute()
     from .export import check_out
-    check_out(out, force)
+    protect = [(path, True)]
+    check_out(out, force, protect)
     data = checkpoint_schema.read(path)
+    entry = checkpoint_entry(data, path) or {}
+    protect += _base_protect((entry.get("base") or {}).get("source"))  # the base the adapter depends on
+    check_out(out, force, protect)  # before the base is loaded
     model = model_from_checkpoint(data, path)
-    return save_adapter(model, out, force)
+    return save_adapter(model, out, force, protect=protect)
 
 
 def require_lora_checkpoint(checkpoint: str | os.PathLike) -> None:

@@ -135,7 +135,7 @@ def _read_stamp(raw: dict, config_path: Path) -> dict:
                           "export's stamp (a JSON object)")
     def bad(key: str, what: str) -> ConfigError:
         return ConfigError(f"{config_path}: field {STAMP_KEY}.{key} is {stamp[key]!r}, not {what}")
-    for key in ("source", "format", "commit", "revision", "task"):
+    for key in ("source", "format", "commit", "revision", "task", "carried_from", "tokenizer_from"):
         if stamp.get(key) is not None and not isinstance(stamp[key], str):
             raise bad(key, "a string")
     dtype = stamp.get("dtype")
@@ -179,7 +179,13 @@ def _inputs(directory: Path, config: BaseConfig, task: str, prompts: list[str] |
             raise InputError(f"--prompt needs a tokenizer, and {directory} has no tokenizer files")
         return make_batch(config, task), "random token ids, 2 sequences padded 13/8 (no tokenizer in DIR)", None
     transformers = quiet_transformers()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+    except Exception as exc:  # transformers raises many kinds: check 5 reports it, the other checks still run
+        first = (str(exc).strip().splitlines() or [""])[0]
+        broken = _BrokenTokenizer(f"transformers cannot load DIR's tokenizer files ({', '.join(_tokenizer_files(directory))}): "
+                                  f"{type(exc).__name__}: {first}")
+        return make_batch(config, task), "random token ids (DIR's tokenizer does not load: check 5)", broken
     if tokenizer.pad_token is None:  # decoders' tokenizers (LLaMA, Mistral) often have none: pad with EOS,
         # as generation does; the mask keeps the padding out, and both models see the same batch
         if tokenizer.eos_token is None:
@@ -202,10 +208,36 @@ def _inputs(directory: Path, config: BaseConfig, task: str, prompts: list[str] |
     return batch, f"{len(texts)} prompt(s) through DIR's tokenizer, padded ({lengths} tokens)", tokenizer
 
 
+@dataclass
+class _BrokenTokenizer:
+    """DIR has tokenizer files transformers cannot load: check 5 fails with ``reason``."""
+    reason: str
+
+
+def _tokenizer_files(directory: Path) -> list[str]:
+    from .export import TOKENIZER_FILES
+    return [n for n in TOKENIZER_FILES if (directory / n).is_file()] + sorted(p.name for p in directory.glob("*.model"))
+
+
+def _own_memory(model: torch.nn.Module) -> torch.nn.Module:
+    """Give every parameter and buffer a fresh allocation of its own. from_pretrained memory-maps the
+    safetensors file, so a tensor's address (its alignment) depends on its offset in the file, and CPU
+    kernels pick paths by alignment: two byte-identical models loaded from two files may differ by 1e-9."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.clone()
+        for module in model.modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is not None:
+                    module._buffers[name] = buf.clone()
+    return model
+
+
 def _check_loadable(directory: Path, task: str, architecture: str):
     transformers = quiet_transformers()
     cls = getattr(transformers, get_task(task).auto_class)
     model, info = cls.from_pretrained(str(directory), dtype=torch.float32, output_loading_info=True)
+    _own_memory(model)
     problems = {name: sorted(map(str, info.get(name) or [])) for name in
                 ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")}
     bad = {k: v for k, v in problems.items() if v}
@@ -267,7 +299,7 @@ def _source_reference(src: _Source, task: str, cast: torch.dtype | None):
     transformers = quiet_transformers()
     cls = getattr(transformers, get_task(task).auto_class)
     model = cls.from_pretrained(str(src.ckpt.root), dtype=cast or torch.float32)
-    return model.to(torch.float32).eval()
+    return _own_memory(model.to(torch.float32)).eval()
 
 
 @torch.inference_mode()
@@ -279,7 +311,7 @@ def _check_against_source(directory: Path, task: str, src: _Source, cast: torch.
     fields = None
     if fresh:  # both heads would be random: compare the backbones
         transformers = quiet_transformers()
-        ref_export = transformers.AutoModel.from_pretrained(str(directory), dtype=torch.float32).eval()
+        ref_export = _own_memory(transformers.AutoModel.from_pretrained(str(directory), dtype=torch.float32)).eval()
         task, fields = "base", ["last_hidden_state"]
         batch = {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()}
     theirs = _source_reference(src, task, cast)
@@ -305,18 +337,31 @@ def _check_native(directory: Path, task: str, batch: dict[str, torch.Tensor], im
     return Check(4, CHECK_NAMES[4], PASS if exact else FAIL, "; ".join(parts), worst)
 
 
-def _check_tokenizer(src: _Source | None, tokenizer, prompts: list[str]) -> Check:
+def _check_tokenizer(src: _Source | None, tokenizer, prompts: list[str], stamp: dict | None = None) -> Check:
+    stamp = stamp or {}
     name = CHECK_NAMES[5]
     if tokenizer is None:
         return Check(5, name, SKIP, "DIR has no tokenizer")
-    if src is None or src.kind != "hf" or not has_tokenizer(src.ckpt.root):
+    if isinstance(tokenizer, _BrokenTokenizer):
+        return Check(5, name, FAIL, tokenizer.reason)
+    if src is None or src.kind != "hf":
         return Check(5, name, SKIP, "no source tokenizer to compare with")
-    theirs = quiet_transformers().AutoTokenizer.from_pretrained(str(src.ckpt.root))
+    reference, note = src.ckpt.root, ""
+    recorded = stamp.get("tokenizer_from") if src.stamped else None
+    if recorded and Path(recorded).resolve() != Path(src.ckpt.root).resolve():
+        # the export took its tokenizer from elsewhere (--tokenizer, --like): that is what DIR must equal
+        reference, note = Path(recorded), f" (the export's tokenizer came from {recorded})"
+        if not reference.is_dir() or not has_tokenizer(reference):
+            return Check(5, name, SKIP, f"the export's tokenizer came from {recorded}, which has no tokenizer "
+                                        "files now: nothing to compare with")
+    if not has_tokenizer(reference):
+        return Check(5, name, SKIP, "no source tokenizer to compare with")
+    theirs = quiet_transformers().AutoTokenizer.from_pretrained(str(reference))
     a, b = tokenizer(prompts), theirs(prompts)
     differ = [k for k in set(a) | set(b) if a.get(k) != b.get(k)]
     if differ:
-        return Check(5, name, FAIL, f"{', '.join(sorted(differ))} differ on the prompts")
-    return Check(5, name, PASS, f"{', '.join(sorted(a))} equal on {len(prompts)} prompt(s)")
+        return Check(5, name, FAIL, f"{', '.join(sorted(differ))} differ on the prompts{note}")
+    return Check(5, name, PASS, f"{', '.join(sorted(a))} equal on {len(prompts)} prompt(s){note}")
 
 
 def _check_sentence(directory: Path, src: _Source | None, stamp: dict, cast: torch.dtype | None,
@@ -398,7 +443,7 @@ def verify_export(directory: str | os.PathLike, source: str | None = None, no_so
                                             ref_export, batch)[0])
         impls = tuple(get_family(config.model_type).attn_implementations)
         report.checks.append(_guard(4, _check_native, directory, task, batch, impls)[0])
-        report.checks.append(_guard(5, _check_tokenizer, src, tokenizer, list(prompts or DEFAULT_PROMPTS))[0])
+        report.checks.append(_guard(5, _check_tokenizer, src, tokenizer, list(prompts or DEFAULT_PROMPTS), stamp)[0])
         check6 = _guard(6, _check_sentence, directory, src, stamp, cast, list(prompts or DEFAULT_PROMPTS))[0]
         report.checks += [check6] if check6 is not None else []
         report.checks.append(_guard(7, _check_files, directory, stamp)[0])
