@@ -344,6 +344,12 @@ class DebertaV2Model(BertModel):
         # its own pairwise mask, built inside the encoder (DebertaV2Encoder.get_attention_mask)
         return self.encoder(hidden, attention_mask)
 
+    def hidden_state_modules(self) -> list[nn.Module]:
+        # DebertaV2Encoder.forward records layer 0's output after the ConvLayer, whose first input is the
+        # embeddings' output: record the conv in layer 0's place
+        layers = list(self.encoder.layer)
+        return layers if self.encoder.conv is None else [self.encoder.conv, *layers[1:]]
+
 
 # ---- heads -------------------------------------------------------------------------------
 
@@ -429,6 +435,7 @@ class DebertaV2(Family):
     config_class = DebertaV2Config
     backbone_class = DebertaV2Model
     attn_implementations = ("eager",)
+    float_position_ids = True  # DebertaV2Embeddings.forward: position_embeddings(position_ids.long())
 
     @classmethod
     def classifier_dropout(cls, config: DebertaV2Config) -> float:
@@ -465,6 +472,13 @@ class DebertaV2(Family):
             labels = torch.gather(labels, 0, label_index.view(-1))
             return F.cross_entropy(kept.view(-1, num_labels).float(), labels.view(-1))
         return -((F.log_softmax(logits, -1) * labels).sum(-1)).mean()
+
+    @classmethod
+    def sequence_logits(cls, logits: torch.Tensor, labels: torch.Tensor, config: DebertaV2Config) -> torch.Tensor:
+        # DebertaV2ForSequenceClassification.forward: regression returns logits.view(-1).to(labels.dtype)
+        if config.problem_type is None and logits.size(-1) == 1:
+            return logits.view(-1).to(labels.dtype)
+        return logits
 
     @classmethod
     def lm_head(cls, config: DebertaV2Config) -> HeadPart:

@@ -307,6 +307,13 @@ class ModernBert(Family):
     config_class = ModernBertConfig
     backbone_class = ModernBertModel
     task_models = {"mlm": ModernBertForMaskedLM}
+    float_position_ids = True  # RoPE: position_ids[..., None].float()
+
+    @classmethod
+    def max_sequence_length(cls, config: ModernBertConfig) -> int | None:
+        # RoPE, no position table: transformers runs inputs past max_position_embeddings (the tokenizer's
+        # model_max_length still caps the tasks' inputs, flodl_hf.tasks.runtime.max_input_length)
+        return None
 
     @classmethod
     def sequence_head(cls, config: ModernBertConfig) -> HeadPart:

@@ -14,8 +14,10 @@ Tied weights are found by identity (``cls.predictions.decoder.weight`` *is*
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Iterator
@@ -79,6 +81,19 @@ class PreTrainedModel(nn.Module):
         self._family: type["Family"] | None = None
         if type(self).validates_inputs:
             self.register_forward_pre_hook(_forward_input_hook, with_kwargs=True)
+
+    def __call__(self, *args, **kwargs):
+        """transformers' forward keywords (``output_hidden_states``, ``return_dict``, ``output_attentions``,
+        ``head_mask``) are handled here, once for every backbone and task model; see ``forward_options``."""
+        if not _FORWARD_OPTIONS.intersection(kwargs):
+            return super().__call__(*args, **kwargs)
+        options = {k: kwargs.pop(k) for k in _FORWARD_OPTIONS if k in kwargs}
+        hidden, return_dict = forward_options(**options)
+        if hidden:
+            out = _call_recording_hidden_states(self, super().__call__, args, kwargs)
+        else:
+            out = super().__call__(*args, **kwargs)
+        return out.to_tuple() if return_dict is False else out
 
     # ---- identity ---------------------------------------------------------------------
     def bind_family(self, family: type["Family"]) -> None:
@@ -150,6 +165,102 @@ class PreTrainedModel(nn.Module):
         return directory
 
 
+# ---- transformers' forward keywords ------------------------------------------------------------------
+
+_FORWARD_OPTIONS = frozenset({"output_hidden_states", "output_attentions", "return_dict", "head_mask"})
+
+
+def forward_options(output_hidden_states: object = None, output_attentions: object = None,
+                    return_dict: object = None, head_mask: object = None) -> tuple[bool, bool | None]:
+    """``(output_hidden_states, return_dict)`` after checking transformers' forward keywords.
+
+    ``output_hidden_states=True`` adds ``hidden_states`` (the first layer's input, then each layer's output,
+    the last being ``last_hidden_state``, as transformers records them); ``return_dict=False`` returns
+    ``to_tuple()`` (the non-None fields, in transformers' order). ``output_attentions=True`` and a
+    ``head_mask`` are typed errors: no attention weights are returned (the fused path computes none, as
+    transformers' sdpa path returns none), and transformers 5 ignores a head_mask rather than apply it."""
+    for name, value in (("output_hidden_states", output_hidden_states), ("output_attentions", output_attentions),
+                        ("return_dict", return_dict)):
+        if value is not None and not isinstance(value, bool):
+            extra = (": selecting hidden states by index is not supported; pass True and index the tuple"
+                     if name == "output_hidden_states" else "")
+            raise InputError(f"{name}={value!r}: expected True, False or None{extra}")
+    if output_attentions:
+        raise InputError("output_attentions=True: flodl-hf returns no attention weights (transformers 5 returns "
+                         "them on its eager path only); load the model with transformers "
+                         "(attn_implementation='eager') to inspect attention weights")
+    if head_mask is not None:
+        raise InputError("head_mask: not supported (transformers 5 accepts it and ignores it, so a model run with "
+                         "one computes as without it); pass head_mask=None")
+    return bool(output_hidden_states), return_dict
+
+
+# The hidden states being recorded in this context (thread and task safe): None when nothing records.
+_RECORDING: ContextVar[dict | None] = ContextVar("flodl_hf_hidden_states", default=None)
+
+
+def _record_layer_output(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+    record = _RECORDING.get()
+    if record is None or id(module) not in record["modules"]:
+        return
+    hidden = record["hidden"]
+    if not hidden:  # transformers: the first hidden state is the first recorded layer's input
+        hidden.append(args[0] if args else kwargs["hidden_states"])
+    hidden.append(output[0] if isinstance(output, tuple) else output)
+
+
+def _record_backbone_output(module: nn.Module, args: tuple, output: object) -> None:
+    record = _RECORDING.get()
+    if record is not None and record["backbone"] == id(module):
+        record["last"] = getattr(output, "last_hidden_state", None)
+
+
+def _call_recording_hidden_states(model: "PreTrainedModel", call, args: tuple, kwargs: dict):
+    """``call(*args, **kwargs)``, its output given ``hidden_states``. The recording hooks are installed once,
+    on first use, and record only inside this context, so a model never asked for hidden states runs no hook."""
+    backbone = model if isinstance(model, Backbone) else model.backbone
+    modules = backbone.hidden_state_modules()
+    for module in [backbone, *modules]:
+        if not getattr(module, "_flodl_hf_records", False):
+            if module is backbone:
+                module.register_forward_hook(_record_backbone_output)
+            else:
+                module.register_forward_hook(_record_layer_output, with_kwargs=True)
+            object.__setattr__(module, "_flodl_hf_records", True)
+    record = {"modules": {id(m) for m in modules}, "backbone": id(backbone), "hidden": [], "last": None}
+    token = _RECORDING.set(record)
+    try:
+        out = call(*args, **kwargs)
+    finally:
+        _RECORDING.reset(token)
+    hidden = record["hidden"]
+    if hidden and record["last"] is not None:  # transformers ties the last one to last_hidden_state
+        hidden[-1] = record["last"]
+    return _with_field(out, "hidden_states", tuple(hidden))
+
+
+_EXTENDED: dict[tuple[type, str], type] = {}
+
+
+def _with_field(out: object, name: str, value: object) -> object:
+    """``out`` as an instance of its output class extended by the field ``name`` (after its own fields, in
+    transformers' order: ``hidden_states`` after ``logits``)."""
+    cls = type(out)
+    if not dataclasses.is_dataclass(out):
+        raise TypeError(f"internal error: {cls.__name__} is not an output record")
+    if name in {f.name for f in dataclasses.fields(out)}:
+        return dataclasses.replace(out, **{name: value})
+    sub = _EXTENDED.get((cls, name))
+    if sub is None:
+        title = cls.__name__ + "With" + "".join(part.title() for part in name.split("_"))
+        sub = dataclasses.make_dataclass(title, [(name, object, dataclasses.field(default=None))], bases=(cls,),
+                                         namespace={"__module__": __name__})
+        globals()[title] = sub  # so that pickle finds it
+        _EXTENDED[(cls, name)] = sub
+    values = {f.name: getattr(out, f.name) for f in dataclasses.fields(out) if f.init}
+    return sub(**values, **{name: value})
+
+
 _FORWARD_NAMES: dict[type, list[str]] = {}
 
 
@@ -161,15 +272,19 @@ def _forward_input_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     inputs = dict(zip(names, args))
     inputs.update(kwargs)
     check_forward_inputs(module, inputs.get("input_ids"), inputs.get("attention_mask"),
-                         inputs.get("token_type_ids"), inputs.get("inputs_embeds"))
+                         inputs.get("token_type_ids"), inputs.get("inputs_embeds"),
+                         position_ids=inputs.get("position_ids"))
 
 
 def check_forward_inputs(model: nn.Module, input_ids: object, attention_mask: object = None,
-                         token_type_ids: object = None, inputs_embeds: object = None) -> None:
+                         token_type_ids: object = None, inputs_embeds: object = None,
+                         position_ids: object = None) -> None:
     """InputError, naming the argument and the limit, for inputs torch would fail on deep inside (or,
     for a token id past the table on some devices, not fail on): a non-tensor or float ``input_ids``,
     ids outside ``[0, vocab_size)``, a sequence longer than the position table, an ``attention_mask``
-    or ``token_type_ids`` whose shape differs from the input's, a token type past ``type_vocab_size``."""
+    or ``token_type_ids`` whose shape differs from the input's, a token type past ``type_vocab_size``,
+    ``position_ids`` that are not an integer tensor (floats where the family's transformers takes them:
+    DeBERTa, RoPE), do not broadcast to (batch, sequence), or fall outside the position table."""
     config = model.config
     if input_ids is not None:
         if not isinstance(input_ids, torch.Tensor):
@@ -212,6 +327,33 @@ def check_forward_inputs(model: nn.Module, input_ids: object, attention_mask: ob
         if low < 0 or high >= types:
             raise InputError(f"token_type_ids holds type {low if low < 0 else high}, outside "
                              f"[0, type_vocab_size={types})")
+    if position_ids is not None:
+        _check_position_ids(model, position_ids, shape)
+
+
+def _check_position_ids(model: nn.Module, position_ids: object, shape: tuple[int, int]) -> None:
+    family = getattr(model, "family", None)
+    floats = bool(getattr(family, "float_position_ids", False))
+    if not isinstance(position_ids, torch.Tensor):
+        raise InputError(f"position_ids is a {type(position_ids).__name__}: expected a tensor of positions "
+                         f"broadcastable to {shape}")
+    if position_ids.is_complex() or position_ids.dtype == torch.bool or (
+            position_ids.is_floating_point() and not floats):
+        raise InputError(f"position_ids has dtype {position_ids.dtype}: expected an integer tensor of positions")
+    try:
+        fits = position_ids.dim() <= 2 and torch.broadcast_shapes(tuple(position_ids.shape), shape) == shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise InputError(f"position_ids has shape {tuple(position_ids.shape)}: expected one broadcastable to "
+                         f"the input's (batch, sequence) {shape}")
+    table = model.position_table_size() if isinstance(model, Backbone) else None
+    if table is not None and position_ids.numel() and not position_ids.is_meta:
+        ids = position_ids.long() if position_ids.is_floating_point() else position_ids  # DeBERTa: .long()
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= table:
+            raise InputError(f"position_ids holds position {low if low < 0 else high}, outside the position "
+                             f"table [0, {table})")
 
 
 class Backbone(PreTrainedModel):
@@ -233,6 +375,21 @@ class Backbone(PreTrainedModel):
 
     def num_layers(self) -> int:
         return int(getattr(self.config, "num_hidden_layers", 1))
+
+    def hidden_state_modules(self) -> list[nn.Module]:
+        """The modules whose outputs are the hidden states ``output_hidden_states=True`` returns (transformers'
+        ``_can_record_outputs["hidden_states"]``): each call's output is one, and the first call's input comes
+        first. Default: the elements of the innermost ``nn.ModuleList`` s (the layers; ALBERT's shared layers
+        are recorded at every call). A family whose recorded states differ overrides this (DeBERTa's conv)."""
+        lists = [m for m in self.modules() if isinstance(m, nn.ModuleList)
+                 and not any(isinstance(c, nn.ModuleList) for c in m.modules() if c is not m)]
+        return [layer for modules in lists for layer in modules]
+
+    def position_table_size(self) -> int | None:
+        """Rows in the absolute position table (``embeddings.position_embeddings``); None without one (RoPE,
+        relative positions): ``position_ids`` must lie in ``[0, rows)``."""
+        table = getattr(getattr(self, "embeddings", None), "position_embeddings", None)
+        return table.num_embeddings if isinstance(table, nn.Embedding) else None
 
     def layer_masks(self, attention_mask: torch.Tensor | None, hidden: torch.Tensor) -> list[torch.Tensor | None]:
         """Each layer's mask in the form the configured attention path takes (None: nothing masked)."""

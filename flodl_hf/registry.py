@@ -47,6 +47,9 @@ class Family:
     # where the registry's default does not fit.
     tasks: ClassVar[tuple[str, ...]] = CORE_TASKS
     task_models: ClassVar[dict[str, type["PreTrainedModel"]]] = {}
+    # Whether float position_ids are taken as transformers takes them (DeBERTa's .long(), RoPE's .float());
+    # otherwise they are an InputError naming position_ids.
+    float_position_ids: ClassVar[bool] = False
 
     # ---- building ---------------------------------------------------------------------------
     @classmethod
@@ -112,6 +115,12 @@ class Family:
         """Sequence-classification loss; transformers' shared rule unless a family has its own."""
         from flodl_hf.heads import sequence_classification_loss
         return sequence_classification_loss(logits, labels, config.problem_type)
+
+    @classmethod
+    def sequence_logits(cls, logits: "torch.Tensor", labels: "torch.Tensor", config: "BaseConfig") -> "torch.Tensor":
+        """The logits a sequence classifier returns when given ``labels``: the head's, unless the family's
+        transformers model returns what its loss read (DeBERTa-v2's regression: flattened, labels' dtype)."""
+        return logits
 
     @classmethod
     def lm_head(cls, config: "BaseConfig") -> "HeadPart":

@@ -56,4 +56,6 @@ class ModelForSequenceClassification(TaskModel):
         logits, loss = self.logits_and_loss(labels, input_ids=input_ids, attention_mask=attention_mask,
                                             token_type_ids=token_type_ids, position_ids=position_ids,
                                             inputs_embeds=inputs_embeds)
+        if labels is not None:  # the family may return the logits its loss read (DeBERTa-v2's regression)
+            logits = self.family.sequence_logits(logits, labels, self.config)
         return SequenceClassifierOutput(loss=loss, logits=logits)
