@@ -20,6 +20,7 @@ import torch
 
 from flodl_hf import InputError, answer, batching, classify, embed, fill_mask, tag
 from flodl_hf.batching import BatchPolicy, padded_tokens, plan
+from flodl_hf.tasks.runtime import _encode
 from flodl_hf.tasks import load
 from cases import CASES
 from helpers import make_checkpoint, quiet_transformers
@@ -124,7 +125,7 @@ def _ours_and_theirs(task: str, tokenizer: str = TOKENIZERS[0]):
 
 
 def _formed_batches(loaded, items):
-    enc = loaded.tokenizer(items, truncation=True, max_length=loaded.max_length, return_tensors=None)
+    enc = _encode(loaded, items)  # as the tasks tokenise: truncated to the limit, where there is one
     rows = [{k: enc[k][i] for k in batching.MODEL_INPUTS if k in enc} for i in range(len(items))]
     policy = BatchPolicy.for_model(loaded.model)
     return list(batching.batches(rows, loaded.tokenizer, policy)), enc

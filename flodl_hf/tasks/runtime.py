@@ -208,8 +208,10 @@ def load(model: Source, task: str, tokenizer: str | Path | Tokenizer | None = No
 def _encode(loaded: Loaded, texts: Sequence[Any], pairs: Sequence[Any] | None = None, **kwargs: Any) -> BatchEncoding:
     """Tokenise without padding, truncating to the model's maximum with a warning."""
     tok = loaded.tokenizer
-    enc = tok(list(texts), list(pairs) if pairs is not None else None, truncation=True,
-              max_length=loaded.max_length, return_tensors=None, return_attention_mask=True, **kwargs)
+    # No limit from the tokenizer nor the model (RoPE positions, a tokenizer without model_max_length): none
+    limit = loaded.max_length if loaded.max_length < LARGE_INTEGER else None
+    enc = tok(list(texts), list(pairs) if pairs is not None else None, truncation=limit is not None,
+              max_length=limit, return_tensors=None, return_attention_mask=True, **kwargs)
     cut = [i for i, e in enumerate(enc.encodings) if e.overflowing]
     if cut:
         warnings.warn(f"{len(cut)} input(s) longer than {loaded.max_length} tokens were truncated to the model's "
