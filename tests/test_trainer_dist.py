@@ -905,8 +905,12 @@ def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
     for r in range(2):
         rank = [x for x in tree[f"{host}/rank-{r}"] if x["event"] == "train"]
         assert [x["batches"] for x in rank] == [w["batches"][r] for w in windows]
-    last = [x for x in tree[""] if x["event"] == "train"][-1]
-    assert last["ranks"] == last["alive"] == 2 and last["min"]["samples_per_s"]["who"] == f"{host}/rank-1"
+    root = [x for x in tree[""] if x["event"] == "train"]
+    assert root[-1]["ranks"] == root[-1]["alive"] == 2
+    # The slowest by throughput (samples per compute ms) is the slow worker; not asserted on the epoch's last
+    # window, where the fast worker's batch can be a partial one (as few as 1 sample for a batch's sleep:
+    # a fresh-clone CI run met rank-0 there)
+    assert root[-2]["min"]["samples_per_s"]["who"] == f"{host}/rank-1", root[-2]["min"]
 
     for name in ("live_sum", "live_diloco"):
         a, b = r0[name], r1[name]
