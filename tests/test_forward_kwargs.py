@@ -52,12 +52,17 @@ HIDDEN_CASES = [
     ("modernbert-bias-mean-hd24", "base", "sdpa"), ("modernbert-bias-mean-hd24", "mlm", "sdpa"),
     ("distilbert-sinusoidal-hd24", "qa", "sdpa"), ("electra-proj-hd24", "tokcls", "sdpa"),
     ("albert-groups-hd24", "base", "sdpa"), ("mpnet-hd24", "base", "eager"),
+    # the decoders, through the same contract hook (use_cache=False: the tuple then holds no cache object)
+    ("llama-hd24-bias-tied-llama3", "causal_lm", "sdpa"), ("mistral-hd24-window4", "causal_lm", "eager"),
+    ("qwen2-hd24-sliding", "causal_lm", "sdpa"),
 ]
 
 
 @pytest.mark.parametrize("variant,task,impl", HIDDEN_CASES, ids=["-".join(c) for c in HIDDEN_CASES])
 def test_hidden_states_and_tuples_equal_transformers(variant, task, impl):
     ours, theirs, batch = _pair(variant, task, impl)
+    if task == "causal_lm":
+        batch = {**batch, "use_cache": False}
     with torch.inference_mode():
         a, b = ours(**batch, output_hidden_states=True), theirs(**batch, output_hidden_states=True)
         layers = ours.backbone.num_layers() if task != "base" else ours.num_layers()
