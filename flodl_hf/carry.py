@@ -125,15 +125,14 @@ def _checked_file(root: Path, name: str) -> Path:
         mode = os.lstat(path).st_mode
         real_mode = os.stat(real).st_mode
     except OSError as exc:
-        raise CheckpointFormatError(f"{path}: cannot be read ({exc}); nothing was written") from exc
+        raise CheckpointFormatError(f"{path}: cannot be read ({exc})") from exc
     if stat.S_ISLNK(mode) and not _inside(real, _allowed_roots(root)):
-        raise CheckpointFormatError(f"{path}: is a symlink to {real}, outside the source {root}: refused, "
-                                    "nothing was written (copy the file in, or remove the link)")
+        raise CheckpointFormatError(f"{path}: is a symlink to {real}, outside the source {root}: refused "
+                                    "(copy the file in, or remove the link)")
     if not _inside(real, _allowed_roots(root)):  # a folder on the way is a link out
-        raise CheckpointFormatError(f"{path}: resolves to {real}, outside the source {root}: refused, "
-                                    "nothing was written")
+        raise CheckpointFormatError(f"{path}: resolves to {real}, outside the source {root}: refused")
     if not stat.S_ISREG(real_mode):
-        raise CheckpointFormatError(f"{path}: is not a regular file: refused, nothing was written")
+        raise CheckpointFormatError(f"{path}: is not a regular file: refused")
     return real
 
 
@@ -156,13 +155,12 @@ def module_path(entry: object, index: int, where: Path) -> PurePosixPath | None:
     """A module's folder, relative to the model root (None: the root itself). ConfigError unless it is
     a plain relative path with no ``..``."""
     if not isinstance(entry, dict) or not isinstance(entry.get("path", ""), str):
-        raise ConfigError(f"{where}: entry {index} is not an object with a string 'path' ({entry!r}); "
-                          "nothing was written")
+        raise ConfigError(f"{where}: entry {index} is not an object with a string 'path' ({entry!r})")
     text = entry.get("path", "")
     pure = PurePosixPath(text)
     if "\\" in text or pure.is_absolute() or ".." in pure.parts or (len(text) > 1 and text[1] == ":"):
         raise ConfigError(f"{where}: entry {index} ({entry.get('name', index)!r}) has module path {text!r}, "
-                          "which leaves the model directory (absolute, a drive, or '..'): refused, nothing was written")
+                          "which leaves the model directory (absolute, a drive, or '..'): refused")
     parts = [p for p in pure.parts if p != "."]
     return PurePosixPath(*parts) if parts else None
 
@@ -174,9 +172,9 @@ def read_modules(root: Path) -> list[dict]:
     try:
         data = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc}); nothing was written") from exc
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(data, list):
-        raise ConfigError(f"{path}: expected a list of modules, found a {type(data).__name__}; nothing was written")
+        raise ConfigError(f"{path}: expected a list of modules, found a {type(data).__name__}")
     return data
 
 

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..errors import CheckpointFormatError, ConfigError, InputError
+from ..errors import ConfigError, InputError
 from ..tokenizer import Tokenizer
 from .runtime import BATCH_SIZE, BatchSize, Loaded, Source, _MODEL_KEYS, _as_list, _check_texts, _check_top_k, _encode, _rows, _run, load
 
@@ -232,11 +232,8 @@ def _modules(root: Path | None) -> list[dict] | None:
     if root is None or not ((root / carry.MODULES_NAME).exists() or (root / carry.MODULES_NAME).is_symlink()):
         return None
     where = root / carry.MODULES_NAME
-    try:
-        entries = carry.read_modules(root)
-        paths = [carry.module_path(e, i, where) for i, e in enumerate(entries)]
-    except (ConfigError, CheckpointFormatError) as exc:  # carry's wording is for exports: same error, reworded
-        raise type(exc)(str(exc).replace("; nothing was written", "").replace(", nothing was written", "")) from exc
+    entries = carry.read_modules(root)
+    paths = [carry.module_path(e, i, where) for i, e in enumerate(entries)]
     steps: list[dict] = []
     for index, (entry, rel) in enumerate(zip(entries, paths)):
         kind = str(entry.get("type", ""))
