@@ -129,10 +129,12 @@ def _check_windows(tok: Tokenizer, examples: list[tuple[str, str]], question_fir
     """Refuse, before the windowed tokenisation, what tokenizers would panic on (a pyo3 PanicException, a
     BaseException) or refuse: a context cut into windows needs ``doc_stride`` below the room the question
     and the special tokens leave for it in ``max_seq_len``, and that room must be at least one token."""
-    for index, (q, c) in enumerate(examples):
-        enc = tok([q if question_first else c], [c if question_first else q], truncation=False, padding=False,
-                  return_tensors=None, return_attention_mask=False, return_token_type_ids=False)
-        ids = enc.encodings[0].sequence_ids
+    firsts = [q if question_first else c for q, c in examples]
+    seconds = [c if question_first else q for q, c in examples]
+    enc = tok(firsts, seconds, truncation=False, padding=False, return_tensors=None,
+              return_attention_mask=False, return_token_type_ids=False)  # one batched call for every pair
+    for index, encoding in enumerate(enc.encodings):
+        ids = encoding.sequence_ids
         n_question = sum(1 for s in ids if s == (0 if question_first else 1))
         n_context = sum(1 for s in ids if s == (1 if question_first else 0))
         specials = len(ids) - n_question - n_context
