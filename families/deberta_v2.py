@@ -23,7 +23,7 @@ from torch import nn
 from flodl_hf.config import Activation
 from flodl_hf.errors import ConfigError
 from flodl_hf.heads import PooledClassifier, TokenClassifier
-from flodl_hf.layers import activation
+from flodl_hf.layers import activation, record_attention
 from flodl_hf.modeling import HeadPart, PreTrainedModel
 from flodl_hf.keys import LEGACY_LAYERNORM
 from flodl_hf.registry import Family, register
@@ -223,6 +223,7 @@ class DisentangledSelfAttention(nn.Module):
         if keep is not None:
             scores = scores.masked_fill(~keep, torch.finfo(query.dtype).min)
         probs = self.dropout(F.softmax(scores, dim=-1))
+        record_attention(probs)
         context = torch.bmm(probs.view(-1, probs.size(-2), probs.size(-1)), value)
         context = context.view(-1, self.num_heads, context.size(-2), context.size(-1)).permute(0, 2, 1, 3).contiguous()
         return context.view(*context.shape[:2], -1)

@@ -193,6 +193,8 @@ class PreTrainingOutput(ModelOutput):
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
 
 
 def replaced_token_loss(model: TaskModel, logits: torch.Tensor, labels: torch.Tensor,

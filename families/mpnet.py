@@ -24,7 +24,7 @@ from torch import nn
 
 from flodl_hf.families.bert import BertEncoder, BertLayer, BertModel
 from flodl_hf.families.roberta import Roberta, RobertaConfig, RobertaEmbeddings
-from flodl_hf.layers import split_heads
+from flodl_hf.layers import record_attention, split_heads
 from flodl_hf.registry import register
 
 PADDING_IDX = 1  # MPNetEmbeddings.padding_idx, fixed
@@ -87,6 +87,7 @@ class MPNetSelfAttention(nn.Module):
         if mask is not None:
             scores = scores + mask
         probs = self.dropout(F.softmax(scores, dim=-1))
+        record_attention(probs)
         context = torch.matmul(probs, v).permute(0, 2, 1, 3).contiguous()
         return self.o(context.view(*context.shape[:2], -1))
 

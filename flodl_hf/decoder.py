@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError
-from .layers import MaskSpec, rotate_half
+from .layers import MaskSpec, record_attention, rotate_half
 
 
 class RMSNorm(nn.Module):
@@ -327,4 +327,5 @@ def grouped_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
     if dropout_p:
         weights = F.dropout(weights, p=dropout_p, training=True)
+    record_attention(weights)
     return torch.matmul(weights, v).transpose(1, 2).contiguous()

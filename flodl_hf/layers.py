@@ -10,8 +10,10 @@ for eager.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -150,6 +152,30 @@ def extended_attention_mask(attention_mask: torch.Tensor | None, impl: str, dtyp
     return build_mask(attention_mask, PADDING, impl, dtype, length)
 
 
+# The attention weights an ``output_attentions=True`` call is collecting (thread and task safe); None otherwise.
+_ATTENTIONS: ContextVar[list | None] = ContextVar("flodl_hf_attentions", default=None)
+
+
+def record_attention(weights: torch.Tensor) -> None:
+    """Hand one layer's attention probabilities, (B, heads, q, k) after dropout as transformers returns them,
+    to the ``output_attentions=True`` call in progress; nothing otherwise. The contract for a family that
+    computes its own eager attention (not through ``attend``): call this once per layer application."""
+    sink = _ATTENTIONS.get()
+    if sink is not None:
+        sink.append(weights)
+
+
+@contextmanager
+def recording_attentions() -> Iterator[list[torch.Tensor]]:
+    """The list every ``record_attention`` inside this context appends to, in call order."""
+    sink: list[torch.Tensor] = []
+    token = _ATTENTIONS.set(sink)
+    try:
+        yield sink
+    finally:
+        _ATTENTIONS.reset(token)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl: str,
            dropout_p: float = 0.0, scaling: float | None = None) -> torch.Tensor:
     """Scaled dot-product attention over (B, heads, S, head_dim) in HF's op order; returns (B, S, heads*head_dim)."""
@@ -166,6 +192,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         weights = F.softmax(weights, dim=-1)
         if dropout_p:
             weights = F.dropout(weights, p=dropout_p, training=True)
+        record_attention(weights)
         out = torch.matmul(weights, v)
     out = out.transpose(1, 2).contiguous()
     return out.reshape(*out.shape[:2], -1)

@@ -28,7 +28,7 @@ from torch import nn
 from . import io, keys
 from .config import BaseConfig
 from .errors import CheckpointFormatError, InputError, WeightsMismatchError
-from .layers import PADDING, MaskSpec, build_masks, check_attn_implementation
+from .layers import PADDING, MaskSpec, build_masks, check_attn_implementation, recording_attentions
 from .outputs import BaseModelOutput
 
 if TYPE_CHECKING:
@@ -88,11 +88,19 @@ class PreTrainedModel(nn.Module):
         if not _FORWARD_OPTIONS.intersection(kwargs):
             return super().__call__(*args, **kwargs)
         options = {k: kwargs.pop(k) for k in _FORWARD_OPTIONS if k in kwargs}
-        hidden, return_dict = forward_options(**options)
+        hidden, attentions, return_dict = forward_options(**options)
+        call = super().__call__
+        if attentions:
+            if self.config.attn_implementation != "eager":
+                raise InputError(
+                    f"output_attentions=True: this model runs attn_implementation={self.config.attn_implementation!r}, "
+                    "which computes no attention weights (transformers 5's sdpa path returns an empty tuple); "
+                    "call model.set_attn_implementation('eager') or load it with attn_implementation='eager'")
+            call = _recording_attentions(call)
         if hidden:
-            out = _call_recording_hidden_states(self, super().__call__, args, kwargs)
+            out = _call_recording_hidden_states(self, call, args, kwargs)
         else:
-            out = super().__call__(*args, **kwargs)
+            out = call(*args, **kwargs)
         return out.to_tuple() if return_dict is False else out
 
     # ---- identity ---------------------------------------------------------------------
@@ -171,28 +179,33 @@ _FORWARD_OPTIONS = frozenset({"output_hidden_states", "output_attentions", "retu
 
 
 def forward_options(output_hidden_states: object = None, output_attentions: object = None,
-                    return_dict: object = None, head_mask: object = None) -> tuple[bool, bool | None]:
-    """``(output_hidden_states, return_dict)`` after checking transformers' forward keywords.
+                    return_dict: object = None, head_mask: object = None) -> tuple[bool, bool, bool | None]:
+    """``(output_hidden_states, output_attentions, return_dict)`` after checking transformers' forward keywords.
 
     ``output_hidden_states=True`` adds ``hidden_states`` (the first layer's input, then each layer's output,
-    the last being ``last_hidden_state``, as transformers records them); ``return_dict=False`` returns
-    ``to_tuple()`` (the non-None fields, in transformers' order). ``output_attentions=True`` and a
-    ``head_mask`` are typed errors: no attention weights are returned (the fused path computes none, as
-    transformers' sdpa path returns none), and transformers 5 ignores a head_mask rather than apply it."""
+    the last being ``last_hidden_state``, as transformers records them); ``output_attentions=True`` adds
+    ``attentions`` (each layer's probabilities, (batch, heads, query, key), on the eager path);
+    ``return_dict=False`` returns ``to_tuple()`` (the non-None fields, in transformers' order). A
+    ``head_mask`` is a typed error: transformers 5 accepts it and ignores it."""
     for name, value in (("output_hidden_states", output_hidden_states), ("output_attentions", output_attentions),
                         ("return_dict", return_dict)):
         if value is not None and not isinstance(value, bool):
-            extra = (": selecting hidden states by index is not supported; pass True and index the tuple"
-                     if name == "output_hidden_states" else "")
+            extra = (f": selecting {name[7:].replace('_', ' ')} by index is not supported; pass True and index "
+                     "the tuple" if name != "return_dict" else "")
             raise InputError(f"{name}={value!r}: expected True, False or None{extra}")
-    if output_attentions:
-        raise InputError("output_attentions=True: flodl-hf returns no attention weights (transformers 5 returns "
-                         "them on its eager path only); load the model with transformers "
-                         "(attn_implementation='eager') to inspect attention weights")
     if head_mask is not None:
         raise InputError("head_mask: not supported (transformers 5 accepts it and ignores it, so a model run with "
                          "one computes as without it); pass head_mask=None")
-    return bool(output_hidden_states), return_dict
+    return bool(output_hidden_states), bool(output_attentions), return_dict
+
+
+def _recording_attentions(call):
+    """``call`` returning its output with ``attentions``: every weight ``layers.record_attention`` received."""
+    def recorded(*args, **kwargs):
+        with recording_attentions() as weights:
+            out = call(*args, **kwargs)
+        return _with_field(out, "attentions", tuple(weights))
+    return recorded
 
 
 # The hidden states being recorded in this context (thread and task safe): None when nothing records.
@@ -239,24 +252,25 @@ def _call_recording_hidden_states(model: "PreTrainedModel", call, args: tuple, k
     return _with_field(out, "hidden_states", tuple(hidden))
 
 
-_EXTENDED: dict[tuple[type, str], type] = {}
+_RECORDED_FIELDS = ("hidden_states", "attentions")  # transformers' order, after a record's own fields
+_EXTENDED: dict[type, type] = {}
 
 
 def _with_field(out: object, name: str, value: object) -> object:
-    """``out`` as an instance of its output class extended by the field ``name`` (after its own fields, in
-    transformers' order: ``hidden_states`` after ``logits``)."""
+    """``out`` with its field ``name`` (one of ``_RECORDED_FIELDS``) set. The records in ``outputs`` carry
+    both fields; a task's own record without them is extended once by both, after its own fields."""
     cls = type(out)
     if not dataclasses.is_dataclass(out):
         raise TypeError(f"internal error: {cls.__name__} is not an output record")
     if name in {f.name for f in dataclasses.fields(out)}:
         return dataclasses.replace(out, **{name: value})
-    sub = _EXTENDED.get((cls, name))
+    sub = _EXTENDED.get(cls)
     if sub is None:
-        title = cls.__name__ + "With" + "".join(part.title() for part in name.split("_"))
-        sub = dataclasses.make_dataclass(title, [(name, object, dataclasses.field(default=None))], bases=(cls,),
-                                         namespace={"__module__": __name__})
+        title = cls.__name__ + "WithHiddenStatesAndAttentions"
+        sub = dataclasses.make_dataclass(title, [(f, object, dataclasses.field(default=None)) for f in _RECORDED_FIELDS],
+                                         bases=(cls,), namespace={"__module__": __name__})
         globals()[title] = sub  # so that pickle finds it
-        _EXTENDED[(cls, name)] = sub
+        _EXTENDED[cls] = sub
     values = {f.name: getattr(out, f.name) for f in dataclasses.fields(out) if f.init}
     return sub(**values, **{name: value})
 

@@ -1,4 +1,8 @@
-"""Output records with transformers' field names (``last_hidden_state``, ``logits``, ...)."""
+"""Output records with transformers' field names (``last_hidden_state``, ``logits``, ...).
+
+Each record ends, as transformers' do, with ``hidden_states`` and ``attentions``: None unless the call asked
+for them (``output_hidden_states=True``, ``output_attentions=True``), and None fields are skipped by
+``keys()`` and ``to_tuple()``, so a plain call's tuple is unchanged."""
 
 from __future__ import annotations
 
@@ -38,30 +42,40 @@ class ModelOutput:
 class BaseModelOutput(ModelOutput):
     last_hidden_state: torch.Tensor
     pooler_output: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
 class SequenceClassifierOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
 class TokenClassifierOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
 class MaskedLMOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
 class MultipleChoiceModelOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
@@ -69,13 +83,20 @@ class QuestionAnsweringModelOutput(ModelOutput):
     loss: torch.Tensor | None = None
     start_logits: torch.Tensor | None = None
     end_logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
-class BaseModelOutputWithPast(BaseModelOutput):
-    """A decoder backbone's output: ``past_key_values`` is the KV cache after this step (None without one)."""
+class BaseModelOutputWithPast(ModelOutput):
+    """A decoder backbone's output: ``past_key_values`` is the KV cache after this step (None without one);
+    transformers' order: the cache before ``hidden_states``."""
 
+    last_hidden_state: torch.Tensor
+    pooler_output: torch.Tensor | None = None
     past_key_values: Any = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
@@ -83,3 +104,5 @@ class CausalLMOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     past_key_values: Any = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None

@@ -1,8 +1,8 @@
 """transformers' forward keywords and the forward inputs an audit found mishandled, against transformers in the run.
 
 ``output_hidden_states=True`` and ``return_dict=False`` are torch.equal to transformers' (every family's layer
-loop, DeBERTa's ConvLayer, ALBERT's shared layers, ModernBERT's final norm); ``output_attentions=True`` and a
-``head_mask`` are typed errors naming the keyword; ``position_ids`` are checked (type, dtype, shape, table);
+loop, DeBERTa's ConvLayer, ALBERT's shared layers, ModernBERT's final norm); a ``head_mask`` and non-bool
+options are typed errors naming the keyword (``output_attentions``: tests/test_output_attentions.py); ``position_ids`` are checked (type, dtype, shape, table);
 DeBERTa-v2's regression logits and ModernBERT past ``max_position_embeddings`` equal transformers'.
 """
 
@@ -96,10 +96,10 @@ def test_false_and_none_options_change_nothing():
 
 
 @pytest.mark.parametrize("options,named", [
-    ({"output_attentions": True}, "output_attentions"), ({"head_mask": torch.ones(2, 4)}, "head_mask"),
+    ({"output_attentions": 1}, "output_attentions"), ({"head_mask": torch.ones(2, 4)}, "head_mask"),
     ({"output_hidden_states": 1}, "output_hidden_states"), ({"output_hidden_states": [0, -1]}, "output_hidden_states"),
     ({"return_dict": "no"}, "return_dict"),
-], ids=["attentions", "head_mask", "hidden_index", "hidden_list", "return_dict_str"])
+], ids=["attentions_index", "head_mask", "hidden_index", "hidden_list", "return_dict_str"])
 def test_unimplemented_options_are_typed_errors(options, named):
     for variant, task in (("bert-hd24", "base"), ("deberta-v3-hd24", "seqcls"), ("modernbert-bias-mean-hd24", "mlm")):
         ours, _theirs, batch = _pair(variant, task)
