@@ -149,9 +149,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(Backbone):
-    """``last_hidden_state`` after ``norm``, and the KV cache (``past_key_values``) when ``use_cache``."""
+    """``last_hidden_state`` after ``norm``, and the KV cache (``cache``) when ``use_cache``."""
 
-    input_names = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "past_key_values", "use_cache")
+    input_names = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "cache", "use_cache",
+                   "past_key_values")
     # checked in forward instead: with a cache the mask covers the past tokens too, not only the input's
     validates_inputs = False
 
@@ -205,20 +206,20 @@ class LlamaModel(Backbone):
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, past_key_values: Any = None,
-                use_cache: bool | None = None) -> BaseModelOutputWithPast:
+                inputs_embeds: torch.Tensor | None = None, cache: Any = None,
+                use_cache: bool | None = None, past_key_values: Any = None) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if token_type_ids is not None:
             raise InputError(f"{type(self).__name__} has no token types: pass no token_type_ids")
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        cache = as_cache(past_key_values, self.cache_windows())
+        cache = as_cache(cache, self.cache_windows(), past_key_values)
         self._check_inputs(input_ids, attention_mask, inputs_embeds, cache)
         if use_cache and cache is None:
             cache = self.new_cache()
         hidden = self.embed(input_ids=input_ids, inputs_embeds=inputs_embeds)
         hidden = self.encode(hidden, attention_mask, position_ids, cache)
-        return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=cache if use_cache else None)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache if use_cache else None)
 
 
     def _check_inputs(self, input_ids: Any, attention_mask: Any, inputs_embeds: Any, cache: KVCache | None) -> None:
@@ -272,10 +273,11 @@ class DecoderForSequenceClassification(ModelForSequenceClassification):
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                past_key_values: Any = None, use_cache: bool | None = None) -> SequenceClassifierOutput:
+                cache: Any = None, use_cache: bool | None = None,
+                past_key_values: Any = None) -> SequenceClassifierOutput:
         out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                                 position_ids=position_ids, inputs_embeds=inputs_embeds,
-                                past_key_values=past_key_values, use_cache=use_cache)
+                                cache=cache, past_key_values=past_key_values, use_cache=use_cache)
         logits = self.head(out.last_hidden_state, None, attention_mask)
         batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
         last = last_token_index(input_ids, self.config.pad_token_id, batch, logits.device)

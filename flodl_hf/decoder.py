@@ -212,24 +212,30 @@ class KVCache:
         positions and masks of the next step would be wrong; pass the ``KVCache`` itself."""
         if any(w is not None for w in windows):
             from .errors import InputError
-            raise InputError("past_key_values: per-layer (keys, values) tuples cannot carry a sliding-window cache "
+            raise InputError("cache: per-layer (keys, values) tuples cannot carry a sliding-window cache "
                              "(they lose how many tokens each layer has seen); pass the KVCache the model "
-                             "returned (out.past_key_values) instead")
+                             "returned (out.cache) instead")
         cache = cls(windows)
         for i, (k, v) in enumerate(layers):
             cache.update(i, k, v)
         return cache
 
 
-def as_cache(past: Any, windows: Sequence[int | None]) -> KVCache | None:
-    """``past_key_values`` as given: our KVCache, None, or a sequence of per-layer (keys, values)."""
+def as_cache(past: Any, windows: Sequence[int | None], past_key_values: Any = None) -> KVCache | None:
+    """The ``cache`` keyword as given (our KVCache, None, or a sequence of per-layer (keys, values)), or
+    ``past_key_values``, transformers' name for it before 5.24, which still takes it; not both."""
+    from .errors import InputError
+    if past_key_values is not None:
+        if past is not None:
+            raise InputError("cache and past_key_values are one argument under two names (past_key_values is "
+                             "transformers' older one): pass cache only")
+        past = past_key_values
     if past is None or isinstance(past, KVCache):
         return past
     try:
         return KVCache.from_legacy([(layer[0], layer[1]) for layer in past], windows)
     except (TypeError, IndexError):
-        from .errors import InputError
-        raise InputError("past_key_values: expected a KVCache or a sequence of (keys, values) per layer") from None
+        raise InputError("cache: expected a KVCache or a sequence of (keys, values) per layer") from None
 
 
 # ---- causal masks --------------------------------------------------------------------------------------

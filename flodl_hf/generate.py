@@ -302,7 +302,7 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     step_ids, step_pos = input_ids.clone(), position_ids
     while True:
         out = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=step_pos,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    cache=cache, use_cache=True, logits_to_keep=1)
         # _update_model_kwargs_for_generation: positions and mask grow by one
         position_ids = torch.cat([position_ids, position_ids[..., -1:] + 1], dim=-1)
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], dim=-1)

@@ -15,6 +15,13 @@ import torch
 class ModelOutput:
     """Attribute, key and index access, as transformers' ModelOutput offers; None fields are skipped."""
 
+    @property
+    def past_key_values(self) -> Any:
+        """transformers' older name of ``cache`` (renamed in transformers 5.24, which keeps this alias)."""
+        if "cache" not in {f.name for f in fields(self)}:
+            raise AttributeError(f"{type(self).__name__} has no past_key_values (no cache field)")
+        return self.cache
+
     def keys(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name) is not None]
 
@@ -89,12 +96,12 @@ class QuestionAnsweringModelOutput(ModelOutput):
 
 @dataclass
 class BaseModelOutputWithPast(ModelOutput):
-    """A decoder backbone's output: ``past_key_values`` is the KV cache after this step (None without one);
+    """A decoder backbone's output: ``cache`` is the KV cache after this step (None without one);
     transformers' order: the cache before ``hidden_states``."""
 
     last_hidden_state: torch.Tensor
     pooler_output: torch.Tensor | None = None
-    past_key_values: Any = None
+    cache: Any = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
 
@@ -103,6 +110,6 @@ class BaseModelOutputWithPast(ModelOutput):
 class CausalLMOutput(ModelOutput):
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    past_key_values: Any = None
+    cache: Any = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None

@@ -62,20 +62,21 @@ class ModelForCausalLM(TaskModel):
         return self.head.output_embeddings()
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, past_key_values: Any = None,
+                position_ids: torch.Tensor | None = None, cache: Any = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
-                token_type_ids: torch.Tensor | None = None) -> CausalLMOutput:
-        """Logits for the kept positions; ``past_key_values`` in (a KVCache, or per-layer (keys, values)) and
-        out (the cache after this step, when ``use_cache``, which defaults to the config's)."""
+                token_type_ids: torch.Tensor | None = None, past_key_values: Any = None) -> CausalLMOutput:
+        """Logits for the kept positions; ``cache`` in (a KVCache, or per-layer (keys, values);
+        ``past_key_values`` is transformers' older name for it) and out (the cache after this step, when
+        ``use_cache``, which defaults to the config's)."""
         out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                                 position_ids=position_ids, inputs_embeds=inputs_embeds,
-                                past_key_values=past_key_values, use_cache=use_cache)
+                                cache=cache, past_key_values=past_key_values, use_cache=use_cache)
         logits = self.head(keep_last(out.last_hidden_state, logits_to_keep), None, attention_mask)
         loss = None
         if labels is not None:
             loss = self.compute_loss(logits, labels=labels)
-        return CausalLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values)
+        return CausalLMOutput(loss=loss, logits=logits, cache=out.cache)
 
 
 CAUSAL_LM = register_task(Task(

@@ -318,7 +318,7 @@ def case_decoder(repeats: int, new_tokens: int = 64) -> dict:
         # our cache as generation leaves it: the prompt and every new token but the last (never fed back)
         cache = ours.backbone.new_cache()
         ours(input_ids=made["ours"][:, :-1], attention_mask=torch.ones_like(made["ours"][:, :-1]),
-             past_key_values=cache, use_cache=True)
+             cache=cache, use_cache=True)
         theirs_cache = made["transformers"].cache
         theirs_bytes = sum(t.numel() * t.element_size() for layer in theirs_cache.layers
                            for t in (layer.keys, layer.values))

@@ -79,12 +79,12 @@ def test_every_decoding_step_equals_transformers_with_its_cache(variant, impl):
     windows = [w for w in cache_ours.windows if w is not None]
     steps = 6 + (max(windows) if windows else 0)  # past the window, so the sliding cache drops tokens
     for step in range(steps):
-        a = ours(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache_ours,
+        a = ours(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, cache=cache_ours,
                  use_cache=True)
         b = theirs(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, cache=cache_theirs,
                    use_cache=True)
         assert torch.equal(a.logits, b.logits), (step, (a.logits - b.logits).abs().max().item())
-        assert a.past_key_values is cache_ours
+        assert a.cache is cache_ours
         nxt = b.logits[:, -1].argmax(-1, keepdim=True)
         mask = torch.cat([mask, torch.ones_like(nxt)], dim=-1)
         step_pos = step_pos[:, -1:] + 1
@@ -92,6 +92,37 @@ def test_every_decoding_step_equals_transformers_with_its_cache(variant, impl):
     for i, layer in enumerate(cache_theirs.layers):
         assert torch.equal(cache_ours.keys[i], layer.keys) and torch.equal(cache_ours.values[i], layer.values)
     assert cache_ours.get_seq_length() == cache_theirs.get_seq_length()
+
+
+@torch.inference_mode()
+def test_cache_is_transformers_5_24s_name_and_past_key_values_its_older_one():
+    """transformers 5.24 renamed the keyword and the output field ``past_key_values`` to ``cache`` and keeps the
+    old name as an alias: both names work here too, together they are an error, and the records' keys and
+    tuples are in transformers' order."""
+    _, ours, theirs = _pair(SMALL["llama"], "sdpa")
+    ids, mask = _left_padded(ours.config.vocab_size)
+    a, b = ours(input_ids=ids, attention_mask=mask, use_cache=True), theirs(input_ids=ids, attention_mask=mask,
+                                                                             use_cache=True)
+    assert list(a.keys()) == list(b.keys()) == ["logits", "cache"]
+    assert a.past_key_values is a.cache and isinstance(a.cache, KVCache)
+    as_tuple = ours(input_ids=ids, attention_mask=mask, use_cache=True, return_dict=False)
+    assert len(as_tuple) == len(theirs(input_ids=ids, attention_mask=mask, use_cache=True, return_dict=False)) == 2
+    assert torch.equal(as_tuple[0], b.logits) and isinstance(as_tuple[1], KVCache)
+    base = ours.backbone(input_ids=ids, attention_mask=mask, use_cache=True)
+    assert list(base.keys()) == list(theirs.model(input_ids=ids, attention_mask=mask, use_cache=True).keys())
+    nxt = b.logits[:, -1].argmax(-1, keepdim=True)
+    mask2 = torch.cat([mask, torch.ones_like(nxt)], dim=-1)
+    old = ours(input_ids=nxt, attention_mask=mask2, past_key_values=a.cache.to_legacy())
+    new = ours(input_ids=nxt, attention_mask=mask2, cache=a.cache.to_legacy())
+    assert torch.equal(old.logits, new.logits)
+    from flodl_hf.errors import InputError
+    for model in (ours, ours.backbone):
+        with pytest.raises(InputError, match="cache and past_key_values"):
+            model(input_ids=nxt, attention_mask=mask2, cache=a.cache, past_key_values=a.cache)
+    with pytest.raises(InputError, match="cache: expected a KVCache"):
+        ours(input_ids=nxt, attention_mask=mask2, cache="a cache")
+    from flodl_hf.outputs import SequenceClassifierOutput
+    assert not hasattr(SequenceClassifierOutput(logits=b.logits), "past_key_values")  # a record with no cache
 
 
 @torch.inference_mode()
