@@ -31,7 +31,7 @@ from flodl_hf.heads import ModelForQuestionAnswering, ModelForSequenceClassifica
 from flodl_hf.heads.causal_lm import LMHead
 from flodl_hf.layers import MaskSpec, activation
 from flodl_hf.modeling import Backbone, HeadPart, check_forward_inputs
-from flodl_hf.outputs import BaseModelOutputWithPast, SequenceClassifierOutput
+from flodl_hf.outputs import BaseModelOutputWithPast, SequenceClassifierOutputWithPast
 from flodl_hf.registry import Family, register
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -274,7 +274,7 @@ class DecoderForSequenceClassification(ModelForSequenceClassification):
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 cache: Any = None, use_cache: bool | None = None,
-                past_key_values: Any = None) -> SequenceClassifierOutput:
+                past_key_values: Any = None) -> SequenceClassifierOutputWithPast:
         out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                                 position_ids=position_ids, inputs_embeds=inputs_embeds,
                                 cache=cache, past_key_values=past_key_values, use_cache=use_cache)
@@ -283,7 +283,7 @@ class DecoderForSequenceClassification(ModelForSequenceClassification):
         last = last_token_index(input_ids, self.config.pad_token_id, batch, logits.device)
         pooled = logits[torch.arange(batch, device=logits.device), last]
         loss = self.compute_loss(pooled, labels=labels) if labels is not None else None
-        return SequenceClassifierOutput(loss=loss, logits=pooled)
+        return SequenceClassifierOutputWithPast(loss=loss, logits=pooled, cache=out.cache)
 
 
 class LlamaForQuestionAnswering(ModelForQuestionAnswering):

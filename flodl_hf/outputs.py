@@ -113,3 +113,15 @@ class CausalLMOutput(ModelOutput):
     cache: Any = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class SequenceClassifierOutputWithPast(ModelOutput):
+    """A decoder's sequence classification: the KV cache after the step, when ``use_cache``, before
+    ``hidden_states`` as transformers orders it."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    cache: Any = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None

@@ -126,6 +126,21 @@ def test_cache_is_transformers_5_24s_name_and_past_key_values_its_older_one():
 
 
 @torch.inference_mode()
+def test_decoder_sequence_classification_returns_its_cache_as_transformers():
+    fields = next(f for case_id, t, f in CASES if case_id.startswith(SMALL["mistral"] + "-") and t == "seqcls")
+    source = make_checkpoint(fields, "seqcls")
+    ours = load_model(source, "seqcls", dtype=torch.float32).eval()
+    theirs = reference_model(source, "seqcls", "sdpa")
+    ids, mask = _left_padded(ours.config.vocab_size)
+    a, b = ours(input_ids=ids, attention_mask=mask), theirs(input_ids=ids, attention_mask=mask)
+    assert list(a.keys()) == list(b.keys()) == ["logits", "cache"] and torch.equal(a.logits, b.logits)
+    assert a.cache.get_seq_length() == b.cache.get_seq_length() == ids.shape[1]
+    as_tuple = ours(input_ids=ids, attention_mask=mask, return_dict=False)
+    assert len(as_tuple) == len(theirs(input_ids=ids, attention_mask=mask, return_dict=False))
+    assert list(ours(input_ids=ids, attention_mask=mask, use_cache=False).keys()) == ["logits"]
+
+
+@torch.inference_mode()
 def test_past_key_values_in_as_per_layer_tuples_and_logits_to_keep():
     source, ours, theirs = _pair(SMALL["llama"], "sdpa")
     ids, mask = _left_padded(ours.config.vocab_size)
