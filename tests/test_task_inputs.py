@@ -16,7 +16,7 @@ import pytest
 from flodl_hf import InputError, answer, classify, fill_mask
 from flodl_hf.tasks import detect_replaced
 from helpers import quiet_transformers, one_thread  # noqa: F401  (the fixture)
-from test_tasks import CONTEXT, LABELS, QUESTIONS, TOKENIZERS, pipeline, plain, task_dir, v4_answer
+from test_tasks import CONTEXT, LABELS, QUESTIONS, TEXTS, TOKENIZERS, pipeline, plain, short_copy, task_dir, v4_answer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/helpers.py
 
@@ -172,6 +172,57 @@ def test_classify_empty_text_pair_is_a_single_text(seqcls):
 def test_classify_rejects_bad_items(seqcls, items, named):
     with pytest.raises(InputError, match=named):
         classify(items, seqcls[0])
+
+
+# ---- classify and fill_mask: the pipelines' tokenizer arguments --------------------------------------------------
+
+def test_classify_truncation_matches_the_pipeline_where_it_answers(seqcls):
+    """With model_max_length 24: what the pipeline answers, ours answers identically; where it fails (a long
+    text untruncated: an index error in the model; a strategy the inputs cannot take: a tokenizers error),
+    ours raises an InputError naming the argument."""
+    directory = short_copy(seqcls[0], 24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = pipeline("text-classification", directory)
+    long = CONTEXT * 2
+    inputs = [TEXTS[0], long, {"text": long, "text_pair": "x y"}, {"text": "x y", "text_pair": long}]
+    answered = 0
+    for options in (dict(truncation=True), dict(truncation="only_first"), dict(truncation="only_second"),
+                    dict(truncation=True, max_length=20), dict(truncation=False), dict(truncation="longest_first")):
+        for item in inputs:
+            try:
+                expected = plain(pipe(item, **options))
+            except Exception:  # noqa: BLE001 - the pipeline fails on this one
+                with pytest.raises(InputError, match=r"truncation="):
+                    classify(item, directory, batch_size=1, **options)
+                continue
+            assert classify(item, directory, batch_size=1, **options) == expected, (item, options)
+            assert classify([item], directory, top_k=None, batch_size=1, **options) == \
+                plain(pipe([item], top_k=None, **options))
+            answered += 1
+    assert answered >= 12
+    with pytest.raises(InputError, match="truncation='left'"):
+        classify(TEXTS[0], directory, truncation="left")
+    with pytest.raises(InputError, match="max_length=0"):
+        classify(TEXTS[0], directory, truncation=True, max_length=0)
+
+
+def test_fill_mask_tokenizer_kwargs_match_the_pipeline():
+    directory = short_copy(task_dir(BERT, "mlm"), 24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = pipeline("fill-mask", directory)
+    text = "Paris is the [MASK] of France. " + "a b c " * 30
+    for kwargs in ({"truncation": True}, {"truncation": True, "max_length": 12}):
+        assert fill_mask(text, directory, tokenizer_kwargs=kwargs, batch_size=1) == pipe(text, tokenizer_kwargs=kwargs)
+        assert fill_mask([text, "[MASK]"], directory, tokenizer_kwargs=kwargs, batch_size=1) == \
+            [pipe(text, tokenizer_kwargs=kwargs), pipe("[MASK]", tokenizer_kwargs=kwargs)]
+    with pytest.raises(InputError, match="truncation=False: input #0 is"):
+        fill_mask(text, directory, tokenizer_kwargs={"truncation": False})
+    with pytest.raises(InputError, match="tokenizer_kwargs: 'padding' not supported"):
+        fill_mask(text, directory, tokenizer_kwargs={"padding": True})
+    with pytest.raises(InputError, match="tokenizer_kwargs is a list"):
+        fill_mask(text, directory, tokenizer_kwargs=[("truncation", True)])
 
 
 # ---- detect_replaced ------------------------------------------------------------------------------------------

@@ -78,6 +78,24 @@ def task_dir(tokenizer: str, task: str, model_type: str = "bert", **config) -> P
     return out
 
 
+def short_copy(directory: Path, model_max_length: int) -> Path:
+    """``directory`` with its tokenizer_config.json's model_max_length lowered: long texts then overflow the
+    tokenizer (windows, truncation) as they would a real model's 512."""
+    out = CACHE / f"{directory.name}-max{model_max_length}"
+    if not (out / ".done").is_file():
+        work = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(directory, work)
+        config = json.loads((work / "tokenizer_config.json").read_text())
+        (work / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": model_max_length}))
+        shutil.rmtree(out, ignore_errors=True)
+        try:
+            work.rename(out)
+        except OSError:  # another process published it first
+            shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
 def pipeline(kind: str, directory: Path):
     transformers = quiet_transformers()
     return transformers.pipeline(kind, model=str(directory), device="cpu")
@@ -148,6 +166,10 @@ def test_classify_matches_pipeline(tokenizer, problem):
     assert classify(TEXTS, directory, top_k=None, batch_size=1) == plain(pipe(TEXTS, top_k=None))
     pair = {"text": QUESTIONS[1], "text_pair": TEXTS[0]}
     assert classify(pair, directory, batch_size=1) == plain(pipe(pair))
+    # An explicit top_k=1 is not the default: the pipeline nests (a list per input), as for any other top_k
+    for inputs in (TEXTS[0], TEXTS, pair, [pair, TEXTS[1]]):
+        assert classify(inputs, directory, top_k=1, batch_size=1) == plain(pipe(inputs, top_k=1)), inputs
+        assert classify(inputs, directory, batch_size=1) == plain(pipe(inputs)), inputs
     if (tokenizer, problem) == CLASSIFY_CASES[0]:
         for function in ("softmax", "sigmoid", "none"):
             assert classify(TEXTS, directory, function_to_apply=function, batch_size=1) == \
@@ -180,6 +202,10 @@ def test_num_labels_without_id2label_names_the_labels_as_transformers_does(tmp_p
 def test_tag_matches_pipeline(tokenizer):
     directory = task_dir(tokenizer, "tokcls")
     pipe = pipeline("token-classification", directory)
+    # The default is the pipeline's, "none": one entity per token, with its index
+    default = tag(TEXTS, directory, batch_size=1)
+    assert default == plain(pipe(TEXTS)) and all("index" in e for entities in default for e in entities)
+    assert tag(TEXTS[1], directory, batch_size=1) == pipe(TEXTS[1])  # float == numpy float32 score
     for strategy in ("none", "simple", "first", "average", "max"):
         ours = tag(TEXTS, directory, aggregation_strategy=strategy, batch_size=1)
         assert ours == plain(pipe(TEXTS, aggregation_strategy=strategy)), strategy
@@ -187,8 +213,51 @@ def test_tag_matches_pipeline(tokenizer):
         for text, entities in zip(TEXTS, ours):
             for e in entities:  # offsets index the original text
                 assert 0 <= e["start"] <= e["end"] <= len(text)
-    assert tag(TEXTS[1], directory, ignore_labels=[], batch_size=1) == \
+    assert tag(TEXTS[1], directory, ignore_labels=[], batch_size=1) == plain(pipe(TEXTS[1], ignore_labels=[]))
+    assert tag(TEXTS[1], directory, ignore_labels=[], aggregation_strategy="simple", batch_size=1) == \
         plain(pipe(TEXTS[1], ignore_labels=[], aggregation_strategy="simple"))
+
+
+@pytest.mark.parametrize("tokenizer", TOKENIZERS)
+def test_tag_stride_and_split_words_match_pipeline(tokenizer):
+    """stride: overlapping windows of model_max_length (24 here) merged as the pipeline merges them;
+    is_split_into_words: lists of words, offsets into the words joined by the delimiter."""
+    directory = short_copy(task_dir(tokenizer, "tokcls"), 24)
+    pipe = pipeline("token-classification", directory)
+    long = CONTEXT[:300]
+    for options in (dict(stride=4), dict(stride=8, aggregation_strategy="simple"),
+                    dict(stride=0, aggregation_strategy="average"), dict(stride=6, aggregation_strategy="max")):
+        ours = tag(long, directory, batch_size=1, **options)
+        assert ours == plain(pipe(long, **options)), options
+        assert ours and max(e["end"] for e in ours) > len(long) // 2, "the windows reach past the first"
+    words, more = TEXTS[1].split(), TEXTS[2].split()
+    for inputs in (words, [words, more], [words * 4]):
+        for options in (dict(), dict(aggregation_strategy="first"), dict(aggregation_strategy="simple", delimiter="--"),
+                        dict(aggregation_strategy="first", stride=4)):
+            expected = plain(pipe(inputs, is_split_into_words=True, **options))
+            assert tag(inputs, directory, is_split_into_words=True, batch_size=1, **options) == expected, options
+
+
+def test_tag_refuses_strides_the_pipeline_cannot_take():
+    directory = short_copy(task_dir("bert/tokenizer.json", "tokcls"), 24)
+    pipe = pipeline("token-classification", directory)
+    room = 24 - 2  # [CLS] and [SEP]
+    with pytest.raises(BaseException):  # transformers: a tokenizers panic (not an Exception)
+        pipe(CONTEXT, stride=room, aggregation_strategy="simple")
+    for stride in (room, 24, 100):
+        with pytest.raises(InputError, match=rf"stride={stride} must be below {room}"):
+            tag(CONTEXT, directory, stride=stride, aggregation_strategy="simple")
+    assert tag(CONTEXT[:200], directory, stride=room - 1, aggregation_strategy="simple", batch_size=1) == \
+        plain(pipe(CONTEXT[:200], stride=room - 1, aggregation_strategy="simple"))
+    with pytest.raises(ValueError, match="stride"):
+        pipe(CONTEXT, stride=4, aggregation_strategy="none")
+    with pytest.raises(InputError, match='stride=4.*aggregation_strategy="none"'):
+        tag(CONTEXT, directory, stride=4, aggregation_strategy="none")
+    for bad in (-1, 1.5, True, "4"):
+        with pytest.raises(InputError, match="stride="):
+            tag(CONTEXT, directory, stride=bad, aggregation_strategy="simple")
+    with pytest.raises(InputError, match=r"is_split_into_words=True: texts is a str"):
+        tag("a b", directory, is_split_into_words=True)
 
 
 # ---- question answering ----------------------------------------------------------------------------
@@ -412,7 +481,11 @@ def test_cli_classify_and_tag_read_stdin():
                           id2label=LABELS["seqcls"]))
     done = flodl_hf_command("classify", "--model", seqcls, "--json", stdin="\n".join(TEXTS[:2]) + "\n")
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == classify(TEXTS[:2], seqcls)
+    assert json.loads(done.stdout) == classify(TEXTS[:2], seqcls)  # no --top-k: one dict per text
+    done = flodl_hf_command("classify", "--model", seqcls, "--json", "--top-k", "1",
+                            stdin="\n".join(TEXTS[:2]) + "\n")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == classify(TEXTS[:2], seqcls, top_k=1)  # nested, as the pipeline
     tokcls = str(task_dir("bert/tokenizer.json", "tokcls"))
     done = flodl_hf_command("tag", TEXTS[1], "--model", tokcls, "--aggregation", "first")
     assert done.returncode == 0, done.stderr

@@ -62,8 +62,8 @@ def _cmd_fill_mask(args: argparse.Namespace) -> int:
 
 def _cmd_classify(args: argparse.Namespace) -> int:
     texts = _texts(args)
-    results = classify(texts, args.model, top_k=args.top_k, function_to_apply=args.function,
-                       precision=args.precision)
+    given = {} if args.top_k is None else {"top_k": args.top_k}  # no --top-k: the pipeline's one best per text
+    results = classify(texts, args.model, function_to_apply=args.function, precision=args.precision, **given)
     if args.json:
         _print_json(results)
         return 0
@@ -161,7 +161,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("classify", help="classify texts (sequence classification head)")
     common(p)
-    p.add_argument("--top-k", type=int, default=1)
+    p.add_argument("--top-k", type=int, help="the best k labels per text, as a list (default: the best one)")
     p.add_argument("--function", choices=("softmax", "sigmoid", "none"), help="score function (default: as configured)")
     p.set_defaults(func=_cmd_classify)
 

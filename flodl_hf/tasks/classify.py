@@ -32,31 +32,45 @@ def _split_pairs(texts: list) -> tuple[list[str], list[str | None]]:
     return firsts, seconds
 
 
-def _encode_rows(loaded, firsts: list[str], seconds: list[str | None]) -> list[dict[str, list]]:
+def _encode_rows(loaded, firsts: list[str], seconds: list[str | None], **tokenizer_kwargs) -> list[dict[str, list]]:
     """Model rows in the items' order: single texts and pairs are tokenised apart (each as it would be alone)."""
     rows: list = [None] * len(firsts)
     singles = [i for i, pair in enumerate(seconds) if pair is None]
     pairs = [i for i, pair in enumerate(seconds) if pair is not None]
     if singles:
-        for i, row in zip(singles, _rows(_encode(loaded, [firsts[i] for i in singles]), _MODEL_KEYS)):
+        for i, row in zip(singles, _rows(_encode(loaded, [firsts[i] for i in singles], **tokenizer_kwargs), _MODEL_KEYS)):
             rows[i] = row
     if pairs:
-        for i, row in zip(pairs, _rows(_encode(loaded, [firsts[i] for i in pairs], [seconds[i] for i in pairs]),
+        for i, row in zip(pairs, _rows(_encode(loaded, [firsts[i] for i in pairs], [seconds[i] for i in pairs], **tokenizer_kwargs),
                                        _MODEL_KEYS)):
             rows[i] = row
     return rows
 
 
-def classify(texts: str | dict | Sequence[str | dict], model: Source, top_k: int | None = 1,
-             function_to_apply: str | None = None, tokenizer: str | Path | Tokenizer | None = None,
-             batch_size: BatchSize = BATCH_SIZE, precision: str = "exact") -> list:
-    """Classify texts: transformers' text-classification output.
+class _Unset:
+    def __repr__(self) -> str:
+        return "<top_k not given>"
 
-    ``top_k=1`` (the default) gives one ``{label, score}`` per text (a list of one for a single text, as
-    the pipeline does); another ``top_k`` (``None``: every label) gives a sorted list per text. Scores are
-    the softmax (single-label), the sigmoid (multi-label, or one label) or the raw logits (regression),
-    unless ``function_to_apply`` ("softmax", "sigmoid", "none") says otherwise.
+
+_NOT_GIVEN = _Unset()  # the pipeline tells "top_k not passed" (its legacy shapes) from an explicit top_k=1
+
+
+def classify(texts: str | dict | Sequence[str | dict], model: Source, top_k: int | None = _NOT_GIVEN,  # type: ignore[assignment]
+             function_to_apply: str | None = None, tokenizer: str | Path | Tokenizer | None = None,
+             batch_size: BatchSize = BATCH_SIZE, precision: str = "exact", truncation: bool | str | None = None,
+             max_length: int | None = None) -> list:
+    """Classify texts: transformers' text-classification output, in the pipeline's shapes.
+
+    Without ``top_k``: the best ``{label, score}`` per text (``[{...}]`` for one string, ``{...}`` for one
+    ``{"text", "text_pair"}`` dict, one dict per item of a list). With ``top_k`` (an int, or ``None`` for every
+    label; ``top_k=1`` included): a sorted list per text (the list itself for a single input). Scores are the
+    softmax (single-label), the sigmoid (multi-label, or one label) or the raw logits (regression), unless
+    ``function_to_apply`` ("softmax", "sigmoid", "none") says otherwise. ``truncation`` / ``max_length`` are
+    the pipeline's tokenizer arguments (by default, inputs longer than the model are cut with a warning).
     """
+    legacy = top_k is _NOT_GIVEN
+    if legacy:
+        top_k = 1
     _check_top_k(top_k, allow_none=True)
     loaded = load(model, "seqcls", tokenizer, precision)
     single = isinstance(texts, (str, dict))
@@ -68,7 +82,8 @@ def classify(texts: str | dict | Sequence[str | dict], model: Source, top_k: int
     for i, pair in enumerate(seconds):
         if pair is not None:
             check_text(pair, f"texts[{i}]['text_pair']")
-    outputs = _run(loaded, _encode_rows(loaded, firsts, seconds), batch_size, {"logits": False})
+    outputs = _run(loaded, _encode_rows(loaded, firsts, seconds, truncation=truncation, max_length=max_length),
+                   batch_size, {"logits": False})
     config = loaded.model.config
     problem = getattr(getattr(config, "problem_type", None), "value", getattr(config, "problem_type", None))
     function = (function_to_apply or "").lower() or None
@@ -86,12 +101,12 @@ def classify(texts: str | dict | Sequence[str | dict], model: Source, top_k: int
         logits = out["logits"].numpy()
         scores = _np_sigmoid(logits) if function == "sigmoid" else _np_softmax(logits) if function == "softmax" \
             else logits
-        if top_k == 1:
+        if legacy:  # TextClassificationPipeline.postprocess with _legacy=True
             results.append({"label": config.id2label[scores.argmax().item()], "score": scores.max().item()})
             continue
         ranked = sorted(({"label": config.id2label[i], "score": s.item()} for i, s in enumerate(scores)),
                         key=lambda x: x["score"], reverse=True)
         results.append(ranked[:top_k] if top_k is not None else ranked)
-    if single and (top_k != 1 or isinstance(texts, dict)):
-        return results[0]  # the pipeline's shapes: a str gives [{...}] at top_k=1, a pair dict gives {...}
+    if single and (not legacy or isinstance(texts, dict)):
+        return results[0]  # the pipeline's shapes: a str without top_k gives [{...}], a pair dict gives {...}
     return results

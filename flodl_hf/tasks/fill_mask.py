@@ -54,14 +54,35 @@ def _target_ids(tok: Tokenizer, targets: str | Sequence[str]) -> np.ndarray:
     return np.array(ids)
 
 
+TOKENIZER_KWARGS = ("truncation", "max_length")
+
+
+def _tokenizer_kwargs(kwargs: object) -> dict:
+    """The pipeline's ``tokenizer_kwargs``, of which ours takes the truncation ones; any other key is refused
+    by name (rather than tokenising differently from what was asked)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise InputError(f"tokenizer_kwargs is a {type(kwargs).__name__}: expected a dict such as "
+                         "{'truncation': True}")
+    other = sorted(str(k) for k in kwargs if k not in TOKENIZER_KWARGS)
+    if other:
+        raise InputError(f"tokenizer_kwargs: {', '.join(map(repr, other))} not supported (only "
+                         f"{' and '.join(map(repr, TOKENIZER_KWARGS))})")
+    return dict(kwargs)
+
+
 def fill_mask(text_or_texts: str | Sequence[str], model: Source | None = None, top_k: int = 5,
               targets: str | Sequence[str] | None = None, tokenizer: str | Path | Tokenizer | None = None,
-              batch_size: BatchSize = BATCH_SIZE, precision: str = "exact") -> list:
+              batch_size: BatchSize = BATCH_SIZE, precision: str = "exact",
+              tokenizer_kwargs: dict | None = None) -> list:
     """Fill the mask token(s): transformers' fill-mask output, a list of ``{score, token, token_str, sequence}``.
 
     Several masks in one text give one list per mask; a list of texts gives one result per text. Write
-    the mask as ``[MASK]`` or ``<mask>``, whichever the model uses.
+    the mask as ``[MASK]`` or ``<mask>``, whichever the model uses. ``tokenizer_kwargs`` as the pipeline's:
+    ``truncation`` and ``max_length`` (by default, texts longer than the model are cut with a warning).
     """
+    tokenizer_kwargs = _tokenizer_kwargs(tokenizer_kwargs)
     source = DEFAULT_FILL_MASK_MODEL if model is None else model
     try:
         loaded = load(source, "mlm", tokenizer, precision)
@@ -82,7 +103,7 @@ def fill_mask(text_or_texts: str | Sequence[str], model: Source | None = None, t
     if not texts:
         return []
     texts = [_with_model_mask(t, tok) for t in texts]
-    enc = _encode(loaded, texts)
+    enc = _encode(loaded, texts, **tokenizer_kwargs)
     for text, ids in zip(texts, enc["input_ids"]):
         if tok.mask_token_id not in ids:
             whole = tok(text, truncation=False, return_tensors=None, return_attention_mask=False)["input_ids"]

@@ -205,15 +205,51 @@ def load(model: Source, task: str, tokenizer: str | Path | Tokenizer | None = No
     return Loaded(module, tokenizer, max_input_length(module, tokenizer), source, precision)
 
 
-def _encode(loaded: Loaded, texts: Sequence[Any], pairs: Sequence[Any] | None = None, **kwargs: Any) -> BatchEncoding:
-    """Tokenise without padding, truncating to the model's maximum with a warning."""
+TRUNCATIONS = (True, False, "longest_first", "only_first", "only_second", "do_not_truncate")
+
+
+def _check_truncation(truncation: object, name: str = "truncation") -> None:
+    if truncation is not None and not any(truncation is t or (isinstance(t, str) and truncation == t)
+                                          for t in TRUNCATIONS):
+        raise InputError(f"{name}={truncation!r}: expected True, False, 'longest_first', 'only_first', "
+                         "'only_second' or 'do_not_truncate'")
+
+
+def _encode(loaded: Loaded, texts: Sequence[Any], pairs: Sequence[Any] | None = None,
+            truncation: bool | str | None = None, max_length: int | None = None, **kwargs: Any) -> BatchEncoding:
+    """Tokenise without padding, truncating to the model's maximum with a warning.
+
+    ``truncation`` as a pipeline's tokenizer argument: None (ours: the model's maximum, with a warning), a
+    truncation strategy or True (to ``max_length``, else the model's maximum, silently: it was asked for), or
+    False / "do_not_truncate" (none: an input longer than the model accepts is an InputError naming it)."""
     tok = loaded.tokenizer
+    _check_truncation(truncation)
+    if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1):
+        raise InputError(f"max_length={max_length!r}: must be an integer >= 1")
     # No limit from the tokenizer nor the model (RoPE positions, a tokenizer without model_max_length): none
     limit = loaded.max_length if loaded.max_length < LARGE_INTEGER else None
-    enc = tok(list(texts), list(pairs) if pairs is not None else None, truncation=limit is not None,
-              max_length=limit, return_tensors=None, return_attention_mask=True, **kwargs)
+    if truncation is False or truncation == "do_not_truncate":
+        enc = tok(list(texts), list(pairs) if pairs is not None else None, truncation=False,
+                  return_tensors=None, return_attention_mask=True, **kwargs)
+        too_long = [i for i, ids in enumerate(enc["input_ids"]) if limit is not None and len(ids) > limit]
+        if too_long:
+            raise InputError(f"truncation={truncation!r}: input #{too_long[0]} is {len(enc['input_ids'][too_long[0]])} "
+                             f"tokens, more than the model's maximum of {limit}; pass truncation=True to cut it")
+        return enc
+    if max_length is not None:
+        limit = max_length if limit is None else min(limit, max_length)
+    strategy = "longest_first" if truncation in (None, True) else truncation
+    try:
+        enc = tok(list(texts), list(pairs) if pairs is not None else None,
+                  truncation=strategy if limit is not None else False, max_length=limit, return_tensors=None,
+                  return_attention_mask=True, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - tokenizers' own error for a strategy the inputs cannot take
+        if truncation is None:
+            raise
+        raise InputError(f"truncation={truncation!r}" + (f", max_length={max_length}" if max_length else "")
+                         + f": the tokenizer cannot truncate these inputs that way ({exc})") from None
     cut = [i for i, e in enumerate(enc.encodings) if e.overflowing]
-    if cut:
+    if cut and truncation is None and max_length is None:
         warnings.warn(f"{len(cut)} input(s) longer than {loaded.max_length} tokens were truncated to the model's "
                       f"maximum (first: #{cut[0]})", stacklevel=3)
     return enc
