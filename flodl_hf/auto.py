@@ -6,14 +6,19 @@ directory, a single weights file, or a hub id (``revision=``).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import io
+from . import io, keys
 from .config import Activation, BaseConfig
-from .errors import ConfigError, InputError, UnsupportedModelError
+from .errors import (CheckpointFormatError, ConfigError, InputError, SourceNotFoundError, UnsupportedModelError,
+                     WeightsMismatchError)
 from .keys import has_pooler
 from .layers import check_attn_implementation, init_weights
 from .modeling import PreTrainedModel, load_weights, meta_device
@@ -58,14 +63,26 @@ def family_and_config(data: dict[str, Any], where: str = "config.json") -> tuple
     return family, config
 
 
+def _config_path(source: str | os.PathLike, revision: str | None = None, hub: dict | None = None) -> Path:
+    """Where a config source's config.json is: a .json file, a directory's own (no weights needed), or a
+    resolved checkpoint's (a hub id)."""
+    path = Path(str(source)).expanduser() / ((hub or {}).get("subfolder") or "")
+    if path.is_dir():
+        from .validate import is_within
+        if (path / io.CONFIG_NAME).is_symlink() and not is_within(path / io.CONFIG_NAME, io.link_root(path)):
+            raise CheckpointFormatError(f"{path / io.CONFIG_NAME} is a link to a file outside {path}: nothing is read "
+                                        "from there; copy the file in instead")
+        return path / io.CONFIG_NAME
+    if path.is_file() and path.name.endswith(".json"):
+        return path
+    return _resolve(source, revision, hub or {}).config_path
+
+
 class AutoConfig:
     @staticmethod
     def from_pretrained(source: str | Path, revision: str | None = None) -> BaseConfig:
-        path = Path(source)
-        if path.is_file() and path.name.endswith(".json"):
-            return config_from_dict(io.read_json(path, "config.json"), str(path))
-        ckpt = io.resolve(source, revision)
-        return config_from_dict(io.read_json(ckpt.config_path, "config.json"), str(ckpt.config_path))
+        path = _config_path(source, revision)
+        return config_from_dict(io.read_json(path, "config.json"), str(path))
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> BaseConfig:
@@ -112,24 +129,169 @@ def _dtype_arg(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return found
 
 
+def _attn(name: str | None, family: type[Family]) -> str:
+    """transformers' default (None): sdpa where the family has it, else its one path."""
+    if name is None:
+        name = "sdpa" if "sdpa" in family.attn_implementations else family.attn_implementations[0]
+    return check_attn_implementation(name, family)
+
+
+# transformers 5.24's from_pretrained keywords that it drops itself (no longer used, telemetry, remote code's revision).
+_DROPPED = frozenset({"mirror", "_fast_init", "low_cpu_mem_usage", "from_tf", "from_flax", "offload_state_dict",
+                      "_commit_hash", "_from_auto", "_from_pipeline", "code_revision"})
+# Its keywords flodl-hf does not implement, with transformers' defaults: the default is taken (it asks for
+# nothing), any other value is an InputError naming the keyword. The config flags at the end set transformers'
+# forward defaults, which flodl-hf's forwards take per call only.
+_NOT_IMPLEMENTED = {
+    "output_loading_info": False, "use_safetensors": None, "weights_only": True, "variant": None, "state_dict": None,
+    "proxies": None, "tqdm_class": None, "max_memory": None, "offload_folder": None, "offload_buffers": False,
+    "quantization_config": None, "adapter_kwargs": None, "adapter_name": "default", "generation_config": None,
+    "gguf_file": None, "distributed_config": None, "device_mesh": None, "tp_plan": None, "tp_size": None,
+    "allow_all_kernels": False, "use_kernels": False, "kernel_config": None, "key_mapping": None,
+    "fusion_config": None, "disable_mmap": None, "experts_implementation": None,
+    "output_hidden_states": False, "output_attentions": False, "return_dict": True, "torchscript": False,
+    "chunk_size_feed_forward": 0, "add_cross_attention": False, "is_encoder_decoder": False,
+}
+# Attributes every transformers config has, besides a family's fields and the file's own (config overrides).
+_HF_CONFIG_FIELDS = frozenset({"architectures", "id2label", "label2id", "num_labels", "problem_type",
+                               "transformers_version", "bos_token_id", "eos_token_id", "sep_token_id",
+                               "decoder_start_token_id", "tie_word_embeddings", "is_decoder", "use_cache",
+                               "tokenizer_class", "finetuning_task", "task_specific_params", "prefix"})
+_HUB_OPTIONS = ("cache_dir", "force_download", "local_files_only", "token")
+
+
+def from_pretrained_kwargs(cls: type, model_args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A ``from_pretrained(source, ...)`` call's arguments for ``load_model``: transformers hands positional
+    ``model_args`` to the model's ``__init__``; no flodl-hf model takes any."""
+    if model_args:
+        raise InputError(f"{cls.__name__}.from_pretrained takes the source as its only positional argument; got "
+                         f"{len(model_args)} more (transformers hands them to the model's __init__, which takes none)")
+    for name in ("task", "expect"):
+        if name in kwargs:
+            raise InputError(f"{name}=: not a {cls.__name__}.from_pretrained keyword (the class sets it; "
+                             "flodl_hf.load_model takes it)")
+    return kwargs
+
+
+def _option_errors(options: dict[str, Any]) -> None:
+    """Drop what transformers drops; a non-default value of a keyword not implemented here is an InputError."""
+    for name in [n for n in options if n in _DROPPED or n in _NOT_IMPLEMENTED]:
+        value, default = options.pop(name), _NOT_IMPLEMENTED.get(name)
+        if name in _DROPPED or value is None or value is default or (isinstance(value, (bool, str))
+                                                                     and value == default):
+            continue
+        hint = (f"; pass {name}={value!r} to the forward instead" if name in ("output_hidden_states",
+                "output_attentions", "return_dict") else "")
+        raise InputError(f"from_pretrained({name}={value!r}): not implemented in flodl-hf (only transformers' "
+                         f"default, {default!r}, is taken){hint}")
+
+
+def _resolve(source: str | os.PathLike, revision: str | None, hub: dict[str, Any]) -> io.Checkpoint:
+    """``io.resolve`` with transformers' hub options: ``subfolder`` (a local directory's or a hub repo's), and
+    ``cache_dir``, ``force_download``, ``local_files_only``, ``token``, handed to huggingface_hub for a hub id
+    (a local path ignores them, as transformers does)."""
+    options = {k: hub[k] for k in _HUB_OPTIONS if hub.get(k) not in (None, False)}
+    return io.resolve(source, revision, hub.get("subfolder") or "", **options)
+
+
+def _with_overrides(config: BaseConfig, overrides: dict[str, Any], where: str) -> tuple[type[Family], BaseConfig]:
+    """The config with transformers' keyword overrides applied as it applies them: in the order given, each
+    set on the config (``num_labels`` re-labels LABEL_0... when the count differs, leaving both maps otherwise;
+    ``id2label`` alone leaves ``label2id`` as it was), then every field checked as config.json's are."""
+    fields = {f.name for f in dataclasses.fields(config)} - {"raw", "attn_implementation"}
+    for key, value in overrides.items():
+        if key not in fields and key not in config.raw and key not in _HF_CONFIG_FIELDS:
+            raise InputError(f"from_pretrained({key}=...): not a from_pretrained option and not a field of the "
+                             f"{config.model_type} config (transformers hands it to the model's __init__, which "
+                             "takes no such argument)")
+        if key == "num_labels":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"num_labels must be a positive int, got {value!r}")
+            config.num_labels = value
+        elif key in fields:
+            setattr(config, key, value)
+        else:
+            config.raw[key] = value
+    return family_and_config(config.to_dict(), f"{where} with from_pretrained({', '.join(f'{k}=' for k in overrides)})")
+
+
+def _fresh_mismatched(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> tuple[dict, list[str]]:
+    """``ignore_mismatched_sizes``: each file tensor whose shape differs from the model's, replaced by an empty
+    one of the model's shape (initialised after loading, as transformers does), and those model keys."""
+    shapes, aliases = keys.expected(model)
+    state = keys.normalise(model, tensors, shapes, aliases)
+    bad = [k for k in shapes if k in state and state[k].shape != shapes[k]]
+    if not bad:
+        return tensors, []
+    replace = {id(state[k]): torch.empty(shapes[k], dtype=state[k].dtype) for k in bad}
+    return {name: replace.get(id(t), t) for name, t in tensors.items()}, bad
+
+
+def _device(device_map: Any) -> torch.device | None:
+    """transformers' ``device_map`` for a model on one device: "auto" (the GPU when there is one, else the
+    CPU), a device, its name or index; a map placing modules apart is not implemented."""
+    if device_map is None:
+        return None
+    if device_map == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device_map, (str, int, torch.device)) or isinstance(device_map, bool):
+        raise InputError(f"device_map={device_map!r}: flodl-hf puts the whole model on one device: pass 'auto', "
+                         "a device ('cpu', 'cuda:0', torch.device) or its index")
+    try:
+        return torch.device(device_map)
+    except (RuntimeError, ValueError) as exc:
+        raise InputError(f"device_map={device_map!r}: not a device, nor 'auto' ({exc})") from None
+
+
 def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | str | None = None,
-               revision: str | None = None, num_labels: int | None = None, attn_implementation: str = "sdpa",
-               config: BaseConfig | None = None, expect: type | None = None,
-               adapter: str | Path | None = None) -> PreTrainedModel:
+               revision: str | None = None, attn_implementation: str | None = None,
+               config: BaseConfig | str | os.PathLike | None = None, expect: type | None = None,
+               adapter: str | Path | None = None, torch_dtype: torch.dtype | str | None = None,
+               device_map: Any = None, ignore_mismatched_sizes: bool = False, trust_remote_code: bool | None = None,
+               cache_dir: str | os.PathLike | None = None, force_download: bool = False,
+               local_files_only: bool = False, token: str | bool | None = None, subfolder: str = "",
+               **overrides: Any) -> PreTrainedModel:
     """Resolve, read and strictly load a checkpoint into the native model for ``task``; ``adapter``: a PEFT
-    LoRA adapter directory to put on it (flodl_hf.lora.load_adapter)."""
-    dtype = _dtype_arg(dtype)
-    if num_labels is not None and (isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1):
-        raise InputError(f"num_labels must be a positive int, got {num_labels!r}")
-    ckpt = io.resolve(source, revision)
+    LoRA adapter directory to put on it (flodl_hf.lora.load_adapter).
+
+    transformers 5.24's ``from_pretrained`` keywords: ``dtype`` (``torch_dtype``, its older name, when ``dtype``
+    is not given), ``attn_implementation`` (None: sdpa where the family has it), ``config`` (a config, or a path
+    or hub id to read one from), the hub options ``revision cache_dir force_download local_files_only token
+    subfolder``, ``device_map`` (one device), ``ignore_mismatched_sizes`` (weights whose shapes differ from the
+    model's initialised afresh), ``add_pooling_layer`` (a bare backbone), and any other keyword a config field to
+    set (``num_labels``, ``id2label``, ``classifier_dropout``...), unless ``config`` is a config object. A keyword
+    transformers has and flodl-hf does not implement is an InputError naming it."""
+    _option_errors(overrides)
+    if "num_labels" in overrides and overrides["num_labels"] is None:  # as leaving it out
+        del overrides["num_labels"]
+    # trust_remote_code=True changes nothing, as in transformers for a checkpoint without auto_map: flodl-hf runs
+    # no remote code, and a config declaring auto_map is refused whatever it says (_read_config).
+    add_pooling_layer = overrides.pop("add_pooling_layer", True)
+    if add_pooling_layer is not True and task != "base":
+        raise InputError(f"add_pooling_layer: only a bare backbone (AutoModel) takes it (transformers hands it to "
+                         f"the {task} model's __init__, which takes no such argument)")
+    dtype = _dtype_arg(dtype if dtype is not None else torch_dtype)
+    device = _device(device_map)
+    hub = {"subfolder": subfolder, "cache_dir": cache_dir, "force_download": force_download,
+           "local_files_only": local_files_only, "token": token}
+    ckpt = _resolve(source, revision, hub)
     # The family is resolved once, here; the model carries it from here on.
-    if config is None:
-        family, config = family_and_config(io.read_json(ckpt.config_path, "config.json"), str(ckpt.config_path))
-    else:
+    if isinstance(config, BaseConfig):
+        if overrides:  # transformers hands them to the model's __init__, which takes none of them
+            raise InputError(f"from_pretrained({', '.join(f'{k}=' for k in overrides)}) with config= a config "
+                             f"object: set {'it' if len(overrides) == 1 else 'them'} on the config (transformers "
+                             "hands them to the model's __init__, which takes no such argument)")
+        config = copy.deepcopy(config)
         family = get_family(config.model_type)
-    if num_labels is not None:
-        config.num_labels = num_labels
-    config.attn_implementation = check_attn_implementation(attn_implementation, family)
+    elif config is None or isinstance(config, (str, os.PathLike)):
+        path = ckpt.config_path if config is None else _config_path(config, revision, hub)
+        family, config = family_and_config(io.read_json(path, "config.json"), str(path))
+        if overrides:
+            family, config = _with_overrides(config, overrides, str(path))
+    else:
+        raise InputError(f"config={type(config).__name__}: expected a config (AutoConfig.from_pretrained), or the "
+                         "path or hub id of one")
+    config.attn_implementation = _attn(attn_implementation, family)
     if task == "auto":
         task = task_of(config, family)
     if task not in task_names():
@@ -150,12 +312,32 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | s
         from .validate import check_config_fits
         check_config_fits(config, tensors, str(ckpt.config_path))
         with meta_device():
-            model = family.build(config, task, add_pooling_layer=has_pooler(tensors))
-        load_weights(model, tensors, ckpt.source)
+            model = family.build(config, task, add_pooling_layer=has_pooler(tensors) and bool(add_pooling_layer))
+        fresh: list[str] = []
+        if ignore_mismatched_sizes:
+            tensors, fresh = _fresh_mismatched(model, tensors)
+        try:
+            load_weights(model, tensors, ckpt.source)
+        except WeightsMismatchError as exc:
+            if not exc.mismatched:
+                raise
+            raise WeightsMismatchError(f"{ckpt.source} (pass ignore_mismatched_sizes=True to initialise the "
+                                       "mismatched weights afresh, as transformers does)",
+                                       exc.missing, exc.mismatched, exc.unexpected) from None
+        std = getattr(config, "initializer_range", 0.02)
+        for key in fresh:  # in the model's order, as transformers' _init_weights (the same draws, seeded alike)
+            owner, _, name = key.rpartition(".")
+            keys.init_fresh(model.get_submodule(owner), name, std)
+    if fresh:
+        warnings.warn(f"Some weights of {ckpt.source} did not fit {model.architecture} and are newly initialised "
+                      f"(ignore_mismatched_sizes=True): {', '.join(fresh)}. Train the model on a downstream task "
+                      "before using it for predictions.", stacklevel=2)
     model.source_root = ckpt.root.absolute()  # the trainer records it, so an export of a fine-tune carries the source's card
     if adapter is not None:
         from .lora import load_adapter
         load_adapter(model, adapter)
+    if device is not None:
+        model.to(device)
     return model.eval()
 
 
@@ -163,17 +345,15 @@ class _AutoModel:
     task = "base"
 
     @classmethod
-    def from_pretrained(cls, source: str | Path, *, dtype: torch.dtype | None = None, revision: str | None = None,
-                        num_labels: int | None = None, attn_implementation: str = "sdpa",
-                        config: BaseConfig | None = None, adapter: str | Path | None = None) -> PreTrainedModel:
-        return load_model(source, cls.task, dtype=dtype, revision=revision, num_labels=num_labels,
-                          attn_implementation=attn_implementation, config=config, adapter=adapter)
+    def from_pretrained(cls, source: str | Path, *model_args: Any, **kwargs: Any) -> PreTrainedModel:
+        """transformers' keywords, as ``load_model`` takes them."""
+        return load_model(source, cls.task, **from_pretrained_kwargs(cls, model_args, kwargs))
 
     @classmethod
-    def from_config(cls, config: BaseConfig, attn_implementation: str = "sdpa") -> PreTrainedModel:
+    def from_config(cls, config: BaseConfig, attn_implementation: str | None = None) -> PreTrainedModel:
         """A freshly initialised model (transformers' init: normal(initializer_range), zero bias)."""
         family = get_family(config.model_type)
-        config.attn_implementation = check_attn_implementation(attn_implementation, family)
+        config.attn_implementation = _attn(attn_implementation, family)
         model = family.build(config, cls.task)
         init_weights(model, config.initializer_range)
         return model

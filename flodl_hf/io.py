@@ -126,31 +126,40 @@ def _weights_in_dir(root: Path, source: str) -> tuple[list[Path], str, dict[str,
         f"no weights in {source}: expected {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE} or {BIN_INDEX}")
 
 
-def _download(repo_id: str, revision: str | None) -> Path:
-    """Fetch config, tokenizer files and weights of a hub repo (or use the cache when offline)."""
+def _download(repo_id: str, revision: str | None, subfolder: str = "", **options) -> Path:
+    """Fetch config, tokenizer files and weights of a hub repo (or use the cache when offline): safetensors,
+    else ``.bin``; ``subfolder`` and huggingface_hub's ``cache_dir``, ``force_download``, ``local_files_only``
+    and ``token`` as transformers' ``from_pretrained`` hands them on."""
+    prefix = f"{subfolder}/" if subfolder else ""
     try:
         from huggingface_hub import snapshot_download
-        root = Path(snapshot_download(repo_id, revision=revision,
-                                      allow_patterns=SIDE_PATTERNS + ["*.safetensors"]))
-        if not any(root.glob("*.safetensors")):
-            root = Path(snapshot_download(repo_id, revision=revision,
-                                          allow_patterns=SIDE_PATTERNS + ["*.bin"]))
+        for weights in ("*.safetensors", "*.bin"):
+            root = Path(snapshot_download(repo_id, revision=revision, **options,
+                                          allow_patterns=[prefix + p for p in [*SIDE_PATTERNS, weights]])) / subfolder
+            if any(root.glob(weights)):
+                break
         return root
     except Exception as exc:  # network down, repo unknown, gated: all end the same way for the user
+        where = f"'{repo_id}'" + (f" (subfolder {subfolder!r})" if subfolder else "")
         raise SourceNotFoundError(
-            f"cannot resolve '{repo_id}': it is not a local path, and the hub could not be reached "
+            f"cannot resolve {where}: it is not a local path, and the hub could not be reached "
             f"or holds no such repo, with nothing cached ({type(exc).__name__}: {exc}). "
             "Pass a local directory or weights file instead (for example a directory written by "
             "save_pretrained, or a sample from `flodl-hf samples fetch`).") from exc
 
 
-def resolve(source: str | os.PathLike, revision: str | None = None) -> Checkpoint:
-    """Resolve a local directory, a single weights file, or a hub id into a Checkpoint."""
+def resolve(source: str | os.PathLike, revision: str | None = None, subfolder: str = "",
+            **hub_options) -> Checkpoint:
+    """Resolve a local directory, a single weights file, or a hub id into a Checkpoint. ``subfolder`` is a
+    directory inside it; ``hub_options`` (huggingface_hub's ``cache_dir``, ``force_download``,
+    ``local_files_only``, ``token``) apply to a hub id only, as transformers applies them."""
     text = str(source)
     path = Path(text).expanduser()
     if text.startswith("samples/") and not path.exists():
         from .samples import sample_path  # samples/<name>: a sample unpacked by `flodl-hf samples fetch`
         path = sample_path(text)
+    if subfolder and path.exists():
+        path = path / subfolder
     if path.is_dir():
         files, fmt, wmap = _weights_in_dir(path, text)
         return Checkpoint(text, path, files, fmt, revision, wmap)
@@ -164,9 +173,9 @@ def resolve(source: str | os.PathLike, revision: str | None = None) -> Checkpoin
         if name.endswith((".bin", ".pt", ".pth")):
             return Checkpoint(text, path.parent, [path], "bin", revision)
         raise CheckpointFormatError(f"{path}: unknown weights format (expected .safetensors or .bin)")
-    if path.exists() or not _is_hub_id(text):
-        raise SourceNotFoundError(f"{text}: no such file or directory")
-    root = _download(text, revision)
+    if path.exists() or not _is_hub_id(text) or (subfolder and Path(text).expanduser().exists()):
+        raise SourceNotFoundError(f"{path}: no such file or directory")
+    root = _download(text, revision, subfolder, **hub_options)
     files, fmt, wmap = _weights_in_dir(root, text)
     return Checkpoint(text, root, files, fmt, revision, wmap)
 

@@ -140,13 +140,11 @@ class PreTrainedModel(nn.Module):
 
     # ---- loading ----------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, source: str | Path, *, dtype: torch.dtype | None = None, revision: str | None = None,
-                        num_labels: int | None = None, attn_implementation: str = "sdpa",
-                        config: BaseConfig | None = None) -> "PreTrainedModel":
-        """Load ``source`` (a directory, a weights file, or a hub id) into this class."""
-        from .auto import load_model
-        return load_model(source, task=cls.task, dtype=dtype, revision=revision, num_labels=num_labels,
-                          attn_implementation=attn_implementation, config=config, expect=cls)
+    def from_pretrained(cls, source: str | Path, *model_args, **kwargs) -> "PreTrainedModel":
+        """Load ``source`` (a directory, a weights file, or a hub id) into this class; transformers' keywords, as
+        ``flodl_hf.auto.load_model`` takes them."""
+        from .auto import from_pretrained_kwargs, load_model
+        return load_model(source, cls.task, expect=cls, **from_pretrained_kwargs(cls, model_args, kwargs))
 
     # ---- saving -----------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

@@ -140,7 +140,7 @@ def test_fill_mask_default_model_offline_says_what_to_do(monkeypatch):
     from flodl_hf import io
     from flodl_hf.errors import SourceNotFoundError
 
-    def offline(repo_id, revision):
+    def offline(repo_id, revision, subfolder="", **hub_options):
         raise SourceNotFoundError(f"cannot resolve '{repo_id}': offline")
     monkeypatch.setattr(io, "_download", offline)
     with pytest.raises(SourceNotFoundError, match="samples/splade"):
