@@ -6,13 +6,18 @@ those of ``model.generate`` with the same settings, and so are sampled ids where
   the checkpoint's ``generation_config.json`` (eos ids, often a list; pad; do_sample, temperature, top_k,
   top_p; max_new_tokens / max_length), else transformers' global defaults (greedy, temperature 1.0, top_k 50,
   top_p 1.0, 20 new tokens); without the file, eos and pad come from config.json (``from_model_config``).
-  A field of the file we do not implement (beams, repetition penalty, min length...) set to a value that
-  changes decoding is a ConfigError naming the file and the field, not ignored;
+  A ``generation_config`` passed in (a transformers GenerationConfig or a dict) sits between the keywords and the
+  file. A field we do not implement (beams, n-gram bans, min-p...) set to a value that changes decoding is a
+  ConfigError naming the file and the field (an InputError for a keyword or a passed generation_config);
+- without an attention mask, the pad id's positions are masked when the pad id is set, is no eos, and occurs
+  (``_prepare_attention_mask_for_generation``); ``num_return_sequences`` repeats each row (``repeat_interleave``);
 - the prompt runs once with ``logits_to_keep=1`` (the prefill), positions ``cumsum(mask) - 1`` (0 on pads);
 - every later step feeds the last token alone, its position, the mask grown by one, and the cache;
-- the next-token scores are the last logits copied to float32, then temperature (``/ t``, when t != 1),
-  top-k, top-p, in that order (``_get_logits_processor``), as the logits warpers compute them;
-- greedy takes ``argmax``; sampling ``torch.multinomial(softmax(scores), 1)`` drawn, as transformers, from
+- the next-token scores are the last logits copied to float32, then the repetition penalty (left padding
+  skipped), the minimum length (eos ids to -inf), and when sampling temperature (``/ t``, when t != 1), top-k,
+  top-p, in that order (``_get_logits_processor``), as the processors compute them;
+- ``use_cache=False`` runs the whole sequence at every step, as transformers does without a cache;
+- greedy takes ``argmax`` of the scores; sampling ``torch.multinomial(softmax(scores), 1)`` drawn, as transformers, from
   torch's global generator (so ``torch.manual_seed(s)`` before either gives the same draws), or with
   ``seed=s`` from a generator of its own seeded with ``s`` (the same stream on CPU, the global one untouched);
 - a row that produced eos gets the pad id from then on; generation stops when every row has, or at the
@@ -23,6 +28,7 @@ those of ``model.generate`` with the same settings, and so are sampled ids where
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -30,6 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from .errors import ConfigError, InputError
+from .outputs import ModelOutput
 
 Source = str | Path | torch.nn.Module
 
@@ -37,7 +44,10 @@ Source = str | Path | torch.nn.Module
 GENERATION_CONFIG = "generation_config.json"
 
 # transformers' GenerationConfig._get_default_generation_params, for the fields generate_ids implements
-GLOBAL_DEFAULTS: dict[str, Any] = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+GLOBAL_DEFAULTS: dict[str, Any] = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
+                                   "repetition_penalty": 1.0, "num_return_sequences": 1, "use_cache": True,
+                                   "min_length": 0, "return_dict_in_generate": False, "output_scores": False,
+                                   "output_logits": False}
 DEFAULT_NEW_TOKENS = 20  # transformers' max_length=20 default, counted in new tokens (_prepare_generated_length)
 
 
@@ -72,16 +82,16 @@ def _pad_id(pad_token_id: Any, name: str = "pad_token_id", error: type = InputEr
     return pad_token_id
 
 
-# Fields of generation_config.json that generate_ids does not implement, with the test that their value
-# changes nothing (transformers' _get_logits_processor / _get_stopping_criteria skip them then). A field set
-# otherwise is refused rather than ignored. "sample": matters only when sampling; "eos": only with an eos.
+# Fields of generation_config.json (or of a generation_config passed in, or keywords) that generate_ids does not
+# implement, with the test that their value changes nothing (transformers' _get_logits_processor /
+# _get_stopping_criteria skip them then). A field set otherwise is refused rather than ignored. "sample": matters
+# only when sampling.
 def _off(*neutral: Any):
     return lambda v: v is None or any(v == n and type(v) is not bool or v is n for n in neutral)
 
 
 _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "num_beams": (_off(1), "beam search"), "num_beam_groups": (_off(1), "group beam search"),
-    "repetition_penalty": (_off(1.0), "the repetition penalty"),
     "no_repeat_ngram_size": (_off(0), "the n-gram ban"),
     "bad_words_ids": (_off(), "the bad-words processor"), "sequence_bias": (_off(), "sequence bias"),
     "force_words_ids": (_off(), "constrained beam search"), "constraints": (_off(), "constrained beam search"),
@@ -91,19 +101,45 @@ _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "suppress_tokens": (_off(), "token suppression"), "begin_suppress_tokens": (_off(), "token suppression"),
     "renormalize_logits": (_off(False), "logit renormalization"), "guidance_scale": (_off(1), "guidance"),
     "watermarking_config": (_off(), "watermarking"), "stop_strings": (_off(), "stop strings"),
-    "max_time": (_off(), "the time limit"), "num_return_sequences": (_off(1), "several sequences per prompt"),
+    "max_time": (_off(), "the time limit"),
     "penalty_alpha": (_off(), "contrastive search"), "dola_layers": (_off(), "DoLa decoding"),
     "token_healing": (_off(False), "token healing"), "prompt_lookup_num_tokens": (_off(), "prompt lookup"),
-    "use_cache": (_off(True), "decoding without the cache"), "use_mtp": (_off(False), "multi-token prediction"),
+    "use_mtp": (_off(False), "multi-token prediction"),
     "cache_implementation": (_off("dynamic", "hybrid", "dynamic_full"), "another cache"),
-    "min_length": (_off(0), "a minimum length (eos)"), "min_new_tokens": (_off(0), "a minimum length (eos)"),
     "min_p": (_off(), "min-p sampling"), "top_h": (_off(), "top-h sampling"),
     "typical_p": (lambda v: v is None or (_is_number(v) and v >= 1.0), "typical sampling"),
     "epsilon_cutoff": (lambda v: v is None or (_is_number(v) and not 0.0 < v < 1.0), "epsilon sampling"),
     "eta_cutoff": (lambda v: v is None or (_is_number(v) and not 0.0 < v < 1.0), "eta sampling"),
 }
-_ONLY_WHEN = {"min_p": "sample", "top_h": "sample", "typical_p": "sample", "epsilon_cutoff": "sample",
-              "eta_cutoff": "sample", "min_length": "eos", "min_new_tokens": "eos"}
+_ONLY_WHEN_SAMPLING = {"min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff"}
+# keywords of transformers' generate that only shape what it records, accepted at these values
+_NEUTRAL_KEYWORDS = {"output_attentions": False, "output_hidden_states": False}
+
+
+def _count(value: Any) -> bool:
+    return _is_int(value) and value >= 0
+
+
+def _positive(value: Any) -> bool:
+    return _is_int(value) and value >= 1
+
+
+def _flag(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+# The fields generate_ids implements, checked alike in generation_config.json, a generation_config and keywords
+_FIELDS: dict[str, tuple[Any, str]] = {
+    "max_new_tokens": (_positive, "a positive integer"), "max_length": (_positive, "a positive integer"),
+    "min_new_tokens": (_count, "a non-negative integer"), "min_length": (_count, "a non-negative integer"),
+    "do_sample": (_flag, "true or false"), "temperature": (_is_number, "a number"),
+    "top_k": (_count, "a non-negative integer"),
+    "top_p": (lambda v: _is_number(v) and 0.0 <= v <= 1.0, "a number in [0, 1]"),
+    "repetition_penalty": (lambda v: _is_number(v) and v > 0, "a positive number"),
+    "num_return_sequences": (_positive, "a positive integer"), "use_cache": (_flag, "true or false"),
+    "return_dict_in_generate": (_flag, "true or false"), "output_scores": (_flag, "true or false"),
+    "output_logits": (_flag, "true or false"),
+}
 
 
 def read_generation_config(root: str | Path | None) -> dict[str, Any] | None:
@@ -126,7 +162,7 @@ def read_generation_config(root: str | Path | None) -> dict[str, Any] | None:
 class GenerationSettings:
     """What ``generate_ids`` runs with, after transformers' merging (``_prepare_generation_config``)."""
 
-    max_length: int | None  # total length, prompt included; None: the prompt + max_new_tokens
+    max_length: int | None  # total length, prompt included; max_new_tokens wins over it
     max_new_tokens: int | None
     do_sample: bool
     temperature: float
@@ -134,36 +170,97 @@ class GenerationSettings:
     top_p: float
     eos: list[int]
     pad: int | None
+    min_length: int = 0  # total length, prompt included, below which an eos is banned
+    min_new_tokens: int | None = None  # wins over min_length (_prepare_generated_length)
+    repetition_penalty: float = 1.0
+    num_return_sequences: int = 1
+    use_cache: bool = True
+    return_dict_in_generate: bool = False
+    output_scores: bool = False
+    output_logits: bool = False
+
+
+@dataclass
+class GenerateDecoderOnlyOutput(ModelOutput):
+    """transformers' ``GenerateDecoderOnlyOutput`` (``return_dict_in_generate=True``): the ids, then per new token the
+    processed scores (``output_scores``) and the raw float32 logits (``output_logits``), and the KV cache."""
+
+    sequences: torch.Tensor
+    scores: tuple[torch.Tensor, ...] | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[Any, ...] | None = None
+    hidden_states: tuple[Any, ...] | None = None
+    cache: Any = None
+
+
+def _check_fields(data: dict[str, Any], where: str | None, error: type) -> None:
+    """The implemented fields' types and ranges, in the file (ConfigError naming it), a generation_config or the
+    keywords (InputError)."""
+    prefix = f"{where}: " if where else ""
+    for field, (ok, expected) in _FIELDS.items():
+        if data.get(field) is not None and not ok(data[field]):
+            raise error(f"{prefix}{field}={data[field]!r}: expected {expected}")
+    _eos_list(data.get("eos_token_id"), f"{prefix}eos_token_id", error)
+    _pad_id(data.get("pad_token_id"), f"{prefix}pad_token_id", error)
 
 
 def _validate_generation_config(data: dict[str, Any], where: str) -> None:
-    def bad(field: str, expected: str) -> ConfigError:
-        return ConfigError(f"{where}: {field}={data[field]!r}: expected {expected}")
-    if data.get("do_sample") is not None and not isinstance(data["do_sample"], bool):
-        raise bad("do_sample", "true or false")
-    if data.get("temperature") is not None and not _is_number(data["temperature"]):
-        raise bad("temperature", "a number")
-    if data.get("top_k") is not None and not (_is_int(data["top_k"]) and data["top_k"] >= 0):
-        raise bad("top_k", "a non-negative integer")
-    if data.get("top_p") is not None and not (_is_number(data["top_p"]) and 0.0 <= data["top_p"] <= 1.0):
-        raise bad("top_p", "a number in [0, 1]")
-    for field in ("max_new_tokens", "max_length"):
-        if data.get(field) is not None and not (_is_int(data[field]) and data[field] >= 1):
-            raise bad(field, "a positive integer")
-    _eos_list(data.get("eos_token_id"), f"{where}: eos_token_id", ConfigError)
-    _pad_id(data.get("pad_token_id"), f"{where}: pad_token_id", ConfigError)
+    _check_fields(data, where, ConfigError)
+
+
+def _generation_config_dict(generation_config: Any) -> dict[str, Any]:
+    """A transformers ``GenerationConfig`` (its ``to_dict()``) or a dict -> the fields it sets (not None)."""
+    if generation_config is None:
+        return {}
+    data = generation_config if isinstance(generation_config, dict) else None
+    if data is None and callable(getattr(generation_config, "to_dict", None)):
+        data = generation_config.to_dict()
+    if not isinstance(data, dict):
+        raise InputError(f"generation_config={type(generation_config).__name__}: expected a transformers "
+                         "GenerationConfig or a dict of its fields")
+    return {k: v for k, v in data.items()
+            if v is not None and v != {} and not k.startswith("_") and k != "transformers_version"}
+
+
+def model_generation_config(model: torch.nn.Module) -> Any:
+    """transformers' ``model.generation_config``, a ``GenerationConfig``: the checkpoint's ``generation_config.json``
+    (``read_generation_config``), else one made from config.json's special token ids (``from_model_config``)."""
+    from transformers import GenerationConfig
+    data = read_generation_config(getattr(model, "source_root", None))
+    if data is None:
+        return GenerationConfig.from_model_config(model.config.to_dict())
+    return GenerationConfig.from_dict(data)
 
 
 def generation_settings(model: torch.nn.Module, max_new_tokens: int | None = None, do_sample: bool | None = None,
                         temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                        eos_token_id: Any = None, pad_token_id: Any = None) -> GenerationSettings:
-    """transformers' precedence, field by field: the argument when given (not None), else the checkpoint's
-    ``generation_config.json`` (read from ``model.source_root``), else transformers' global default
-    (``do_sample`` False, ``temperature`` 1.0, ``top_k`` 50, ``top_p`` 1.0, 20 new tokens). Without a
-    ``generation_config.json`` transformers builds one from config.json (``from_model_config``): eos, pad and
-    bos ids then come from the model's config; with one, they come from it alone (an eos it lacks is none)."""
+                        eos_token_id: Any = None, pad_token_id: Any = None, generation_config: Any = None,
+                        **options: Any) -> GenerationSettings:
+    """transformers' precedence, field by field: the keyword when given (not None), else ``generation_config``'s
+    field (a transformers GenerationConfig or a dict), else the checkpoint's ``generation_config.json`` (read from
+    ``model.source_root``), else transformers' global default (``do_sample`` False, ``temperature`` 1.0, ``top_k``
+    50, ``top_p`` 1.0, 20 new tokens, ...). Without a ``generation_config.json`` transformers builds one from
+    config.json (``from_model_config``): eos, pad and bos ids then come from the model's config; with one, they
+    come from it alone (an eos it lacks is none). ``options``: the other fields of ``_FIELDS``; a keyword
+    transformers takes that is not implemented here is an InputError naming it, unless its value changes nothing."""
     _check_arguments(max_new_tokens, do_sample, temperature, top_k, top_p)
-    eos_arg, pad_arg = _eos_list(eos_token_id) if eos_token_id is not None else None, _pad_id(pad_token_id)
+    for name, value in options.items():
+        if name in _FIELDS or value is None or _NEUTRAL_KEYWORDS.get(name, ...) is value:
+            continue
+        if name in _UNSUPPORTED:
+            neutral, what = _UNSUPPORTED[name]
+            if neutral(value):
+                continue
+            raise InputError(f"{name}={value!r} asks for {what}, which flodl-hf's generate does not implement")
+        raise InputError(f"{name}={value!r}: flodl-hf's generate does not implement this keyword (transformers' "
+                         "generate takes its generation settings and passes model inputs on to forward)")
+    args = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature, "top_k": top_k,
+            "top_p": top_p, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
+            **{k: v for k, v in options.items() if k in _FIELDS}}
+    args = {k: v for k, v in args.items() if v is not None}
+    _check_fields(args, None, InputError)
+    given = _generation_config_dict(generation_config)
+    _check_fields(given, "generation_config", InputError)
     root = getattr(model, "source_root", None)
     data = read_generation_config(root)
     if data is None:  # GenerationConfig.from_model_config
@@ -171,37 +268,42 @@ def generation_settings(model: torch.nn.Module, max_new_tokens: int | None = Non
         data = {"eos_token_id": getattr(config, "eos_token_id", None),
                 "pad_token_id": getattr(config, "pad_token_id", None)}
         where = "config.json"
-        _eos_list(data["eos_token_id"], f"{where}: eos_token_id", ConfigError)
-        _pad_id(data["pad_token_id"], f"{where}: pad_token_id", ConfigError)
     else:
         where = str(Path(root) / GENERATION_CONFIG)
-        _validate_generation_config(data, where)
+    _validate_generation_config(data, where)
+    merged = {**{k: v for k, v in data.items() if v is not None}, **given, **args}
 
-    def pick(name: str, given: Any) -> Any:
-        if given is not None:
-            return given
-        return data[name] if data.get(name) is not None else GLOBAL_DEFAULTS[name]
+    def refuse(field: str, why: str) -> Exception:
+        if field in args:
+            return InputError(f"{field}={merged[field]!r}: {why}")
+        source = "generation_config" if field in given else where
+        return (InputError if field in given else ConfigError)(f"{source}: {field}={merged[field]!r}: {why}")
 
-    sample = bool(pick("do_sample", do_sample))
-    eos = eos_arg if eos_arg is not None else _eos_list(data.get("eos_token_id"))
-    pad = pad_arg if pad_arg is not None else _pad_id(data.get("pad_token_id"))
+    def pick(name: str) -> Any:
+        return merged[name] if merged.get(name) is not None else GLOBAL_DEFAULTS[name]
+
+    sample = pick("do_sample")
+    eos = _eos_list(merged.get("eos_token_id"))
+    pad = _pad_id(merged.get("pad_token_id"))
     if pad is None and eos:
         pad = eos[0]  # _prepare_special_tokens: "Setting pad_token_id to eos_token_id"
     settings = GenerationSettings(
-        max_length=None if max_new_tokens is not None else data.get("max_length"),
-        max_new_tokens=max_new_tokens if max_new_tokens is not None else data.get("max_new_tokens"),
-        do_sample=sample, temperature=pick("temperature", temperature), top_k=pick("top_k", top_k),
-        top_p=pick("top_p", top_p), eos=eos, pad=pad)
-    if sample and temperature is None and not settings.temperature > 0:
-        raise ConfigError(f"{where}: temperature={settings.temperature!r}: sampling needs a positive temperature")
+        max_length=merged.get("max_length"), max_new_tokens=merged.get("max_new_tokens"), do_sample=sample,
+        temperature=pick("temperature"), top_k=pick("top_k"), top_p=pick("top_p"), eos=eos, pad=pad,
+        min_length=pick("min_length"), min_new_tokens=merged.get("min_new_tokens"),
+        repetition_penalty=float(pick("repetition_penalty")), num_return_sequences=pick("num_return_sequences"),
+        use_cache=pick("use_cache"), return_dict_in_generate=pick("return_dict_in_generate"),
+        output_scores=pick("output_scores"), output_logits=pick("output_logits"))
+    if sample and not settings.temperature > 0:
+        raise refuse("temperature", "sampling needs a positive temperature")
+    if settings.num_return_sequences > 1 and not sample:
+        raise refuse("num_return_sequences", "several sequences per prompt need do_sample=True (transformers: "
+                                             "greedy decoding without beams does not support it)")
     for field, (neutral, what) in _UNSUPPORTED.items():
-        if field not in data or neutral(data[field]):
-            continue
-        when = _ONLY_WHEN.get(field)
-        if (when == "sample" and not sample) or (when == "eos" and not eos):
-            continue  # transformers applies it only when sampling / with an eos: nothing to refuse
-        raise ConfigError(f"{where}: {field}={data[field]!r} asks for {what}, which flodl-hf's generate does "
-                          f"not implement (transformers would apply it); remove the field or set it to its default")
+        if field not in merged or neutral(merged[field]) or (field in _ONLY_WHEN_SAMPLING and not sample):
+            continue  # transformers applies the sampling ones only when sampling: nothing to refuse
+        raise refuse(field, f"asks for {what}, which flodl-hf's generate does not implement (transformers would "
+                            "apply it); remove the field or set it to its default")
     return settings
 
 
@@ -253,15 +355,60 @@ def _check_ids(input_ids: Any, attention_mask: Any) -> None:
         raise InputError(f"attention_mask {shape}: expected a tensor shaped like input_ids {tuple(input_ids.shape)}")
 
 
+def repetition_penalty(input_ids: torch.Tensor, scores: torch.Tensor, penalty: float,
+                       ignore: torch.Tensor | None = None) -> torch.Tensor:
+    """RepetitionPenaltyLogitsProcessor: every id of the sequence so far (the first ``ignore[row]`` positions
+    excepted: a left-padded row's pads) has its score multiplied by ``penalty`` when negative, else divided by it."""
+    vocab_size = scores.shape[-1]
+    if ignore is not None:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        input_ids = input_ids.masked_fill(positions[None, :] < ignore[:, None], vocab_size)
+    input_ids = input_ids.clamp(max=vocab_size)
+    scores = torch.nn.functional.pad(scores, (0, 1))
+    score = torch.gather(scores, 1, input_ids)
+    score = torch.where(score < 0, score * penalty, score / penalty)
+    return scores.scatter(1, input_ids, score)[..., :vocab_size]
+
+
+def process_scores(logits: torch.Tensor, input_ids: torch.Tensor, settings: GenerationSettings, min_length: int,
+                   ignore: torch.Tensor | None = None) -> torch.Tensor:
+    """``_get_logits_processor``'s list in its order, for what generate_ids implements: the repetition penalty, the
+    minimum length (MinLength / MinNewTokensLength: eos ids to -inf while the sequence is shorter), then, when
+    sampling, the warpers (``next_token_scores``)."""
+    scores = logits
+    if settings.repetition_penalty != 1.0:
+        scores = repetition_penalty(input_ids, scores, settings.repetition_penalty, ignore)
+    if settings.eos and input_ids.shape[-1] < min_length:
+        eos = torch.tensor(settings.eos, device=scores.device)
+        scores = torch.where(torch.isin(torch.arange(scores.shape[-1], device=scores.device), eos), -math.inf, scores)
+    if settings.do_sample:
+        scores = next_token_scores(scores, settings.temperature, settings.top_k, settings.top_p)
+    return scores
+
+
+def infer_attention_mask(input_ids: torch.Tensor, pad: int | None, eos: Sequence[int]) -> torch.Tensor:
+    """``_prepare_attention_mask_for_generation``, when no mask is given: the positions holding the pad id are masked
+    out when the pad id is set, is not an eos id, occurs in the input, and the ids are int32 or int64; else all ones."""
+    ones = torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
+    if pad is None or input_ids.dtype not in (torch.int, torch.long) or pad in eos or not (input_ids == pad).any():
+        return ones
+    return input_ids.ne(pad).long()
+
+
 @torch.inference_mode()
 def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  eos_token_id: int | Sequence[int] | torch.Tensor | None = None,
-                 pad_token_id: int | None = None) -> torch.Tensor:
+                 pad_token_id: int | None = None, generation_config: Any = None,
+                 **options: Any) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """Prompt ids (B, S), left-padded, -> (B, S + n) ids: the prompts and up to ``max_new_tokens`` new tokens
-    each, as transformers' ``generate`` returns them. Every setting left None takes transformers' default:
-    the checkpoint's ``generation_config.json``, else its global default (see ``generation_settings``).
+    each, as transformers' ``generate`` returns them (``GenerateDecoderOnlyOutput`` with
+    ``return_dict_in_generate=True``). Every setting left None takes transformers' default: ``generation_config``'s
+    field, else the checkpoint's ``generation_config.json``, else its global default (see ``generation_settings``).
+    ``options``: ``max_length``, ``min_new_tokens``, ``min_length``, ``repetition_penalty``,
+    ``num_return_sequences``, ``use_cache``, ``return_dict_in_generate``, ``output_scores``, ``output_logits``.
+    Without ``attention_mask``, the pad id's positions are masked as transformers infers them.
     ``seed``: sample from a generator seeded with it; None samples from torch's global generator."""
     if getattr(model, "task", None) != "causal_lm":
         raise InputError(f"generate needs a causal_lm model, not {type(model).__name__}")
@@ -269,50 +416,64 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     if seed is not None and not _is_int(seed):
         raise InputError(f"seed={seed!r}: expected an integer or None")
     settings = generation_settings(model, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
-                                   pad_token_id)
+                                   pad_token_id, generation_config, **options)
     eos, pad = settings.eos, settings.pad
     if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
+        attention_mask = infer_attention_mask(input_ids, pad, eos)
     device = model.device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    if settings.num_return_sequences > 1:  # _expand_inputs_for_generation
+        input_ids = input_ids.repeat_interleave(settings.num_return_sequences, dim=0)
+        attention_mask = attention_mask.repeat_interleave(settings.num_return_sequences, dim=0)
     generator = None
     if settings.do_sample and seed is not None:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
     # GenerationMixin._prepare_generated_length / _validate_generated_length
+    prompt_length = input_ids.shape[1]
     if settings.max_new_tokens is not None:
-        max_length = input_ids.shape[1] + settings.max_new_tokens
+        max_length = prompt_length + settings.max_new_tokens
     elif settings.max_length is not None:
         max_length = settings.max_length
     else:
-        max_length = input_ids.shape[1] + DEFAULT_NEW_TOKENS
+        max_length = prompt_length + DEFAULT_NEW_TOKENS
         max_positions = getattr(model.config, "max_position_embeddings", None)
         if max_positions is not None:
             max_length = min(max_length, max_positions)
-    if input_ids.shape[1] >= max_length:
-        raise InputError(f"input_ids: the prompt has {input_ids.shape[1]} tokens but the maximum length is "
-                         f"{max_length} (max_length of {GENERATION_CONFIG}, or max_position_embeddings); "
-                         "pass max_new_tokens")
+    if prompt_length >= max_length:
+        raise InputError(f"input_ids: the prompt has {prompt_length} tokens but the maximum length is "
+                         f"{max_length} (max_length, of the arguments or {GENERATION_CONFIG}, or "
+                         "max_position_embeddings); pass max_new_tokens")
+    min_length = (prompt_length + settings.min_new_tokens if settings.min_new_tokens is not None
+                  else settings.min_length)
+    # the repetition penalty skips the left padding, which transformers reads off the mask unless it is all ones
+    ignore = None if (attention_mask == 1).all() else (attention_mask != 0).int().argmax(dim=1)
     # GenerationMixin._prepare_position_ids_for_generation
     position_ids = attention_mask.long().cumsum(-1) - 1
     position_ids = position_ids.masked_fill(attention_mask == 0, 0)
     eos_tensor = torch.tensor(eos, device=device, dtype=torch.long) if eos else None
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=device)
-    cache = model.backbone.new_cache()
+    cache = model.backbone.new_cache() if settings.use_cache else None
+    record = settings.return_dict_in_generate
+    scores_seen, logits_seen = [], []
     step_ids, step_pos = input_ids.clone(), position_ids
     while True:
         out = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=step_pos,
-                    cache=cache, use_cache=True, logits_to_keep=1)
+                    cache=cache, use_cache=settings.use_cache, logits_to_keep=1)
         # _update_model_kwargs_for_generation: positions and mask grow by one
         position_ids = torch.cat([position_ids, position_ids[..., -1:] + 1], dim=-1)
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], dim=-1)
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
+        scores = process_scores(logits, input_ids, settings, min_length, ignore)
+        if record and settings.output_scores:
+            scores_seen.append(scores)
+        if record and settings.output_logits:
+            logits_seen.append(logits)
         if settings.do_sample:
-            scores = next_token_scores(logits, settings.temperature, settings.top_k, settings.top_p)
             probs = torch.nn.functional.softmax(scores, dim=-1)
             next_tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
         else:
-            next_tokens = torch.argmax(logits, dim=-1)
+            next_tokens = torch.argmax(scores, dim=-1)
         if eos_tensor is not None:
             next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
@@ -320,8 +481,15 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
         if eos_tensor is not None:
             unfinished = unfinished & ~torch.isin(input_ids[:, -1], eos_tensor).long()
         if done or unfinished.max() == 0:
-            return input_ids
-        step_ids, step_pos = input_ids[:, -1:].clone(), position_ids[..., -1:].clone()
+            break
+        if settings.use_cache:  # the last token alone; without a cache, the whole sequence again
+            step_ids, step_pos = input_ids[:, -1:].clone(), position_ids[..., -1:].clone()
+        else:
+            step_ids, step_pos = input_ids.clone(), position_ids.clone()
+    if not record:
+        return input_ids
+    return GenerateDecoderOnlyOutput(sequences=input_ids, scores=tuple(scores_seen) if settings.output_scores else None,
+                                     logits=tuple(logits_seen) if settings.output_logits else None, cache=cache)
 
 
 def generate(prompts: str | Sequence[str], model: Source, max_new_tokens: int | None = None,
@@ -329,7 +497,8 @@ def generate(prompts: str | Sequence[str], model: Source, max_new_tokens: int | 
              top_p: float | None = None, seed: int | None = None,
              eos_token_id: int | Sequence[int] | None = None, tokenizer: Any = None) -> list[dict[str, Any]]:
     """Continue each prompt: ``[{"generated_text", "token_ids"}]`` per prompt (the prompt's text plus the new
-    text, as transformers' text-generation pipeline writes it, and the new ids). Prompts are batched with
+    text, as transformers' text-generation pipeline writes it, and the new ids; with a ``num_return_sequences``
+    of n in generation_config.json, n consecutive entries per prompt). Prompts are batched with
     left padding; see ``generate_ids`` for the decoding rule and the defaults (None: generation_config.json's,
     else transformers')."""
     from .tasks.runtime import load
@@ -349,10 +518,11 @@ def generate(prompts: str | Sequence[str], model: Source, max_new_tokens: int | 
     input_ids = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], dtype=torch.long)
     attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
     ids = generate_ids(loaded.model, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,
-                       top_p, seed, eos_token_id)
+                       top_p, seed, eos_token_id, return_dict_in_generate=False)
     stop = settings.eos
     results = []
-    for row, text in zip(ids, texts):
+    for i, row in enumerate(ids):
+        text = texts[i // settings.num_return_sequences]
         new = row[width:].tolist()
         if stop and any(t in stop for t in new):  # drop what follows the first eos (the pad fill)
             new = new[: next(i for i, t in enumerate(new) if t in stop) + 1]

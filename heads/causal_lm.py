@@ -33,15 +33,26 @@ class LMHead(HeadPart):
         return self.lm_head(hidden_states)
 
 
-def causal_lm_loss(model: Any, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def causal_lm_loss(model: Any, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                   shift_labels: torch.Tensor | None = None,
+                   num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
     """transformers.loss.loss_utils.ForCausalLMLoss: float32 logits, labels padded by one ``ignore_index`` and
-    shifted left (token t predicts label t + 1), mean cross entropy over the labels that are not ignored."""
+    shifted left (token t predicts label t + 1) unless ``shift_labels`` are given (then used as they are), mean
+    cross entropy over the labels that are not ignored; with ``num_items_in_batch`` (fixed_cross_entropy), the
+    sum divided by it."""
     logits = logits.float()
-    labels = F.pad(labels, (0, 1), value=ignore_index)
-    shift_labels = labels[..., 1:].contiguous()
+    if shift_labels is None:
+        labels = F.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:].contiguous()
     logits = logits.view(-1, logits.shape[-1])
     shift_labels = shift_labels.view(-1).to(logits.device)
-    return F.cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="mean")
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = F.cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction=reduction)
+    if reduction == "sum":
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
 
 
 def keep_last(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
@@ -61,21 +72,46 @@ class ModelForCausalLM(TaskModel):
     def get_output_embeddings(self) -> nn.Module:
         return self.head.output_embeddings()
 
+    @property
+    def generation_config(self) -> Any:
+        """transformers' ``GenerationConfig`` of this checkpoint (its generation_config.json, else one made from
+        config.json, ``from_model_config``), read afresh at each access: edit it and pass it as
+        ``generate(generation_config=...)``."""
+        from flodl_hf.generate import model_generation_config
+        return model_generation_config(self)
+
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: Any = None, **kwargs: Any) -> Any:
+        """transformers' ``model.generate``: the prompts and their new tokens, (B, S + n) ids (a
+        ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate=True``); see ``flodl_hf.generate.generate_ids``
+        for the keywords it takes. ``inputs`` is ``input_ids``, as transformers' first argument."""
+        from flodl_hf.errors import InputError
+        from flodl_hf.generate import generate_ids
+        input_ids = kwargs.pop("input_ids", None)
+        if inputs is not None and input_ids is not None:
+            raise InputError("generate: pass the prompts once, as inputs or as input_ids")
+        return generate_ids(self, input_ids if inputs is None else inputs, kwargs.pop("attention_mask", None),
+                            generation_config=generation_config, **kwargs)
+
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: Any = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
-                token_type_ids: torch.Tensor | None = None, past_key_values: Any = None) -> CausalLMOutput:
+                use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0, *,
+                token_type_ids: torch.Tensor | None = None, past_key_values: Any = None,
+                cache_position: Any = None, shift_labels: torch.Tensor | None = None,
+                num_items_in_batch: torch.Tensor | int | None = None) -> CausalLMOutput:
         """Logits for the kept positions; ``cache`` in (a KVCache, or per-layer (keys, values);
         ``past_key_values`` is transformers' older name for it) and out (the cache after this step, when
-        ``use_cache``, which defaults to the config's)."""
+        ``use_cache``, which defaults to the config's). With ``labels``, ForCausalLMLoss, which takes
+        ``shift_labels`` and ``num_items_in_batch``. ``cache_position`` is taken and unused, as transformers
+        5.24's LLaMA, Mistral and Qwen2 take it (positions come from ``position_ids``, else the cache's length)."""
         out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                                 position_ids=position_ids, inputs_embeds=inputs_embeds,
                                 cache=cache, past_key_values=past_key_values, use_cache=use_cache)
         logits = self.head(keep_last(out.last_hidden_state, logits_to_keep), None, attention_mask)
         loss = None
         if labels is not None:
-            loss = self.compute_loss(logits, labels=labels)
+            loss = self.compute_loss(logits, labels=labels, shift_labels=shift_labels,
+                                     num_items_in_batch=num_items_in_batch)
         return CausalLMOutput(loss=loss, logits=logits, cache=out.cache)
 
 

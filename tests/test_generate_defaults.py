@@ -105,8 +105,9 @@ def test_sampling_applies_top_k_50_unless_told_and_draws_from_the_global_generat
     assert torch.equal(got, reference) and torch.equal(torch.rand(4), expected)
 
 
-@pytest.mark.parametrize("field,value", [("repetition_penalty", 1.3), ("num_beams", 3), ("no_repeat_ngram_size", 2),
-                                         ("min_new_tokens", 4), ("suppress_tokens", [5]), ("num_return_sequences", 2)])
+@pytest.mark.parametrize("field,value", [("bad_words_ids", [[5]]), ("num_beams", 3), ("no_repeat_ngram_size", 2),
+                                         ("forced_eos_token_id", 2), ("suppress_tokens", [5]),
+                                         ("num_return_sequences", 2)])
 def test_generation_config_fields_we_do_not_implement_are_refused(tmp_path, field, value):
     root = _copy(LLAMA, tmp_path)
     _edit(root / "generation_config.json", **{field: value})
