@@ -19,9 +19,12 @@ adapter and one that PEFT wrote loads here:
   draws its default init), then A gets ``kaiming_uniform_(a=sqrt(5))`` and B zeros; targets are
   visited in ``named_modules()`` order, which is transformers' order, so the same seed gives PEFT's A;
 - ``modules_to_save`` (PEFT's rule: a module whose name ends with an entry) stay trainable and go
-  into the adapter file; PEFT's task classes add their heads (``classifier``/``score`` for seqcls and
-  tokcls, ``qa_outputs`` for qa), and so does :func:`add_lora` for those tasks;
-- a decoder tied to the input embeddings is never targeted.
+  into the adapter file; PEFT's task classes add their heads (``classifier``/``score`` for SEQ_CLS and
+  TOKEN_CLS, ``qa_outputs`` for QUESTION_ANS), and so does :func:`add_lora` for the task type (by default
+  the model's task's; ``load_adapter`` takes the adapter's). A module to save that shares a weight with
+  another (a tied LM head) trains its own copy, as PEFT's ``ModulesToSaveWrapper`` does;
+- on a float16 / bfloat16 base the adapter weights are float32, as PEFT's (``autocast_adapter_dtype``);
+- a decoder tied to the input embeddings is never adapted: a target that matches one is refused.
 
 Out: :func:`save_adapter` (a LoRA model) and :func:`export_adapter` (a trainer checkpoint) write
 ``adapter_config.json`` and ``adapter_model.safetensors`` under PEFT's keys
@@ -77,12 +80,36 @@ TASK_MODULES_TO_SAVE: dict[str, tuple[str, ...]] = {"seqcls": ("classifier", "sc
                                                     "tokcls": ("classifier", "score"), "qa": ("qa_outputs",)}
 PEFT_TASK_TYPES: dict[str, str] = {"seqcls": "SEQ_CLS", "tokcls": "TOKEN_CLS", "qa": "QUESTION_ANS",
                                    "base": "FEATURE_EXTRACTION"}
+# The same, by PEFT task_type: what PeftModelFor<TaskType>.__init__ adds to modules_to_save (at get_peft_model
+# and again at from_pretrained); a task_type absent here (None, FEATURE_EXTRACTION, CAUSAL_LM) adds nothing.
+TASK_TYPE_MODULES_TO_SAVE: dict[str, tuple[str, ...]] = {PEFT_TASK_TYPES[t]: m for t, m in TASK_MODULES_TO_SAVE.items()}
+# PEFT task types that name one of our tasks unambiguously (the head the adapter was trained with).
+TASK_OF_PEFT_TASK_TYPE: dict[str, str] = {"SEQ_CLS": "seqcls", "TOKEN_CLS": "tokcls", "QUESTION_ANS": "qa",
+                                          "CAUSAL_LM": "causal_lm"}
+# The adapter dtype rule of PEFT's cast_adapter_dtype (autocast_adapter_dtype=True, its default): adapter weights
+# built on a base of one of these dtypes are upcast to float32 (peft.utils.constants.UPCAST_DTYPES adds float8s).
+_UPCAST_DTYPES = frozenset(d for d in (torch.float16, torch.bfloat16, *(getattr(torch, n, None) for n in (
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"))) if d is not None)
+# init_lora_weights values after which PEFT's reload is plain LoRA: the base is left as it is and the file's A
+# and B overwrite the init. pissa*, olora and corda subtract their own init's B @ A from the base weight at every
+# load, loftq replaces the base weight by its quantised copy, mica is a LoRA variant (B frozen): refused.
+_PLAIN_INITS = ("gaussian", "orthogonal", "eva", "lora_ga")
+_TASK_DEFAULT: Any = object()   # add_lora's task_type default: PEFT's task type for the model's task
 
 # adapter_config.json fields whose non-default values change the computation and are not implemented.
 _UNSUPPORTED_FIELDS = {"use_dora": False, "lora_bias": False, "fan_in_fan_out": False, "rank_pattern": {},
                        "alpha_pattern": {}, "layers_to_transform": None, "layer_replication": None,
                        "target_parameters": None, "exclude_modules": None, "trainable_token_indices": None,
-                       "use_qalora": False, "alora_invocation_tokens": None, "arrow_config": None}
+                       "use_qalora": False, "alora_invocation_tokens": None, "arrow_config": None,
+                       "use_bdlora": None, "velora_config": None, "monteclora_config": None, "kasa_config": None}
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """An _UNSUPPORTED_FIELDS value that leaves PEFT's computation plain: null, the default by identity (so
+    ``layers_to_transform: 0`` is not taken for ``False``), or an empty list / object / string."""
+    if value is None or value is default or value is False:
+        return True
+    return isinstance(value, (list, dict, str)) and len(value) == 0
 
 
 @dataclass
@@ -96,8 +123,9 @@ class LoraConfig:
     modules_to_save: list[str] | None = None
     use_rslora: bool = False
     bias: str = "none"
-    task: str = "base"                     # our task name (PEFT's task_type is derived from it)
+    task: str = "base"                     # our task name
     targeted: list[str] = field(default_factory=list)   # the module names adapted, in order
+    task_type: str | None = None           # PEFT's task_type (SEQ_CLS ...), written to adapter_config.json
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or self.r <= 0:
@@ -106,6 +134,8 @@ class LoraConfig:
             raise AdapterError(f"LoRA dropout must be in [0, 1), got {self.lora_dropout!r}")
         if self.bias not in BIAS_MODES:
             raise AdapterError(f"LoRA bias={self.bias!r}: expected one of {', '.join(BIAS_MODES)}")
+        if self.task_type is not None and not isinstance(self.task_type, str):
+            raise AdapterError(f"LoRA task_type={self.task_type!r}: expected PEFT's task type (a string) or None")
 
     @property
     def scaling(self) -> float:
@@ -134,13 +164,23 @@ class LoraLinear(nn.Linear):
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
         if base.weight.is_floating_point():
+            # _move_adapter_to_device_of_base_layer: to the base's device and dtype; then cast_adapter_dtype
+            # (autocast_adapter_dtype=True): a half / bfloat16 / float8 adapter back up to float32, so the
+            # values are float32(base_dtype(init)), as PEFT's are.
             self.lora_A.to(device=device, dtype=dtype)
             self.lora_B.to(device=device, dtype=dtype)
+            if dtype in _UPCAST_DTYPES:
+                self.lora_A.to(dtype=torch.float32)
+                self.lora_B.to(dtype=torch.float32)
         self.merged = False
 
     def delta_weight(self) -> torch.Tensor:
-        """PEFT's ``get_delta_weight``: ``(B @ A) * scaling``."""
-        return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
+        """PEFT's ``get_delta_weight``: ``(B @ A) * scaling`` (a half / bfloat16 adapter on the CPU in float32,
+        cast back)."""
+        a, b = self.lora_A.weight, self.lora_B.weight
+        cast = b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
+        delta = (b.float() @ a.float() if cast else b @ a) * self.scaling
+        return delta.to(b.dtype) if cast else delta
 
     @torch.no_grad()
     def merge(self) -> None:
@@ -152,21 +192,67 @@ class LoraLinear(nn.Linear):
     @torch.no_grad()
     def unmerge(self) -> None:
         if self.merged:
-            self.weight.data -= self.delta_weight()
+            self.weight.data -= self.delta_weight().to(self.weight.dtype)
             self.merged = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # peft.tuners.lora.layer.Linear.forward: base_layer(x), then result + lora_B(lora_A(dropout(x))) * scaling.
+        # peft.tuners.lora.layer.Linear.forward: result = base_layer(x); x cast to lora_A's dtype; result +
+        # lora_B(lora_A(dropout(x))) * scaling (a float32 adapter promotes the sum), cast back to result's dtype.
         result = F.linear(x, self.weight, self.bias)
         if self.merged:
             return result
-        return result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        result_dtype = result.dtype
+        lora_dtype = self.lora_A.weight.dtype
+        if x.dtype != lora_dtype:
+            x = x.to(lora_dtype)
+        result = result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        return result.to(result_dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling}, merged={self.merged}"
 
 
 # ---- adding, merging ---------------------------------------------------------------------------------
+
+def _module(model: nn.Module, name: str) -> nn.Module:
+    """The module registered under ``name`` (a ``state_dict`` prefix), found through ``named_modules()``: an
+    attribute that shadows a registered child (TaskModel's unregistered ``head`` part) is not followed."""
+    if not name:
+        return model
+    modules = dict(model.named_modules())
+    if name not in modules:
+        raise AdapterError(f"{type(model).__name__} has no module {name!r}")
+    return modules[name]
+
+
+def _replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` in place of the module registered under ``name``; an unregistered holder of the same module
+    at the model's root (TaskModel's ``head`` part, whose forward uses its own references) is updated too."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = _module(model, owner_name)
+    old = _module(owner, attr)
+    setattr(owner, attr, new)
+    if owner is model:
+        for holder in list(vars(model).values()):
+            if isinstance(holder, nn.Module):
+                for child_name, child in list(holder.named_children()):
+                    if child is old:
+                        setattr(holder, child_name, new)
+
+
+def _untie(model: nn.Module, names: list[str]) -> None:
+    """PEFT's ``ModulesToSaveWrapper`` trains a deep copy of each module to save: a Parameter that a module to
+    save shares with a module outside it (an LM head tied to the input embeddings) becomes the module's own
+    copy, so that the two are trained and saved apart, as in PEFT (the other module keeps the original)."""
+    for name in names:
+        module = _module(model, name)
+        outside = {id(p) for k, p in model.named_parameters(remove_duplicate=False) if not k.startswith(name + ".")}
+        for pname, param in list(module.named_parameters()):
+            if id(param) in outside:
+                owner_name, _, attr = pname.rpartition(".")
+                owner = _module(module, owner_name)
+                setattr(owner, attr, nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
+
 
 def _matches_target(name: str, targets: list[str] | str) -> bool:
     if isinstance(targets, str):
@@ -203,12 +289,15 @@ def lora_layers(model: nn.Module) -> dict[str, LoraLinear]:
 
 def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.0,
              target_modules: Iterable[str] | str | None = None, modules_to_save: Iterable[str] | None = None,
-             use_rslora: bool = False, bias: str = "none") -> nn.Module:
+             use_rslora: bool = False, bias: str = "none", task_type: str | None = _TASK_DEFAULT) -> nn.Module:
     """Put LoRA adapters on ``model``'s linear layers named by ``target_modules`` (PEFT's rules), in place.
 
-    Every base parameter is frozen; the adapters, ``modules_to_save`` (plus PEFT's head for seqcls,
-    tokcls and qa) and, with ``bias="all"`` / ``"lora_only"``, the biases stay trainable.
-    Returns the model, which carries ``model.lora_config``.
+    Every base parameter is frozen; the adapters, ``modules_to_save`` (plus PEFT's head for the task type:
+    ``classifier``/``score`` for ``SEQ_CLS`` and ``TOKEN_CLS``, ``qa_outputs`` for ``QUESTION_ANS``) and, with
+    ``bias="all"`` / ``"lora_only"``, the biases stay trainable. ``task_type`` is PEFT's ``LoraConfig.task_type``:
+    by default the one of the model's task (:data:`PEFT_TASK_TYPES`); ``None`` is a plain ``PeftModel``, which
+    adds no head. A module to save that shares a weight with another module (a tied LM head) gets its own copy,
+    as PEFT's wrapper does. Returns the model, which carries ``model.lora_config``.
     """
     if is_lora(model):
         raise AdapterError(f"{type(model).__name__} already has LoRA adapters (one adapter per model)")
@@ -219,13 +308,22 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     else:
         targets = target_modules if isinstance(target_modules, str) else list(target_modules)
     task = getattr(model, "task", "base")
-    to_save = list(modules_to_save) if modules_to_save is not None else None
-    if task in TASK_MODULES_TO_SAVE:  # PeftModelFor<Task>.__init__ extends modules_to_save with its head
-        to_save = (to_save or []) + [m for m in TASK_MODULES_TO_SAVE[task] if m not in (to_save or [])]
+    if task_type is _TASK_DEFAULT:
+        task_type = PEFT_TASK_TYPES.get(task)
+    to_save = None
+    if modules_to_save is not None:
+        to_save = []
+        for m in modules_to_save:
+            if m not in to_save:
+                to_save.append(m)
+    heads = TASK_TYPE_MODULES_TO_SAVE.get(task_type, ()) if isinstance(task_type, str) else ()
+    if heads:  # PeftModelFor<TaskType>.__init__ extends modules_to_save with its head
+        to_save = (to_save or []) + [m for m in heads if m not in (to_save or [])]
     cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=float(dropout), target_modules=targets,
-                     modules_to_save=to_save, use_rslora=use_rslora, bias=bias, task=task)
+                     modules_to_save=to_save, use_rslora=use_rslora, bias=bias, task=task, task_type=task_type)
 
     chosen: list[str] = []
+    tied: list[str] = []
     for name, module in list(model.named_modules()):
         if not name or _in_modules_to_save(name, to_save or []) or not _matches_target(name, targets):
             continue
@@ -233,8 +331,17 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
             raise AdapterError(f"target_modules {targets!r} matches {name} ({type(module).__name__}); LoRA "
                                "here adapts nn.Linear layers only")
         if _tied_to_embeddings(model, module):
-            continue  # the tied decoder is the embedding matrix: never adapted
+            tied.append(name)  # the tied decoder is the embedding matrix: never adapted
+            continue
         chosen.append(name)
+    if tied:
+        why = (f"{', '.join(tied)}, {'which is' if len(tied) == 1 else 'which are'} tied to the input embeddings (the same "
+               "weight), and flodl-hf never puts LoRA on a tied decoder (PEFT would adapt the shared matrix on "
+               "the output side only and save it again as <module>.base_layer.weight)")
+        lead = (f"target_modules {targets!r} matches no linear layer that can be adapted, only " if not chosen else
+                f"target_modules {targets!r} matches ")
+        raise UnsupportedAdapterError(f"{lead}{why}; leave {', '.join(n.rsplit('.', 1)[-1] for n in tied)} out of "
+                                      "target_modules")
     if not chosen:
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                           if isinstance(m, nn.Linear) and not _tied_to_embeddings(model, m)})
@@ -243,10 +350,10 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
 
     for p in model.parameters():
         p.requires_grad_(False)
+    saved = save_module_names(model, to_save or [])
+    _untie(model, saved)
     for name in chosen:  # named_modules() order: transformers' order, so PEFT's RNG draws
-        owner_name, _, attr = name.rpartition(".")
-        owner = model.get_submodule(owner_name) if owner_name else model
-        setattr(owner, attr, LoraLinear(getattr(owner, attr), r, alpha, float(dropout), use_rslora))
+        _replace_module(model, name, LoraLinear(_module(model, name), r, alpha, float(dropout), use_rslora))
     cfg.targeted = chosen
     for name, module in model.named_modules():
         if isinstance(module, LoraLinear):
@@ -254,8 +361,8 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
             module.lora_B.weight.requires_grad_(True)
             if bias == "lora_only" and module.bias is not None:
                 module.bias.requires_grad_(True)
-    for name in save_module_names(model, to_save or []):
-        for p in model.get_submodule(name).parameters():
+    for name in saved:
+        for p in _module(model, name).parameters():
             p.requires_grad_(True)
     if bias == "all":
         for name, p in model.named_parameters():
@@ -294,11 +401,9 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
     """Merge, then put plain ``nn.Linear`` layers back: the model is an ordinary one again, keys unchanged."""
     merge(model)
     for name, layer in lora_layers(model).items():
-        owner_name, _, attr = name.rpartition(".")
-        owner = model.get_submodule(owner_name) if owner_name else model
         plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
         plain.weight, plain.bias = layer.weight, layer.bias
-        setattr(owner, attr, plain)
+        _replace_module(model, name, plain)
     for p in model.parameters():
         p.requires_grad_(True)
     del model.lora_config
@@ -341,7 +446,7 @@ def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def peft_config_dict(model: nn.Module, base: str | None = None) -> dict[str, Any]:
     """``adapter_config.json`` as PEFT's ``LoraConfig.save_pretrained`` writes it (the fields that matter)."""
     cfg: LoraConfig = model.lora_config
-    task_type = PEFT_TASK_TYPES.get(cfg.task)
+    task_type = cfg.task_type
     targets = cfg.target_modules if isinstance(cfg.target_modules, str) else sorted(cfg.target_modules)
     out: dict[str, Any] = {
         "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base, "revision": None,
@@ -508,9 +613,27 @@ def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
         if default is False and value is not None and not isinstance(value, bool):
             raise AdapterError(f"{path}: field {name!r} is {_show(value)} ({type(value).__name__}); expected JSON "
                                "true or false")
-        if value not in (default, None, {}, [], False) or (default is False and value):
+        if not _is_default(value, default):
             raise UnsupportedAdapterError(f"{path}: {name}={_show(value)} is not supported (flodl-hf implements "
                                           f"plain LoRA on linear layers; {name} must be {default!r})")
+    init = data.get("init_lora_weights", True)
+    if not isinstance(init, (bool, str)):
+        raise AdapterError(f"{path}: field 'init_lora_weights' is {_show(init)} ({type(init).__name__}); expected "
+                           "JSON true or false, or the name of one of PEFT's initialisations")
+    if isinstance(init, str) and init not in _PLAIN_INITS:
+        if init.startswith(("pissa", "corda")) or init == "olora":
+            why = ("PEFT reruns this initialisation when it loads the adapter and subtracts its B @ A from the "
+                   "base weights, so the base under the adapter is not the base checkpoint")
+        elif init == "loftq":
+            why = "PEFT replaces the base weights by their LoftQ-quantised copy when it loads the adapter"
+        elif init == "mica":
+            why = "MiCA is a LoRA variant (lora_B frozen)"
+        else:
+            why = "it is not one of PEFT's initialisations that reload as plain LoRA"
+        raise UnsupportedAdapterError(f"{path}: init_lora_weights={_show(init)} is not supported: {why}; flodl-hf "
+                                      "reads adapters whose init_lora_weights is true, false or one of "
+                                      f"{', '.join(map(repr, _PLAIN_INITS))} (PEFT's path_initial_model_for_weight_"
+                                      "conversion saves a PiSSA/OLoRA/CorDA adapter as plain LoRA)")
     lora_settings(data, str(path))
     for name, ok, expected in _OTHER_FIELDS:
         if not ok(data.get(name)):
@@ -593,9 +716,12 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
         _check_base(model, stamp.get("base"), str(directory))
     settings = lora_settings(data, str(directory / ADAPTER_CONFIG))
     task = getattr(model, "task", "base")
-    to_save = settings["modules_to_save"]
-    if to_save is not None and task in TASK_MODULES_TO_SAVE:
-        to_save = [m for m in to_save if m not in TASK_MODULES_TO_SAVE[task]] or None
+    task_type = data.get("task_type")
+    if task_type in TASK_OF_PEFT_TASK_TYPE and TASK_OF_PEFT_TASK_TYPE[task_type] != task:
+        raise AdapterBaseMismatchError(
+            f"{directory / ADAPTER_CONFIG}: task_type {task_type!r} is an adapter for the "
+            f"{TASK_OF_PEFT_TASK_TYPE[task_type]} task (its head), but this model "
+            f"({type(model).__name__}) is {task}; load it onto a {TASK_OF_PEFT_TASK_TYPE[task_type]} model")
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     try:  # read before the model is touched: a bad file leaves it as it was
@@ -604,15 +730,16 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
         raise AdapterError(f"{weights}: not a readable safetensors file ({exc}); {ADAPTER_WEIGHTS} must be what "
                            "PeftModel.save_pretrained writes") from exc
     with torch.random.fork_rng(devices=[]):  # the init is overwritten: leave the caller's RNG as it was
+        # PeftModel.from_pretrained: the config's modules_to_save, plus the head its task_type's class adds
         add_lora(model, r=settings["r"], alpha=settings["lora_alpha"], dropout=settings["lora_dropout"],
-                 target_modules=settings["target_modules"], modules_to_save=to_save,
-                 use_rslora=settings["use_rslora"], bias=settings["bias"])
+                 target_modules=settings["target_modules"], modules_to_save=settings["modules_to_save"],
+                 use_rslora=settings["use_rslora"], bias=settings["bias"], task_type=task_type)
     ours = {}
     hf_of = {_to_hf(model, k): k for k in adapter_state(model)}
     for key, tensor in raw.items():
         bare = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
-        if data.get("bias") == "all" and re.search(r"\.(original_module|modules_to_save)\.[^.]*bias$", bare):
-            continue  # bias="all": PEFT also saves its wrapper's copies of a saved module's biases
+        if data.get("bias") == "all" and re.search(r"\.(original_module|modules_to_save)\.(.+\.)?bias$", bare):
+            continue  # bias="all": PEFT also saves its wrapper's copies of a saved module's biases (nested too)
         ours[hf_of.get(bare, bare)] = tensor
     _load_into(model, ours, str(weights))
     return model
@@ -671,6 +798,10 @@ def checkpoint_entry(data: dict[str, Any], path: str | os.PathLike | None) -> di
                                     "adapter's settings (a dict: r, lora_alpha, lora_dropout, target_modules ...)")
     lora_settings(cfg, f"{where}, 'config'", CheckpointFormatError, defaults=False)
     _check_task(cfg.get("task"), f"{where}, 'config'", CheckpointFormatError)
+    if cfg.get("task_type") is not None and not isinstance(cfg["task_type"], str):
+        raise CheckpointFormatError(f"{where}, 'config': field 'task_type' is {_show(cfg['task_type'])} "
+                                    f"({type(cfg['task_type']).__name__}); expected PEFT's task type (a string) or "
+                                    "null")
     _check_base_record(entry.get("base"), where, CheckpointFormatError)
     return entry
 
@@ -714,13 +845,12 @@ def model_from_checkpoint(data: dict[str, Any], path: str | os.PathLike) -> nn.M
     model.lora_base = base_reference(model)
     _check_base(model, base, str(path))
     model.lora_base = base
-    to_save = settings["modules_to_save"]
-    if to_save is not None and cfg["task"] in TASK_MODULES_TO_SAVE:
-        to_save = [m for m in to_save if m not in TASK_MODULES_TO_SAVE[cfg["task"]]] or None
+    # a checkpoint written before task_type was recorded: PEFT's task type for the task, as add_lora then took
+    task_type = cfg["task_type"] if "task_type" in cfg else PEFT_TASK_TYPES.get(cfg["task"])
     with torch.random.fork_rng(devices=[]):
         add_lora(model, r=settings["r"], alpha=settings["lora_alpha"], dropout=settings["lora_dropout"],
-                 target_modules=settings["target_modules"], modules_to_save=to_save,
-                 use_rslora=settings["use_rslora"], bias=settings["bias"])
+                 target_modules=settings["target_modules"], modules_to_save=settings["modules_to_save"],
+                 use_rslora=settings["use_rslora"], bias=settings["bias"], task_type=task_type)
     state = saved if entry["adapter_only"] else {k: v for k, v in saved.items() if k in adapter_state(model)}
     _load_into(model, state, str(path))
     return model.eval()

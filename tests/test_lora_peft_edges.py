@@ -1,0 +1,315 @@
+"""LoRA adapters at PEFT's edges: options PEFT applies at load, tied embeddings saved twice, a bfloat16 base,
+heads behind TaskModel's unregistered part, adapters without a task_type, nested heads with bias="all", and
+the refusals. Every exactness check is against the real peft in the same run (torch.equal)."""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+from safetensors.torch import load_file
+
+from flodl_hf import lora
+from flodl_hf.auto import load_model
+from flodl_hf.errors import AdapterBaseMismatchError, AdapterError, UnsupportedAdapterError
+from flodl_hf.parity import make_batch, reference_model
+
+from cases import CASES
+from helpers import make_checkpoint
+
+BERT = "bert-hd24-seqcls"
+LLAMA_TIED = "llama-hd24-bias-tied-llama3-causal_lm"
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _source(case_id: str):
+    task, fields = next((t, f) for c, t, f in CASES if c == case_id)
+    return make_checkpoint(fields, task), task
+
+
+def _perturb(model, seed: int = 1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters(), key=lambda t: t[0]):
+            if p.requires_grad:
+                p.add_((torch.randn(p.shape, generator=gen) * 0.05).to(p.dtype))
+
+
+def _equal(ours, theirs) -> None:
+    fields = [k for k, v in theirs.items() if isinstance(v, torch.Tensor)]
+    assert fields
+    for f in fields:
+        a, b = getattr(ours, f), getattr(theirs, f)
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{f}: max abs diff {(a.float() - b.float()).abs().max()}"
+
+
+def _peft_adapter(case_id: str, path, dtype=None, **cfg):
+    """PEFT writes an adapter (get_peft_model, perturbed, save_pretrained); returns it in eval mode."""
+    source, task = _source(case_id)
+    cfg.setdefault("task_type", lora.PEFT_TASK_TYPES.get(task, "CAUSAL_LM" if task == "causal_lm" else None))
+    base = reference_model(source, task, "eager")
+    if dtype is not None:
+        base = base.to(dtype)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(base, peft.LoraConfig(**cfg))
+    _perturb(model)
+    model.save_pretrained(str(path))
+    return model.eval()
+
+
+def _ours(case_id: str, adapter, dtype=None):
+    source, task = _source(case_id)
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    model = load_model(source, task, adapter=str(adapter), **kwargs).eval()
+    model.set_attn_implementation("eager")
+    return model
+
+
+def _peft_reload(case_id: str, adapter, dtype=None):
+    source, task = _source(case_id)
+    base = reference_model(source, task, "eager")
+    if dtype is not None:
+        base = base.to(dtype)
+    return peft.PeftModel.from_pretrained(base, str(adapter)).eval()
+
+
+def _both_ways(case_id: str, tmp_path, theirs, adapter, dtype=None):
+    """Ours loads PEFT's adapter (outputs equal), saves it back (the same keys and bits as PEFT's file), and
+    PEFT reloads ours (outputs equal)."""
+    ours = _ours(case_id, adapter, dtype)
+    batch = make_batch(ours.config, _source(case_id)[1])
+    with torch.no_grad():
+        _equal(ours(**batch), theirs(**batch))
+    out = lora.save_adapter(ours, tmp_path / "ours")
+    mine, peft_file = load_file(str(out / lora.ADAPTER_WEIGHTS)), load_file(str(adapter / lora.ADAPTER_WEIGHTS))
+    assert sorted(mine) == sorted(peft_file)
+    for k in peft_file:
+        assert mine[k].dtype == peft_file[k].dtype and torch.equal(mine[k], peft_file[k]), k
+    back = _peft_reload(case_id, out, dtype)
+    with torch.no_grad():
+        _equal(ours(**batch), back(**batch))
+    return ours, out
+
+
+def _edit_config(adapter, **changes) -> None:
+    path = adapter / lora.ADAPTER_CONFIG
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+# ---- 1. init_lora_weights ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("init", [False, "gaussian", "orthogonal", "eva", "lora_ga"])
+def test_init_lora_weights_that_reload_as_plain_lora(init, tmp_path):
+    adapter = tmp_path / "peft"
+    _peft_adapter(BERT, adapter, target_modules=["query", "value"], r=4)
+    _edit_config(adapter, init_lora_weights=init)
+    theirs = _peft_reload(BERT, adapter)
+    ours = _ours(BERT, adapter)
+    batch = make_batch(ours.config, "seqcls")
+    with torch.no_grad():
+        _equal(ours(**batch), theirs(**batch))
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_2", "olora", "corda", "loftq", "mica", "kaiming"])
+def test_init_lora_weights_peft_applies_at_load_are_refused(init, tmp_path):
+    adapter = tmp_path / "peft"
+    _peft_adapter(BERT, adapter, target_modules=["query", "value"], r=4)
+    _edit_config(adapter, init_lora_weights=init)
+    with pytest.raises(UnsupportedAdapterError, match=f"init_lora_weights='{init}' is not supported"):
+        _ours(BERT, adapter)
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_pissa_and_olora_change_the_base_at_load_in_peft_and_are_refused(init, tmp_path):
+    """Why they are refused: PEFT's reload of the same A and B differs from plain LoRA's (the base changes)."""
+    source, task = _source(BERT)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(reference_model(source, task, "eager"),
+                                peft.LoraConfig(target_modules=["query", "value"], r=4, init_lora_weights=init,
+                                                task_type="SEQ_CLS"))
+    model.save_pretrained(str(tmp_path / init))
+    theirs = _peft_reload(BERT, tmp_path / init)
+    _edit_config(tmp_path / init, init_lora_weights=True)
+    plain = _peft_reload(BERT, tmp_path / init)
+    batch = make_batch(theirs.config, task)
+    with torch.no_grad():
+        assert not torch.equal(theirs(**batch).logits, plain(**batch).logits)
+    _edit_config(tmp_path / init, init_lora_weights=init)
+    with pytest.raises(UnsupportedAdapterError, match="init_lora_weights"):
+        _ours(BERT, tmp_path / init)
+
+
+def test_init_lora_weights_of_another_type_is_a_typed_error(tmp_path):
+    adapter = tmp_path / "peft"
+    _peft_adapter(BERT, adapter, target_modules=["query"], r=4)
+    _edit_config(adapter, init_lora_weights=1)
+    with pytest.raises(AdapterError, match="init_lora_weights"):
+        _ours(BERT, adapter)
+
+
+# ---- 2. tied embeddings and modules_to_save --------------------------------------------------------------
+
+@pytest.mark.parametrize("to_save", [["embed_tokens", "lm_head"], ["lm_head"], ["embed_tokens"]])
+def test_tied_embeddings_saved_as_modules_to_save(to_save, tmp_path):
+    adapter = tmp_path / "peft"
+    theirs = _peft_adapter(LLAMA_TIED, adapter, target_modules=["q_proj", "v_proj"], r=4, modules_to_save=to_save)
+    ours, _ = _both_ways(LLAMA_TIED, tmp_path, theirs, adapter)
+    assert ours.lm_head.weight is not ours.model.embed_tokens.weight  # PEFT's wrapper trains a copy
+
+
+def test_add_lora_unties_a_module_to_save_and_leaves_the_other_as_it_was():
+    source, task = _source(LLAMA_TIED)
+    ours = load_model(source, task)
+    embed = ours.model.embed_tokens.weight
+    assert ours.lm_head.weight is embed
+    torch.manual_seed(0)
+    lora.add_lora(ours, r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    torch.manual_seed(0)
+    theirs = peft.get_peft_model(reference_model(source, task, "eager"),
+                                 peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"],
+                                                 task_type="CAUSAL_LM"))
+    assert ours.model.embed_tokens.weight is embed and not embed.requires_grad
+    assert ours.lm_head.weight is not embed and ours.lm_head.weight.requires_grad
+    assert torch.equal(ours.lm_head.weight, embed)
+    trainable = sorted(n.removeprefix("base_model.model.").replace(".modules_to_save.default", "")
+                       for n, p in theirs.named_parameters() if p.requires_grad and "lora_" not in n)
+    assert trainable == sorted(k for k in lora.adapter_state(ours) if "lora_" not in k) == ["lm_head.weight"]
+
+
+def test_a_tied_decoder_in_target_modules_is_refused_saying_why(tmp_path):
+    adapter = tmp_path / "peft"
+    _peft_adapter(LLAMA_TIED, adapter, target_modules=["q_proj", "lm_head"], r=4)
+    with pytest.raises(UnsupportedAdapterError, match="lm_head, which is tied to the input embeddings"):
+        _ours(LLAMA_TIED, adapter)
+
+
+# ---- 3. a bfloat16 base: float32 adapter weights, PEFT's dtype handling -------------------------------------
+
+def test_bf16_base_keeps_float32_adapter_weights_as_peft(tmp_path):
+    source, task = _source(BERT)
+    torch.manual_seed(0)
+    theirs = peft.get_peft_model(reference_model(source, task, "eager").to(torch.bfloat16),
+                                 peft.LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS"))
+    ours = load_model(source, task, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    lora.add_lora(ours, r=4, target_modules=["query", "value"])
+    peft_a = {n.removeprefix("base_model.model.").replace(".default", ""): p
+              for n, p in theirs.named_parameters() if "lora_A" in n}
+    ours_a = {n: p for n, p in ours.named_parameters() if "lora_A" in n}
+    assert set(peft_a) == set(ours_a)
+    for k in ours_a:  # float32(bfloat16(init)), as PEFT's
+        assert ours_a[k].dtype == peft_a[k].dtype == torch.float32 and torch.equal(ours_a[k], peft_a[k]), k
+
+
+def test_bf16_base_round_trip(tmp_path):
+    adapter = tmp_path / "peft"
+    theirs = _peft_adapter(BERT, adapter, dtype=torch.bfloat16, target_modules=["query", "value", "dense"], r=4)
+    ours, _ = _both_ways(BERT, tmp_path, theirs, adapter, dtype=torch.bfloat16)
+    layer = next(iter(lora.lora_layers(ours).values()))
+    assert layer.weight.dtype == torch.bfloat16 and layer.lora_A.weight.dtype == torch.float32
+
+
+def test_bf16_lora_linear_forward_merge_unmerge_are_peft_s():
+    torch.manual_seed(0)
+    base = torch.nn.Linear(24, 40).to(torch.bfloat16)
+    torch.manual_seed(1)
+    theirs = peft.tuners.lora.Linear(base, "default", r=4, lora_alpha=16,
+                                     config=peft.LoraConfig(r=4, lora_alpha=16))
+    peft.tuners.tuners_utils.cast_adapter_dtype(theirs, "default")
+    plain = torch.nn.Linear(24, 40).to(torch.bfloat16)
+    plain.load_state_dict(base.state_dict())
+    torch.manual_seed(1)
+    ours = lora.LoraLinear(plain, r=4, alpha=16, dropout=0.0, use_rslora=False)
+    assert ours.lora_A.weight.dtype == theirs.lora_A["default"].weight.dtype == torch.float32
+    assert torch.equal(ours.lora_A.weight, theirs.lora_A["default"].weight)
+    with torch.no_grad():
+        b = torch.randn(40, 4) * 0.1
+        ours.lora_B.weight.copy_(b)
+        theirs.lora_B["default"].weight.copy_(b)
+        x = torch.randn(3, 5, 24).to(torch.bfloat16)
+        y_ours, y_theirs = ours(x), theirs(x)
+        assert y_ours.dtype == y_theirs.dtype == torch.bfloat16 and torch.equal(y_ours, y_theirs)
+        ours.merge()
+        theirs.merge()
+        assert torch.equal(ours.weight, theirs.base_layer.weight)
+        ours.unmerge()
+        theirs.unmerge()
+        assert torch.equal(ours.weight, theirs.base_layer.weight)
+
+
+# ---- 4. ModernBERT's head.dense (TaskModel's unregistered head part) --------------------------------------
+
+@pytest.mark.parametrize("targets", [["Wqkv", "Wo", "Wi", "dense"], r".*(Wqkv|head\.dense)"],
+                         ids=["all-linear-set", "regex"])
+def test_modernbert_head_dense_target(targets, tmp_path):
+    case = "modernbert-bias-mean-hd24-seqcls"
+    adapter = tmp_path / "peft"
+    theirs = _peft_adapter(case, adapter, target_modules=targets, r=4)
+    ours, _ = _both_ways(case, tmp_path, theirs, adapter)
+    assert "head.dense" in lora.lora_layers(ours)
+    assert lora.lora_layers(ours)["head.dense"] is ours.head.head.dense  # the part's forward sees the adapter
+
+
+# ---- 5. no task_type: only what the adapter lists ----------------------------------------------------------
+
+@pytest.mark.parametrize("case,targets,to_save", [
+    (BERT, ["query", "value"], None),
+    (BERT, ["query", "value"], ["classifier"]),
+    ("llama-hd24-bias-tied-llama3-seqcls", ["q_proj"], None),
+    ("bert-hd24-tokcls", ["query"], None),
+])
+def test_adapter_without_task_type(case, targets, to_save, tmp_path):
+    adapter = tmp_path / "peft"
+    theirs = _peft_adapter(case, adapter, target_modules=targets, r=4, modules_to_save=to_save, task_type=None)
+    ours, out = _both_ways(case, tmp_path, theirs, adapter)
+    assert lora.read_adapter_config(out)["task_type"] is None
+    assert ours.lora_config.modules_to_save == to_save
+
+
+# ---- 6. bias="all" with a nested head ---------------------------------------------------------------------
+
+def test_bias_all_with_a_nested_head(tmp_path):
+    case = "roberta-hd24-seqcls"
+    adapter = tmp_path / "peft"
+    theirs = _peft_adapter(case, adapter, target_modules=["query"], r=4, bias="all")
+    assert any(".modules_to_save.default.dense.bias" in k for k in load_file(str(adapter / lora.ADAPTER_WEIGHTS)))
+    ours = _ours(case, adapter)
+    batch = make_batch(ours.config, "seqcls")
+    with torch.no_grad():
+        _equal(ours(**batch), theirs(**batch))
+
+
+# ---- 7. task_type against the model's task -----------------------------------------------------------------
+
+def test_task_type_of_another_head_is_refused(tmp_path):
+    adapter = tmp_path / "peft"
+    _peft_adapter(BERT, adapter, target_modules=["query"], r=4)
+    source, _ = _source("bert-hd24-tokcls")
+    with pytest.raises(AdapterBaseMismatchError, match="task_type 'SEQ_CLS'.*tokcls"):
+        load_model(source, "tokcls", adapter=str(adapter))
+    tok = tmp_path / "tok"
+    _peft_adapter("bert-hd24-tokcls", tok, target_modules=["query"], r=4)
+    with pytest.raises(AdapterBaseMismatchError, match="task_type 'TOKEN_CLS'"):
+        _ours(BERT, tok)
+
+
+# ---- 8. layers_to_transform by identity ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [0, 1, [0]])
+def test_layers_to_transform_is_refused_whatever_its_value(value, tmp_path):
+    adapter = tmp_path / "peft"
+    _peft_adapter(BERT, adapter, target_modules=["query"], r=4, layers_to_transform=value, layers_pattern="layer")
+    with pytest.raises(UnsupportedAdapterError, match=re.escape(f"layers_to_transform={value!r}")):
+        _ours(BERT, adapter)
