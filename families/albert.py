@@ -158,6 +158,7 @@ class Albert(Bert):
     prefix = "albert"
     config_class = AlbertConfig
     backbone_class = AlbertModel
+    task_models = {}  # the shared task models: transformers' ALBERT takes labels sixth (no cross-attention inputs)
 
     @classmethod
     def classifier_dropout(cls, config: AlbertConfig) -> float:

@@ -15,11 +15,11 @@ from torch import nn
 
 from flodl_hf.config import Activation, BaseConfig
 from flodl_hf.errors import ConfigError
+from flodl_hf.heads import ModelForMaskedLM
 from flodl_hf.keys import LEGACY_LAYERNORM
 from flodl_hf.layers import activation, attend, split_heads
-from flodl_hf.modeling import Backbone, HeadPart
+from flodl_hf.modeling import Backbone, HeadPart, positional_order
 from flodl_hf.registry import Family, register
-
 
 @dataclass
 class BertConfig(BaseConfig):
@@ -253,6 +253,13 @@ class BertMLMHead(HeadPart):
         return self.cls.predictions(hidden_states)
 
 
+@positional_order("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+class BertForMaskedLM(ModelForMaskedLM):
+    """The shared masked LM with ``labels`` by keyword only: BERT's and RoBERTa's transformers forward has
+    ``encoder_hidden_states`` and ``encoder_attention_mask`` (cross-attention, which flodl-hf does not run)
+    sixth and seventh, and ``labels`` eighth."""
+
+
 @register
 class Bert(Family):
     model_type = "bert"
@@ -261,6 +268,7 @@ class Bert(Family):
     config_class = BertConfig
     backbone_class = BertModel
     legacy_suffixes = LEGACY_LAYERNORM  # TF-era checkpoints (samples/splade) name LayerNorm gamma/beta
+    task_models = {"mlm": BertForMaskedLM}
 
     @classmethod
     def lm_head(cls, config: BertConfig) -> HeadPart:

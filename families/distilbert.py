@@ -19,9 +19,11 @@ from torch import nn
 from flodl_hf.config import Activation, BaseConfig
 from flodl_hf.errors import ConfigError
 from flodl_hf.families.bert import BertEncoder
+from flodl_hf.heads import (ModelForMaskedLM, ModelForMultipleChoice, ModelForQuestionAnswering,
+                            ModelForSequenceClassification, ModelForTokenClassification)
 from flodl_hf.keys import LEGACY_LAYERNORM
 from flodl_hf.layers import activation, attend, split_heads
-from flodl_hf.modeling import Backbone, HeadPart
+from flodl_hf.modeling import Backbone, HeadPart, positional_order
 from flodl_hf.registry import Family, register
 
 EPS = 1e-12  # DistilBERT hard-codes it; there is no config field
@@ -133,6 +135,8 @@ class Transformer(BertEncoder):
     layer_class = TransformerBlock
 
 
+# transformers' positional order: inputs_embeds third, position_ids last (after the labels)
+@positional_order("input_ids", "attention_mask", "inputs_embeds", "position_ids")
 class DistilBertModel(Backbone):
     """The bare encoder: ``last_hidden_state`` only (DistilBERT has no pooler)."""
 
@@ -189,6 +193,32 @@ class DistilBertMLMHead(HeadPart):
         return self.vocab_projector(self.vocab_layer_norm(self.activation(self.vocab_transform(hidden_states))))
 
 
+@positional_order("input_ids", "attention_mask", "inputs_embeds", "labels", "position_ids")
+class DistilBertForSequenceClassification(ModelForSequenceClassification):
+    """The shared task model in transformers' positional order for DistilBERT's."""
+
+
+@positional_order("input_ids", "attention_mask", "inputs_embeds", "labels", "position_ids")
+class DistilBertForTokenClassification(ModelForTokenClassification):
+    """The shared task model in transformers' positional order for DistilBERT's."""
+
+
+@positional_order("input_ids", "attention_mask", "inputs_embeds", "start_positions", "end_positions",
+                  "position_ids")
+class DistilBertForQuestionAnswering(ModelForQuestionAnswering):
+    """The shared task model in transformers' positional order for DistilBERT's."""
+
+
+@positional_order("input_ids", "attention_mask", "inputs_embeds", "labels", "position_ids")
+class DistilBertForMaskedLM(ModelForMaskedLM):
+    """The shared task model in transformers' positional order for DistilBERT's."""
+
+
+@positional_order("input_ids", "attention_mask", "inputs_embeds", "labels", "position_ids")
+class DistilBertForMultipleChoice(ModelForMultipleChoice):
+    """The shared task model in transformers' positional order for DistilBERT's."""
+
+
 @register
 class DistilBert(Family):
     model_type = "distilbert"
@@ -197,6 +227,9 @@ class DistilBert(Family):
     legacy_suffixes = LEGACY_LAYERNORM
     config_class = DistilBertConfig
     backbone_class = DistilBertModel
+    task_models = {"seqcls": DistilBertForSequenceClassification, "tokcls": DistilBertForTokenClassification,
+                   "qa": DistilBertForQuestionAnswering, "mlm": DistilBertForMaskedLM,
+                   "mc": DistilBertForMultipleChoice}
 
     @classmethod
     def classifier_dropout(cls, config: DistilBertConfig) -> float:

@@ -15,7 +15,7 @@ Mirrors ``transformers.models.electra.modeling_electra``. What differs from BERT
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -198,8 +198,9 @@ class PreTrainingOutput(ModelOutput):
 
 
 def replaced_token_loss(model: TaskModel, logits: torch.Tensor, labels: torch.Tensor,
-                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """BCE with logits over the active tokens (``attention_mask == 1``), as ElectraForPreTraining.forward."""
+                        attention_mask: torch.Tensor | None = None, num_items_in_batch: Any = None) -> torch.Tensor:
+    """BCE with logits over the active tokens (``attention_mask == 1``), as ElectraForPreTraining.forward
+    (whose ``BCEWithLogitsLoss`` ignores ``num_items_in_batch``, as this does)."""
     length = logits.shape[1]
     labels = labels.to(logits.device)
     if attention_mask is not None:
@@ -215,11 +216,15 @@ class ElectraForPreTraining(TaskModel):
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> PreTrainingOutput:
+                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
+                num_items_in_batch: torch.Tensor | int | None = None) -> PreTrainingOutput:
         out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                                 position_ids=position_ids, inputs_embeds=inputs_embeds)
         logits = self.head(out.last_hidden_state, None, attention_mask)
-        loss = None if labels is None else self.compute_loss(logits, labels=labels, attention_mask=attention_mask)
+        loss = None
+        if labels is not None:
+            loss = self.compute_loss(logits, labels=labels, attention_mask=attention_mask,
+                                     num_items_in_batch=num_items_in_batch)
         return PreTrainingOutput(loss=loss, logits=logits)
 
 
@@ -237,6 +242,7 @@ class Electra(Bert):
     config_class = ElectraConfig
     backbone_class = ElectraModel
     tasks = (*Bert.tasks, PRETRAINING.name)
+    task_models = {}  # not BERT's masked LM: transformers' ELECTRA takes labels sixth, as the shared head
 
     @classmethod
     def sequence_head(cls, config: ElectraConfig) -> HeadPart:

@@ -27,11 +27,13 @@ from flodl_hf.config import Activation, BaseConfig
 from flodl_hf.decoder import (KVCache, Rope, RMSNorm, SwiGLU, apply_rotary_pos_emb, as_cache, causal_mask,
                               grouped_attend, rotary_cos_sin)
 from flodl_hf.errors import ConfigError, InputError
-from flodl_hf.heads import ModelForQuestionAnswering, ModelForSequenceClassification, SpanClassifier
+from flodl_hf.heads import (ModelForQuestionAnswering, ModelForSequenceClassification, ModelForTokenClassification,
+                            SpanClassifier)
 from flodl_hf.heads.causal_lm import LMHead
 from flodl_hf.layers import MaskSpec, activation
-from flodl_hf.modeling import Backbone, HeadPart, check_forward_inputs
-from flodl_hf.outputs import BaseModelOutputWithPast, SequenceClassifierOutputWithPast
+from flodl_hf.modeling import Backbone, HeadPart, PreTrainedModel, TaskModel, check_forward_inputs
+from flodl_hf.outputs import (BaseModelOutputWithPast, QuestionAnsweringModelOutput, SequenceClassifierOutputWithPast,
+                              TokenClassifierOutput)
 from flodl_hf.registry import Family, register
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -205,9 +207,12 @@ class LlamaModel(Backbone):
         return self.norm(hidden)
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, cache: Any = None,
-                use_cache: bool | None = None, past_key_values: Any = None) -> BaseModelOutputWithPast:
+                position_ids: torch.Tensor | None = None, cache: Any = None,
+                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None, *,
+                token_type_ids: torch.Tensor | None = None, past_key_values: Any = None) -> BaseModelOutputWithPast:
+        """LlamaModel.forward's positional order (input_ids, attention_mask, position_ids, cache, inputs_embeds,
+        use_cache); the rest by keyword: ``token_type_ids`` (refused: a decoder has none) and
+        ``past_key_values`` (the cache's name before transformers 5.24)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if token_type_ids is not None:
@@ -268,13 +273,16 @@ def last_token_index(input_ids: torch.Tensor | None, pad_token_id: int | None, b
 
 
 class DecoderForSequenceClassification(ModelForSequenceClassification):
-    """The score head on every token, then each row's last non-pad token (transformers' generic head)."""
+    """The score head on every token, then each row's last non-pad token (transformers' generic head).
+    Positional order and keywords as GenericForSequenceClassification.forward; the cache after the step is
+    returned with ``use_cache`` (the config's by default)."""
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache: Any = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                cache: Any = None, use_cache: bool | None = None,
-                past_key_values: Any = None) -> SequenceClassifierOutputWithPast:
+                use_cache: bool | None = None, *, token_type_ids: torch.Tensor | None = None,
+                past_key_values: Any = None,
+                num_items_in_batch: torch.Tensor | int | None = None) -> SequenceClassifierOutputWithPast:
         out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                                 position_ids=position_ids, inputs_embeds=inputs_embeds,
                                 cache=cache, past_key_values=past_key_values, use_cache=use_cache)
@@ -282,12 +290,54 @@ class DecoderForSequenceClassification(ModelForSequenceClassification):
         batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
         last = last_token_index(input_ids, self.config.pad_token_id, batch, logits.device)
         pooled = logits[torch.arange(batch, device=logits.device), last]
-        loss = self.compute_loss(pooled, labels=labels) if labels is not None else None
+        loss = None
+        if labels is not None:
+            loss = self.compute_loss(pooled, labels=labels, num_items_in_batch=num_items_in_batch)
         return SequenceClassifierOutputWithPast(loss=loss, logits=pooled, cache=out.cache)
 
 
-class LlamaForQuestionAnswering(ModelForQuestionAnswering):
+class DecoderForTokenClassification(ModelForTokenClassification):
+    """``score(dropout(h))`` per token, as GenericForTokenClassification.forward: its positional order, and a
+    ``cache`` read and updated in place (a step on a cache) but not returned, as transformers' record has none."""
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache: Any = None,
+                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                use_cache: bool | None = None, *, token_type_ids: torch.Tensor | None = None,
+                past_key_values: Any = None,
+                num_items_in_batch: torch.Tensor | int | None = None) -> TokenClassifierOutput:
+        logits, loss = self.logits_and_loss(labels, num_items_in_batch, input_ids=input_ids,
+                                            attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                            position_ids=position_ids, inputs_embeds=inputs_embeds, cache=cache,
+                                            past_key_values=past_key_values, use_cache=use_cache)
+        return TokenClassifierOutput(loss=loss, logits=logits)
+
+
+class DecoderForQuestionAnswering(ModelForQuestionAnswering):
+    """``qa_outputs`` per token, as GenericForQuestionAnswering.forward: its positional order (no ``use_cache``
+    there: it is a keyword, handed to the backbone as transformers' ``**kwargs`` are), a ``cache`` read and
+    updated in place but not returned."""
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache: Any = None,
+                inputs_embeds: torch.Tensor | None = None, start_positions: torch.Tensor | None = None,
+                end_positions: torch.Tensor | None = None, *, use_cache: bool | None = None,
+                token_type_ids: torch.Tensor | None = None, past_key_values: Any = None,
+                num_items_in_batch: torch.Tensor | int | None = None) -> QuestionAnsweringModelOutput:
+        out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                position_ids=position_ids, inputs_embeds=inputs_embeds,
+                                cache=cache, past_key_values=past_key_values, use_cache=use_cache)
+        return self.spans(out, attention_mask, start_positions, end_positions, num_items_in_batch)
+
+
+class LlamaForQuestionAnswering(DecoderForQuestionAnswering):
     backbone_prefix = "transformer"  # LlamaForQuestionAnswering.base_model_prefix, kept by transformers for BC
+
+
+# transformers' Generic*ForX heads, which every decoder family runs unless its task_models name another
+DECODER_TASK_MODELS: dict[str, type[TaskModel]] = {
+    "seqcls": DecoderForSequenceClassification, "tokcls": DecoderForTokenClassification,
+    "qa": DecoderForQuestionAnswering}
 
 
 @register
@@ -298,7 +348,19 @@ class Llama(Family):
     config_class = LlamaConfig
     backbone_class = LlamaModel
     tasks = ("base", "causal_lm", "seqcls", "tokcls", "qa")
-    task_models = {"seqcls": DecoderForSequenceClassification, "qa": LlamaForQuestionAnswering}
+    task_models = {"qa": LlamaForQuestionAnswering}
+    # the heads whose transformers loss reads num_items_in_batch (self.loss_function(..., **kwargs)): QA and the
+    # causal LM; the generic sequence and token classifiers call theirs without it (task_registry.counted_items)
+    num_items_tasks = frozenset({"qa", "causal_lm"})
+
+    @classmethod
+    def model_class(cls, task: str) -> type[PreTrainedModel]:
+        """``task_models`` first, then the decoder task models (transformers' generic heads), then the defaults:
+        a family derived from this one (Mistral, Qwen2) runs the decoder heads where its ``task_models`` name
+        no other."""
+        if task in cls.tasks and task not in cls.task_models and task in DECODER_TASK_MODELS:
+            return DECODER_TASK_MODELS[task]
+        return super().model_class(task)
 
     @classmethod
     def max_sequence_length(cls, config: LlamaConfig) -> int | None:

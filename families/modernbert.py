@@ -25,8 +25,9 @@ from flodl_hf.config import Activation, BaseConfig
 from flodl_hf.errors import ConfigError
 from flodl_hf.layers import (PADDING, MaskSpec, activation, apply_rotary, attend, rope_cos_sin,
                              rope_inverse_frequencies)
-from flodl_hf.heads import ModelForMaskedLM
-from flodl_hf.modeling import Backbone, HeadPart
+from flodl_hf.heads import (ModelForMaskedLM, ModelForMultipleChoice, ModelForQuestionAnswering,
+                            ModelForSequenceClassification, ModelForTokenClassification)
+from flodl_hf.modeling import Backbone, HeadPart, positional_order
 from flodl_hf.outputs import MaskedLMOutput
 from flodl_hf.registry import Family, register
 
@@ -180,6 +181,12 @@ class ModernBertEncoderLayer(nn.Module):
         return hidden_states + self.mlp(self.mlp_norm(hidden_states))
 
 
+# transformers' positional order: position_ids third (ModernBERT has no token types; one given by keyword is an
+# InputError). Its question answering takes no inputs_embeds: ours takes them by keyword only.
+ORDER = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
+
+
+@positional_order(*ORDER)
 class ModernBertModel(Backbone):
     """``last_hidden_state`` after ``final_norm``; no pooler."""
 
@@ -280,23 +287,47 @@ class ModernBertMLMHead(HeadPart):
         return self.decoder(self.head(hidden_states))
 
 
+@positional_order(*ORDER, "labels")
 class ModernBertForMaskedLM(ModelForMaskedLM):
     """The shared masked LM, plus ``sparse_prediction``: given labels, the head runs on the labelled tokens
     only and the logits are theirs, (N, vocab), as ModernBertForMaskedLM.forward does."""
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> MaskedLMOutput:
+                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
+                num_items_in_batch: torch.Tensor | int | None = None) -> MaskedLMOutput:
         if not (self.config.sparse_prediction and labels is not None):
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                                   position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels)
+                                   position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels,
+                                   num_items_in_batch=num_items_in_batch)
         out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                                 position_ids=position_ids, inputs_embeds=inputs_embeds)
         labels = labels.view(-1)
         hidden = out.last_hidden_state.view(labels.shape[0], -1)
         keep = labels != self.config.sparse_pred_ignore_index
         logits = self.head(hidden[keep], None, None)
-        return MaskedLMOutput(loss=self.compute_loss(logits, labels=labels[keep]), logits=logits)
+        loss = self.compute_loss(logits, labels=labels[keep], num_items_in_batch=num_items_in_batch)
+        return MaskedLMOutput(loss=loss, logits=logits)
+
+
+@positional_order(*ORDER, "labels")
+class ModernBertForSequenceClassification(ModelForSequenceClassification):
+    """The shared task model in transformers' positional order for ModernBERT's."""
+
+
+@positional_order(*ORDER, "labels")
+class ModernBertForTokenClassification(ModelForTokenClassification):
+    """The shared task model in transformers' positional order for ModernBERT's."""
+
+
+@positional_order("input_ids", "attention_mask", "position_ids", "start_positions", "end_positions")
+class ModernBertForQuestionAnswering(ModelForQuestionAnswering):
+    """The shared task model in transformers' positional order for ModernBERT's (which takes no inputs_embeds)."""
+
+
+@positional_order(*ORDER, "labels")
+class ModernBertForMultipleChoice(ModelForMultipleChoice):
+    """The shared task model in transformers' positional order for ModernBERT's."""
 
 
 @register
@@ -306,8 +337,12 @@ class ModernBert(Family):
     prefix = "model"
     config_class = ModernBertConfig
     backbone_class = ModernBertModel
-    task_models = {"mlm": ModernBertForMaskedLM}
+    task_models = {"seqcls": ModernBertForSequenceClassification, "tokcls": ModernBertForTokenClassification,
+                   "qa": ModernBertForQuestionAnswering, "mlm": ModernBertForMaskedLM,
+                   "mc": ModernBertForMultipleChoice}
     float_position_ids = True  # RoPE: position_ids[..., None].float()
+    # ModernBertForMaskedLM and ModernBertForQuestionAnswering hand num_items_in_batch to self.loss_function
+    num_items_tasks = frozenset({"mlm", "qa"})
 
     @classmethod
     def max_sequence_length(cls, config: ModernBertConfig) -> int | None:

@@ -24,7 +24,10 @@ from torch import nn
 
 from flodl_hf.families.bert import BertEncoder, BertLayer, BertModel
 from flodl_hf.families.roberta import Roberta, RobertaConfig, RobertaEmbeddings
+from flodl_hf.heads import (ModelForMaskedLM, ModelForMultipleChoice, ModelForQuestionAnswering,
+                            ModelForSequenceClassification, ModelForTokenClassification)
 from flodl_hf.layers import record_attention, split_heads
+from flodl_hf.modeling import positional_order
 from flodl_hf.registry import register
 
 PADDING_IDX = 1  # MPNetEmbeddings.padding_idx, fixed
@@ -146,10 +149,40 @@ class MPNetEncoder(BertEncoder):
         return super().forward(hidden_states, masks, position_bias=self.position_bias(hidden_states))
 
 
+# transformers' positional order: position_ids third (MPNet has no token types; one given by keyword is an InputError)
+ORDER = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
+
+
+@positional_order(*ORDER)
 class MPNetModel(BertModel):
     input_names = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
     embeddings_class = MPNetEmbeddings
     encoder_class = MPNetEncoder
+
+
+@positional_order(*ORDER, "labels")
+class MPNetForSequenceClassification(ModelForSequenceClassification):
+    """The shared task model in transformers' positional order for MPNet's."""
+
+
+@positional_order(*ORDER, "labels")
+class MPNetForTokenClassification(ModelForTokenClassification):
+    """The shared task model in transformers' positional order for MPNet's."""
+
+
+@positional_order(*ORDER, "start_positions", "end_positions")
+class MPNetForQuestionAnswering(ModelForQuestionAnswering):
+    """The shared task model in transformers' positional order for MPNet's."""
+
+
+@positional_order(*ORDER, "labels")
+class MPNetForMaskedLM(ModelForMaskedLM):
+    """The shared task model in transformers' positional order for MPNet's."""
+
+
+@positional_order(*ORDER, "labels")
+class MPNetForMultipleChoice(ModelForMultipleChoice):
+    """The shared task model in transformers' positional order for MPNet's."""
 
 
 @register
@@ -160,6 +193,8 @@ class MPNet(Roberta):
     config_class = MPNetConfig
     backbone_class = MPNetModel
     attn_implementations = ("eager",)  # transformers has only MPNet's own attention
+    task_models = {"seqcls": MPNetForSequenceClassification, "tokcls": MPNetForTokenClassification,
+                   "qa": MPNetForQuestionAnswering, "mlm": MPNetForMaskedLM, "mc": MPNetForMultipleChoice}
 
     @classmethod
     def classifier_dropout(cls, config: MPNetConfig) -> float:

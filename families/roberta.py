@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flodl_hf.families.bert import Bert, BertConfig, BertEmbeddings, BertModel
-from flodl_hf.modeling import HeadPart
+from flodl_hf.families.bert import Bert, BertConfig, BertEmbeddings, BertForMaskedLM, BertModel
+from flodl_hf.heads import ModelForMultipleChoice
+from flodl_hf.modeling import HeadPart, positional_order
 from flodl_hf.registry import register
 
 
@@ -114,6 +115,12 @@ class RobertaMLMHead(HeadPart):
         return self.lm_head(hidden_states)
 
 
+@positional_order("input_ids", "token_type_ids", "attention_mask", "labels", "position_ids", "inputs_embeds")
+class RobertaForMultipleChoice(ModelForMultipleChoice):
+    """The shared multiple-choice model in transformers' positional order for RoBERTa's (and CamemBERT's and
+    XLM-R's): token types second, labels fourth."""
+
+
 @register
 class Roberta(Bert):
     model_type = "roberta"
@@ -121,6 +128,7 @@ class Roberta(Bert):
     prefix = "roberta"
     config_class = RobertaConfig
     backbone_class = RobertaModel
+    task_models = {"mlm": BertForMaskedLM, "mc": RobertaForMultipleChoice}
 
     @classmethod
     def max_sequence_length(cls, config: RobertaConfig) -> int:

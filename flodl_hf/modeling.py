@@ -15,6 +15,8 @@ Tied weights are found by identity (``cls.predictions.decoder.weight`` *is*
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import warnings
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -171,6 +173,39 @@ class PreTrainedModel(nn.Module):
         return directory
 
 
+def positional_order(*names: str):
+    """Class decorator: the class's ``forward`` takes ``names`` positionally, in that order, and its other
+    inputs by keyword only. ``names`` is transformers' positional order for the class of the same name (the
+    parameters both forwards have), so ``model(a, b, c)`` means what it means to transformers (MPNet's and
+    ModernBERT's third input is ``position_ids``, DistilBERT's ``inputs_embeds``, RoBERTa's multiple choice
+    takes ``token_type_ids`` second); one positional input past them is a TypeError, not a silent other
+    meaning. Keyword calls are unchanged. ``inspect.signature`` shows the order, and the backbones' input
+    check (``modeling._forward_input_hook``) reads positional inputs by it."""
+    def apply(cls: type) -> type:
+        inner = cls.forward
+        signature = inspect.signature(inner)
+        first, *params = signature.parameters.values()
+        by_name = {p.name: p for p in params}
+        wrong = [n for n in names if n not in by_name] + [
+            p.name for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if wrong:
+            raise TypeError(f"{cls.__name__}.forward: cannot order {', '.join(wrong)}")
+        order = signature.replace(parameters=[
+            first, *(by_name[n].replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names),
+            *(p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params if p.name not in names)])
+
+        @functools.wraps(inner)
+        def forward(self, *args, **kwargs):
+            inputs = order.bind(self, *args, **kwargs).arguments
+            del inputs[first.name]
+            return inner(self, **inputs)
+
+        forward.__signature__ = order
+        cls.forward = forward
+        return cls
+    return apply
+
+
 # ---- transformers' forward keywords ------------------------------------------------------------------
 
 _FORWARD_OPTIONS = frozenset({"output_hidden_states", "output_attentions", "return_dict", "head_mask"})
@@ -279,7 +314,6 @@ _FORWARD_NAMES: dict[type, list[str]] = {}
 def _forward_input_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     names = _FORWARD_NAMES.get(type(module))
     if names is None:
-        import inspect
         names = _FORWARD_NAMES[type(module)] = list(inspect.signature(type(module).forward).parameters)[1:]
     inputs = dict(zip(names, args))
     inputs.update(kwargs)
@@ -510,13 +544,18 @@ class TaskModel(PreTrainedModel):
         """The task's loss, as the task registry declares it."""
         return self.spec.loss(self, logits, **labels)
 
-    def logits_and_loss(self, labels: torch.Tensor | None = None, **inputs: torch.Tensor | None):
+    def logits_and_loss(self, labels: torch.Tensor | None = None, num_items_in_batch: torch.Tensor | int | None = None,
+                        **inputs: torch.Tensor | None):
         """``(logits, loss)``: the backbone on ``inputs``, the head part on its output, and the task's
-        loss where ``labels`` are given (else None). The head shapes whose logits are the head part's
-        output as it is (sequence and token classification, masked LM) forward through this."""
+        loss where ``labels`` are given (else None), given ``num_items_in_batch`` (transformers' gradient-
+        accumulation count: it changes the loss only where ``Family.num_items_tasks`` lists the task). The
+        head shapes whose logits are the head part's output as it is (sequence and token classification,
+        masked LM) forward through this."""
         out = self.run_backbone(**inputs)
         logits = self.head(out.last_hidden_state, out.pooler_output, inputs.get("attention_mask"))
-        return logits, None if labels is None else self.compute_loss(logits, labels=labels)
+        if labels is None:
+            return logits, None
+        return logits, self.compute_loss(logits, labels=labels, num_items_in_batch=num_items_in_batch)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.backbone.get_input_embeddings()

@@ -50,6 +50,10 @@ class Family:
     # Whether float position_ids are taken as transformers takes them (DeBERTa's .long(), RoPE's .float());
     # otherwise they are an InputError naming position_ids.
     float_position_ids: ClassVar[bool] = False
+    # The tasks whose transformers head hands num_items_in_batch to its loss (self.loss_function(..., **kwargs)):
+    # there the loss is the sum over the batch divided by it (task_registry.counted_items); every other head
+    # takes it and ignores it, as transformers' do.
+    num_items_tasks: ClassVar[frozenset[str]] = frozenset()
 
     # ---- building ---------------------------------------------------------------------------
     @classmethod

@@ -30,7 +30,10 @@ from .outputs import (BaseModelOutput, MaskedLMOutput, ModelOutput, MultipleChoi
 if TYPE_CHECKING:
     from .modeling import PreTrainedModel
 
-# loss(model, logits, **labels) -> scalar; the labels are the task model's keyword arguments.
+# loss(model, logits, num_items_in_batch=None, **labels) -> scalar; the labels are the task model's keyword
+# arguments. Every loss takes num_items_in_batch (transformers' gradient-accumulation count) and honours it only
+# where the model's family lists the task in ``num_items_tasks`` (``counted_items``); elsewhere it is ignored,
+# as transformers ignores it there.
 Loss = Callable[..., torch.Tensor]
 
 
@@ -94,23 +97,58 @@ def _ensure_families() -> None:
 
 # ---- losses, as transformers computes them ----------------------------------------------------------
 
-def token_loss(model: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross entropy over every token, label -100 ignored (masked LM, token classification)."""
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.to(logits.device).view(-1))
+def counted_items(model: Any, num_items_in_batch: Any) -> Any:
+    """``num_items_in_batch`` where transformers' model of this family and task hands it to its loss, else None.
+
+    transformers' task heads all take ``num_items_in_batch`` (through ``**kwargs``, for gradient accumulation);
+    only those whose loss is ``self.loss_function(..., **kwargs)`` read it, and there the loss is the sum over
+    the batch divided by it (``transformers.loss.loss_utils.fixed_cross_entropy``). Which heads those are
+    differs per family (ModernBERT's masked LM and QA, the decoders' QA and causal LM; no BERT-lineage head),
+    so the family says so once, in ``Family.num_items_tasks``; every other head accepts it and ignores it."""
+    if num_items_in_batch is None:
+        return None
+    return num_items_in_batch if model.task in model.family.num_items_tasks else None
 
 
-def choice_loss(model: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def fixed_cross_entropy(source: torch.Tensor, target: torch.Tensor, num_items_in_batch: Any = None,
+                        ignore_index: int = -100) -> torch.Tensor:
+    """transformers.loss.loss_utils.fixed_cross_entropy: the mean, or the sum divided by ``num_items_in_batch``."""
+    if num_items_in_batch is None:
+        return F.cross_entropy(source, target, ignore_index=ignore_index)
+    loss = F.cross_entropy(source, target, ignore_index=ignore_index, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def token_loss(model: Any, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    """Cross entropy over every token, label -100 ignored (masked LM, token classification); where the family
+    counts items (``counted_items``), transformers' ForMaskedLMLoss: float logits, sum / num_items_in_batch."""
+    counted = counted_items(model, num_items_in_batch)
+    if counted is None:
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.to(logits.device).view(-1))
+    logits = logits.float()
+    return fixed_cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1).to(logits.device), counted)
+
+
+def choice_loss(model: Any, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    """Cross entropy over the choices; ``num_items_in_batch`` is ignored (every family's transformers head does)."""
     return F.cross_entropy(logits, labels.to(logits.device))
 
 
-def sequence_loss(model: Any, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The family's rule (transformers' shared one unless the family has its own, as DeBERTa does)."""
+def sequence_loss(model: Any, logits: torch.Tensor, labels: torch.Tensor,
+                  num_items_in_batch: Any = None) -> torch.Tensor:
+    """The family's rule (transformers' shared one unless the family has its own, as DeBERTa does);
+    ``num_items_in_batch`` is ignored, as every family's transformers head ignores it (the decoders' generic
+    head calls ``loss_function`` without it)."""
     return model.family.sequence_loss(logits, labels.to(logits.device), model.config)
 
 
 def span_loss(model: Any, logits: tuple[torch.Tensor, torch.Tensor], start_positions: torch.Tensor,
-              end_positions: torch.Tensor) -> torch.Tensor:
-    """Mean of start and end cross entropies; positions outside the sequence are clamped to an ignored index."""
+              end_positions: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    """Mean of start and end cross entropies; positions outside the sequence are clamped to an ignored index.
+    Where the family counts items (``counted_items``), each is the sum / num_items_in_batch, as
+    ForQuestionAnsweringLoss."""
     start_logits, end_logits = logits
     if start_positions.dim() > 1:
         start_positions = start_positions.squeeze(-1)
@@ -119,8 +157,9 @@ def span_loss(model: Any, logits: tuple[torch.Tensor, torch.Tensor], start_posit
     ignored = start_logits.size(1)
     start_positions = start_positions.to(start_logits.device).clamp(0, ignored)
     end_positions = end_positions.to(end_logits.device).clamp(0, ignored)
-    return (F.cross_entropy(start_logits, start_positions, ignore_index=ignored)
-            + F.cross_entropy(end_logits, end_positions, ignore_index=ignored)) / 2
+    counted = counted_items(model, num_items_in_batch)
+    return (fixed_cross_entropy(start_logits, start_positions, counted, ignore_index=ignored)
+            + fixed_cross_entropy(end_logits, end_positions, counted, ignore_index=ignored)) / 2
 
 
 _HEADS = "flodl_hf.heads"

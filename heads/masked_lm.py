@@ -21,10 +21,13 @@ class ModelForMaskedLM(TaskModel):
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> MaskedLMOutput:
-        logits, loss = self.logits_and_loss(labels, input_ids=input_ids, attention_mask=attention_mask,
-                                            token_type_ids=token_type_ids, position_ids=position_ids,
-                                            inputs_embeds=inputs_embeds)
+                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
+                num_items_in_batch: torch.Tensor | int | None = None) -> MaskedLMOutput:
+        """``num_items_in_batch`` (transformers' gradient-accumulation count) changes the loss only where the
+        family's transformers head reads it (``Family.num_items_tasks``; ``task_registry.counted_items``)."""
+        logits, loss = self.logits_and_loss(labels, num_items_in_batch, input_ids=input_ids,
+                                            attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                            position_ids=position_ids, inputs_embeds=inputs_embeds)
         return MaskedLMOutput(loss=loss, logits=logits)
 
     def logits_at(self, rows: torch.Tensor, columns: torch.Tensor, input_ids: torch.Tensor | None = None,

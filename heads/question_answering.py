@@ -29,9 +29,19 @@ class ModelForQuestionAnswering(TaskModel):
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None, start_positions: torch.Tensor | None = None,
-                end_positions: torch.Tensor | None = None) -> QuestionAnsweringModelOutput:
-        out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                                position_ids=position_ids, inputs_embeds=inputs_embeds)
+                end_positions: torch.Tensor | None = None, *,
+                num_items_in_batch: torch.Tensor | int | None = None) -> QuestionAnsweringModelOutput:
+        """``num_items_in_batch`` changes the loss only where the family's transformers head reads it
+        (``Family.num_items_tasks``: ModernBERT's, the decoders'): each side's sum divided by it."""
+        return self.spans(self.run_backbone(input_ids=input_ids, attention_mask=attention_mask,
+                                            token_type_ids=token_type_ids, position_ids=position_ids,
+                                            inputs_embeds=inputs_embeds),
+                          attention_mask, start_positions, end_positions, num_items_in_batch)
+
+    def spans(self, out, attention_mask: torch.Tensor | None, start_positions: torch.Tensor | None,
+              end_positions: torch.Tensor | None, num_items_in_batch: torch.Tensor | int | None
+              ) -> QuestionAnsweringModelOutput:
+        """The head on the backbone's output ``out``: start and end logits, and the loss given both positions."""
         logits = self.head(out.last_hidden_state, out.pooler_output, attention_mask)
         start_logits, end_logits = logits.split(1, dim=-1)
         start_logits = start_logits.squeeze(-1).contiguous()
@@ -39,5 +49,5 @@ class ModelForQuestionAnswering(TaskModel):
         loss = None
         if start_positions is not None and end_positions is not None:
             loss = self.compute_loss((start_logits, end_logits), start_positions=start_positions,
-                                     end_positions=end_positions)
+                                     end_positions=end_positions, num_items_in_batch=num_items_in_batch)
         return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits)

@@ -51,11 +51,14 @@ class ModelForSequenceClassification(TaskModel):
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                ) -> SequenceClassifierOutput:
-        logits, loss = self.logits_and_loss(labels, input_ids=input_ids, attention_mask=attention_mask,
-                                            token_type_ids=token_type_ids, position_ids=position_ids,
-                                            inputs_embeds=inputs_embeds)
-        if labels is not None:  # the family may return the logits its loss read (DeBERTa-v2's regression)
+                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
+                num_items_in_batch: torch.Tensor | int | None = None) -> SequenceClassifierOutput:
+        """``num_items_in_batch`` is taken as transformers' heads take it, and ignored as every family's
+        transformers sequence classifier ignores it."""
+        logits, loss = self.logits_and_loss(labels, num_items_in_batch, input_ids=input_ids,
+                                            attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                            position_ids=position_ids, inputs_embeds=inputs_embeds)
+        if labels is not None:
+            # the family may return the logits its loss read (DeBERTa-v2's regression)
             logits = self.family.sequence_logits(logits, labels, self.config)
         return SequenceClassifierOutput(loss=loss, logits=logits)

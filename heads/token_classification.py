@@ -27,9 +27,11 @@ class ModelForTokenClassification(TaskModel):
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                ) -> TokenClassifierOutput:
-        logits, loss = self.logits_and_loss(labels, input_ids=input_ids, attention_mask=attention_mask,
-                                            token_type_ids=token_type_ids, position_ids=position_ids,
-                                            inputs_embeds=inputs_embeds)
+                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
+                num_items_in_batch: torch.Tensor | int | None = None) -> TokenClassifierOutput:
+        """``num_items_in_batch`` is taken as transformers' heads take it; it changes the loss only where the
+        family's transformers head reads it (``Family.num_items_tasks``)."""
+        logits, loss = self.logits_and_loss(labels, num_items_in_batch, input_ids=input_ids,
+                                            attention_mask=attention_mask, token_type_ids=token_type_ids,
+                                            position_ids=position_ids, inputs_embeds=inputs_embeds)
         return TokenClassifierOutput(loss=loss, logits=logits)

