@@ -30,7 +30,7 @@ from flodl_hf.errors import ConfigError, InputError
 from flodl_hf.heads import (ModelForQuestionAnswering, ModelForSequenceClassification, ModelForTokenClassification,
                             SpanClassifier)
 from flodl_hf.heads.causal_lm import LMHead
-from flodl_hf.layers import MaskSpec, activation
+from flodl_hf.layers import MaskSpec, RopeFrequencies, activation
 from flodl_hf.modeling import Backbone, HeadPart, PreTrainedModel, TaskModel, check_forward_inputs
 from flodl_hf.outputs import (BaseModelOutputWithPast, QuestionAnsweringModelOutput, SequenceClassifierOutputWithPast,
                               TokenClassifierOutput)
@@ -163,7 +163,7 @@ class LlamaModel(Backbone):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self.inverse_frequencies = RopeFrequencies(self._make_inverse_frequencies)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -178,10 +178,8 @@ class LlamaModel(Backbone):
     def new_cache(self) -> KVCache:
         return KVCache(self.cache_windows())
 
-    def inverse_frequencies(self, device: torch.device) -> torch.Tensor:
-        if device not in self._inv_freq:
-            self._inv_freq[device] = self.config.rope().inverse_frequencies(self.config.attention_head_dim, device)
-        return self._inv_freq[device]
+    def _make_inverse_frequencies(self, _key: None, device: torch.device | None) -> torch.Tensor:
+        return self.config.rope().inverse_frequencies(self.config.attention_head_dim, device)
 
     def embed(self, input_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
               position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
@@ -201,7 +199,7 @@ class LlamaModel(Backbone):
             layer = specs.index(spec)
             masks[spec] = causal_mask(spec, attention_mask, hidden.shape[0], hidden.shape[1], impl, hidden.dtype,
                                       hidden.device, cache, layer)
-        rope = rotary_cos_sin(self.inverse_frequencies(hidden.device), position_ids, hidden.dtype)
+        rope = rotary_cos_sin(self.inverse_frequencies(None, hidden.device), position_ids, hidden.dtype)
         for layer, spec in zip(self.layers, specs, strict=True):
             hidden = layer(hidden, rope, masks[spec], cache)
         return self.norm(hidden)

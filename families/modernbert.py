@@ -23,7 +23,7 @@ from torch import nn
 
 from flodl_hf.config import Activation, BaseConfig
 from flodl_hf.errors import ConfigError
-from flodl_hf.layers import (PADDING, MaskSpec, activation, apply_rotary, attend, rope_cos_sin,
+from flodl_hf.layers import (PADDING, MaskSpec, RopeFrequencies, activation, apply_rotary, attend, rope_cos_sin,
                              rope_inverse_frequencies)
 from flodl_hf.heads import (ModelForMaskedLM, ModelForMultipleChoice, ModelForQuestionAnswering,
                             ModelForSequenceClassification, ModelForTokenClassification)
@@ -197,6 +197,7 @@ class ModernBertModel(Backbone):
         self.embeddings = ModernBertEmbeddings(config)
         self.layers = nn.ModuleList(ModernBertEncoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.final_norm = _norm(config)
+        self.inverse_frequencies = RopeFrequencies(self._make_inverse_frequencies, config.layer_kinds())
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings.tok_embeddings
@@ -204,6 +205,9 @@ class ModernBertModel(Backbone):
     def mask_specs(self) -> list[MaskSpec]:
         window = MaskSpec("sliding", self.config.sliding_window)
         return [window if kind == SLIDING else PADDING for kind in self.config.layer_kinds()]
+
+    def _make_inverse_frequencies(self, kind: str, device: torch.device | None) -> torch.Tensor:
+        return rope_inverse_frequencies(self.config.rope_theta(kind), self.config.head_dim, device)
 
     def embed(self, input_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
               position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
@@ -217,8 +221,7 @@ class ModernBertModel(Backbone):
             positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         kinds = self.config.layer_kinds()
         # ModernBertRotaryEmbedding.forward: one (cos, sin) per layer kind, shared by its layers
-        rope = {kind: rope_cos_sin(rope_inverse_frequencies(self.config.rope_theta(kind), self.config.head_dim,
-                                                            hidden.device), positions, hidden.dtype)
+        rope = {kind: rope_cos_sin(self.inverse_frequencies(kind, hidden.device), positions, hidden.dtype)
                 for kind in set(kinds)}
         masks = self.layer_masks(attention_mask, hidden)
         for layer, kind, mask in zip(self.layers, kinds, masks, strict=True):

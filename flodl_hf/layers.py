@@ -346,6 +346,25 @@ def _rows_of(out: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor:
 
 # ---- rotary position embeddings -----------------------------------------------------------------------
 
+class RopeFrequencies:
+    """RoPE's inverse frequencies per key (a layer kind; one key for a single RoPE), made by ``make(key, device)``
+    in float32 at first use (a meta build holds none). transformers keeps them in non-persistent buffers, so
+    ``model.to(dtype)``, ``.half()`` and ``.bfloat16()`` round them, and a later ``.float()`` keeps the rounding:
+    ``Backbone._apply`` hands the cast to every RopeFrequencies a backbone holds, which does as those buffers do."""
+
+    def __init__(self, make: Callable[[object, torch.device | None], torch.Tensor], keys: Sequence = (None,)) -> None:
+        self._make, self._keys, self._made = make, tuple(dict.fromkeys(keys)), {}
+
+    def __call__(self, key: object = None, device: torch.device | None = None) -> torch.Tensor:
+        if key not in self._made:
+            self._made[key] = self._make(key, device)
+        return self._made[key]
+
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for key in self._keys:
+            self._made[key] = fn(self(key))
+
+
 def rope_inverse_frequencies(theta: float, head_dim: int, device: torch.device | None = None) -> torch.Tensor:
     """Default RoPE inverse frequencies, as transformers' ``compute_default_rope_parameters``:
     ``1 / theta ** (arange(0, d, 2) / d)`` in float32."""

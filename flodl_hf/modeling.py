@@ -30,7 +30,8 @@ from torch import nn
 from . import io, keys
 from .config import BaseConfig
 from .errors import CheckpointFormatError, InputError, WeightsMismatchError
-from .layers import PADDING, MaskSpec, build_masks, check_attn_implementation, recording_attentions
+from .layers import (PADDING, MaskSpec, RopeFrequencies, build_masks, check_attn_implementation,
+                     recording_attentions)
 from .outputs import BaseModelOutput
 
 if TYPE_CHECKING:
@@ -414,6 +415,13 @@ class Backbone(PreTrainedModel):
 
     input_names: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask", "token_type_ids", "position_ids",
                                               "inputs_embeds")
+
+    def _apply(self, fn, recurse: bool = True):
+        # model.to(dtype) / .half() / a device move reach the RoPE frequencies as transformers' buffers
+        for value in list(vars(self).values()):
+            if isinstance(value, RopeFrequencies):
+                value.apply(fn)
+        return super()._apply(fn, recurse)
 
     def mask_specs(self) -> list[MaskSpec]:
         """One MaskSpec per layer (padding everywhere, unless the family's layers say otherwise)."""
