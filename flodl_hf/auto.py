@@ -140,8 +140,7 @@ def _attn(name: str | None, family: type[Family]) -> str:
 _DROPPED = frozenset({"mirror", "_fast_init", "low_cpu_mem_usage", "from_tf", "from_flax", "offload_state_dict",
                       "_commit_hash", "_from_auto", "_from_pipeline", "code_revision"})
 # Its keywords flodl-hf does not implement, with transformers' defaults: the default is taken (it asks for
-# nothing), any other value is an InputError naming the keyword. The config flags at the end set transformers'
-# forward defaults, which flodl-hf's forwards take per call only.
+# nothing), any other value is an InputError naming the keyword.
 _NOT_IMPLEMENTED = {
     "output_loading_info": False, "use_safetensors": None, "weights_only": True, "variant": None, "state_dict": None,
     "proxies": None, "tqdm_class": None, "max_memory": None, "offload_folder": None, "offload_buffers": False,
@@ -149,14 +148,15 @@ _NOT_IMPLEMENTED = {
     "gguf_file": None, "distributed_config": None, "device_mesh": None, "tp_plan": None, "tp_size": None,
     "allow_all_kernels": False, "use_kernels": False, "kernel_config": None, "key_mapping": None,
     "fusion_config": None, "disable_mmap": None, "experts_implementation": None,
-    "output_hidden_states": False, "output_attentions": False, "return_dict": True, "torchscript": False,
-    "chunk_size_feed_forward": 0, "add_cross_attention": False, "is_encoder_decoder": False,
+    "torchscript": False, "chunk_size_feed_forward": 0, "add_cross_attention": False, "is_encoder_decoder": False,
 }
 # Attributes every transformers config has, besides a family's fields and the file's own (config overrides).
 _HF_CONFIG_FIELDS = frozenset({"architectures", "id2label", "label2id", "num_labels", "problem_type",
                                "transformers_version", "bos_token_id", "eos_token_id", "sep_token_id",
                                "decoder_start_token_id", "tie_word_embeddings", "is_decoder", "use_cache",
-                               "tokenizer_class", "finetuning_task", "task_specific_params", "prefix"})
+                               "tokenizer_class", "finetuning_task", "task_specific_params", "prefix",
+                               # the forward's defaults (PreTrainedModel.__call__ reads them)
+                               "output_hidden_states", "output_attentions", "return_dict"})
 _HUB_OPTIONS = ("cache_dir", "force_download", "local_files_only", "token")
 
 
@@ -180,10 +180,8 @@ def _option_errors(options: dict[str, Any]) -> None:
         if name in _DROPPED or value is None or value is default or (isinstance(value, (bool, str))
                                                                      and value == default):
             continue
-        hint = (f"; pass {name}={value!r} to the forward instead" if name in ("output_hidden_states",
-                "output_attentions", "return_dict") else "")
         raise InputError(f"from_pretrained({name}={value!r}): not implemented in flodl-hf (only transformers' "
-                         f"default, {default!r}, is taken){hint}")
+                         f"default, {default!r}, is taken)")
 
 
 def _resolve(source: str | os.PathLike, revision: str | None, hub: dict[str, Any]) -> io.Checkpoint:
@@ -291,6 +289,8 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | s
     else:
         raise InputError(f"config={type(config).__name__}: expected a config (AutoConfig.from_pretrained), or the "
                          "path or hub id of one")
+    if attn_implementation is None and config.raw.get("output_attentions") is True:
+        attn_implementation = "eager"  # as transformers: attention weights asked of every forward need eager
     config.attn_implementation = _attn(attn_implementation, family)
     if task == "auto":
         task = task_of(config, family)

@@ -87,10 +87,18 @@ class PreTrainedModel(nn.Module):
 
     def __call__(self, *args, **kwargs):
         """transformers' forward keywords (``output_hidden_states``, ``return_dict``, ``output_attentions``,
-        ``head_mask``) are handled here, once for every backbone and task model; see ``forward_options``."""
-        if not _FORWARD_OPTIONS.intersection(kwargs):
+        ``head_mask``) are handled here, once for every backbone and task model; see ``forward_options``. A
+        keyword left out or None takes the config's value (config.json's, or from_pretrained's keyword), as in
+        transformers."""
+        defaults = self.config.raw
+        if not _FORWARD_OPTIONS.intersection(kwargs) and not any(
+                defaults.get(k, default) != default for k, default in _CONFIG_DEFAULTS.items()):
             return super().__call__(*args, **kwargs)
-        options = {k: kwargs.pop(k) for k in _FORWARD_OPTIONS if k in kwargs}
+        options = {k: defaults[k] for k in _CONFIG_DEFAULTS if defaults.get(k) is not None}
+        for name in _FORWARD_OPTIONS.intersection(kwargs):
+            value = kwargs.pop(name)
+            if value is not None or name == "head_mask":
+                options[name] = value
         hidden, attentions, return_dict = forward_options(**options)
         call = super().__call__
         if attentions:
@@ -210,6 +218,9 @@ def positional_order(*names: str):
 # ---- transformers' forward keywords ------------------------------------------------------------------
 
 _FORWARD_OPTIONS = frozenset({"output_hidden_states", "output_attentions", "return_dict", "head_mask"})
+# The config's defaults for them, as transformers' PreTrainedConfig has them (a config.json may set another).
+_CONFIG_DEFAULTS = {"output_hidden_states": False, "output_attentions": False, "return_dict": True}
+_BACKBONE_RECORD = {"return_dict": True, "output_hidden_states": False, "output_attentions": False}
 
 
 def forward_options(output_hidden_states: object = None, output_attentions: object = None,
@@ -546,7 +557,9 @@ class TaskModel(PreTrainedModel):
             from .errors import InputError
             raise InputError(f"{type(self.backbone).__name__} takes no {', '.join(extra)} "
                              f"(it takes {', '.join(accepted)})")
-        return self.backbone(**{k: v for k, v in inputs.items() if k in accepted})
+        # the backbone's record, whatever the config sets as the forward's defaults: they are the task model's
+        # (an outer call's recording of hidden states and attentions reaches the backbone's layers still)
+        return self.backbone(**{k: v for k, v in inputs.items() if k in accepted}, **_BACKBONE_RECORD)
 
     def compute_loss(self, logits, **labels: torch.Tensor) -> torch.Tensor:
         """The task's loss, as the task registry declares it."""

@@ -218,8 +218,6 @@ def test_add_pooling_layer_on_a_bare_backbone():
     (dict(output_loading_info=True), "output_loading_info"), (dict(variant="fp16"), "variant"),
     (dict(quantization_config={"load_in_8bit": True}), "quantization_config"), (dict(use_safetensors=False),
     "use_safetensors"), (dict(gguf_file="x.gguf"), "gguf_file"), (dict(weights_only=False), "weights_only"),
-    (dict(output_hidden_states=True), "pass output_hidden_states=True to the forward"),
-    (dict(output_attentions=True), "output_attentions"), (dict(return_dict=False), "return_dict"),
     (dict(chunk_size_feed_forward=4), "chunk_size_feed_forward"), (dict(tp_plan="auto"), "tp_plan"),
     (dict(task="mlm"), "task="), (dict(num_label=3), "num_label="),
 ])
@@ -238,3 +236,42 @@ def test_defaults_and_dropped_keywords_are_taken():
                         revision=None), theirs)
     with pytest.raises(InputError, match="positional"):
         AutoModelForSequenceClassification.from_pretrained(source, "extra")
+
+
+def _same_records(a, b, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+        return
+    a = a if isinstance(a, tuple) else a.to_tuple()
+    b = b if isinstance(b, tuple) else b.to_tuple()
+    assert len(a) == len(b), f"{where}: {len(a)} vs {len(b)}"
+    for i, (x, y) in enumerate(zip(a, b)):
+        _same_records(x, y, f"{where}[{i}]")
+
+
+def test_forward_defaults_from_the_config_and_from_pretrained(tmp_path):
+    """config.json's output_hidden_states / return_dict, and from_pretrained(output_attentions=True), set the
+    forward's defaults as in transformers (a call's own keyword wins; output_attentions switches a model loaded
+    without attn_implementation to eager). The task one-liners with such a config: tests/test_tasks.py."""
+    source = make_checkpoint(TINY, "seqcls")
+    edited = tmp_path / "edited"
+    shutil.copytree(source, edited)
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**config, "output_hidden_states": True, "return_dict": False}))
+    ours, theirs = _ours(edited), _theirs(edited)
+    batch = make_batch(ours.config, "seqcls")
+    with torch.inference_mode():
+        for kw in ({}, {"return_dict": True}, {"output_hidden_states": False}):
+            a, b = ours(**batch, **kw), theirs(**batch, **kw)
+            assert type(a).__name__ == type(b).__name__, kw
+            _same_records(a, b, str(kw))
+        assert isinstance(ours(**batch), tuple) and len(ours(**batch)) == 2  # (logits, hidden_states)
+        ours, theirs = _ours(source, output_attentions=True), _theirs(source, output_attentions=True)
+        assert ours.config.attn_implementation == theirs.config._attn_implementation == "eager"
+        a, b = ours(**batch), theirs(**batch)
+        assert list(a.keys()) == list(b.keys()) == ["logits", "attentions"]
+        _same_records(a, b, "attentions by default")
+        assert list(ours(**batch, output_attentions=False).keys()) == ["logits"]
+        with pytest.raises(InputError, match="output_attentions=True"):
+            _ours(source, output_attentions=True, attn_implementation="sdpa")(**batch)
+

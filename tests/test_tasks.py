@@ -147,6 +147,28 @@ def test_fill_mask_default_model_offline_says_what_to_do(monkeypatch):
         fill_mask("Paris is the [MASK] of France.")
 
 
+def test_tasks_read_their_record_whatever_the_configs_forward_defaults(tmp_path):
+    """A config.json asking every forward for hidden states and tuples (transformers honours them) changes no
+    one-liner's result: the tasks ask for the plain record. (output_attentions in the config also loads the
+    eager path, as transformers does: other kernels, tests/test_from_pretrained_kwargs.py.)"""
+    from flodl_hf.tasks.runtime import clear_cache
+    plain = {"seqcls": task_dir("bert/tokenizer.json", "seqcls", problem_type="single_label_classification",
+                                id2label=LABELS["seqcls"]),
+             "tokcls": task_dir("bert/tokenizer.json", "tokcls"), "mlm": task_dir("bert/tokenizer.json", "mlm")}
+    expected = {"seqcls": classify(TEXTS[:2], str(plain["seqcls"])), "tokcls": tag(TEXTS[:2], str(plain["tokcls"])),
+                "mlm": fill_mask("paris is the [MASK] of france.", model=str(plain["mlm"]), top_k=2)}
+    for task, directory in plain.items():
+        edited = tmp_path / task
+        shutil.copytree(directory, edited)
+        config = json.loads((edited / "config.json").read_text())
+        (edited / "config.json").write_text(json.dumps({**config, "output_hidden_states": True,
+                                                        "return_dict": False}))
+        clear_cache()
+        got = {"seqcls": lambda: classify(TEXTS[:2], str(edited)), "tokcls": lambda: tag(TEXTS[:2], str(edited)),
+               "mlm": lambda: fill_mask("paris is the [MASK] of france.", model=str(edited), top_k=2)}[task]()
+        assert got == expected[task], task
+
+
 # ---- text classification ----------------------------------------------------------------------------
 
 # Scores depend on the problem type, tokenisation on the tokenizer: each is varied on its own.

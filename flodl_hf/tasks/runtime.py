@@ -51,6 +51,9 @@ class Loaded:
 
 
 _MODELS: dict[tuple[str, str, str], nn.Module] = {}
+# A task reads its output record's fields: these keep the record (and its size) whatever config.json sets as
+# the forward's defaults (output_hidden_states, output_attentions, return_dict).
+_PLAIN_RECORD = {"return_dict": True, "output_hidden_states": False, "output_attentions": False}
 
 
 _TOKENIZERS: dict[str, Tokenizer] = {}
@@ -291,7 +294,8 @@ def _run(loaded: Loaded, rows: list[dict[str, list]], batch_size: BatchSize, fie
                                                        exact=loaded.precision == "exact")):
                     results[i] = {"logits": logits.float().cpu()}
                 continue
-            output = model(**{k: v.to(device) for k, v in batch.items()})
+            # the record whatever the config's forward defaults say (transformers' return_dict & co.)
+            output = model(**{k: v.to(device) for k, v in batch.items()}, **_PLAIN_RECORD)
             values = {name: getattr(output, name) for name in fields}
             for j, i in enumerate(chunk):
                 n = len(rows[i]["input_ids"])
