@@ -22,7 +22,10 @@ those of ``model.generate`` with the same settings, and so are sampled ids where
   ``seed=s`` from a generator of its own seeded with ``s`` (the same stream on CPU, the global one untouched);
 - a row that produced eos gets the pad id from then on; generation stops when every row has, or at the
   maximum length.
-``generate(prompts, model, ...)`` is the one-liner over texts: it tokenizes with left padding and decodes.
+``generate(prompts, model, ...)`` is the one-liner over texts, equal to transformers 5.24's text-generation
+pipeline: its defaults where neither the call nor the file sets one (256 new tokens, sampling at temperature
+0.7), its shapes (a list of records per prompt) and keys (``generated_text``, ``generated_token_ids``), with
+greedy prompts batched by left padding and sampled ones run one at a time in the pipeline's RNG order.
 """
 
 from __future__ import annotations
@@ -459,7 +462,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     step_ids, step_pos = input_ids.clone(), position_ids
     while True:
         out = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=step_pos,
-                    cache=cache, use_cache=settings.use_cache, logits_to_keep=1)
+                    cache=cache, use_cache=settings.use_cache, logits_to_keep=1, return_dict=True,
+                    output_hidden_states=False, output_attentions=False)  # whatever config.json's defaults
         # _update_model_kwargs_for_generation: positions and mask grow by one
         position_ids = torch.cat([position_ids, position_ids[..., -1:] + 1], dim=-1)
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], dim=-1)
@@ -492,39 +496,157 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
                                      logits=tuple(logits_seen) if settings.output_logits else None, cache=cache)
 
 
+# TextGenerationPipeline._default_generation_config: added by the pipeline for what neither the call nor the
+# model's generation config sets (the sampling ones only when sampling), as Pipeline._prepare_generate_kwargs does
+PIPELINE_DEFAULTS: dict[str, Any] = {"max_new_tokens": 256, "do_sample": True, "temperature": 0.7}
+_PIPELINE_SAMPLING = {"temperature", "top_k", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff"}
+# keywords TextGenerationPipeline takes (its _sanitize_parameters, Pipeline.__call__) that generate() does not implement
+_PIPELINE_NOT_IMPLEMENTED = ("return_type", "prefix", "handle_long_generation", "stop_sequence", "truncation",
+                             "continue_final_message", "tokenizer_encode_kwargs", "tools", "documents",
+                             "add_special_tokens", "padding", "batch_size", "num_workers", "assistant_model",
+                             "assistant_tokenizer")
+# generate() keywords that would make the pipeline add records' fields (scores, logits) that generate() does not write
+_RECORD_KEYWORDS = ("return_dict_in_generate", "output_scores", "output_logits")
+
+
+def _return_type(return_full_text: Any, return_tensors: Any, return_text: Any) -> str:
+    """TextGenerationPipeline._sanitize_parameters: "full", "new" or "tensors", with its exclusions (an InputError
+    where it raises a ValueError). As there, ``return_tensors`` given at all (False included) asks for the ids, and
+    ``return_text`` alone changes nothing."""
+    if return_full_text is not None:
+        if return_text is not None:
+            raise InputError("return_text is mutually exclusive with return_full_text (as in the pipeline)")
+        if return_tensors is not None:
+            raise InputError("return_full_text is mutually exclusive with return_tensors (as in the pipeline)")
+        return "full" if return_full_text else "new"
+    if return_tensors is not None:
+        if return_text is not None:
+            raise InputError("return_text is mutually exclusive with return_tensors (as in the pipeline)")
+        return "tensors"
+    return "full"
+
+
+def _pipeline_settings(model: torch.nn.Module, tok: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """The generate keywords the text-generation pipeline passes: the call's, plus its defaults (256 new tokens,
+    sampling at temperature 0.7; the tokenizer's pad id) for each one the call and the model's generation config
+    (``to_diff_dict``: a field at transformers' default counts as unset) leave unset."""
+    set_params = model_generation_config(model).to_diff_dict()
+    passed = given.get("generation_config")
+    if passed is not None:
+        set_params.update(passed.to_diff_dict() if callable(getattr(passed, "to_diff_dict", None))
+                          else _generation_config_dict(passed))
+    set_params.update(given)
+    defaults = dict(PIPELINE_DEFAULTS)
+    if tok.pad_token_id is not None:
+        defaults["pad_token_id"] = tok.pad_token_id
+    added = {k: v for k, v in defaults.items()
+             if k not in set_params and not (k == "max_new_tokens" and "max_length" in set_params)}
+    if not {**set_params, **added}.get("do_sample"):
+        added = {k: v for k, v in added.items() if k not in _PIPELINE_SAMPLING}
+    return {**given, **added}
+
+
 def generate(prompts: str | Sequence[str], model: Source, max_new_tokens: int | None = None,
              do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None,
-             eos_token_id: int | Sequence[int] | None = None, tokenizer: Any = None) -> list[dict[str, Any]]:
-    """Continue each prompt: ``[{"generated_text", "token_ids"}]`` per prompt (the prompt's text plus the new
-    text, as transformers' text-generation pipeline writes it, and the new ids; with a ``num_return_sequences``
-    of n in generation_config.json, n consecutive entries per prompt). Prompts are batched with
-    left padding; see ``generate_ids`` for the decoding rule and the defaults (None: generation_config.json's,
-    else transformers')."""
+             eos_token_id: int | Sequence[int] | None = None, tokenizer: Any = None,
+             return_full_text: bool | None = None, return_tensors: bool | None = None,
+             return_text: bool | None = None, clean_up_tokenization_spaces: bool | None = None,
+             skip_special_tokens: bool | None = None, **options: Any) -> list[dict[str, Any]] | list[list[dict]]:
+    """Continue each prompt, as ``transformers.pipeline("text-generation", model, tokenizer)(prompts, ...)`` returns
+    it: for one string a list of ``num_return_sequences`` dicts, for a list of strings one such list per prompt.
+    Each dict is ``{"generated_text": prompt + decode(new ids)}`` (``return_full_text=False``: the new text alone),
+    or with ``return_tensors`` given ``{"generated_token_ids": prompt ids + new ids}``.
+
+    The settings are the pipeline's: the keywords, else the model's generation config, else the pipeline's own
+    defaults (256 new tokens, ``do_sample=True``, ``temperature=0.7``; the tokenizer's pad id), else
+    transformers' (top-k 50). ``options``: ``generate_ids``' other settings (``num_return_sequences``,
+    ``repetition_penalty``, ``min_new_tokens``, ``max_length``, ``generation_config``, ...). A keyword the pipeline
+    takes that is not implemented here (``stop_sequence``, ``prefix``, ``truncation``, ...) is an InputError naming
+    it. Greedy prompts are batched with left padding (the pipeline runs them one by one: the ids are the same);
+    sampling, or a total ``max_length`` / ``min_length``, runs them one by one in order, so that after
+    ``torch.manual_seed(s)`` (or with ``seed=s``, which leaves the global generator alone) the draws are the
+    pipeline's."""
     from .tasks.runtime import load
+    for name in _PIPELINE_NOT_IMPLEMENTED:
+        if options.get(name) is not None:
+            raise InputError(f"{name}={options[name]!r}: the text-generation pipeline takes this keyword, but "
+                             "flodl-hf's generate() does not implement it")
+    for name in _RECORD_KEYWORDS:
+        if options.get(name):
+            raise InputError(f"{name}={options[name]!r}: generate() writes only the pipeline's generated_text or "
+                             "generated_token_ids; use generate_ids for scores and logits")
+    kind = _return_type(return_full_text, return_tensors, return_text)
     single = isinstance(prompts, str)
-    texts = [prompts] if single else list(prompts)
+    texts = [prompts] if single else list(prompts) if isinstance(prompts, (list, tuple)) else None
     if not texts or not all(isinstance(t, str) for t in texts):
-        raise InputError("prompts: expected a string or a list of strings")
+        raise InputError("prompts: expected a string or a non-empty list of strings (chats are not implemented)")
+    if seed is not None and not _is_int(seed):
+        raise InputError(f"seed={seed!r}: expected an integer or None")
     loaded = load(model, "causal_lm", tokenizer)
-    tok, config = loaded.tokenizer, loaded.model.config
-    settings = generation_settings(loaded.model, max_new_tokens, do_sample, temperature, top_k, top_p,
-                                   eos_token_id)
-    # Left padding by hand: LLaMA tokenizers often have no pad token. Padded positions are masked out of
-    # every real token's attention, so the pad id (the tokenizer's, the config's, an eos) changes no result.
-    pad = next((p for p in (tok.pad_token_id, config.pad_token_id, *settings.eos) if p is not None), 0)
-    rows = tok(texts, return_tensors=None, return_attention_mask=True)["input_ids"]
-    width = max(len(r) for r in rows)
-    input_ids = torch.tensor([[pad] * (width - len(r)) + list(r) for r in rows], dtype=torch.long)
-    attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
-    ids = generate_ids(loaded.model, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,
-                       top_p, seed, eos_token_id, return_dict_in_generate=False)
-    stop = settings.eos
+    tok, lm = loaded.tokenizer, loaded.model
+    if getattr(lm, "task", None) != "causal_lm":
+        raise InputError(f"generate needs a causal_lm model, not {type(lm).__name__}")
+    if getattr(lm.config, "prefix", None):
+        raise ConfigError("config.json: prefix: the text-generation pipeline prepends it to each prompt; "
+                          "flodl-hf's generate() does not implement it")
+    given = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature, "top_k": top_k,
+             "top_p": top_p, "eos_token_id": eos_token_id, **options}
+    given = {k: v for k, v in given.items() if v is not None}
+    try:
+        kwargs = _pipeline_settings(lm, tok, given)
+    except Exception:  # transformers' GenerationConfig refused a field: our typed error names it, if we have one
+        generation_settings(lm, **given)
+        raise
+    settings = generation_settings(lm, **kwargs)
+    if skip_special_tokens is None:
+        skip_special_tokens = not getattr(tok, "response_template", None)
+
+    rows = [list(r) for r in tok(texts, return_tensors=None)["input_ids"]]
+    for i, r in enumerate(rows):
+        if not r:
+            raise InputError(f"prompts[{i}]={texts[i]!r}: no tokens (the tokenizer adds no bos); give a prompt")
+    n = settings.num_return_sequences
+    # a total length (prompt included) counts the padding in a batch: then one prompt at a time too
+    totals = (settings.max_new_tokens is None and settings.max_length is not None) or \
+        (settings.min_new_tokens is None and bool(settings.min_length))
+    sequences: list[list[int]] = []  # per returned sequence: prompt ids + new ids, as the pipeline has them
+    devices = [lm.device.index if lm.device.index is not None else torch.cuda.current_device()] \
+        if lm.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, enabled=seed is not None):  # seed=s: as after torch.manual_seed(s)
+        if seed is not None:
+            torch.manual_seed(seed)
+        if not single:  # the pipeline runs a list through a DataLoader, whose iterator draws its base seed first
+            torch.empty((), dtype=torch.int64).random_()
+        if settings.do_sample or totals or len(rows) == 1:
+            # one prompt at a time, as the pipeline: the draws come in its order, and lengths are per prompt
+            for r in rows:
+                ids = generate_ids(lm, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long), **kwargs)
+                sequences.extend(ids.tolist())
+        else:
+            # Left padding by hand: LLaMA tokenizers often have no pad token. Padded positions are masked out of
+            # every real token's attention, so the fill id changes no result.
+            fill = next((p for p in (tok.pad_token_id, settings.pad, *settings.eos) if p is not None), 0)
+            width = max(len(r) for r in rows)
+            input_ids = torch.tensor([[fill] * (width - len(r)) + r for r in rows], dtype=torch.long)
+            attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+            ids = generate_ids(lm, input_ids, attention_mask, **kwargs)
+            stop = set(settings.eos)
+            for r, row in zip(rows, ids.tolist()):  # greedy: one sequence per prompt
+                new = row[width:]
+                # the pipeline's generate for this prompt alone stops at its eos: cut the batch's longer pad fill
+                end = next((j + 1 for j, t in enumerate(new) if t in stop), len(new))
+                sequences.append(r + new[:end])
+
     results = []
-    for i, row in enumerate(ids):
-        text = texts[i // settings.num_return_sequences]
-        new = row[width:].tolist()
-        if stop and any(t in stop for t in new):  # drop what follows the first eos (the pad fill)
-            new = new[: next(i for i, t in enumerate(new) if t in stop) + 1]
-        results.append({"generated_text": text + tok.decode(new, skip_special_tokens=True), "token_ids": new})
-    return results
+    for g, text in enumerate(texts):
+        records = []
+        for seq in sequences[g * n:(g + 1) * n]:
+            if kind == "tensors":
+                records.append({"generated_token_ids": seq})
+                continue
+            new_text = tok.decode(seq[len(rows[g]):], skip_special_tokens=skip_special_tokens,
+                                  clean_up_tokenization_spaces=clean_up_tokenization_spaces)
+            records.append({"generated_text": text + new_text if kind == "full" else new_text})
+        results.append(records)
+    return results[0] if single else results

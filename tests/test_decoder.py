@@ -262,35 +262,54 @@ def _text_model(tmp_path):
 
 
 def test_generate_texts_without_a_pad_token(tmp_path):
-    """LLaMA tokenizers often have no pad token: the prompts are left-padded by hand, with the same result."""
+    """LLaMA tokenizers often have no pad token: the prompts are left-padded by hand, and the records equal the
+    text-generation pipeline's with and without one."""
     root = _text_model(tmp_path)
     prompts = ["It was the fourth day", "Botchan said"]
-    with_pad = generate(prompts, str(root), max_new_tokens=4, eos_token_id=[])
-    (root / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    transformers = quiet_transformers()
     from flodl_hf.tasks.runtime import clear_cache
-    clear_cache()
-    assert generate(prompts, str(root), max_new_tokens=4, eos_token_id=[]) == with_pad
+    outputs = []
+    for config in ({"tokenizer_class": "LlamaTokenizer", "pad_token": "<unk>"}, {"tokenizer_class": "LlamaTokenizer"}):
+        (root / "tokenizer_config.json").write_text(json.dumps(config))
+        clear_cache()
+        pipe = transformers.pipeline("text-generation", model=str(root), tokenizer=str(root))
+        assert (pipe.tokenizer.pad_token_id is None) == ("pad_token" not in config)
+        ours = generate(prompts, str(root), do_sample=False, max_new_tokens=4, eos_token_id=[])
+        assert ours == pipe(prompts, do_sample=False, max_new_tokens=4, eos_token_id=[])
+        outputs.append(ours)
+    assert outputs[0] == outputs[1]
 
 
 def test_generate_texts_and_the_command(tmp_path, capsys):
+    """generate() equals the pipeline (its records, and its ids are model.generate's on the padded batch);
+    the command prints the texts, and with --json the pipeline's records, one list per prompt."""
     root = _text_model(tmp_path)
     prompts = ["It was the fourth day", "Botchan said"]
-    results = generate(prompts, str(root), max_new_tokens=6, eos_token_id=[])
     transformers = quiet_transformers()
+    pipe = transformers.pipeline("text-generation", model=str(root), tokenizer=str(root))
+    greedy = {"do_sample": False, "max_new_tokens": 6, "eos_token_id": []}
+    results = generate(prompts, str(root), **greedy)
+    assert results == pipe(prompts, **greedy)
+    assert generate(prompts[0], str(root), **greedy) == pipe(prompts[0], **greedy) == results[0]
+    ids = generate(prompts, str(root), return_tensors=True, **greedy)
+    assert ids == pipe(prompts, return_tensors=True, **greedy)
     tok = transformers.AutoTokenizer.from_pretrained(str(root))
     enc = tok(prompts, padding=True, return_tensors="pt")
-    assert tok.padding_side == "left"
     theirs = reference_model(root, "causal_lm", "sdpa")
     with torch.inference_mode():
         reference = theirs.generate(**enc, max_new_tokens=6, do_sample=False, eos_token_id=[], pad_token_id=0)
     width = enc["input_ids"].shape[1]
-    assert [r["token_ids"] for r in results] == reference[:, width:].tolist()
-    assert [r["generated_text"] for r in results] == [
-        p + tok.decode(row, skip_special_tokens=True) for p, row in zip(prompts, reference[:, width:])]
+    assert [r[0]["generated_token_ids"][-6:] for r in ids] == reference[:, width:].tolist()
     from flodl_hf.cli import main
-    assert main(["generate", prompts[0], "--model", str(root), "--max-new-tokens", "6", "--json"]) == 0
-    printed = json.loads(capsys.readouterr().out)
-    assert printed[0]["token_ids"] == results[0]["token_ids"]
+    args = ["--model", str(root), "--max-new-tokens", "6", "--no-sample", "--eos-token-id", ""]
+    assert main(["generate", *prompts, *args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == results
+    assert main(["generate", *prompts, *args]) == 0
+    assert capsys.readouterr().out == "".join(r[0]["generated_text"] + "\n\n" for r in results)
+    assert main(["generate", prompts[0], *args, "--no-full-text", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [pipe(prompts[0], return_full_text=False, **greedy)]
+    assert main(["generate", prompts[0], *args, "--return-tensors"]) == 0
+    assert capsys.readouterr().out == " ".join(map(str, ids[0][0]["generated_token_ids"])) + "\n\n"
     assert main(["generate", prompts[0], "--model", str(root), "--max-new-tokens", "0"]) == 2
 
 
