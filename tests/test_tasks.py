@@ -61,15 +61,22 @@ def task_dir(tokenizer: str, task: str, model_type: str = "bert", **config) -> P
     if task in LABELS and "id2label" not in config:
         fields["id2label"] = LABELS[task]
     ckpt = make_checkpoint(fields, task)
-    out = CACHE / f"task-{ckpt.name}-{tokenizer.replace('/', '_')}"
-    if not (out / ".done").is_file():
-        work = out.with_name(f"{out.name}.tmp{os.getpid()}")
-        shutil.rmtree(work, ignore_errors=True)
+    def build(work: Path) -> None:
         shutil.copytree(ckpt, work)
         for f in tok_dir.iterdir():
             if f.name not in ("config.json", ".done"):
                 shutil.copy(f, work / f.name)
         (work / ".done").write_text("ok")
+    return _published(CACHE / f"task-{ckpt.name}-{tokenizer.replace('/', '_')}", build)
+
+
+def _published(out: Path, build) -> Path:
+    """``out``, built once by ``build(work)`` in a directory of this process's own and renamed into place (a
+    concurrent test process may publish it first)."""
+    if not (out / ".done").is_file():
+        work = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        shutil.rmtree(work, ignore_errors=True)
+        build(work)
         shutil.rmtree(out, ignore_errors=True)
         try:
             work.rename(out)
@@ -81,19 +88,11 @@ def task_dir(tokenizer: str, task: str, model_type: str = "bert", **config) -> P
 def short_copy(directory: Path, model_max_length: int) -> Path:
     """``directory`` with its tokenizer_config.json's model_max_length lowered: long texts then overflow the
     tokenizer (windows, truncation) as they would a real model's 512."""
-    out = CACHE / f"{directory.name}-max{model_max_length}"
-    if not (out / ".done").is_file():
-        work = out.with_name(f"{out.name}.tmp{os.getpid()}")
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.copytree(directory, work)
+    def build(work: Path) -> None:
+        shutil.copytree(directory, work)  # .done included: the copy is published whole
         config = json.loads((work / "tokenizer_config.json").read_text())
         (work / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": model_max_length}))
-        shutil.rmtree(out, ignore_errors=True)
-        try:
-            work.rename(out)
-        except OSError:  # another process published it first
-            shutil.rmtree(work, ignore_errors=True)
-    return out
+    return _published(CACHE / f"{directory.name}-max{model_max_length}", build)
 
 
 def pipeline(kind: str, directory: Path):
