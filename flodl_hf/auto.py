@@ -17,8 +17,7 @@ import torch
 
 from . import io, keys
 from .config import Activation, BaseConfig
-from .errors import (CheckpointFormatError, ConfigError, InputError, SourceNotFoundError, UnsupportedModelError,
-                     WeightsMismatchError)
+from .errors import CheckpointFormatError, ConfigError, InputError, UnsupportedModelError, WeightsMismatchError
 from .keys import has_pooler
 from .layers import check_attn_implementation, init_weights
 from .modeling import PreTrainedModel, load_weights, meta_device

@@ -29,7 +29,6 @@ import sys
 import tempfile
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch

@@ -7,7 +7,6 @@ transformers in this process and compares every output field with ``torch.equal`
 from __future__ import annotations
 
 import pytest
-import torch
 
 from flodl_hf.parity import check_parity
 from flodl_hf.registry import get_family

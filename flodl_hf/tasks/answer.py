@@ -146,7 +146,7 @@ def _check_windows(tok: Tokenizer, examples: list[tuple[str, str]], question_fir
             raise InputError(f"{name} is {n_question} tokens: with {specials} special tokens it leaves no room for "
                              f"the context in max_seq_len={max_seq_len}. Shorten the question or raise max_seq_len")
         if doc_stride >= room:
-            default = "" if stride_given else f" (the default, min(max_seq_len // 2, 128))"
+            default = "" if stride_given else " (the default, min(max_seq_len // 2, 128))"
             raise InputError(f"doc_stride={doc_stride}{default} must be below {room}, the tokens of context per "
                              f"window: max_seq_len={max_seq_len} less {name}'s {n_question} tokens and {specials} "
                              f"special tokens. Pass a smaller doc_stride (at most {room - 1}), a larger "

@@ -180,8 +180,6 @@ def load(model: Source, task: str, tokenizer: str | Path | Tokenizer | None = No
 
     ``precision``: "exact" (float32, the default), "bf16" or "int8" (opt-in, faster, scores change).
     """
-    from ..auto import load_model
-
     _check_precision(precision)
     if isinstance(model, nn.Module):
         if tokenizer is None:
