@@ -3,7 +3,7 @@
 Exactness here means the same ops on the same shapes as transformers, on the machine at hand
 (docs/design.md). The machine matters: which BLAS kernel computes a matrix product is chosen by
 shape, and the choice differs between CPUs. So the doctor reports what this machine is, proves the
-shape-changing shortcut on it (``flodl_hf.layers.head_at_rows``), and runs a short parity self-test
+shape-changing shortcut on it (``flodl_hf.layers.gather_rows``), and runs a short parity self-test
 against transformers on a checkpoint it generates, at BERT-base width.
 """
 
@@ -82,7 +82,7 @@ def machine() -> dict[str, str]:
 
 def prove_shortcuts(full_rows=PROOF_FULL_ROWS, gathered=PROOF_GATHERED, seed: int = 0) -> list[dict]:
     """The shortcut's verdict for each (full rows, gathered rows) class, proven here as the tasks prove it."""
-    from .layers import PROVE_AT_SIGHTING, RowProofs, head_at_rows
+    from .layers import PROVE_AT_SIGHTING, RowProofs, gather_rows
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(30522, 768, generator=gen) * 0.02
     bias = torch.randn(30522, generator=gen) * 0.02
@@ -95,7 +95,7 @@ def prove_shortcuts(full_rows=PROOF_FULL_ROWS, gathered=PROOF_GATHERED, seed: in
             for m in gathered:
                 index = torch.arange(m)
                 for _ in range(PROVE_AT_SIGHTING):  # seen, then proven
-                    head_at_rows(run, module, hidden, index, lambda: run(hidden), proofs=proofs)
+                    gather_rows(run, module, hidden, index, lambda: run(hidden), proofs=proofs)
                 verdict = [v for k, v in proofs.verdicts.items() if k[2] == rows and k[3] == m]
                 out.append({"full_rows": rows, "gathered_rows": m, "equal": bool(verdict and verdict[0])})
     return out

@@ -306,7 +306,7 @@ def _prove(run: Callable[[torch.Tensor], torch.Tensor], flat: torch.Tensor, full
     return True
 
 
-def head_at_rows(head: Callable[..., torch.Tensor], module: nn.Module, hidden: torch.Tensor,
+def gather_rows(head: Callable[..., torch.Tensor], module: nn.Module, hidden: torch.Tensor,
                  flat_index: torch.Tensor, full: Callable[[], torch.Tensor], exact: bool = True,
                  proofs: RowProofs | None = None) -> torch.Tensor:
     """``full().reshape(-1, V)[flat_index]`` — the head's outputs at some rows of ``hidden`` (.., H) — computed

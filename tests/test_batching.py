@@ -297,7 +297,7 @@ def test_row_proofs_agree_with_a_direct_check_on_this_machine():
     """The verdicts come from this machine, not from a rule: for F.linear at BERT-base widths, the proof's
     verdict for each (full rows, gathered rows) class equals an independent check of every row at every
     block position."""
-    from flodl_hf.layers import PROVE_AT_SIGHTING, RowProofs, head_at_rows
+    from flodl_hf.layers import PROVE_AT_SIGHTING, RowProofs, gather_rows
     gen = torch.Generator().manual_seed(1)
     weight, bias = torch.randn(30522, 768, generator=gen) * 0.02, torch.randn(30522, generator=gen)
     module = torch.nn.Linear(768, 30522)
@@ -310,7 +310,7 @@ def test_row_proofs_agree_with_a_direct_check_on_this_machine():
             full = run(hidden)
             index = torch.arange(wanted)
             for _ in range(PROVE_AT_SIGHTING + 1):
-                got = head_at_rows(run, module, hidden, index, lambda: run(hidden), proofs=proofs)
+                got = gather_rows(run, module, hidden, index, lambda: run(hidden), proofs=proofs)
                 assert torch.equal(got, full[:wanted])
             m = -(-wanted // 8) * 8
             blocks = [(torch.arange(m) + s) % full_rows for s in range(full_rows)]
