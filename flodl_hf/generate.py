@@ -502,9 +502,8 @@ PIPELINE_DEFAULTS: dict[str, Any] = {"max_new_tokens": 256, "do_sample": True, "
 _PIPELINE_SAMPLING = {"temperature", "top_k", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff"}
 # keywords TextGenerationPipeline takes (its _sanitize_parameters, Pipeline.__call__) that generate() does not implement
 _PIPELINE_NOT_IMPLEMENTED = ("return_type", "prefix", "handle_long_generation", "stop_sequence", "truncation",
-                             "continue_final_message", "tokenizer_encode_kwargs", "tools", "documents",
-                             "add_special_tokens", "padding", "batch_size", "num_workers", "assistant_model",
-                             "assistant_tokenizer")
+                             "tokenizer_encode_kwargs", "add_special_tokens", "padding", "batch_size", "num_workers",
+                             "assistant_model", "assistant_tokenizer")
 # generate() keywords that would make the pipeline add records' fields (scores, logits) that generate() does not write
 _RECORD_KEYWORDS = ("return_dict_in_generate", "output_scores", "output_logits")
 
@@ -546,13 +545,43 @@ def _pipeline_settings(model: torch.nn.Module, tok: Any, given: dict[str, Any]) 
     return {**given, **added}
 
 
-def generate(prompts: str | Sequence[str], model: Source, max_new_tokens: int | None = None,
+def _is_message(value: Any) -> bool:
+    """transformers' is_valid_message: a dict with "role" and "content"."""
+    return isinstance(value, dict) and "role" in value and "content" in value
+
+
+def _chats(prompts: Any) -> tuple[list[list[dict]], bool] | None:
+    """The chats in ``prompts`` as Pipeline.__call__ detects them (a list whose first item is a message: one chat;
+    a list of lists each starting with a message: several), with the check of Chat(...); None for texts."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        return None
+    if _is_message(prompts[0]):
+        chats, single = [list(prompts)], True
+    elif isinstance(prompts[0], (list, tuple)) and all(c and _is_message(c[0]) for c in prompts
+                                                       if isinstance(c, (list, tuple))) \
+            and all(isinstance(c, (list, tuple)) for c in prompts):
+        chats, single = [list(c) for c in prompts], False
+    else:
+        return None
+    for c, chat in enumerate(chats):
+        for i, message in enumerate(chat):
+            if not _is_message(message):
+                where = f"prompts[{i}]" if single else f"prompts[{c}][{i}]"
+                raise InputError(f"{where} is {message!r}: in a chat each message is a dict with 'role' and "
+                                 "'content'")
+    return chats, single
+
+
+def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model: Source,
+             max_new_tokens: int | None = None,
              do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None,
              eos_token_id: int | Sequence[int] | None = None, tokenizer: Any = None,
              return_full_text: bool | None = None, return_tensors: bool | None = None,
              return_text: bool | None = None, clean_up_tokenization_spaces: bool | None = None,
-             skip_special_tokens: bool | None = None, **options: Any) -> list[dict[str, Any]] | list[list[dict]]:
+             skip_special_tokens: bool | None = None, continue_final_message: bool | None = None,
+             tools: list | None = None, documents: list | None = None,
+             **options: Any) -> list[dict[str, Any]] | list[list[dict]]:
     """Continue each prompt, as ``transformers.pipeline("text-generation", model, tokenizer)(prompts, ...)`` returns
     it: for one string a list of ``num_return_sequences`` dicts, for a list of strings one such list per prompt.
     Each dict is ``{"generated_text": prompt + decode(new ids)}`` (``return_full_text=False``: the new text alone),
@@ -566,7 +595,14 @@ def generate(prompts: str | Sequence[str], model: Source, max_new_tokens: int | 
     it. Greedy prompts are batched with left padding (the pipeline runs them one by one: the ids are the same);
     sampling, or a total ``max_length`` / ``min_length``, runs them one by one in order, so that after
     ``torch.manual_seed(s)`` (or with ``seed=s``, which leaves the global generator alone) the draws are the
-    pipeline's."""
+    pipeline's.
+
+    ``prompts`` may also be a chat (a list of ``{"role", "content"}`` dicts) or a list of chats, as the pipeline
+    takes them: each is rendered with the tokenizer's chat template (``apply_chat_template``, a generation
+    prompt unless ``continue_final_message``, which defaults to the last message being the assistant's;
+    ``tools`` and ``documents`` go to the template), and each record's ``generated_text`` is the chat with the
+    reply appended: a new ``{"role": "assistant", "content": reply}`` message, or the reply added to the final
+    message's content when continuing it."""
     from .tasks.runtime import load
     for name in _PIPELINE_NOT_IMPLEMENTED:
         if options.get(name) is not None:
@@ -577,10 +613,15 @@ def generate(prompts: str | Sequence[str], model: Source, max_new_tokens: int | 
             raise InputError(f"{name}={options[name]!r}: generate() writes only the pipeline's generated_text or "
                              "generated_token_ids; use generate_ids for scores and logits")
     kind = _return_type(return_full_text, return_tensors, return_text)
-    single = isinstance(prompts, str)
-    texts = [prompts] if single else list(prompts) if isinstance(prompts, (list, tuple)) else None
-    if not texts or not all(isinstance(t, str) for t in texts):
-        raise InputError("prompts: expected a string or a non-empty list of strings (chats are not implemented)")
+    chats = _chats(prompts)
+    if chats is not None:
+        texts, single = chats
+    else:
+        single = isinstance(prompts, str)
+        texts = [prompts] if single else list(prompts) if isinstance(prompts, (list, tuple)) else None
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise InputError("prompts: expected a string, a non-empty list of strings, a chat (a list of "
+                             "{'role', 'content'} dicts) or a list of chats")
     if seed is not None and not _is_int(seed):
         raise InputError(f"seed={seed!r}: expected an integer or None")
     loaded = load(model, "causal_lm", tokenizer)
@@ -602,7 +643,22 @@ def generate(prompts: str | Sequence[str], model: Source, max_new_tokens: int | 
     if skip_special_tokens is None:
         skip_special_tokens = not getattr(tok, "response_template", None)
 
-    rows = [list(r) for r in tok(texts, return_tensors=None)["input_ids"]]
+    if chats is None:
+        rows = [list(r) for r in tok(texts, return_tensors=None)["input_ids"]]
+    else:
+        if getattr(tok, "response_template", None) is not None:
+            raise InputError("prompts is a chat, and the tokenizer has a response_template: the pipeline parses "
+                             "the reply with it (parse_response), which flodl-hf's generate() does not implement")
+        continuing = [chat[-1]["role"] == "assistant" if continue_final_message is None else continue_final_message
+                      for chat in texts]
+        rows = []
+        for c, chat in enumerate(texts):
+            try:
+                rows.append(list(tok.apply_chat_template(chat, add_generation_prompt=not continuing[c],
+                                                         continue_final_message=continuing[c], tools=tools,
+                                                         documents=documents, return_tensors=None)["input_ids"]))
+            except InputError as exc:
+                raise type(exc)(f"prompts{'' if single else f'[{c}]'} is a chat: {exc}") from exc
     for i, r in enumerate(rows):
         if not r:
             raise InputError(f"prompts[{i}]={texts[i]!r}: no tokens (the tokenizer adds no bos); give a prompt")
@@ -647,6 +703,15 @@ def generate(prompts: str | Sequence[str], model: Source, max_new_tokens: int | 
                 continue
             new_text = tok.decode(seq[len(rows[g]):], skip_special_tokens=skip_special_tokens,
                                   clean_up_tokenization_spaces=clean_up_tokenization_spaces)
-            records.append({"generated_text": text + new_text if kind == "full" else new_text})
+            if kind != "full":
+                records.append({"generated_text": new_text})
+            elif chats is None:
+                records.append({"generated_text": text + new_text})
+            elif continuing[g]:  # the reply continues the final message (a prefill)
+                last = text[-1]
+                records.append({"generated_text": list(text[:-1]) + [{"role": last["role"],
+                                                                      "content": last["content"] + new_text}]})
+            else:
+                records.append({"generated_text": list(text) + [{"role": "assistant", "content": new_text}]})
         results.append(records)
     return results[0] if single else results

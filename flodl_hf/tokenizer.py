@@ -22,10 +22,17 @@ from __future__ import annotations
 import base64
 import copy
 import dataclasses
+import functools
+import inspect
 import json
 import math
 import os
+import re
+import warnings
+from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -38,6 +45,8 @@ from .errors import ConfigError, FlodlHFError, InputError, SourceNotFoundError
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"            # beside tokenizer_config.json; wins over its chat_template
+CHAT_TEMPLATE_DIR = "additional_chat_templates"       # <name>.jinja: more named templates
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 VERY_LARGE_INTEGER = int(1e30)  # transformers' "no limit" model_max_length
 LARGE_INTEGER = int(1e20)
@@ -224,6 +233,13 @@ class TokenizerSettings:
     clean_up_tokenization_spaces: bool = False
     split_special_tokens: bool = False
     pad_token_type_id: int = 0
+    # Chat: the template (a string, or {name: template}), where it came from (for error messages), the
+    # model-specific special tokens transformers also passes to templates (image_token...), response_template.
+    chat_template: str | dict[str, str] | None = None
+    chat_template_origin: str | dict[str, str] = ""  # per name for several templates
+    model_specific_tokens: dict[str, str] = field(default_factory=dict)
+    response_template: Any = None
+    directory: str = ""  # the directory it was loaded from
 
 
 class BatchEncoding(dict):
@@ -331,6 +347,127 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer({self.settings.class_name}, vocab={len(self)}, model_max_length="
                 f"{self.model_max_length}, source={self.name_or_path!r})")
+
+    # ---- chat templates (transformers' apply_chat_template) -----------------------------------------
+    @property
+    def chat_template(self) -> str | dict[str, str] | None:
+        return self.settings.chat_template
+
+    @chat_template.setter
+    def chat_template(self, value: str | dict[str, str] | list | None) -> None:
+        self.settings.chat_template = _chat_template_value(value, "tokenizer.chat_template", InputError)
+        self.settings.chat_template_origin = "tokenizer.chat_template"
+
+    @property
+    def response_template(self) -> Any:
+        return self.settings.response_template
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """The named special tokens (and model-specific ones, such as image_token), as transformers' property."""
+        named = {n: t for n in SPECIAL_TOKEN_NAMES if (t := self.settings.special_tokens.get(n)) is not None}
+        return {**named, **self.settings.model_specific_tokens}
+
+    def get_chat_template(self, chat_template: str | None = None, tools: list | None = None) -> str:
+        """The template apply_chat_template uses: ``chat_template`` (a template, or the name of one of the
+        tokenizer's), else the tokenizer's (its "tool_use" one when tools are given, else "default")."""
+        return self._chat_template(chat_template, tools)[0]
+
+    def _chat_template(self, chat_template: Any, tools: Any) -> tuple[str, str, type]:
+        """(template, where it came from, the error type for a bad one): transformers' get_chat_template."""
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise InputError(f"chat_template is a {type(chat_template).__name__}: expected a Jinja template "
+                             "string or the name of one of the tokenizer's templates")
+        own, origin = self.settings.chat_template, self.settings.chat_template_origin
+        error = InputError if origin == "tokenizer.chat_template" else ConfigError
+        if isinstance(own, dict):
+            if chat_template is not None and chat_template in own:
+                return own[chat_template], _named_origin(origin, chat_template), error
+            if chat_template is None:
+                name = "tool_use" if tools is not None and "tool_use" in own else "default" if "default" in own \
+                    else None
+                if name is None:
+                    raise InputError(f"{origin}: the tokenizer has several chat templates and none is named "
+                                     f"'default': pass chat_template= one of {sorted(own)} (or a template)")
+                return own[name], _named_origin(origin, name), error
+        elif chat_template is None:
+            if own is None:
+                root = Path(self.settings.directory) if self.settings.directory else None
+                where = f"{root / TOKENIZER_CONFIG} has no chat_template and there is no {root / CHAT_TEMPLATE_FILE}" \
+                    if root is not None else "the tokenizer has no chat_template"
+                raise InputError(f"cannot apply a chat template: {where}; pass chat_template= a Jinja template or "
+                                 "set tokenizer.chat_template (as transformers' apply_chat_template)")
+            return own, origin, error
+        return chat_template, "the chat_template argument", InputError
+
+    def apply_chat_template(self, conversation: Any, tools: list | None = None, documents: list | None = None,
+                            chat_template: str | None = None, add_generation_prompt: bool = False,
+                            continue_final_message: bool | str = False, tokenize: bool = True,
+                            sanitize_control_tokens: bool = False, padding: bool | str = False,
+                            truncation: bool = False, max_length: int | None = None,
+                            return_tensors: str | None = None, return_dict: bool = True,
+                            return_assistant_tokens_mask: bool = False,
+                            tokenizer_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        """transformers 5.24's ``apply_chat_template``: render ``conversation`` (a list of ``{"role", "content"}``
+        dicts, or a list of such lists) with the chat template, in a sandboxed Jinja environment with
+        transformers' settings and variables (``messages``, ``add_generation_prompt``, ``tools``,
+        ``documents``, the special tokens, ``**kwargs``). ``tokenize=False``: the text (a list for a batch);
+        else the text encoded without added special tokens: a ``BatchEncoding`` (``return_dict=True``, the
+        default, as 5.24) or the ``input_ids`` alone."""
+        if not tokenize:
+            return_dict = False
+        if return_assistant_tokens_mask and not (return_dict and tokenize):
+            raise InputError("return_assistant_tokens_mask=True needs return_dict=True and tokenize=True")
+        if sanitize_control_tokens:
+            raise InputError("sanitize_control_tokens=True: flodl-hf's apply_chat_template does not implement it")
+        tokenizer_kwargs = dict(tokenizer_kwargs or {})
+        allowed = _CALL_KEYWORDS - {"text", "text_pair", "add_special_tokens", "return_tensors", "padding",
+                                    "truncation", "max_length"}
+        for key in tokenizer_kwargs:
+            if key not in allowed:
+                raise InputError(f"tokenizer_kwargs[{key!r}]: not a keyword of the tokenizer call "
+                                 f"(expected one of {sorted(allowed)})")
+        template, origin, error = self._chat_template(chat_template, tools)
+        conversations, batched = _conversations(conversation)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InputError("continue_final_message and add_generation_prompt cannot be used together: "
+                                 "continue the final message, or prompt a new assistant message")
+            if return_assistant_tokens_mask:
+                raise InputError("continue_final_message cannot be used with return_assistant_tokens_mask")
+        if return_assistant_tokens_mask and not re.search(r"\{%-?\s*generation\s*-?%\}", template):
+            warnings.warn("return_assistant_tokens_mask=True but the chat template has no {% generation %} block",
+                          stacklevel=2)
+        rendered, spans = render_chat(conversations, template, origin, error, tools=tools, documents=documents,
+                                      add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message,
+                                      track=return_assistant_tokens_mask,
+                                      variables={**self.special_tokens_map, **kwargs})
+        text = rendered if batched else rendered[0]
+        if not tokenize:
+            return text
+        out = self(text, padding=padding, truncation=truncation, max_length=max_length, add_special_tokens=False,
+                   return_tensors=return_tensors, **tokenizer_kwargs)
+        if not return_dict:
+            return out["input_ids"]
+        if return_assistant_tokens_mask:
+            masks = []
+            for i, encoding in enumerate(out.encodings[:len(rendered)]):
+                mask, chat_spans, k = [0] * len(encoding.ids), spans[i], 0
+                # every token overlapping a {% generation %} span, as transformers (offsets and spans in order)
+                for t, (start, end) in enumerate(encoding.offsets):
+                    while k < len(chat_spans) and start >= chat_spans[k][1]:
+                        k += 1
+                    if k == len(chat_spans):
+                        break
+                    if end > chat_spans[k][0]:
+                        mask[t] = 1
+                masks.append(mask)
+            if return_tensors is not None:
+                out["assistant_masks"] = _as_tensor("assistant_masks", masks, return_tensors)
+            else:
+                out["assistant_masks"] = masks if batched else masks[0]
+        return out
 
     # ---- ids and tokens --------------------------------------------------------------------------
     def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | list[int]:
@@ -509,6 +646,354 @@ class Tokenizer:
         return BatchEncoding(fields, flat)
 
 
+# ---- chat templates ------------------------------------------------------------------------------
+# Written from transformers 5.24's tokenization_utils_base.py (apply_chat_template, get_chat_template,
+# _from_pretrained's template files) and utils/chat_template_utils.py (the Jinja environment, render_jinja_template).
+
+class ChatTemplateError(InputError):
+    """The chat template failed while rendering: its raise_exception(...) (transformers raises jinja2's
+    TemplateError there), or another error inside the template."""
+
+
+_CALL_KEYWORDS = frozenset(inspect.signature(Tokenizer.__call__).parameters) - {"self"}
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+_GENERATION_TRACKING: ContextVar = ContextVar("flodl_hf_chat_generation", default=None)
+
+
+def _named_origin(origin: str | dict[str, str], name: str) -> str:
+    return origin.get(name, f"chat template {name!r}") if isinstance(origin, dict) else f"{origin} ({name!r})"
+
+
+def _chat_template_value(value: Any, where: str, error: type) -> str | dict[str, str] | None:
+    """A chat_template setting as transformers takes it: a string, a list of {"name", "template"} (made a dict),
+    a {name: template} object, or null."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)):
+        templates = {}
+        for i, entry in enumerate(value):
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("template"), str)):
+                raise error(f"{where}[{i}] is {entry!r}: expected {{\"name\": ..., \"template\": ...}} with strings")
+            templates[entry["name"]] = entry["template"]
+        return templates
+    if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return dict(value)
+    raise error(f"{where} is a {type(value).__name__}: expected a Jinja template string or a list of "
+                "{\"name\": ..., \"template\": ...}")
+
+
+def _read_template_file(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text, so not a chat template ({exc})") from exc
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from exc
+
+
+def _chat_settings(root: Path, file_config: dict, options: dict) -> dict[str, Any]:
+    """The chat fields of TokenizerSettings as transformers' from_pretrained fills them: tokenizer_config.json's
+    chat_template, replaced by chat_template.jinja (and additional_chat_templates/*.jinja) where present, replaced
+    by a chat_template option; the model-specific special tokens (any other *_token string, and an
+    extra_special_tokens object)."""
+    where = f"{root / TOKENIZER_CONFIG}: chat_template"
+    template = _chat_template_value(file_config.get("chat_template"), where, ConfigError)
+    origin: str | dict[str, str] = {n: f"{where} ({n!r})" for n in template} if isinstance(template, dict) else where
+    files: dict[str, str] = {}
+    origins: dict[str, str] = {}
+    if (root / CHAT_TEMPLATE_FILE).is_file():
+        files["default"] = _read_template_file(root / CHAT_TEMPLATE_FILE)
+        origins["default"] = str(root / CHAT_TEMPLATE_FILE)
+    if (root / CHAT_TEMPLATE_DIR).is_dir():
+        for path in sorted((root / CHAT_TEMPLATE_DIR).glob("*.jinja")):
+            name = path.name.removesuffix(".jinja")
+            files[name] = _read_template_file(path)
+            origins[name] = str(path)
+    if list(files) == ["default"]:
+        template, origin = files["default"], origins["default"]
+    elif files:
+        template, origin = files, origins
+    if "chat_template" in options:
+        where = "from_pretrained option chat_template"
+        template = _chat_template_value(options["chat_template"], where, InputError)
+        origin = {n: f"{where} ({n!r})" for n in template} if isinstance(template, dict) else where
+    config = {**file_config, **options}
+    specific = {k: v for k, v in config.items()
+                if k.endswith("_token") and k not in SPECIAL_TOKEN_NAMES and isinstance(v, str)}
+    if isinstance(config.get("extra_special_tokens"), dict):
+        for key, value in config["extra_special_tokens"].items():
+            text = _token_text(value)
+            if isinstance(text, str):
+                specific[key] = text
+    return {"chat_template": template, "chat_template_origin": origin, "model_specific_tokens": specific,
+            "response_template": config.get("response_template"), "directory": str(root)}
+
+
+@functools.lru_cache(maxsize=1)
+def _chat_environment() -> Any:
+    """The sandboxed Jinja environment transformers renders chat templates in: trim_blocks, lstrip_blocks, the
+    loopcontrols extension and a {% generation %} block (which records the assistant's spans), a tojson filter
+    without HTML escaping, raise_exception, strftime_now, and a guarded dict() and namespace()."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    import jinja2.utils
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_span"), [], [], body).set_lineno(lineno)
+
+        def _span(self, caller: Any) -> str:
+            text = caller()
+            tracking = _GENERATION_TRACKING.get()
+            if tracking is not None:  # the text rendered so far is the blocks already produced
+                blocks, spans = tracking
+                start = sum(len(b) for b in blocks)
+                spans.append((start, start + len(text)))
+            return text
+
+    def raise_exception(message: Any) -> None:
+        raise _TemplateRaised(message)
+
+    class _TemplateRaised(jinja2.exceptions.TemplateError):
+        pass
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format: str) -> str:  # noqa: A002 - the name templates use
+        return datetime.now().strftime(format)
+
+    class TemplateDict:
+        def __call__(self, *args: Any, **kwargs: Any) -> dict:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+            return dict.fromkeys(*args, **kwargs)
+
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot store underscore-prefixed attributes on a namespace ({name!r})")
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - Namespace's own signature trick
+            self, rest = args[0], args[1:]
+            attrs = dict(*rest, **kwargs)
+            for name in attrs:
+                _check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            _check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(),
+                       namespace=TemplateNamespace)
+    env.raised = _TemplateRaised
+    return env
+
+
+@functools.lru_cache(maxsize=64)
+def _compile_chat_template(template: str) -> Any:
+    return _chat_environment().from_string(template)
+
+
+def _plain(value: Any) -> Any:
+    """What a template may see: plain JSON-like data (exact str/int/float/bool/None, dicts, lists, tuples), with
+    subclasses stripped, numpy scalars unwrapped, dataclasses and pydantic models made dicts, anything else a
+    "<TypeName>" placeholder; as transformers' _plain_template_data."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    import numpy
+    if isinstance(value, numpy.generic):  # np.bool_(False) would otherwise be a truthy placeholder
+        return _plain(value.item())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def _as_dicts(value: Any) -> Any:
+    """Message objects (dataclasses, pydantic models) and those nested in them as dicts; media left as they are."""
+    if isinstance(value, Mapping):
+        return {k: _as_dicts(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_dicts(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_as_dicts(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _as_dicts(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):
+        return _as_dicts(value.model_dump())
+    return value
+
+
+def _conversations(conversation: Any) -> tuple[list[list[dict]], bool]:
+    """One conversation or a batch of them, each a list of message dicts with None-valued keys dropped."""
+    if not isinstance(conversation, (list, tuple)) and not hasattr(conversation, "messages"):
+        raise InputError(f"conversation is a {type(conversation).__name__}: expected a list of messages "
+                         "({\"role\": ..., \"content\": ...} dicts) or a list of such lists")
+    if isinstance(conversation, (list, tuple)) and not conversation:
+        raise InputError("conversation is empty: give at least one message")
+    batched = isinstance(conversation, (list, tuple)) and (isinstance(conversation[0], (list, tuple))
+                                                          or hasattr(conversation[0], "messages"))
+    chats = list(conversation) if batched else [conversation]
+    out = []
+    for c, chat in enumerate(chats):
+        name = f"conversation[{c}]" if batched else "conversation"
+        messages = _as_dicts(getattr(chat, "messages", chat))
+        if not isinstance(messages, (list, tuple)):
+            raise InputError(f"{name} is a {type(messages).__name__}: expected a list of message dicts")
+        normal = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise InputError(f"{name}[{i}] is {message!r} ({type(message).__name__}): a message is a dict "
+                                 "such as {\"role\": \"user\", \"content\": ...}")
+            normal.append({k: v for k, v in message.items() if v is not None})
+        out.append(normal)
+    return out, batched
+
+
+def _tool_schemas(tools: Any) -> Any:
+    if tools is None:
+        return None
+    if not isinstance(tools, (list, tuple)):
+        raise InputError(f"tools is a {type(tools).__name__}: expected a list of JSON schemas (dicts) or functions")
+    schemas = []
+    for i, tool in enumerate(tools):
+        if isinstance(tool, dict):
+            schemas.append(tool)
+        elif inspect.isfunction(tool) or inspect.ismethod(tool):
+            from transformers.utils import get_json_schema  # its schema from type hints and a Google docstring
+            schemas.append(get_json_schema(tool))
+        else:
+            raise InputError(f"tools[{i}] is a {type(tool).__name__}: a tool is a JSON schema (dict) or a function "
+                             "with type hints and a docstring")
+    return schemas
+
+
+def render_chat(conversations: list[list[dict]], template: str, origin: str = "the chat template",
+                error: type = InputError, tools: Any = None, documents: Any = None,
+                add_generation_prompt: bool = False, continue_final_message: bool | str = False,
+                track: bool = False, variables: dict[str, Any] | None = None) -> tuple[list[str], list[list]]:
+    """Render each conversation with ``template`` as transformers' render_jinja_template: the texts, and per
+    conversation the (start, end) spans of its {% generation %} blocks when ``track``."""
+    import jinja2
+    env = _chat_environment()
+    try:
+        compiled = _compile_chat_template(template)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise error(f"{origin}: not a valid Jinja template (line {exc.lineno}: {exc.message})") from exc
+    tool_schemas = _plain(_tool_schemas(tools))
+    if documents is not None:
+        if not isinstance(documents, (list, tuple)):
+            raise InputError(f"documents is a {type(documents).__name__}: expected a list of dicts")
+        for i, document in enumerate(documents):
+            if not isinstance(document, dict):
+                raise InputError(f"documents[{i}] is a {type(document).__name__}: a document is a dict with "
+                                 "'title' and 'text'")
+    documents = _plain(documents)
+    variables = _plain(dict(variables or {}))
+    for name in ("messages", "tools", "documents", "add_generation_prompt"):
+        if name in variables:
+            raise InputError(f"{name}: a keyword of apply_chat_template, not a template variable to pass in kwargs")
+    texts, all_spans = [], []
+    for c, chat in enumerate(conversations):
+        chat = _plain(chat)
+        for i, message in enumerate(chat):
+            if not isinstance(message, dict):
+                raise InputError(f"conversation[{c}][{i}] is not a dict: a message is a dict")
+        # the reasoning under its older names also as reasoning_content, and as thinking (gpt-oss templates)
+        aliased = []
+        for message in chat:
+            reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+            aliased.append(message if reasoning is None
+                           else {"thinking": reasoning, **message, "reasoning_content": reasoning})
+        chat = aliased
+        final = None
+        if continue_final_message:
+            if not chat:
+                raise InputError("continue_final_message is set but the conversation is empty")
+            key = continue_final_message if isinstance(continue_final_message, str) else "content"
+            final = chat[-1].get(key)
+            if final is None:
+                raise InputError(f"continue_final_message is set but the final message has no {key!r} to continue")
+            keys = [k for k in _REASONING_FIELDS if chat[-1].get(k) == final] if key in _REASONING_FIELDS else [key]
+            if not any(k in template for k in keys):
+                raise InputError(f"continue_final_message is {key!r}, but the chat template ({origin}) never "
+                                 "names that field")
+            if isinstance(final, (list, tuple)):
+                for block in reversed(final):
+                    if "text" in block:
+                        final = block["text"]
+                        block["text"] = block["text"] + _CONTINUE_TAG
+                        break
+                else:
+                    raise InputError("continue_final_message is set but the final message has no text block to "
+                                     "continue")
+            else:
+                for k in keys:
+                    chat[-1][k] = chat[-1][k] + _CONTINUE_TAG
+        blocks: list[str] = []
+        spans: list[tuple[int, int]] = []
+        arguments = dict(messages=chat, tools=tool_schemas, documents=documents,
+                         add_generation_prompt=add_generation_prompt, **variables)
+        token = _GENERATION_TRACKING.set((blocks, spans)) if track else None
+        try:
+            if track:
+                for block in compiled.generate(**arguments):
+                    blocks.append(block)
+                text = "".join(blocks)
+            else:
+                text = compiled.render(**arguments)
+        except env.raised as exc:
+            raise ChatTemplateError(f"{origin}: the chat template raised: {exc.message}") from exc
+        except FlodlHFError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a template fails in many ways; name the template
+            raise ChatTemplateError(f"{origin}: rendering the chat template failed "
+                                    f"({type(exc).__name__}: {exc})") from exc
+        finally:
+            if token is not None:
+                _GENERATION_TRACKING.reset(token)
+        if continue_final_message:
+            tag = _CONTINUE_TAG.strip()
+            if final.strip() not in text or tag not in text:
+                raise InputError("continue_final_message is set but the final message does not appear in the chat "
+                                 f"the template ({origin}) rendered: the template drops part of it. Final message: "
+                                 f"{final.strip()!r}")
+            at = text.rindex(tag)
+            text = text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+        texts.append(text)
+        all_spans.append(spans)
+    return texts, all_spans
+
+
 def check_text(value, where: str) -> None:
     """InputError naming ``where`` unless ``value`` is a string of valid Unicode (no lone surrogates)."""
     if not isinstance(value, str):
@@ -596,8 +1081,15 @@ class AutoTokenizer:
     def from_pretrained(source: str | os.PathLike, revision: str | None = None, **options: Any) -> Tokenizer:
         """Load the tokenizer of ``source``; ``options`` override tokenizer_config.json, as in transformers."""
         root = tokenizer_directory(source, revision)
-        tok_config = {k: v for k, v in _read_json(root / TOKENIZER_CONFIG).items()}
-        tok_config.update(options)
+        file_config = _read_json(root / TOKENIZER_CONFIG)
+        chat = _chat_settings(root, file_config, options)
+        tokenizer = AutoTokenizer._load(root, source, {**file_config, **options}, options)
+        for key, value in chat.items():
+            setattr(tokenizer.settings, key, value)
+        return tokenizer
+
+    @staticmethod
+    def _load(root: Path, source: str | os.PathLike, tok_config: dict, options: dict) -> Tokenizer:
         _check_tokenizer_config(root, tok_config, options)
         class_name = class_name_for(root, tok_config)
         recipe = RECIPES.get(class_name or "")

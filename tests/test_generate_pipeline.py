@@ -87,8 +87,11 @@ def test_keywords_not_implemented_are_named(model, options, name):
         generate(PROMPTS[0], root, max_new_tokens=2, **options)
 
 
-def test_prompts_must_be_texts(model):
+def test_prompts_must_be_texts_or_chats(model):
     root, _ = model
-    for prompts in ([], [PROMPTS[0], 3], [{"role": "user", "content": "hi"}]):
+    for prompts in ([], [PROMPTS[0], 3], [PROMPTS[0], [{"role": "user", "content": "hi"}]]):
         with pytest.raises(InputError, match="prompts"):
             generate(prompts, root, max_new_tokens=2)
+    # a chat is a prompt (tests/test_chat_template.py); this model's tokenizer has no template to render it
+    with pytest.raises(InputError, match="chat_template"):
+        generate([{"role": "user", "content": "hi"}], root, max_new_tokens=2)
