@@ -152,7 +152,7 @@ class Trainer:
         for name, value in (("batch_size", batch_size), ("epochs", epochs), ("max_steps", max_steps),
                             ("eval_every", eval_every), ("checkpoint_every", checkpoint_every),
                             ("log_every", log_every), ("keep_checkpoints", keep_checkpoints)):
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise TrainerConfigError(f"{name} must be a positive int, got {value!r}")
         if isinstance(sync, str):
             if sync not in ("ddp", "el-che", "none"):
@@ -209,6 +209,7 @@ class Trainer:
         self.sync, self.el_che, self.outer_cfg = sync, el_che, outer
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every, self.keep_checkpoints, self.resume = checkpoint_every, keep_checkpoints, resume
+        self._last_finite: Path | None = None  # this run's newest checkpoint with finite weights
         self.seed, self.shuffle, self.device_arg = seed, shuffle, device
         self.grad_clip = grad_clip or None  # 0: no clipping, as transformers' max_grad_norm=0
         self.collate_fn = collate_fn or torch.utils.data.default_collate
@@ -1218,12 +1219,15 @@ class Trainer:
             was_training = self.model.training
             self.model.eval()
             devices = [self.device.index] if self.device.type == "cuda" else []
-            # Evaluation must not move the training RNG, or resuming would not be bit-exact.
+            # Evaluation must not move the training RNG (torch's, Python's, NumPy's: a collate_fn may draw from
+            # any), or turning it on would change training and resuming would not be bit-exact.
+            host_rng = _host_rng_state()
             try:
                 with torch.random.fork_rng(devices=devices), torch.no_grad():
                     out = self.eval_fn(self.model)
             finally:
                 self.model.train(was_training)
+                _set_host_rng_state(host_rng)
             metrics = _metrics(out)
             eval_s = time.perf_counter() - t
             self._eval_s += eval_s
@@ -1290,7 +1294,19 @@ class Trainer:
         path = directory / f"{name}.pt"
         _atomic_save(state, path)
         self._log_event("checkpoint", step=self.step, path=str(path))
+        # A NaN or inf loss trains on, as in transformers' Trainer; but a checkpoint whose weights are no longer
+        # finite never rotates out the last one that was (this run's), so the run can be resumed from before it.
+        finite = bool(torch.stack([torch.isfinite(p).all() for p in self.model.parameters()]).all())
+        if finite:
+            self._last_finite = path
+        else:
+            kept = (f"{self._last_finite.name}, the last checkpoint with finite weights, is kept (not rotated out)"
+                    if self._last_finite is not None else "no checkpoint of this run has finite weights")
+            warnings.warn(f"step {self.step}: the model's weights are not finite (a NaN or inf loss or gradient) in "
+                          f"{path.name}; {kept}", RuntimeWarning, stacklevel=2)
         for old in _checkpoints(directory)[:-self.keep_checkpoints]:
+            if old == self._last_finite and not finite:
+                continue
             for f in directory.glob(f"{old.stem}.*"):
                 f.unlink(missing_ok=True)
         return path
@@ -1626,6 +1642,24 @@ def _rng_state(device: torch.device) -> dict:
     except ImportError:
         pass
     return state
+
+
+def _host_rng_state() -> tuple:
+    """Python's and NumPy's generator states (None for NumPy where it is not installed)."""
+    try:
+        import numpy as np
+        numpy_state = np.random.get_state()
+    except ImportError:
+        numpy_state = None
+    return random.getstate(), numpy_state
+
+
+def _set_host_rng_state(state: tuple) -> None:
+    python, numpy_state = state
+    random.setstate(python)
+    if numpy_state is not None:
+        import numpy as np
+        np.random.set_state(numpy_state)
 
 
 def _set_rng_state(state: dict, device: torch.device) -> None:

@@ -814,3 +814,54 @@ def test_nested_needs_live_windows_without_compress():
     for bad in ([[0], [1]], [[0, 1], []], [[0, 1], [1, 2]], [[0, 0], [2]], "01/2", [[0, "x"], [2]], [[0, 1]]):
         with pytest.raises(TrainerConfigError, match="nested"):
             ElChe(nested=bad, **live)
+
+
+def test_evaluation_moves_no_host_rng_that_a_collate_fn_draws_from():
+    """Turning evaluation on changes no training step, whichever generator eval_fn draws from (torch's,
+    Python's, NumPy's) and whichever a collate_fn draws from."""
+    import numpy as np
+
+    def collate(items):
+        batch = torch.utils.data.default_collate(items)
+        batch["x"] = batch["x"] + 0.1 * random.random() + 0.1 * float(np.random.rand()) + 0.1 * float(torch.rand(()))
+        return batch
+
+    def run(draw):
+        model = Net(0)
+        extra = {} if draw is None else {"eval_fn": lambda m: (draw(), 0.0)[1], "eval_every": 2}
+        Trainer(model, net_step, lambda p: torch.optim.AdamW(p, lr=1e-2), Indexed(64), batch_size=8, max_steps=8,
+                collate_fn=collate, sync="none", progress=False, report=False, **extra).fit()
+        return model.state_dict()
+
+    plain = run(None)
+    for draw in (lambda: torch.rand(3), random.random, np.random.rand):
+        evaluated = run(draw)
+        assert all(torch.equal(plain[k], evaluated[k]) for k in plain)
+
+
+def test_a_non_finite_run_keeps_its_last_finite_checkpoint(tmp_path):
+    """A NaN loss trains on (as transformers' Trainer), but rotation never deletes the last checkpoint whose
+    weights are finite, and the run says so."""
+    calls = {"n": 0}
+
+    def step(model, batch):
+        calls["n"] += 1
+        loss = net_step(model, batch).loss
+        return loss * float("nan") if calls["n"] == 3 else loss
+
+    with pytest.warns(RuntimeWarning, match=r"step-00000002\.pt, the last checkpoint with finite weights"):
+        Trainer(Net(0), step, lambda p: torch.optim.AdamW(p, lr=1e-2), Indexed(64), batch_size=8, max_steps=6,
+                sync="none", checkpoint_dir=tmp_path, checkpoint_every=1, keep_checkpoints=2, progress=False,
+                report=False).fit()
+    names = sorted(p.name for p in tmp_path.glob("step-*.pt"))
+    assert names == ["step-00000002.pt", "step-00000005.pt", "step-00000006.pt"]
+    state = load_checkpoint(tmp_path / "step-00000002.pt")["model"]
+    assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+def test_bool_counts_are_refused():
+    for name in ("batch_size", "max_steps", "keep_checkpoints"):
+        settings = {"batch_size": 8, "max_steps": 2, name: True}
+        with pytest.raises(TrainerConfigError, match=name):
+            Trainer(Net(0), net_step, lambda p: torch.optim.SGD(p, lr=0.1), Indexed(16), sync="none",
+                    progress=False, report=False, **settings)
