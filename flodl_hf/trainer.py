@@ -96,7 +96,7 @@ from .distributed import (NEST_GAP, Comm, DiLoCo, ElChe, OuterOptimizer, Plan, T
                           WorkerLostError, blocks, deal, inner_candidates, live_overrun_ms, nest_tiers, plan_window,
                           probe_tiers, split_by_speed)
 from . import checkpoint_schema, lora
-from .errors import InputError
+from .errors import CheckpointFormatError, InputError
 from .validate import file_above
 
 __all__ = ["Trainer", "ElChe", "DiLoCo", "TrainerError", "TrainerConfigError", "WorkerLostError",
@@ -1336,7 +1336,14 @@ class Trainer:
         path = latest_checkpoint(self.checkpoint_dir)
         if path is None:
             return None
-        state = load_checkpoint(path)
+        try:
+            state = load_checkpoint(path)
+        except CheckpointFormatError as exc:  # the resume names the way on: an older set, or a fresh start
+            older = [p.name for p in _checkpoints(self.checkpoint_dir) if p != path]
+            raise CheckpointFormatError(f"{exc}. Resuming reads the newest checkpoint: remove {path.name} (and its "
+                                        f"step's .rank-*.pt files) to resume from "
+                                        f"{older[-1] if older else 'nothing (no older checkpoint)'}, or pass "
+                                        "resume=False to start fresh") from exc
         for key, mine, old in (("batch_size", self.batch_size, None), ("sync", self.sync, None),
                                ("seed", self.seed, None), ("batching", self.batching, "fixed"),
                                ("max_tokens", self.max_tokens, None), ("data_size", len(self.data), len(self.data)),
@@ -1445,7 +1452,6 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
     """Read a trainer checkpoint (see the module docstring for its keys); tensors land on the CPU."""
-    from .errors import CheckpointFormatError
     path = Path(path)
     if path.is_dir():
         found = latest_checkpoint(path)

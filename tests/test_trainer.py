@@ -865,3 +865,18 @@ def test_bool_counts_are_refused():
         with pytest.raises(TrainerConfigError, match=name):
             Trainer(Net(0), net_step, lambda p: torch.optim.SGD(p, lr=0.1), Indexed(16), sync="none",
                     progress=False, report=False, **settings)
+
+
+def test_a_corrupt_newest_checkpoint_names_the_way_on(tmp_path):
+    """The resume reads the newest checkpoint; a damaged one is a typed error naming it, the older one to
+    resume from once it is removed, and resume=False."""
+    make = lambda: Trainer(Net(0), net_step, lambda p: torch.optim.SGD(p, lr=0.1), Indexed(64), batch_size=8,  # noqa: E731
+                           max_steps=4, sync="none", checkpoint_dir=tmp_path, checkpoint_every=2, progress=False,
+                           report=False)
+    make().fit()
+    newest = latest_checkpoint(tmp_path)
+    newest.write_bytes(newest.read_bytes()[:100])  # a truncated file
+    with pytest.raises(CheckpointFormatError, match=rf"remove {newest.name} .* step-00000002\.pt, or pass resume=False"):
+        make().fit()
+    newest.unlink()
+    assert make().fit()["step"] == 4  # resumed from step 2
