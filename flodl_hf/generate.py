@@ -39,6 +39,7 @@ from typing import Any, Sequence
 import torch
 
 from .errors import ConfigError, InputError
+from .modeling import PLAIN_RECORD, config_sets_forward_defaults
 from .outputs import ModelOutput
 
 Source = str | Path | torch.nn.Module
@@ -460,10 +461,10 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     record = settings.return_dict_in_generate
     scores_seen, logits_seen = [], []
     step_ids, step_pos = input_ids.clone(), position_ids
+    plain = PLAIN_RECORD if config_sets_forward_defaults(model.config) else {}  # whatever config.json's defaults
     while True:
         out = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=step_pos,
-                    cache=cache, use_cache=settings.use_cache, logits_to_keep=1, return_dict=True,
-                    output_hidden_states=False, output_attentions=False)  # whatever config.json's defaults
+                    cache=cache, use_cache=settings.use_cache, logits_to_keep=1, **plain)
         # _update_model_kwargs_for_generation: positions and mask grow by one
         position_ids = torch.cat([position_ids, position_ids[..., -1:] + 1], dim=-1)
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], dim=-1)

@@ -90,10 +90,9 @@ class PreTrainedModel(nn.Module):
         ``head_mask``) are handled here, once for every backbone and task model; see ``forward_options``. A
         keyword left out or None takes the config's value (config.json's, or from_pretrained's keyword), as in
         transformers."""
-        defaults = self.config.raw
-        if not _FORWARD_OPTIONS.intersection(kwargs) and not any(
-                defaults.get(k, default) != default for k, default in _CONFIG_DEFAULTS.items()):
+        if not _FORWARD_OPTIONS.intersection(kwargs) and not config_sets_forward_defaults(self.config):
             return super().__call__(*args, **kwargs)
+        defaults = self.config.raw
         options = {k: defaults[k] for k in _CONFIG_DEFAULTS if defaults.get(k) is not None}
         for name in _FORWARD_OPTIONS.intersection(kwargs):
             value = kwargs.pop(name)
@@ -220,7 +219,16 @@ def positional_order(*names: str):
 _FORWARD_OPTIONS = frozenset({"output_hidden_states", "output_attentions", "return_dict", "head_mask"})
 # The config's defaults for them, as transformers' PreTrainedConfig has them (a config.json may set another).
 _CONFIG_DEFAULTS = {"output_hidden_states": False, "output_attentions": False, "return_dict": True}
-_BACKBONE_RECORD = {"return_dict": True, "output_hidden_states": False, "output_attentions": False}
+# What a caller that reads the record's fields passes when the config sets other defaults (task models to their
+# backbone, the task one-liners, generate): the plain record.
+PLAIN_RECORD = {"return_dict": True, "output_hidden_states": False, "output_attentions": False}
+
+
+def config_sets_forward_defaults(config: BaseConfig) -> bool:
+    """Whether the config asks every forward for another record than the plain one (hidden states,
+    attentions, tuples): three lookups, so a plain model's call stays on the direct path."""
+    raw = config.raw
+    return any(raw.get(k, default) != default for k, default in _CONFIG_DEFAULTS.items())
 
 
 def forward_options(output_hidden_states: object = None, output_attentions: object = None,
@@ -559,7 +567,8 @@ class TaskModel(PreTrainedModel):
                              f"(it takes {', '.join(accepted)})")
         # the backbone's record, whatever the config sets as the forward's defaults: they are the task model's
         # (an outer call's recording of hidden states and attentions reaches the backbone's layers still)
-        return self.backbone(**{k: v for k, v in inputs.items() if k in accepted}, **_BACKBONE_RECORD)
+        plain = PLAIN_RECORD if config_sets_forward_defaults(self.config) else {}
+        return self.backbone(**{k: v for k, v in inputs.items() if k in accepted}, **plain)
 
     def compute_loss(self, logits, **labels: torch.Tensor) -> torch.Tensor:
         """The task's loss, as the task registry declares it."""

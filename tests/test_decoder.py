@@ -191,6 +191,26 @@ def test_greedy_generate_equals_transformers_and_stops_at_eos(variant, impl):
     assert torch.equal(ours_ids, reference) and ours_ids.shape[1] == ids.shape[1] + 1
 
 
+def test_generate_reads_its_record_whatever_the_configs_forward_defaults(tmp_path):
+    """A config.json asking every forward for tuples and hidden states (transformers honours it) changes
+    neither model.generate's ids nor transformers'."""
+    source, _, _ = _pair(SMALL["llama"], "sdpa")
+    edited = tmp_path / "edited"
+    shutil.copytree(source, edited)
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**config, "return_dict": False, "output_hidden_states": True}))
+    _, ours, theirs = _pair(SMALL["llama"], "sdpa")
+    ours_edited = load_model(edited, "causal_lm", dtype=torch.float32).eval()
+    assert isinstance(ours_edited(input_ids=torch.tensor([[5, 6]]), use_cache=False), tuple)
+    ids, mask = _left_padded(ours.config.vocab_size)
+    with torch.inference_mode():
+        reference = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                    eos_token_id=[], pad_token_id=0)
+    got = ours_edited.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                               eos_token_id=[], pad_token_id=0)
+    assert torch.equal(got, reference)
+
+
 @pytest.mark.parametrize("settings", [dict(temperature=0.7, top_k=20, top_p=0.9), dict(top_k=0, top_p=None)],
                          ids=["t0.7-k20-p0.9", "plain"])
 def test_sampling_with_a_seed_equals_transformers_seeded_the_same(settings):

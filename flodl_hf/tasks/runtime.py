@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import batching
 from ..errors import InputError, MissingHeadError, WeightsMismatchError
+from ..modeling import PLAIN_RECORD, config_sets_forward_defaults
 from ..tokenizer import LARGE_INTEGER, AutoTokenizer, BatchEncoding, Tokenizer, check_text
 
 
@@ -51,9 +52,6 @@ class Loaded:
 
 
 _MODELS: dict[tuple[str, str, str], nn.Module] = {}
-# A task reads its output record's fields: these keep the record (and its size) whatever config.json sets as
-# the forward's defaults (output_hidden_states, output_attentions, return_dict).
-_PLAIN_RECORD = {"return_dict": True, "output_hidden_states": False, "output_attentions": False}
 
 
 _TOKENIZERS: dict[str, Tokenizer] = {}
@@ -283,6 +281,8 @@ def _run(loaded: Loaded, rows: list[dict[str, list]], batch_size: BatchSize, fie
     left = tok.padding_side == "left"
     # Logits at a few positions per row (fill-mask): the head runs on those tokens only (logits_at).
     at = positions is not None and list(fields) == ["logits"] and hasattr(model, "logits_at")
+    # the plain record whatever config.json sets as the forward's defaults (transformers' return_dict & co.)
+    plain = PLAIN_RECORD if config_sets_forward_defaults(model.config) else {}
     with torch.inference_mode(), _precision_context(loaded.precision):
         for chunk, batch in batching.batches(rows, tok, policy, keys):
             width = batch["input_ids"].shape[1]
@@ -292,8 +292,7 @@ def _run(loaded: Loaded, rows: list[dict[str, list]], batch_size: BatchSize, fie
                                                        exact=loaded.precision == "exact")):
                     results[i] = {"logits": logits.float().cpu()}
                 continue
-            # the record whatever the config's forward defaults say (transformers' return_dict & co.)
-            output = model(**{k: v.to(device) for k, v in batch.items()}, **_PLAIN_RECORD)
+            output = model(**{k: v.to(device) for k, v in batch.items()}, **plain)
             values = {name: getattr(output, name) for name in fields}
             for j, i in enumerate(chunk):
                 n = len(rows[i]["input_ids"])
