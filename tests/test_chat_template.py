@@ -16,7 +16,7 @@ from flodl_hf import AutoTokenizer
 from flodl_hf.errors import ConfigError, InputError
 from flodl_hf.generate import generate
 from flodl_hf.parity import quiet_transformers
-from flodl_hf.tokenizer import ChatTemplateError
+from flodl_hf.chat import ChatTemplateError
 
 from test_decoder import _text_model
 
