@@ -31,7 +31,7 @@ from flodl_hf.heads import (ModelForQuestionAnswering, ModelForSequenceClassific
                             SpanClassifier)
 from flodl_hf.heads.causal_lm import LMHead
 from flodl_hf.layers import MaskSpec, RopeFrequencies, activation
-from flodl_hf.modeling import Backbone, HeadPart, PreTrainedModel, TaskModel, check_forward_inputs
+from flodl_hf.modeling import Backbone, HeadPart, TaskModel, check_forward_inputs
 from flodl_hf.outputs import (BaseModelOutputWithPast, QuestionAnsweringModelOutput, SequenceClassifierOutputWithPast,
                               TokenClassifierOutput)
 from flodl_hf.registry import Family, register
@@ -332,7 +332,8 @@ class LlamaForQuestionAnswering(DecoderForQuestionAnswering):
     backbone_prefix = "transformer"  # LlamaForQuestionAnswering.base_model_prefix, kept by transformers for BC
 
 
-# transformers' Generic*ForX heads, which every decoder family runs unless its task_models name another
+# transformers' Generic*ForX heads, which every decoder family runs (a family derived from LLaMA inherits them
+# in its task_models and replaces one by naming it there)
 DECODER_TASK_MODELS: dict[str, type[TaskModel]] = {
     "seqcls": DecoderForSequenceClassification, "tokcls": DecoderForTokenClassification,
     "qa": DecoderForQuestionAnswering}
@@ -346,19 +347,10 @@ class Llama(Family):
     config_class = LlamaConfig
     backbone_class = LlamaModel
     tasks = ("base", "causal_lm", "seqcls", "tokcls", "qa")
-    task_models = {"qa": LlamaForQuestionAnswering}
+    task_models = {**DECODER_TASK_MODELS, "qa": LlamaForQuestionAnswering}
     # the heads whose transformers loss reads num_items_in_batch (self.loss_function(..., **kwargs)): QA and the
     # causal LM; the generic sequence and token classifiers call theirs without it (task_registry.counted_items)
     num_items_tasks = frozenset({"qa", "causal_lm"})
-
-    @classmethod
-    def model_class(cls, task: str) -> type[PreTrainedModel]:
-        """``task_models`` first, then the decoder task models (transformers' generic heads), then the defaults:
-        a family derived from this one (Mistral, Qwen2) runs the decoder heads where its ``task_models`` name
-        no other."""
-        if task in cls.tasks and task not in cls.task_models and task in DECODER_TASK_MODELS:
-            return DECODER_TASK_MODELS[task]
-        return super().model_class(task)
 
     @classmethod
     def max_sequence_length(cls, config: LlamaConfig) -> int | None:

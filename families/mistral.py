@@ -10,7 +10,7 @@ from typing import ClassVar
 
 from flodl_hf.registry import register
 
-from .llama import DecoderForSequenceClassification, Llama, LlamaConfig
+from .llama import DecoderForQuestionAnswering, Llama, LlamaConfig
 
 
 @dataclass
@@ -34,5 +34,5 @@ class Mistral(Llama):
     model_type = "mistral"
     arch = "Mistral"
     config_class = MistralConfig
-    # MistralForQuestionAnswering keeps its backbone under "model": the default QA task model
-    task_models = {"seqcls": DecoderForSequenceClassification}
+    # MistralForQuestionAnswering keeps its backbone under "model": the generic QA task model
+    task_models = {**Llama.task_models, "qa": DecoderForQuestionAnswering}
