@@ -14,31 +14,24 @@ import warnings
 import pytest
 import torch
 
-from flodl_hf.auto import load_model
 from flodl_hf.decoder import KVCache
 from flodl_hf.errors import InputError
 from flodl_hf.generate import generate_ids
-from flodl_hf.parity import quiet_transformers, reference_model
+from flodl_hf.parity import quiet_transformers
 
 from helpers import make_checkpoint, one_thread  # noqa: F401  (the fixture)
 from test_decoder import SMALL, _fields, _left_padded
+from test_generate_defaults import _both
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 LLAMA = SMALL["llama"]
 
 
-def _load(root, impl: str = "sdpa"):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ours = load_model(root, "causal_lm", dtype=torch.float32, attn_implementation=impl).eval()
-        theirs = reference_model(root, "causal_lm", impl)
-    return ours, theirs
-
 
 @pytest.fixture(scope="module")
 def pair():
-    return _load(make_checkpoint(_fields(LLAMA), "causal_lm"))
+    return _both(make_checkpoint(_fields(LLAMA), "causal_lm"))
 
 
 def _theirs(theirs, ids, mask=None, seed=None, **kwargs):
@@ -93,7 +86,7 @@ def test_model_generate_and_generation_config_as_transformers(pair, tmp_path):
     root = tmp_path / "ckpt"
     shutil.copytree(make_checkpoint(_fields(LLAMA), "causal_lm"), root)
     (root / "generation_config.json").unlink()  # from_model_config
-    ours2, theirs2 = _load(root)
+    ours2, theirs2 = _both(root)
     assert ours2.generation_config.to_dict() == theirs2.generation_config.to_dict()
     assert torch.equal(ours2.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4),
                        _theirs(theirs2, ids, mask, max_new_tokens=4))
@@ -151,7 +144,7 @@ def test_lengths_several_sequences_no_cache_and_the_output_record(pair, tmp_path
     with pytest.raises(InputError, match="num_return_sequences=2"):
         generate_ids(ours, ids, mask, num_return_sequences=2, max_new_tokens=2)
     for impl in ("sdpa", "eager"):
-        pair_impl = pair if impl == "sdpa" else _load(make_checkpoint(_fields(LLAMA), "causal_lm"), impl)
+        pair_impl = pair if impl == "sdpa" else _both(make_checkpoint(_fields(LLAMA), "causal_lm"), impl)
         _same(pair_impl, ids, mask, use_cache=False, max_new_tokens=5, eos_token_id=[])
         _same(pair_impl, ids[:1, -3:], use_cache=False, max_new_tokens=5, eos_token_id=[])
     kwargs = dict(max_new_tokens=4, eos_token_id=[], return_dict_in_generate=True, output_scores=True,
@@ -171,7 +164,7 @@ def test_lengths_several_sequences_no_cache_and_the_output_record(pair, tmp_path
     data.update(max_new_tokens=5, repetition_penalty=1.3, min_new_tokens=2, num_return_sequences=2, do_sample=True,
                 use_cache=False)
     (root / "generation_config.json").write_text(json.dumps(data))
-    file_pair = _load(root)
+    file_pair = _both(root)
     assert _same(file_pair, ids, mask, seed=9, max_length=13).shape == (6, ids.shape[1] + 5)
 
 
