@@ -14,10 +14,19 @@ Synchronisation (``sync=``)
                   followed by an outer optimizer (``outer=DiLoCo(...)``).
     ``"none"``    no synchronisation (one process, or independent workers on their shards).
 
-Steps. One step is ``world_size * batch_size`` samples of the epoch, as one DDP step takes:
-``steps_per_epoch = ceil(len(data) / (world_size * batch_size))`` and ``max_steps`` is the
-same amount of data whatever ``sync`` is. Under El Che a worker's optimizer (and scheduler)
-steps once per local batch, so a fast worker takes more of them than a slow one.
+Steps. One step is ``world_size * batch_size * gradient_accumulation_steps`` samples of the
+epoch, as one DDP step takes: ``steps_per_epoch = ceil(len(data) / (world_size * batch_size * k))``
+and ``max_steps`` is the same amount of data whatever ``sync`` is. With
+``gradient_accumulation_steps=k`` (DDP, none) each worker runs the closure on k micro-batches of
+``batch_size``, each loss divided by the step's count of them before backward (transformers'
+rule; the epoch's last step may hold fewer), then one optimizer and scheduler step; under DDP
+the first k-1 run in ``no_sync()``. Under El Che a worker's optimizer (and scheduler) steps once
+per local batch, so a fast worker takes more of them than a slow one.
+
+Precision (``precision="bf16"`` or ``"fp16"``). The closure (and ``eval_fn``) runs under
+``torch.autocast``; parameters, gradients and optimizer state stay float32. fp16 scales the loss
+with ``torch.amp.GradScaler``: gradients unscaled before clipping, an overflowing step skipped
+(the scheduler with it), the scaler's state in the checkpoint.
 
 Data. Each epoch is ``torch.randperm(len(data))`` from a generator seeded by ``(seed, epoch)``
 (``shuffle=False``: in order). A step or window deals the next stretch of that order to the
@@ -48,9 +57,10 @@ same step number (a live El Che window that ends inside the step) is ``step-XXXX
       "train_time": float,                          # seconds, evaluation excluded
       "seed": int, "batch_size": int | None, "world_size": int, "sync": str,
       "batching": "fixed" | "length", "max_tokens": int | None,
+      "gradient_accumulation_steps": int, "precision": None | "bf16" | "fp16",  # absent: 1, None
       "el_che": {"anchor": int, "counts": [int], "ms_per_batch": [float | None]} | None,
       "outer": DiLoCo outer SGD state_dict | None,
-      "worker": worker 0's {"optimizer", "scheduler", "rng", "batches"},
+      "worker": worker 0's {"optimizer", "scheduler", "rng", "batches"[, "scaler"]},  # fp16: GradScaler
       "lora": None | {"config", "base": {"source", "weights_sha256"}, "adapter_only"},  # flodl_hf.lora
     }
 
@@ -75,6 +85,7 @@ tree in one page (:mod:`flodl_hf.report`). ``portal=True`` serves it live (:mod:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -125,6 +136,9 @@ class Trainer:
     (seconds) bounds every collective when the trainer starts the process group itself (from
     torchrun's environment). ``portal=True`` (or a port)
     serves the run's record live from worker 0 while it trains (:mod:`flodl_hf.portal`).
+    ``gradient_accumulation_steps`` (transformers' name) makes each optimizer step take that many
+    micro-batches of ``batch_size`` per worker; ``precision="bf16"|"fp16"`` runs the closure under
+    ``torch.autocast`` (fp16 with a ``GradScaler``), as transformers' ``bf16=True``/``fp16=True``.
     """
 
     def __init__(self, model: nn.Module, step: StepFn, optimizer: OptimizerFactory, data: Sequence, *,
@@ -139,7 +153,8 @@ class Trainer:
                  stop_when: Callable[[dict], bool] | None = None, timeout: float = 300.0,
                  verify_sync: bool = False, portal: bool | int = False, batching: str = "fixed",
                  max_tokens: int | None = None, lengths: Sequence[int] | None = None,
-                 balance: bool = False) -> None:
+                 balance: bool = False, gradient_accumulation_steps: int = 1,
+                 precision: str | None = None) -> None:
         if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
             raise TrainerConfigError("data must be sized and indexable (a list, a map-style Dataset); "
                                      f"got {type(data).__name__}")
@@ -154,6 +169,12 @@ class Trainer:
                             ("log_every", log_every), ("keep_checkpoints", keep_checkpoints)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise TrainerConfigError(f"{name} must be a positive int, got {value!r}")
+        k = gradient_accumulation_steps
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise TrainerConfigError(f"gradient_accumulation_steps must be an int >= 1 (micro-batches per optimizer "
+                                     f"step), got {k!r}")
+        if precision not in (None, "bf16", "fp16"):
+            raise TrainerConfigError(f"precision must be None (float32), 'bf16' or 'fp16', got {precision!r}")
         if isinstance(sync, str):
             if sync not in ("ddp", "el-che", "none"):
                 raise TrainerConfigError(f"sync must be 'ddp', 'el-che', 'none' or an ElChe, got {sync!r}")
@@ -167,6 +188,19 @@ class Trainer:
                                      f"needs sync='ddp' and batching='fixed' (got sync={sync!r}, "
                                      f"batching={batching!r})")
         self.balance = bool(balance)
+        # El Che's windows plan, time and claim the batch as the unit of a worker's optimizer step, and its
+        # syncs combine what those steps did: accumulation would change every one of those units.
+        if k > 1 and sync == "el-che":
+            raise TrainerConfigError(f"gradient_accumulation_steps={k} does not go with sync='el-che': a window's "
+                                     "batches are already its workers' steps between syncs; raise batch_size or "
+                                     "ElChe(anchor=...) instead, or use sync='ddp'")
+        # fp16's loss scale skips the steps whose gradients overflow; El Che's windows (and the lead's step on
+        # the others' gradients) count and combine steps that would then not have happened.
+        if precision == "fp16" and sync == "el-che":
+            raise TrainerConfigError("precision='fp16' does not go with sync='el-che' (its gradient scaler skips "
+                                     "overflowing steps that the windows count and combine); use precision='bf16', "
+                                     "which needs no scaler")
+        self.accumulation, self.precision = k, precision
         if outer is not None and sync != "el-che":
             raise TrainerConfigError("outer=DiLoCo(...) averages windows: it needs sync='el-che'")
         if outer is not None and el_che.combine == "lead":
@@ -280,7 +314,8 @@ class Trainer:
         else:
             self._batches, self._units, self._unit_batch = None, len(self.data), self.batch_size
         self._check_same_settings()
-        self.global_batch = comm.world * self._unit_batch
+        # One step: every worker's ``gradient_accumulation_steps`` micro-batches, one optimizer step.
+        self.global_batch = comm.world * self._unit_batch * self.accumulation
         self.steps_per_epoch = math.ceil(self._units / self.global_batch)
         ends = []
         if self.epochs is not None:
@@ -294,6 +329,9 @@ class Trainer:
         self.model.to(self.device)
         self.model.train()
         self._acc_dtype = torch.float32 if self.device.type == "mps" else torch.float64  # MPS has no float64
+        # precision: the closure runs under autocast; weights, gradients and the optimizer stay float32.
+        self._amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+        self._scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self._float_buffers = [b for b in self.model.buffers() if b.is_floating_point()]
         self.plan = Plan(self.el_che.anchor, (self.el_che.anchor,) * comm.world) if self.el_che else None
@@ -432,6 +470,7 @@ class Trainer:
                 "batching": self.batching, "max_tokens": self.max_tokens,
                 "batches_per_epoch": self._units if self._batches is not None else None,
                 "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps, "balance": self.balance,
+                "gradient_accumulation_steps": self.accumulation, "precision": self.precision,
                 "samples_per_epoch": len(self.data), "seed": self.seed, "device": str(self.device),
                 "el_che": dataclasses.asdict(self.el_che) if self.el_che else None,
                 "outer": dataclasses.asdict(self.outer_cfg) if self.outer_cfg else None,
@@ -483,29 +522,71 @@ class Trainer:
 
     # ---- one batch ---------------------------------------------------------------------------
     def _train_batch(self, indices: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
-        """One batch: forward, backward (``weight`` scales the loss there, not the one returned),
-        clipping, the optimizer and scheduler steps."""
+        """One batch as one optimizer step (El Che's unit): see :meth:`_train_step`."""
+        return self._train_step([indices], [weight])[0]
+
+    def _train_step(self, chunks: Sequence[torch.Tensor], weights: Sequence[float] | None = None) -> list[torch.Tensor]:
+        """One optimizer step on the micro-batches ``chunks``: forward and backward for each, the
+        gradients accumulated, then clipping, the optimizer and scheduler steps; returns each
+        micro-batch's loss as the closure gave it.
+
+        Before backward a micro-batch's loss is divided by the step's count of micro-batches, as
+        transformers' Trainer divides by ``current_gradient_accumulation_steps`` (the last step of an
+        epoch may hold fewer); ``weights`` (``balance=True``) scale it instead. Under DDP all but the
+        last micro-batch run in ``no_sync()``, so the gradients are all-reduced once a step."""
         self.optimizer.zero_grad(set_to_none=True)
-        try:
-            loss = _loss_of(self.step_fn(self.wrapped, self._batch(indices)))
-            (loss if weight == 1.0 else loss * weight).backward()
-        except RuntimeError as exc:  # DDP all-reduces in backward (and syncs buffers in forward)
-            if self.wrapped is not self.model and _collective_failed(exc):
-                raise self.comm.lost("DDP's gradient all-reduce", exc) from exc
-            raise
+        count, losses = len(chunks), []
+        for j, indices in enumerate(chunks):
+            weight = 1.0 if weights is None else weights[j]
+            quiet = self.wrapped is not self.model and j < count - 1
+            try:
+                with self.wrapped.no_sync() if quiet else contextlib.nullcontext():
+                    losses.append(self._forward_backward(indices, weight, count if weights is None else 1))
+            except RuntimeError as exc:  # DDP all-reduces in backward (and syncs buffers in forward)
+                if self.wrapped is not self.model and _collective_failed(exc):
+                    raise self.comm.lost("DDP's gradient all-reduce", exc) from exc
+                raise
+            self.batches += 1
         self._optimizer_step()
-        self.batches += 1
+        return losses
+
+    def _forward_backward(self, indices: torch.Tensor, weight: float = 1.0, divide: int = 1) -> torch.Tensor:
+        """The closure on one batch under the run's autocast, and backward on its loss times ``weight``
+        and divided by ``divide`` (through the fp16 gradient scaler); returns the loss as given."""
+        with self._autocast():
+            loss = _loss_of(self.step_fn(self.wrapped, self._batch(indices)))
+        scaled = loss if weight == 1.0 else loss * weight
+        scaled = scaled if divide == 1 else scaled / divide
+        (scaled if self._scaler is None else self._scaler.scale(scaled)).backward()
         return loss.detach()
+
+    def _autocast(self):
+        """``precision``'s autocast (bf16, fp16), or nothing for float32."""
+        if self._amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self._amp_dtype)
 
     def _optimizer_step(self) -> None:
         """Clipping, the optimizer and scheduler steps, on the gradients in place."""
         if self._sent is not None:  # combine="lead": the parameters the last sync sent are read until they land
             self._land_sent()
         t0 = time.perf_counter()
+        scaler = self._scaler
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)  # the clip sees the true gradients
         if self.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.trainable, self.grad_clip)
-        self.optimizer.step()
-        if self.scheduler is not None:
+        stepped = True
+        if scaler is None:
+            self.optimizer.step()
+        else:
+            # A step whose gradients overflowed is skipped and the scale lowered; the scheduler then
+            # stays where it is, as transformers' Trainer does (accelerate's optimizer_step_was_skipped).
+            scale = scaler.get_scale()
+            scaler.step(self.optimizer)
+            scaler.update()
+            stepped = scaler.get_scale() >= scale
+        if self.scheduler is not None and stepped:
             self.scheduler.step()
         self._opt_s = time.perf_counter() - t0
 
@@ -531,7 +612,8 @@ class Trainer:
         """``ElChe(combine="lead")`` on a worker other than the lead: forward and backward only, at
         the window's start, the gradient kept as the window's mean by samples (``seen`` samples
         of the window before this batch); the lead takes it at the window's end."""
-        loss = _loss_of(self.step_fn(self.wrapped, self._batch(indices)))
+        with self._autocast():
+            loss = _loss_of(self.step_fn(self.wrapped, self._batch(indices)))
         n = len(indices)
         if seen == 0:
             self.optimizer.zero_grad(set_to_none=True)
@@ -584,18 +666,26 @@ class Trainer:
         acc = self._fresh_acc()
         logged = self.step
         balance = self.balance and comm.world > 1
+        k = self.accumulation
         while not self._done():
-            sizes = self._balanced_sizes() if balance else deal([1] * comm.world, self._unit_batch, self._remaining())
-            chunks = self._chunks(self.position + sum(sizes[:comm.rank]), sizes[comm.rank])
+            # Each worker's share of the step: a stretch of the epoch's order (k micro-batches of
+            # batch_size, or k length batches), in rank order; balance=True splits by speed instead.
+            sizes = self._balanced_sizes() if balance else deal([k] * comm.world, self._unit_batch, self._remaining())
+            start = self.position + sum(sizes[:comm.rank])
+            if balance:  # this worker's share, in k micro-batches of near-equal size
+                chunks = [c for c in self._chunks(start, sizes[comm.rank])[0].tensor_split(k) if len(c)] \
+                    if sizes[comm.rank] else []
+            else:
+                chunks = self._chunks(start, sizes[comm.rank], split=True)
             if not chunks and self.sync == "ddp":
                 chunks = [self._chunks(0, 1)[0][:1]]  # every DDP worker must join the step's all-reduce
-            # balance=True: the loss weighted by this worker's share of the step, so that DDP's mean over
+            # balance=True: each micro-batch's loss weighted by its share of the step, so that DDP's mean over
             # workers is the mean over the step's samples (a worker without a sample adds nothing).
-            weight = comm.world * sizes[comm.rank] / sum(sizes) if balance else 1.0
+            weights = [comm.world * (len(c) if sizes[comm.rank] else 0) / sum(sizes) for c in chunks] \
+                if balance else None
             opt_before = self._opt_s
             t0 = time.perf_counter()
-            for indices in chunks:
-                loss = self._train_batch(indices, weight)
+            for indices, loss in zip(chunks, self._train_step(chunks, weights) if chunks else []):
                 loss_sum += loss.to(self._acc_dtype) * len(indices)
                 acc["batches"] += 1
                 acc["samples"] += len(indices)
@@ -1223,7 +1313,8 @@ class Trainer:
             # any), or turning it on would change training and resuming would not be bit-exact.
             host_rng = _host_rng_state()
             try:
-                with torch.random.fork_rng(devices=devices), torch.no_grad():
+                # Under the run's autocast, as transformers' Trainer evaluates (accelerate wraps the forward).
+                with torch.random.fork_rng(devices=devices), torch.no_grad(), self._autocast():
                     out = self.eval_fn(self.model)
             finally:
                 self.model.train(was_training)
@@ -1266,6 +1357,8 @@ class Trainer:
         if self.sync != "ddp" or comm.rank == 0:
             worker["optimizer"] = self.optimizer.state_dict()
             worker["scheduler"] = self.scheduler.state_dict() if self.scheduler is not None else None
+            if self._scaler is not None:  # fp16: the loss scale and its growth count
+                worker["scaler"] = self._scaler.state_dict()
         if comm.rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
         comm.barrier()
@@ -1286,6 +1379,7 @@ class Trainer:
             "train_time": self.train_time, "seed": self.seed, "batch_size": self.batch_size,
             "world_size": comm.world, "sync": self.sync, "batching": self.batching, "max_tokens": self.max_tokens,
             "data_size": len(self.data), "shuffle": self.shuffle,
+            "gradient_accumulation_steps": self.accumulation, "precision": self.precision,
             "el_che": {"anchor": self.plan.anchor, "counts": list(self.plan.counts), "ms_per_batch": self._ms}
             if self.plan is not None else None,
             "outer": self.outer.state_dict() if self.outer is not None else None,
@@ -1321,7 +1415,9 @@ class Trainer:
                 "data size": len(self.data), "shuffle": int(bool(self.shuffle)),
                 "sync": ("ddp", "el-che", "none").index(self.sync), "epochs": self.epochs or -1,
                 "max_steps": self.max_steps or -1, "max_tokens": self.max_tokens or -1,
-                "batching": ("fixed", "length").index(self.batching)}
+                "batching": ("fixed", "length").index(self.batching),
+                "gradient_accumulation_steps": self.accumulation,
+                "precision": (None, "bf16", "fp16").index(self.precision)}
         rows = self.comm.gather_floats([float(v) for v in mine.values()]).tolist()
         for i, name in enumerate(mine):
             values = [row[i] for row in rows]
@@ -1347,7 +1443,9 @@ class Trainer:
         for key, mine, old in (("batch_size", self.batch_size, None), ("sync", self.sync, None),
                                ("seed", self.seed, None), ("batching", self.batching, "fixed"),
                                ("max_tokens", self.max_tokens, None), ("data_size", len(self.data), len(self.data)),
-                               ("shuffle", self.shuffle, self.shuffle)):  # (the last two: older checkpoints lack them)
+                               ("shuffle", self.shuffle, self.shuffle),  # (data_size on: older checkpoints lack them)
+                               ("gradient_accumulation_steps", self.accumulation, 1),
+                               ("precision", self.precision, None)):
             if state.get(key, old) != mine:
                 raise TrainerError(f"{path}: checkpoint has {key}={state.get(key)!r} but this Trainer has "
                                    f"{key}={mine!r}; pass the same value, or resume=False to start fresh")
@@ -1378,6 +1476,8 @@ class Trainer:
             self.optimizer.load_state_dict(worker["optimizer"])
             if self.scheduler is not None and worker.get("scheduler") is not None:
                 self.scheduler.load_state_dict(worker["scheduler"])
+            if self._scaler is not None and worker.get("scaler") is not None:
+                self._scaler.load_state_dict(worker["scaler"])
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
             raise TrainerError(f"{self.resumed_from}: the checkpoint's optimizer or scheduler state does not fit "
                                f"this Trainer's ({type(self.optimizer).__name__}): {type(exc).__name__}: {exc}; "
