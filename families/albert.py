@@ -19,6 +19,7 @@ from flodl_hf.config import Activation
 from flodl_hf.families.bert import Bert, BertConfig, BertEmbeddings, BertModel, BertSelfAttention
 from flodl_hf.layers import activation
 from flodl_hf.modeling import HeadPart
+from flodl_hf.outputs import BaseModelOutput
 from flodl_hf.registry import register
 
 
@@ -114,6 +115,7 @@ class AlbertPooler(nn.Linear):
 
 
 class AlbertModel(BertModel):
+    output_record = BaseModelOutput  # AlbertModel has no cross-attention: BaseModelOutputWithPooling
     embeddings_class = AlbertEmbeddings
     encoder_class = AlbertTransformer
     pooler_class = AlbertPooler

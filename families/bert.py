@@ -19,6 +19,7 @@ from flodl_hf.heads import ModelForMaskedLM
 from flodl_hf.keys import LEGACY_LAYERNORM
 from flodl_hf.layers import activation, attend, split_heads
 from flodl_hf.modeling import Backbone, HeadPart, positional_order
+from flodl_hf.outputs import BaseModelOutputWithPoolingAndCrossAttentions
 from flodl_hf.registry import Family, register
 
 @dataclass
@@ -179,6 +180,7 @@ class BertPooler(nn.Module):
 class BertModel(Backbone):
     """The bare encoder: ``last_hidden_state`` and, with the pooler, ``pooler_output``."""
 
+    output_record = BaseModelOutputWithPoolingAndCrossAttentions  # BertModel may be built with cross-attention
     embeddings_class: ClassVar[type[nn.Module]] = BertEmbeddings
     encoder_class: ClassVar[type[nn.Module]] = BertEncoder
     pooler_class: ClassVar[type[nn.Module]] = BertPooler

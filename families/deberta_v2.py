@@ -25,6 +25,7 @@ from flodl_hf.errors import ConfigError
 from flodl_hf.heads import PooledClassifier, TokenClassifier
 from flodl_hf.layers import activation, record_attention
 from flodl_hf.modeling import HeadPart, PreTrainedModel
+from flodl_hf.outputs import BaseModelOutput
 from flodl_hf.keys import LEGACY_LAYERNORM
 from flodl_hf.registry import Family, register
 
@@ -325,6 +326,7 @@ class DebertaV2Encoder(BertEncoder):
 class DebertaV2Model(BertModel):
     """The bare encoder: ``last_hidden_state`` only (the ContextPooler belongs to the heads)."""
 
+    output_record = BaseModelOutput  # DebertaV2Model has no cross-attention
     embeddings_class = DebertaV2Embeddings
     encoder_class = DebertaV2Encoder
 

@@ -28,6 +28,7 @@ from flodl_hf.heads import (ModelForMaskedLM, ModelForMultipleChoice, ModelForQu
                             ModelForSequenceClassification, ModelForTokenClassification)
 from flodl_hf.layers import record_attention, split_heads
 from flodl_hf.modeling import positional_order
+from flodl_hf.outputs import BaseModelOutput
 from flodl_hf.registry import register
 
 PADDING_IDX = 1  # MPNetEmbeddings.padding_idx, fixed
@@ -155,6 +156,7 @@ ORDER = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
 
 @positional_order(*ORDER)
 class MPNetModel(BertModel):
+    output_record = BaseModelOutput  # MPNetModel has no cross-attention: BaseModelOutputWithPooling
     input_names = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
     embeddings_class = MPNetEmbeddings
     encoder_class = MPNetEncoder

@@ -593,10 +593,11 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
     transformers' (top-k 50). ``options``: ``generate_ids``' other settings (``num_return_sequences``,
     ``repetition_penalty``, ``min_new_tokens``, ``max_length``, ``generation_config``, ...). A keyword the pipeline
     takes that is not implemented here (``stop_sequence``, ``prefix``, ``truncation``, ...) is an InputError naming
-    it. Greedy prompts are batched with left padding (the pipeline runs them one by one: the ids are the same);
-    sampling, or a total ``max_length`` / ``min_length``, runs them one by one in order, so that after
-    ``torch.manual_seed(s)`` (or with ``seed=s``, which leaves the global generator alone) the draws are the
-    pipeline's.
+    it. As in the pipeline, the call's ``max_length`` also cuts each text prompt to that many tokens (its
+    tokenizer's truncation; a chat is not cut), so with ``max_new_tokens`` it bounds the prompt. Greedy prompts
+    are batched with left padding (the pipeline runs them one by one: the ids are the same); sampling, or a total
+    ``max_length`` / ``min_length``, runs them one by one in order, so that after ``torch.manual_seed(s)`` (or with
+    ``seed=s``, which leaves the global generator alone) the draws are the pipeline's.
 
     ``prompts`` may also be a chat (a list of ``{"role", "content"}`` dicts) or a list of chats, as the pipeline
     takes them: each is rendered with the tokenizer's chat template (``apply_chat_template``, a generation
@@ -644,8 +645,20 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
     if skip_special_tokens is None:
         skip_special_tokens = not getattr(tok, "response_template", None)
 
+    # TextGenerationPipeline.preprocess hands the call's max_length to the tokenizer as well as to generate: a text
+    # prompt is cut to it (truncation unset with a max_length is "longest_first", on the tokenizer's
+    # truncation_side), while apply_chat_template keeps its truncation=False, so a chat is never cut.
+    cut = options.get("max_length")
     if chats is None:
-        rows = [list(r) for r in tok(texts, return_tensors=None)["input_ids"]]
+        rows = [list(r) for r in tok(texts, max_length=cut, return_tensors=None)["input_ids"]]
+        if cut is not None and settings.max_new_tokens is None:
+            for i, r in enumerate(rows):
+                if len(r) >= cut:
+                    where = "prompts" if single else f"prompts[{i}]"
+                    raise InputError(f"{where}: the tokenizer cuts the prompt to max_length={cut} tokens, as the "
+                                     "pipeline's does, which leaves no room for new tokens (transformers' generate "
+                                     "refuses an input as long as max_length); pass max_new_tokens, and max_length "
+                                     "then only cuts the prompt")
     else:
         if getattr(tok, "response_template", None) is not None:
             raise InputError("prompts is a chat, and the tokenizer has a response_template: the pipeline parses "

@@ -634,7 +634,14 @@ def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
                                       "reads adapters whose init_lora_weights is true, false or one of "
                                       f"{', '.join(map(repr, _PLAIN_INITS))} (PEFT's path_initial_model_for_weight_"
                                       "conversion saves a PiSSA/OLoRA/CorDA adapter as plain LoRA)")
-    lora_settings(data, str(path))
+    settings = lora_settings(data, str(path))
+    if init == "orthogonal" and settings["r"] % 2:
+        # peft.tuners.lora.layer.LoraLayer.orthogonal_init reruns at every load and splits a QR basis in halves
+        raise AdapterError(f"{path}: init_lora_weights='orthogonal' needs an even r, and field 'r' is "
+                           f"{settings['r']}; PEFT refuses this adapter too (its orthogonal initialisation, rerun "
+                           "when it loads the adapter, requires the LoRA rank to be even). The saved A and B replace "
+                           "the initialisation at load, so setting init_lora_weights to true in this file loads the "
+                           "same adapter, in PEFT as here")
     for name, ok, expected in _OTHER_FIELDS:
         if not ok(data.get(name)):
             value = data[name]

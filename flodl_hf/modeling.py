@@ -253,11 +253,16 @@ def forward_options(output_hidden_states: object = None, output_attentions: obje
 
 
 def _recording_attentions(call):
-    """``call`` returning its output with ``attentions``: every weight ``layers.record_attention`` received."""
+    """``call`` returning its output with ``attentions``: every weight ``layers.record_attention`` received. A
+    record with ``cross_attentions`` gets them too, as transformers records both on ``output_attentions``
+    (``utils.output_capturing.capture_outputs``): none, since no layer here attends to an encoder's states."""
     def recorded(*args, **kwargs):
         with recording_attentions() as weights:
             out = call(*args, **kwargs)
-        return _with_field(out, "attentions", tuple(weights))
+        out = _with_field(out, "attentions", tuple(weights))
+        if "cross_attentions" in {f.name for f in dataclasses.fields(out)}:
+            out = dataclasses.replace(out, cross_attentions=())
+        return out
     return recorded
 
 
@@ -434,6 +439,8 @@ class Backbone(PreTrainedModel):
 
     input_names: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask", "token_type_ids", "position_ids",
                                               "inputs_embeds")
+    # the record forward returns: the one transformers' model of the same name returns
+    output_record: ClassVar[type[BaseModelOutput]] = BaseModelOutput
 
     def _apply(self, fn, recurse: bool = True):
         # model.to(dtype) / .half() / a device move reach the RoPE frequencies as transformers' buffers
@@ -495,7 +502,7 @@ class Backbone(PreTrainedModel):
         hidden = self.embed(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
                             inputs_embeds=inputs_embeds, attention_mask=attention_mask)
         hidden = self.encode(hidden, attention_mask, position_ids)
-        return BaseModelOutput(last_hidden_state=hidden, pooler_output=self.pool(hidden))
+        return self.output_record(last_hidden_state=hidden, pooler_output=self.pool(hidden))
 
 
 class HeadPart(nn.Module):

@@ -2,7 +2,9 @@
 
 Each record ends, as transformers' do, with ``hidden_states`` and ``attentions``: None unless the call asked
 for them (``output_hidden_states=True``, ``output_attentions=True``), and None fields are skipped by
-``keys()`` and ``to_tuple()``, so a plain call's tuple is unchanged."""
+``keys()`` and ``to_tuple()``, so a plain call's tuple is unchanged. The backbones whose transformers model can
+also be built as a decoder with cross-attention (BERT, RoBERTa and its aliases, ELECTRA) end theirs with
+``cross_attentions`` as well (:class:`BaseModelOutputWithPoolingAndCrossAttentions`)."""
 
 from __future__ import annotations
 
@@ -51,6 +53,15 @@ class BaseModelOutput(ModelOutput):
     pooler_output: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class BaseModelOutputWithPoolingAndCrossAttentions(BaseModelOutput):
+    """transformers' record of the BERT-lineage backbones (``_can_record_outputs`` names a cross-attention module):
+    ``cross_attentions`` is recorded whenever ``attentions`` are, and an encoder's layers have none, so it is
+    ``()`` with ``output_attentions=True`` and None otherwise."""
+
+    cross_attentions: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
