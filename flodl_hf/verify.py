@@ -158,7 +158,7 @@ def _find_source(directory: Path, stamp: dict, source: str | None, no_source: bo
         source = stamp.get("source")
         if not source:
             raise ConfigError(f"{directory / io.CONFIG_NAME}: carries no '{STAMP_KEY}' source stamp (it was not "
-                              "written by flodl-hf export); pass --source SOURCE, or --no-source to run checks 1 and 4")
+                              "written by flodl-hf export); pass --source SOURCE, or --no-source to run checks 1, 4 and 7")
         if stamp.get("format") == "flodl-checkpoint":
             return _Source(source, "trainer", True, path=Path(source))
         return _Source(source, "hf", True, ckpt=io.resolve(source, stamp.get("commit") or stamp.get("revision")))

@@ -1,4 +1,4 @@
-"""flodl-hf against transformers on this machine: seven cases, one command, one table.
+"""flodl-hf against transformers on this machine: eight cases, one command, one table.
 
     python scripts/bench.py                  # every case, the issue's sizes (see docs/benchmarks.md for how long)
     python scripts/bench.py --quick          # 300 messages, fewer repeats: a smoke run of a few minutes
@@ -21,7 +21,7 @@ Cases (ratios are ours / transformers for times, ours ÷ theirs for throughput):
   6. ModernBERT: a ModernBERT-base-size forward (22 layers, hidden 768, intermediate 1152, one padded
      batch 8 x 512, half the rows padded, sdpa; outputs torch.equal), and classify on the SMS messages
      with that model against the text-classification pipeline (batch_size=32).
-  7. LLaMA decoder (8 layers, hidden 1024, 16 heads x 64, 4 KV heads, vocab 32000): a left-padded causal-LM
+  8. LLaMA decoder (8 layers, hidden 1024, 16 heads x 64, 4 KV heads, vocab 32000): a left-padded causal-LM
      forward 4 x 128 (logits torch.equal), greedy generation of 64 tokens for 4 left-padded prompts against
      transformers' generate (identical tokens), and the KV cache's bytes after it (ours, transformers').
 
@@ -265,7 +265,7 @@ def case_forward(repeats: int) -> dict:
             "ratio": median(ratios), "goal": exact and median(ratios) <= 1.0}
 
 
-# ---- case 7: a LLaMA decoder ---------------------------------------------------------------------------------
+# ---- case 8: a LLaMA decoder ---------------------------------------------------------------------------------
 
 def left_padded(batch: int, length: int, vocab: int = 32000):
     import torch
@@ -746,14 +746,14 @@ def table(results: dict) -> str:
     if "decoder" in results:
         r = results["decoder"]
         f, g = r["forward"], r["generate"]
-        rows.append(f"| 7 LLaMA 8×1024 causal-LM forward 4×128, left padded | seconds (logits torch.equal: "
+        rows.append(f"| 8 LLaMA 8×1024 causal-LM forward 4×128, left padded | seconds (logits torch.equal: "
                     f"{f['exact']}) | {fmt(f['ours_s'], 3)} | {fmt(f['transformers_s'], 3)} | {fmt(f['ratio'], 3)} | "
                     f"≤ 1.00, equal | {yes(f['goal'])} |")
-        rows.append(f"| 7 LLaMA greedy {r['new_tokens']} tokens × 4 prompts | seconds (tokens identical: "
+        rows.append(f"| 8 LLaMA greedy {r['new_tokens']} tokens × 4 prompts | seconds (tokens identical: "
                     f"{g['identical']}) | {fmt(g['ours_s'], 3)} | {fmt(g['transformers_s'], 3)} | "
                     f"{fmt(g['ratio'], 3)} | ≤ 1.00, identical | {yes(g['goal'])} |")
         mb = 1024 * 1024
-        rows.append(f"| 7 LLaMA KV cache after generation | MiB | {g['cache_bytes']['ours'] / mb:.1f} | "
+        rows.append(f"| 8 LLaMA KV cache after generation | MiB | {g['cache_bytes']['ours'] / mb:.1f} | "
                     f"{g['cache_bytes']['transformers'] / mb:.1f} | "
                     f"{fmt(g['cache_bytes']['ours'] / g['cache_bytes']['transformers'])} | | |")
     if "forward" in results:
@@ -902,7 +902,7 @@ def write_doc(results: dict, meta: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default="1,2,3,4,5,6,7", help="comma-separated case numbers (default: all)")
+    parser.add_argument("--cases", default="1,2,3,4,5,6,7,8", help="comma-separated case numbers (default: all)")
     parser.add_argument("--quick", action="store_true", help="300 messages, fewer repeats (a smoke run)")
     parser.add_argument("--messages", type=int, default=None, help="SMS messages for case 3 (default 2000)")
     parser.add_argument("--chunks", type=int, default=None, help="case 3 alternates ours/theirs per chunk (default 8)")
@@ -964,8 +964,8 @@ def main() -> int:
     if 6 in cases:
         say("case 6: ModernBERT-base size: forward 8x512, SMS classify")
         results["modernbert"] = case_modernbert(max(3, repeats // 2), messages, chunks)
-    if 7 in cases:
-        say("case 7: LLaMA decoder (8 layers, hidden 1024): forward 4x128, greedy generation")
+    if 8 in cases:
+        say("case 8: LLaMA decoder (8 layers, hidden 1024): forward 4x128, greedy generation")
         results["decoder"] = case_decoder(max(3, repeats // 2), 16 if args.quick else 64)
     if 5 in cases:
         say("case 5: roofline")

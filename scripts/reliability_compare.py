@@ -11,6 +11,7 @@ cases that could hang or exhaust memory run in a subprocess with a time and memo
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -288,4 +289,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -17,6 +17,7 @@ checkpoint and the exported model. Delete ./tour-output/ when done.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import random
 import sys
@@ -126,4 +127,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     sys.exit(main())

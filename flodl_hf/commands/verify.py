@@ -31,7 +31,7 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dir", metavar="DIR")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--source", default=None, help="compare with this source instead of the stamped one")
-    group.add_argument("--no-source", action="store_true", help="no upstream (fine-tuned): checks 1 and 4 only")
+    group.add_argument("--no-source", action="store_true", help="no upstream (fine-tuned): checks 1, 4 and 7 only")
     p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help="an input text (repeatable); default: two prompts, or random ids without a tokenizer")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
