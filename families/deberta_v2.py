@@ -439,6 +439,7 @@ class DebertaV2(Family):
     backbone_class = DebertaV2Model
     attn_implementations = ("eager",)
     float_position_ids = True  # DebertaV2Embeddings.forward: position_embeddings(position_ids.long())
+    none_is_config_default = True  # output_hidden_states if not None else config.output_hidden_states
 
     @classmethod
     def classifier_dropout(cls, config: DebertaV2Config) -> float:

@@ -195,6 +195,7 @@ class MPNet(Roberta):
     config_class = MPNetConfig
     backbone_class = MPNetModel
     attn_implementations = ("eager",)  # transformers has only MPNet's own attention
+    none_is_config_default = True  # output_hidden_states if not None else config.output_hidden_states
     task_models = {"seqcls": MPNetForSequenceClassification, "tokcls": MPNetForTokenClassification,
                    "qa": MPNetForQuestionAnswering, "mlm": MPNetForMaskedLM, "mc": MPNetForMultipleChoice}
 

@@ -88,15 +88,19 @@ class PreTrainedModel(nn.Module):
     def __call__(self, *args, **kwargs):
         """transformers' forward keywords (``output_hidden_states``, ``return_dict``, ``output_attentions``,
         ``head_mask``) are handled here, once for every backbone and task model; see ``forward_options``. A
-        keyword left out or None takes the config's value (config.json's, or from_pretrained's keyword), as in
-        transformers."""
+        keyword left out takes the config's value (config.json's, or from_pretrained's keyword), as in
+        transformers; one passed as None does too, except ``output_hidden_states`` and ``output_attentions`` in
+        the families whose transformers models read None as False (``Family.none_is_config_default``)."""
         if not _FORWARD_OPTIONS.intersection(kwargs) and not config_sets_forward_defaults(self.config):
             return super().__call__(*args, **kwargs)
         defaults = self.config.raw
         options = {k: defaults[k] for k in _CONFIG_DEFAULTS if defaults.get(k) is not None}
         for name in _FORWARD_OPTIONS.intersection(kwargs):
             value = kwargs.pop(name)
-            if value is not None or name == "head_mask":
+            if value is None and name in ("output_hidden_states", "output_attentions"):
+                if not self.family.none_is_config_default:
+                    options[name] = False
+            elif value is not None or name == "head_mask":
                 options[name] = value
         hidden, attentions, return_dict = forward_options(**options)
         call = super().__call__

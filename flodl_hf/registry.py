@@ -54,6 +54,10 @@ class Family:
     # there the loss is the sum over the batch divided by it (task_registry.counted_items); every other head
     # takes it and ignores it, as transformers' do.
     num_items_tasks: ClassVar[frozenset[str]] = frozenset()
+    # What an explicit output_hidden_states=None / output_attentions=None means. transformers 5's models that
+    # record outputs with hooks (check_model_inputs / capture_outputs) read a keyword passed as None as False;
+    # the older ones (DeBERTa-v2, MPNet) take the config's value, as for a keyword left out.
+    none_is_config_default: ClassVar[bool] = False
 
     # ---- building ---------------------------------------------------------------------------
     @classmethod

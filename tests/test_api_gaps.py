@@ -216,3 +216,31 @@ def test_cross_attentions_follow_output_attentions_set_at_load():
                 continue
             assert list(a.keys()) == list(b.keys()), kw
             assert _field(a, "cross_attentions") == _field(b, "cross_attentions"), kw
+
+
+# ---- 4. output_hidden_states=None / output_attentions=None passed explicitly --------------------------------
+
+NONE_CASES = [(c, t) for c, t in EVERY_FAMILY_AND_TASK if t in ("base", "seqcls")]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("case,task", NONE_CASES, ids=["-".join(c) for c in NONE_CASES])
+def test_an_explicit_none_means_what_it_means_in_transformers(case, task):
+    """With a config that asks for hidden states and attentions, a keyword passed as None is False in the models
+    transformers 5 records with hooks, and the config's value in DeBERTa-v2 and MPNet: the same fields, the same
+    tensors."""
+    ours, theirs, batch = _eager_pair(case, task)
+    if "use_cache" in (ours if task == "base" else ours.backbone).input_names:
+        batch = {**batch, "use_cache": False}
+    for name in ("output_hidden_states", "output_attentions"):
+        ours.config.raw[name] = True
+        setattr(theirs.config, name, True)
+    with torch.inference_mode():
+        for options in ({}, {"output_hidden_states": None}, {"output_attentions": None},
+                        {"output_hidden_states": None, "output_attentions": None},
+                        {"output_hidden_states": False, "output_attentions": None}):
+            a, b = ours(**batch, **options), theirs(**batch, **options)
+            assert list(a.keys()) == list(b.keys()), options
+            for key in ("hidden_states", "attentions"):
+                if b.get(key) is not None:
+                    assert len(a[key]) == len(b[key]) and all(torch.equal(x, y) for x, y in zip(a[key], b[key]))
