@@ -12,7 +12,9 @@ Mirrors ``transformers.models.llama.modeling_llama`` (5.24):
 - heads: ``lm_head`` (causal_lm, tied with ``tie_word_embeddings``), ``score`` on the last non-pad token
   (seqcls), ``score`` per token (tokcls), ``qa_outputs`` with the backbone under ``transformer`` (qa).
 Mistral and Qwen2 (families/mistral.py, families/qwen2.py) are this file with other defaults, biases
-and windows.
+and windows; Qwen3, Phi3 and Gemma replace parts through the backbone's hooks (``attention_class`` with its
+``make_projections`` / ``project``, ``layer_class``, ``make_mlp``, ``norm_class``, ``embedding_class``) and the
+config's (``biases``, ``layer_kinds``, ``window``, ``rotary_dim``, ``rope_types``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import torch
 from torch import nn
 
 from flodl_hf.config import Activation, BaseConfig
-from flodl_hf.decoder import (KVCache, Rope, RMSNorm, SwiGLU, apply_rotary_pos_emb, as_cache, causal_mask,
-                              grouped_attend, rotary_cos_sin)
+from flodl_hf.decoder import (ROPE_TYPES, KVCache, Rope, RMSNorm, SwiGLU, apply_rotary_pos_emb, as_cache,
+                              causal_mask, grouped_attend, rotary_cos_sin)
 from flodl_hf.errors import ConfigError, InputError
 from flodl_hf.heads import (ModelForQuestionAnswering, ModelForSequenceClassification, ModelForTokenClassification,
                             SpanClassifier)
@@ -44,6 +46,7 @@ class LlamaConfig(BaseConfig):
     model_type: ClassVar[str] = "llama"
     enum_fields: ClassVar[dict[str, type]] = {"hidden_act": Activation}
     default_theta: ClassVar[float] = 10_000.0
+    rope_types: ClassVar[tuple[str, ...]] = ROPE_TYPES  # the RoPE types the family takes (Rope.resolve)
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -87,9 +90,15 @@ class LlamaConfig(BaseConfig):
     def attention_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
+    @property
+    def rotary_dim(self) -> int:
+        """The head dimensions RoPE turns: all of them (Phi3: ``partial_rotary_factor`` of them)."""
+        return self.attention_head_dim
+
     def rope(self) -> Rope:
         return Rope.resolve(self.rope_parameters, self.rope_scaling, self.rope_theta, self.default_theta,
-                            self.max_position_embeddings, self.raw.get("original_max_position_embeddings"))
+                            self.max_position_embeddings, self.raw.get("original_max_position_embeddings"),
+                            self.rope_types)
 
     def biases(self) -> tuple[bool, bool, bool]:
         """(q/k/v, o_proj, MLP) biases: ``attention_bias`` and ``mlp_bias`` for LLaMA."""
@@ -105,27 +114,36 @@ class LlamaConfig(BaseConfig):
 
 
 class LlamaAttention(nn.Module):
+    """LlamaAttention: ``q_proj k_proj v_proj o_proj``, RoPE, the cache, grouped attention. A family changes the
+    projections through two hooks: ``make_projections`` (the modules: Phi3's fused ``qkv_proj``) and ``project``
+    (q, k, v per head before the transpose: Qwen3 norms each head there)."""
+
     def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
         self.head_dim = config.attention_head_dim
         self.groups = config.num_attention_heads // config.kv_heads
         self.scaling = self.head_dim ** -0.5
+        self.make_projections(config, config.num_attention_heads * self.head_dim, config.kv_heads * self.head_dim)
+
+    def make_projections(self, config: LlamaConfig, heads: int, kv: int) -> None:
         qkv_bias, o_bias, _ = config.biases()
-        heads, kv = config.num_attention_heads * self.head_dim, config.kv_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, heads, bias=qkv_bias)
         self.k_proj = nn.Linear(config.hidden_size, kv, bias=qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv, bias=qkv_bias)
         self.o_proj = nn.Linear(heads, config.hidden_size, bias=o_bias)
 
+    def project(self, hidden_states: torch.Tensor,
+                shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v viewed as ``shape`` (B, S, heads, head_dim), not yet transposed."""
+        return (self.q_proj(hidden_states).view(shape), self.k_proj(hidden_states).view(shape),
+                self.v_proj(hidden_states).view(shape))
+
     def forward(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                 cache: KVCache | None) -> torch.Tensor:
         # LlamaAttention.forward: view + transpose, RoPE, cache update, attention, reshape, o_proj
         input_shape = hidden_states.shape[:-1]
-        shape = (*input_shape, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in self.project(hidden_states, (*input_shape, -1, self.head_dim)))
         q, k = apply_rotary_pos_emb(q, k, *rope)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
@@ -135,13 +153,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+    """One pre-norm layer, given its parts (the backbone's ``attention_class``, ``make_mlp``, ``norm_class``)."""
+
+    def __init__(self, config: LlamaConfig, self_attn: nn.Module, mlp: nn.Module, norm_class: type[nn.Module]) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, activation(config.hidden_act),
-                          bias=config.biases()[2])
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                 cache: KVCache | None) -> torch.Tensor:
@@ -151,7 +170,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(Backbone):
-    """``last_hidden_state`` after ``norm``, and the KV cache (``cache``) when ``use_cache``."""
+    """``last_hidden_state`` after ``norm``, and the KV cache (``cache``) when ``use_cache``. The parts a family
+    replaces are class attributes (``embedding_class``, ``attention_class``, ``layer_class``, ``norm_class``) and
+    ``make_mlp``."""
+
+    embedding_class: ClassVar[type[nn.Embedding]] = nn.Embedding
+    attention_class: ClassVar[type[nn.Module]] = LlamaAttention
+    layer_class: ClassVar[type[nn.Module]] = LlamaDecoderLayer
+    norm_class: ClassVar[type[nn.Module]] = RMSNorm
 
     input_names = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "cache", "use_cache",
                    "past_key_values")
@@ -160,10 +186,16 @@ class LlamaModel(Backbone):
 
     def __init__(self, config: LlamaConfig, add_pooling_layer: bool = False) -> None:
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.embed_tokens = self.embedding_class(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(self.layer_class(config, self.attention_class(config, i), self.make_mlp(config),
+                                                     self.norm_class) for i in range(config.num_hidden_layers))
+        self.norm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
         self.inverse_frequencies = RopeFrequencies(self._make_inverse_frequencies)
+
+    @classmethod
+    def make_mlp(cls, config: LlamaConfig) -> nn.Module:
+        return SwiGLU(config.hidden_size, config.intermediate_size, activation(config.hidden_act),
+                      bias=config.biases()[2])
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
@@ -179,7 +211,7 @@ class LlamaModel(Backbone):
         return KVCache(self.cache_windows())
 
     def _make_inverse_frequencies(self, _key: None, device: torch.device | None) -> torch.Tensor:
-        return self.config.rope().inverse_frequencies(self.config.attention_head_dim, device)
+        return self.config.rope().inverse_frequencies(self.config.rotary_dim, device)
 
     def embed(self, input_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
               position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,

@@ -1,4 +1,4 @@
-"""Building blocks shared by the decoder families (LLaMA, Mistral, Qwen2): RMSNorm, RoPE with its
+"""Building blocks shared by the decoder families (LLaMA and those derived from it): RMSNorm, RoPE with its
 scalings, grouped-query attention on both paths, causal (and sliding causal) masks, the KV cache.
 
 Each mirrors the transformers 5.24 function named in its comment, op for op, so a decoder built from
@@ -79,22 +79,23 @@ class Rope:
     @classmethod
     def resolve(cls, rope_parameters: dict | None, rope_scaling: dict | None, rope_theta: float | None,
                 default_theta: float, max_position_embeddings: int,
-                original_max_position_embeddings: Any = None) -> "Rope":
+                original_max_position_embeddings: Any = None, supported: Sequence[str] = ROPE_TYPES) -> "Rope":
         """As ``PreTrainedConfig.convert_rope_params_to_dict`` / ``standardize_rope_params`` read them: the older
         ``rope_scaling`` (``type`` or ``rope_type``) when present, over ``rope_parameters`` (``rope_scaling or
         rope_parameters``); a ``rope_theta`` inside it, else the top-level ``rope_theta``, else the default.
         For llama3, a top-level ``original_max_position_embeddings`` (passed here) wins over the nested one,
         which wins over ``max_position_embeddings``. Numbers must be JSON numbers (transformers fails on
-        strings at the first forward); anything else is a ConfigError naming config.json and the field."""
+        strings at the first forward); anything else is a ConfigError naming config.json and the field, as is a
+        type outside ``supported`` (the family's: Phi3 takes ``default`` only)."""
         given = rope_scaling or rope_parameters
         source = "rope_scaling" if rope_scaling else "rope_parameters"
         if given is not None and not isinstance(given, dict):
             raise ConfigError(f"config field {source}={given!r}: expected an object")
         params = dict(given or {})
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in ROPE_TYPES:
+        if rope_type not in supported:
             raise ConfigError(f"config field {source}.rope_type={rope_type!r} is not supported "
-                              f"(supported: {', '.join(ROPE_TYPES)})")
+                              f"(supported: {', '.join(supported)})")
         if "rope_theta" in params and params["rope_theta"] is not None:
             theta = _number(params["rope_theta"], f"{source}.rope_theta")
         elif rope_theta is not None:
@@ -147,8 +148,15 @@ def rotary_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: to
 
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """modeling_llama.apply_rotary_pos_emb, in q's dtype (no float32 round trip, unlike ModernBERT's)."""
+    """modeling_llama.apply_rotary_pos_emb, in q's dtype (no float32 round trip, unlike ModernBERT's). With cos
+    narrower than the heads (a partial rotary factor), modeling_phi3's: the first dimensions turn, the rest pass."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < q.shape[-1]:
+        q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+        k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+        return (torch.cat([(q_rot * cos) + (rotate_half(q_rot) * sin), q_pass], dim=-1),
+                torch.cat([(k_rot * cos) + (rotate_half(k_rot) * sin), k_pass], dim=-1))
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
 
 

@@ -48,10 +48,20 @@ def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
+# named functions, not lambdas: a module holding one (an MLP's act_fn) must pickle and deepcopy
+def _gelu_pytorch_tanh(x: torch.Tensor) -> torch.Tensor:
+    # transformers.activations.PytorchGELUTanh
+    return F.gelu(x, approximate="tanh")
+
+
+def _linear(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 ACTIVATIONS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
     Activation.GELU: F.gelu,
     Activation.GELU_NEW: _gelu_new,
-    Activation.GELU_PYTORCH_TANH: lambda x: F.gelu(x, approximate="tanh"),
+    Activation.GELU_PYTORCH_TANH: _gelu_pytorch_tanh,
     Activation.GELU_FAST: _gelu_fast,
     Activation.GELU_PYTHON: _gelu_python,
     Activation.QUICK_GELU: _quick_gelu,
@@ -59,7 +69,7 @@ ACTIVATIONS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
     Activation.SILU: F.silu,
     Activation.SWISH: F.silu,
     Activation.TANH: torch.tanh,
-    Activation.LINEAR: lambda x: x,
+    Activation.LINEAR: _linear,
 }
 
 

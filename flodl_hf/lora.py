@@ -61,7 +61,7 @@ BIAS_MODES = ("none", "all", "lora_only")
 
 # PEFT's default LoRA targets for the model types registered here, as
 # peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING holds them (peft 0.21);
-# a model type PEFT has no default for (camembert, distilbert, albert, mpnet, modernbert) needs
+# a model type PEFT has no default for (camembert, distilbert, albert, mpnet, modernbert, phi3) needs
 # target_modules, in PEFT as here.
 PEFT_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "bert": ("query", "value"),
@@ -73,6 +73,8 @@ PEFT_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "llama": ("q_proj", "v_proj"),
     "mistral": ("q_proj", "v_proj"),
     "qwen2": ("q_proj", "v_proj"),
+    "qwen3": ("q_proj", "v_proj"),
+    "gemma": ("q_proj", "v_proj"),
 }
 
 # PEFT's task classes (PeftModelForSequenceClassification ...) add these to modules_to_save.

@@ -62,6 +62,9 @@ CLASS_FOR_MODEL_TYPE = {
     "llama": "LlamaTokenizer",
     "mistral": "LlamaTokenizer",
     "qwen2": "Qwen2Tokenizer",
+    "qwen3": "Qwen2Tokenizer",
+    "phi3": "TokenizersBackend",
+    "gemma": "GemmaTokenizer",
 }
 
 

@@ -4,7 +4,7 @@ stopping, the LLaMA tokenizers (a SentencePiece model and a BPE-with-byte-fallba
 ``generate`` command, and a short causal-LM fine-tune with the trainer.
 
 Right padding, every head and the losses are in the shared tables (tests/cases/llama.py, mistral.py,
-qwen2.py through test_parity.py, test_losses.py, test_export.py).
+qwen2.py, qwen3.py, phi3.py, gemma.py through test_parity.py, test_losses.py, test_export.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from flodl_hf.samples import sample_path
 from cases import CASES
 from helpers import make_checkpoint
 
-SMALL = {"llama": "llama-hd24-bias-tied-llama3", "mistral": "mistral-hd24-window4", "qwen2": "qwen2-hd24-sliding"}
+SMALL = {"llama": "llama-hd24-bias-tied-llama3", "mistral": "mistral-hd24-window4", "qwen2": "qwen2-hd24-sliding",
+         "qwen3": "qwen3-hd24-qknorm-sliding", "phi3": "phi3-hd24-partial-window4",
+         "gemma": "gemma-hd24-scaled-bias"}
 
 
 def _fields(variant: str) -> dict:
@@ -53,7 +55,8 @@ def _pair(variant: str, impl: str):
 
 # the real-width model on both paths, the windowed families on one each (both paths are in the parity table)
 CELLS = [("llama-1024-gqa", "sdpa"), ("llama-1024-gqa", "eager"), (SMALL["llama"], "sdpa"),
-         (SMALL["mistral"], "eager"), (SMALL["qwen2"], "sdpa")]
+         (SMALL["mistral"], "eager"), (SMALL["qwen2"], "sdpa"), (SMALL["qwen3"], "eager"),
+         (SMALL["phi3"], "sdpa"), (SMALL["gemma"], "eager")]
 
 
 @pytest.mark.parametrize("variant,impl", CELLS, ids=[f"{v}-{i}" for v, i in CELLS])
@@ -165,7 +168,8 @@ def test_past_key_values_in_as_per_layer_tuples_and_logits_to_keep():
 
 
 @pytest.mark.parametrize("variant,impl", [("llama-1024-gqa", "sdpa"), (SMALL["mistral"], "sdpa"),
-                                          (SMALL["qwen2"], "eager")])
+                                          (SMALL["qwen2"], "eager"), (SMALL["qwen3"], "sdpa"),
+                                          (SMALL["phi3"], "eager"), (SMALL["gemma"], "sdpa")])
 def test_greedy_generate_equals_transformers_and_stops_at_eos(variant, impl):
     _, ours, theirs = _pair(variant, impl)
     ids, mask = _left_padded(ours.config.vocab_size)

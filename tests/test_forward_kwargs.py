@@ -54,7 +54,8 @@ HIDDEN_CASES = [
     ("albert-groups-hd24", "base", "sdpa"), ("mpnet-hd24", "base", "eager"),
     # the decoders, through the same contract hook (use_cache=False: the tuple then holds no cache object)
     ("llama-hd24-bias-tied-llama3", "causal_lm", "sdpa"), ("mistral-hd24-window4", "causal_lm", "eager"),
-    ("qwen2-hd24-sliding", "causal_lm", "sdpa"),
+    ("qwen2-hd24-sliding", "causal_lm", "sdpa"), ("qwen3-hd24-qknorm-sliding", "causal_lm", "eager"),
+    ("phi3-hd24-partial-window4", "causal_lm", "sdpa"), ("gemma-hd24-scaled-bias", "causal_lm", "eager"),
 ]
 
 
