@@ -14,7 +14,7 @@ from torch import nn
 
 from flodl_hf.config import Activation
 from flodl_hf.errors import ConfigError
-from flodl_hf.layers import RopeFrequencies
+from flodl_hf.layers import LazyBuffers, cast_lazy_buffers
 from flodl_hf.registry import register
 
 from .llama import Llama, LlamaConfig, LlamaModel
@@ -66,19 +66,19 @@ class GemmaRMSNorm(nn.Module):
 
 class GemmaTextScaledWordEmbedding(nn.Embedding):
     """The embedding times ``sqrt(embedding_dim)`` cast to the weights' dtype. transformers keeps the scale in a
-    non-persistent float32 buffer that casts round; ours is a ``RopeFrequencies`` (made at first use, so a meta
+    non-persistent float32 buffer that casts round; ours is a ``LazyBuffers`` (made at first use, so a meta
     build holds none) that this module's ``_apply`` hands every cast, as the buffer gets it."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim, padding_idx)
         self.scalar_embed_scale = embedding_dim ** 0.5
-        self.embed_scale = RopeFrequencies(self._make_scale)
+        self.embed_scale = LazyBuffers(self._make_scale)
 
     def _make_scale(self, _key: None, device: torch.device | None) -> torch.Tensor:
         return torch.tensor(self.scalar_embed_scale, device=device)
 
     def _apply(self, fn, recurse: bool = True):
-        self.embed_scale.apply(fn)
+        cast_lazy_buffers(self, fn)
         return super()._apply(fn, recurse)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

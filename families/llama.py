@@ -32,7 +32,7 @@ from flodl_hf.errors import ConfigError, InputError
 from flodl_hf.heads import (ModelForQuestionAnswering, ModelForSequenceClassification, ModelForTokenClassification,
                             SpanClassifier)
 from flodl_hf.heads.causal_lm import LMHead
-from flodl_hf.layers import MaskSpec, RopeFrequencies, activation
+from flodl_hf.layers import MaskSpec, LazyBuffers, activation
 from flodl_hf.modeling import Backbone, HeadPart, TaskModel, check_forward_inputs
 from flodl_hf.outputs import (BaseModelOutputWithPast, QuestionAnsweringModelOutput, SequenceClassifierOutputWithPast,
                               TokenClassifierOutput)
@@ -190,7 +190,7 @@ class LlamaModel(Backbone):
         self.layers = nn.ModuleList(self.layer_class(config, self.attention_class(config, i), self.make_mlp(config),
                                                      self.norm_class) for i in range(config.num_hidden_layers))
         self.norm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
-        self.inverse_frequencies = RopeFrequencies(self._make_inverse_frequencies)
+        self.inverse_frequencies = LazyBuffers(self._make_inverse_frequencies)
 
     @classmethod
     def make_mlp(cls, config: LlamaConfig) -> nn.Module:

@@ -23,7 +23,7 @@ from torch import nn
 
 from flodl_hf.config import Activation, BaseConfig
 from flodl_hf.errors import ConfigError
-from flodl_hf.layers import (PADDING, MaskSpec, RopeFrequencies, activation, apply_rotary, attend, rope_cos_sin,
+from flodl_hf.layers import (PADDING, MaskSpec, LazyBuffers, activation, apply_rotary, attend, rope_cos_sin,
                              rope_inverse_frequencies)
 from flodl_hf.heads import (ModelForMaskedLM, ModelForMultipleChoice, ModelForQuestionAnswering,
                             ModelForSequenceClassification, ModelForTokenClassification)
@@ -197,7 +197,7 @@ class ModernBertModel(Backbone):
         self.embeddings = ModernBertEmbeddings(config)
         self.layers = nn.ModuleList(ModernBertEncoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.final_norm = _norm(config)
-        self.inverse_frequencies = RopeFrequencies(self._make_inverse_frequencies, config.layer_kinds())
+        self.inverse_frequencies = LazyBuffers(self._make_inverse_frequencies, config.layer_kinds())
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings.tok_embeddings

@@ -356,11 +356,12 @@ def _rows_of(out: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor:
 
 # ---- rotary position embeddings -----------------------------------------------------------------------
 
-class RopeFrequencies:
-    """RoPE's inverse frequencies per key (a layer kind; one key for a single RoPE), made by ``make(key, device)``
-    in float32 at first use (a meta build holds none). transformers keeps them in non-persistent buffers, so
-    ``model.to(dtype)``, ``.half()`` and ``.bfloat16()`` round them, and a later ``.float()`` keeps the rounding:
-    ``Backbone._apply`` hands the cast to every RopeFrequencies a backbone holds, which does as those buffers do."""
+class LazyBuffers:
+    """Tensors that transformers keeps in non-persistent float32 buffers (RoPE's inverse frequencies per key, a
+    layer kind, or one key; Gemma's embedding scale), made by ``make(key, device)`` at first use, so a meta build
+    holds none. Those buffers follow ``model.to(dtype)``, ``.half()`` and ``.bfloat16()``, which round them, and a
+    later ``.float()`` keeps the rounding: the module holding a LazyBuffers hands it every cast
+    (:func:`cast_lazy_buffers` in its ``_apply``; ``Backbone`` does), which does as those buffers do."""
 
     def __init__(self, make: Callable[[object, torch.device | None], torch.Tensor], keys: Sequence = (None,)) -> None:
         self._make, self._keys, self._made = make, tuple(dict.fromkeys(keys)), {}
@@ -373,6 +374,13 @@ class RopeFrequencies:
     def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for key in self._keys:
             self._made[key] = fn(self(key))
+
+
+def cast_lazy_buffers(module: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """``module._apply``'s cast (dtype or device) on each LazyBuffers among the module's own attributes."""
+    for value in list(vars(module).values()):
+        if isinstance(value, LazyBuffers):
+            value.apply(fn)
 
 
 def rope_inverse_frequencies(theta: float, head_dim: int, device: torch.device | None = None) -> torch.Tensor:

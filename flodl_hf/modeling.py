@@ -30,7 +30,7 @@ from torch import nn
 from . import io, keys
 from .config import BaseConfig
 from .errors import CheckpointFormatError, InputError, WeightsMismatchError
-from .layers import (PADDING, MaskSpec, RopeFrequencies, build_masks, check_attn_implementation,
+from .layers import (PADDING, MaskSpec, build_masks, cast_lazy_buffers, check_attn_implementation,
                      recording_attentions)
 from .outputs import BaseModelOutput
 
@@ -448,9 +448,7 @@ class Backbone(PreTrainedModel):
 
     def _apply(self, fn, recurse: bool = True):
         # model.to(dtype) / .half() / a device move reach the RoPE frequencies as transformers' buffers
-        for value in list(vars(self).values()):
-            if isinstance(value, RopeFrequencies):
-                value.apply(fn)
+        cast_lazy_buffers(self, fn)
         return super()._apply(fn, recurse)
 
     def mask_specs(self) -> list[MaskSpec]:

@@ -3,7 +3,7 @@ computes as transformers' model cast the same way, torch.equal in the same run.
 
 RoPE families are the case that needed work: transformers keeps the inverse frequencies in non-persistent
 buffers that the cast rounds (and ``.float()`` does not restore), where a load with ``dtype=`` keeps them
-float32; ours follow the same two rules (``layers.RopeFrequencies``, ``Backbone._apply``).
+float32; ours follow the same two rules (``layers.LazyBuffers``, ``Backbone._apply``).
 """
 
 from __future__ import annotations
