@@ -24,7 +24,7 @@ from .errors import (
 
 from .distributed import DiLoCo, ElChe
 from .generate import generate
-from .tasks import answer, classify, detect_replaced, embed, fill_mask, rank, tag
+from .tasks import answer, classify, detect_replaced, embed, fill_mask, rank, tag, zero_shot
 from .tokenizer import AutoTokenizer, Tokenizer
 from .trainer import Trainer
 
@@ -38,5 +38,5 @@ __all__ = [
     "UnsupportedModelError", "WeightsMismatchError",
     "Trainer", "ElChe", "DiLoCo",
     "AutoTokenizer", "Tokenizer", "answer", "classify", "detect_replaced", "embed", "fill_mask", "generate", "rank",
-    "tag",
+    "tag", "zero_shot",
 ]

@@ -1,4 +1,4 @@
-"""The task commands: ``fill-mask``, ``classify``, ``tag``, ``answer``, ``embed``."""
+"""The task commands: ``fill-mask``, ``classify``, ``zero-shot``, ``tag``, ``answer``, ``embed``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from ..tasks.embed import embed, rank
 from ..tasks.fill_mask import DEFAULT_FILL_MASK_MODEL, fill_mask
 from ..tasks.runtime import PRECISIONS
 from ..tasks.tag import AGGREGATIONS, tag
+from ..tasks.zero_shot import DEFAULT_HYPOTHESIS_TEMPLATE, zero_shot
 
 
 def _texts(args: argparse.Namespace) -> list[str]:
@@ -72,6 +73,21 @@ def _cmd_classify(args: argparse.Namespace) -> int:
         for r in (result if isinstance(result, list) else [result]):
             rows.append({"text": text if len(text) <= 60 else text[:57] + "...", **r})
     _table(rows, ("label", "score", "text"))
+    return 0
+
+
+def _cmd_zero_shot(args: argparse.Namespace) -> int:
+    texts = _texts(args)
+    results = zero_shot(texts, args.labels, args.model, hypothesis_template=args.template,
+                        multi_label=args.multi_label, precision=args.precision)
+    if args.json:
+        _print_json(results)
+        return 0
+    for result in results:
+        print(result["sequence"])
+        _table([{"label": label, "score": score} for label, score in zip(result["labels"], result["scores"])],
+               ("label", "score"))
+        print()
     return 0
 
 
@@ -164,6 +180,15 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, help="the best k labels per text, as a list (default: the best one)")
     p.add_argument("--function", choices=("softmax", "sigmoid", "none"), help="score function (default: as configured)")
     p.set_defaults(func=_cmd_classify)
+
+    p = subparsers.add_parser("zero-shot", help="classify texts into labels given now (an NLI model)")
+    common(p)
+    p.add_argument("--labels", "-l", required=True, help="comma-separated candidate labels")
+    p.add_argument("--template", default=DEFAULT_HYPOTHESIS_TEMPLATE,
+                   help="the hypothesis, with {} where the label goes (default: %(default)r)")
+    p.add_argument("--multi-label", action="store_true",
+                   help="score each label on its own (entailment vs contradiction) instead of across labels")
+    p.set_defaults(func=_cmd_zero_shot)
 
     p = subparsers.add_parser("tag", help="tag tokens / named entities (token classification head)")
     common(p)

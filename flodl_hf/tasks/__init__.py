@@ -1,4 +1,4 @@
-"""Tasks in one line: ``fill_mask``, ``classify``, ``tag``, ``answer``, ``embed`` (and ``rank``).
+"""Tasks in one line: ``fill_mask``, ``classify``, ``zero_shot``, ``tag``, ``answer``, ``embed`` (and ``rank``).
 
 Each gives what transformers' pipeline gives for the same checkpoint and inputs (for ``answer``:
 transformers 4's question-answering pipeline, which transformers 5 dropped; for ``embed``:
@@ -12,8 +12,8 @@ instead of failing inside the model. ``precision="exact"`` (the default) is floa
 to transformers on every batch; ``"bf16"`` and ``"int8"`` are faster and change scores (opt-in,
 measured in docs/benchmarks.md).
 
-One module per task (``fill_mask``, ``classify``, ``tag``, ``answer``, ``embed`` with ``rank``, and
-ELECTRA's ``detect_replaced``) over a shared runtime (``runtime``: loading, batching, precisions,
+One module per task (``fill_mask``, ``classify``, ``zero_shot``, ``tag``, ``answer``, ``embed`` with
+``rank``, and ELECTRA's ``detect_replaced``) over a shared runtime (``runtime``: loading, batching, precisions,
 the forward loop). The commands are in ``flodl_hf.commands.tasks``.
 """
 
@@ -27,11 +27,12 @@ from .fill_mask import DEFAULT_FILL_MASK_MODEL, MASK_SPELLINGS, fill_mask
 from .runtime import (BATCH_SIZE, PRECISIONS, BatchSize, Loaded, Source, clear_cache, load, max_input_length,
                       quantize_int8)
 from .tag import AGGREGATIONS, tag
+from .zero_shot import zero_shot
 
 __all__ = [
     "AGGREGATIONS", "BATCH_SIZE", "DEFAULT_FILL_MASK_MODEL", "MASK_SPELLINGS", "PRECISIONS", "BatchSize", "Loaded",
     "Source", "answer", "classify", "clear_cache", "detect_replaced", "embed", "fill_mask", "load",
-    "max_input_length", "quantize_int8", "rank", "tag",
+    "max_input_length", "quantize_int8", "rank", "tag", "zero_shot",
 ]
 
 
