@@ -23,6 +23,14 @@ rule; the epoch's last step may hold fewer), then one optimizer and scheduler st
 the first k-1 run in ``no_sync()``. Under El Che a worker's optimizer (and scheduler) steps once
 per local batch, so a fast worker takes more of them than a slow one.
 
+Token-weighted losses. A closure ``step(model, batch, num_items_in_batch)`` gets the optimizer step's
+count of label items, counted as transformers' Trainer counts it (``_get_num_items_in_batch``: a batch's
+``shift_labels``, else ``labels[..., 1:]`` where the model's loss shifts labels, else ``labels``; the
+entries that are not -100), from the step's micro-batches collated first; or ``count_items(batch)``. Its
+loss is then not divided by k; under DDP with ``average_tokens_across_devices`` (the default, as
+transformers') the count is summed over the workers and each loss multiplied by the world size, so the
+step's gradient is that of the exact token mean of the global step.
+
 Precision (``precision="bf16"`` or ``"fp16"``). The closure (and ``eval_fn``) runs under
 ``torch.autocast``; parameters, gradients and optimizer state stay float32. fp16 scales the loss
 with ``torch.amp.GradScaler``: gradients unscaled before clipping, an overflowing step skipped
@@ -87,6 +95,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import os
 import random
@@ -139,6 +148,9 @@ class Trainer:
     ``gradient_accumulation_steps`` (transformers' name) makes each optimizer step take that many
     micro-batches of ``batch_size`` per worker; ``precision="bf16"|"fp16"`` runs the closure under
     ``torch.autocast`` (fp16 with a ``GradScaler``), as transformers' ``bf16=True``/``fp16=True``.
+    A ``step(model, batch, num_items_in_batch)`` gets the step's count of label items (transformers' rule,
+    or ``count_items(batch)`` per micro-batch) and its loss is not divided by the micro-batches;
+    ``average_tokens_across_devices`` sums the count over DDP workers (see the module docstring).
     """
 
     def __init__(self, model: nn.Module, step: StepFn, optimizer: OptimizerFactory, data: Sequence, *,
@@ -154,7 +166,8 @@ class Trainer:
                  verify_sync: bool = False, portal: bool | int = False, batching: str = "fixed",
                  max_tokens: int | None = None, lengths: Sequence[int] | None = None,
                  balance: bool = False, gradient_accumulation_steps: int = 1,
-                 precision: str | None = None) -> None:
+                 precision: str | None = None, count_items: Callable[[Any], Any] | None = None,
+                 average_tokens_across_devices: bool = True) -> None:
         if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
             raise TrainerConfigError("data must be sized and indexable (a list, a map-style Dataset); "
                                      f"got {type(data).__name__}")
@@ -201,6 +214,18 @@ class Trainer:
                                      "overflowing steps that the windows count and combine); use precision='bf16', "
                                      "which needs no scaler")
         self.accumulation, self.precision = k, precision
+        # A step(model, batch, num_items_in_batch) gets the optimizer step's count of label items and its loss
+        # is taken as already divided by it (transformers' model_accepts_loss_kwargs, loss_is_scaled_for_ga).
+        self._counting = _takes_num_items(step)
+        if count_items is not None and not callable(count_items):
+            raise TrainerConfigError(f"count_items must be a function batch -> count, got {type(count_items).__name__}")
+        if count_items is not None and not self._counting:
+            raise TrainerConfigError("count_items= counts num_items_in_batch for a step that takes it: give step a "
+                                     "num_items_in_batch parameter (step(model, batch, num_items_in_batch))")
+        if not isinstance(average_tokens_across_devices, bool):
+            raise TrainerConfigError(f"average_tokens_across_devices must be a bool, got "
+                                     f"{average_tokens_across_devices!r}")
+        self.count_items, self.average_tokens_across_devices = count_items, average_tokens_across_devices
         if outer is not None and sync != "el-che":
             raise TrainerConfigError("outer=DiLoCo(...) averages windows: it needs sync='el-che'")
         if outer is not None and el_che.combine == "lead":
@@ -333,6 +358,20 @@ class Trainer:
         self._amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         self._scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        # num_items_in_batch: whether labels are counted shifted (a causal LM's), and whether the count is summed
+        # over the workers with each loss times the world size (DDP averages the gradients), as transformers does.
+        self._shifts = _loss_shifts_labels(self.model)
+        self._across = self.sync == "ddp" and comm.world > 1 and self.average_tokens_across_devices
+        if self._counting and (self.accumulation > 1 or self._across):
+            ignored = _ignores_num_items(self.model)
+            if ignored is not None and comm.rank == 0:
+                warnings.warn(f"step takes num_items_in_batch, so its loss is taken as already divided by the step's "
+                              f"count (not divided by gradient_accumulation_steps"
+                              f"{', and multiplied by the world size' if self._across else ''}); but {ignored} "
+                              "ignores num_items_in_batch, as transformers' head does, so a loss it returns stays a "
+                              "mean and its gradients grow with that factor (transformers' Trainer does the same). "
+                              "Drop num_items_in_batch from step, or compute the loss from it in step",
+                              stacklevel=3)
         self._float_buffers = [b for b in self.model.buffers() if b.is_floating_point()]
         self.plan = Plan(self.el_che.anchor, (self.el_che.anchor,) * comm.world) if self.el_che else None
         self._ms: list[float | None] = [None] * comm.world
@@ -471,6 +510,7 @@ class Trainer:
                 "batches_per_epoch": self._units if self._batches is not None else None,
                 "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps, "balance": self.balance,
                 "gradient_accumulation_steps": self.accumulation, "precision": self.precision,
+                "num_items_in_batch": self._counting,  # step takes the step's count of label items
                 "samples_per_epoch": len(self.data), "seed": self.seed, "device": str(self.device),
                 "el_che": dataclasses.asdict(self.el_che) if self.el_che else None,
                 "outer": dataclasses.asdict(self.outer_cfg) if self.outer_cfg else None,
@@ -528,33 +568,91 @@ class Trainer:
     def _train_step(self, chunks: Sequence[torch.Tensor], weights: Sequence[float] | None = None) -> list[torch.Tensor]:
         """One optimizer step on the micro-batches ``chunks``: forward and backward for each, the
         gradients accumulated, then clipping, the optimizer and scheduler steps; returns each
-        micro-batch's loss as the closure gave it.
+        micro-batch's loss to log (as the closure gave it; see :meth:`_counted`).
 
         Before backward a micro-batch's loss is divided by the step's count of micro-batches, as
         transformers' Trainer divides by ``current_gradient_accumulation_steps`` (the last step of an
-        epoch may hold fewer); ``weights`` (``balance=True``) scale it instead. Under DDP all but the
-        last micro-batch run in ``no_sync()``, so the gradients are all-reduced once a step."""
+        epoch may hold fewer); ``weights`` (``balance=True``) scale it instead. A closure that takes
+        ``num_items_in_batch`` gets the step's count instead, and its loss is not divided (:meth:`_counted`).
+        Under DDP all but the last micro-batch run in ``no_sync()``, so the gradients are all-reduced once a step."""
         self.optimizer.zero_grad(set_to_none=True)
         count, losses = len(chunks), []
+        batches, total, items = self._counted(chunks, weights) if self._counting else ([None] * count, None, None)
         for j, indices in enumerate(chunks):
             weight = 1.0 if weights is None else weights[j]
+            divide = count if weights is None else 1
+            if total is not None:  # the loss is the step's sum over its items already: no division by k
+                weight, divide = (0.0 if weight == 0 else float(self.comm.world) if self._across else 1.0), 1
             quiet = self.wrapped is not self.model and j < count - 1
             try:
                 with self.wrapped.no_sync() if quiet else contextlib.nullcontext():
-                    losses.append(self._forward_backward(indices, weight, count if weights is None else 1))
+                    loss = self._forward_backward(indices, weight, divide, batches[j], total)
             except RuntimeError as exc:  # DDP all-reduces in backward (and syncs buffers in forward)
                 if self.wrapped is not self.model and _collective_failed(exc):
                     raise self.comm.lost("DDP's gradient all-reduce", exc) from exc
                 raise
+            if total is not None and items[j] > 0:  # logged as the micro-batch's own mean over its items
+                loss = loss * (float(total) / items[j])
+            losses.append(loss)
             self.batches += 1
         self._optimizer_step()
         return losses
 
-    def _forward_backward(self, indices: torch.Tensor, weight: float = 1.0, divide: int = 1) -> torch.Tensor:
-        """The closure on one batch under the run's autocast, and backward on its loss times ``weight``
-        and divided by ``divide`` (through the fp16 gradient scaler); returns the loss as given."""
+    def _counted(self, chunks: Sequence[torch.Tensor], weights: Sequence[float] | None) -> tuple[list, Any, list]:
+        """``num_items_in_batch`` for a step whose closure takes it, as transformers' Trainer counts it
+        (``Trainer.get_batch_samples`` and ``_get_num_items_in_batch``, transformers 5.24 trainer.py:2289-2367):
+        the step's micro-batches collated first (kept on the host), each counted by :meth:`_count_items`,
+        the counts summed over the step and, under DDP with ``average_tokens_across_devices``, over the workers.
+        Returns the collated batches, the count (a 0-dim int64 tensor on the device, or None where a batch
+        cannot be counted: the loss is then divided by k, as transformers does) and each micro-batch's own count.
+        A micro-batch of weight 0 (``balance=True``: a worker without a sample joining DDP's step) counts none."""
+        batches = [self.collate_fn([self.data[i] for i in indices.tolist()]) for indices in chunks]
+        items = [self._count_items(b) for b in batches]
+        known = all(n is not None for n in items)
+        items = [0 if not known or (weights is not None and weights[j] == 0) else int(n) for j, n in enumerate(items)]
+        total = sum(items) if known else None
+        if self._across:  # every worker takes the same path: a worker that cannot count makes all divide by k
+            rows = self.comm.gather_floats([-1.0 if total is None else float(total)])[:, 0]
+            total = None if bool((rows < 0).any()) else int(rows.sum())
+        return batches, (None if total is None else torch.tensor(total, device=self.device)), items
+
+    def _count_items(self, batch: Any) -> int | None:
+        """One collated micro-batch's items: ``count_items(batch)`` if given, else transformers' rule (trainer.py:
+        2331-2343): a mapping's ``shift_labels`` where it has them, else its ``labels[..., 1:]`` where the
+        model's loss shifts labels (a causal LM), else its ``labels``; the entries that are not -100. None
+        where the batch has no ``labels`` (not a mapping, or without the key)."""
+        if self.count_items is not None:
+            n = self.count_items(batch)
+        else:
+            if not isinstance(batch, Mapping) or "labels" not in batch:
+                return None
+            labels = batch["shift_labels"] if "shift_labels" in batch else \
+                batch["labels"][..., 1:] if self._shifts else batch["labels"]
+            try:
+                n = labels.ne(-100).sum()
+            except (TypeError, AttributeError):
+                return None
+        if n is None:
+            return None
+        n = int(n)
+        if n < 0:
+            raise TrainerConfigError(f"count_items returned {n}: a count of label items must be >= 0")
+        return n
+
+    def _closure(self, batch: Any, num_items: torch.Tensor | None = None) -> torch.Tensor:
+        """The user's step on ``batch`` (``num_items_in_batch=`` when it takes it); its scalar loss."""
+        if self._counting:
+            return _loss_of(self.step_fn(self.wrapped, batch, num_items_in_batch=num_items))
+        return _loss_of(self.step_fn(self.wrapped, batch))
+
+    def _forward_backward(self, indices: torch.Tensor, weight: float = 1.0, divide: int = 1, batch: Any = None,
+                          num_items: torch.Tensor | None = None) -> torch.Tensor:
+        """The closure on one batch (``batch``, collated already, or collated here from ``indices``) under the
+        run's autocast, and backward on its loss times ``weight`` and divided by ``divide`` (through the fp16
+        gradient scaler); returns the loss as given."""
         with self._autocast():
-            loss = _loss_of(self.step_fn(self.wrapped, self._batch(indices)))
+            data = self._batch(indices) if batch is None else _to_device(batch, self.device)
+            loss = self._closure(data, num_items)
         scaled = loss if weight == 1.0 else loss * weight
         scaled = scaled if divide == 1 else scaled / divide
         (scaled if self._scaler is None else self._scaler.scale(scaled)).backward()
@@ -612,8 +710,13 @@ class Trainer:
         """``ElChe(combine="lead")`` on a worker other than the lead: forward and backward only, at
         the window's start, the gradient kept as the window's mean by samples (``seen`` samples
         of the window before this batch); the lead takes it at the window's end."""
+        if self._counting:  # one batch, its own count: the loss is its mean (see _counted)
+            batches, total, _ = self._counted([indices], None)
+            batch = _to_device(batches[0], self.device)
+        else:
+            batch, total = None, None
         with self._autocast():
-            loss = _loss_of(self.step_fn(self.wrapped, self._batch(indices)))
+            loss = self._closure(self._batch(indices) if batch is None else batch, total)
         n = len(indices)
         if seen == 0:
             self.optimizer.zero_grad(set_to_none=True)
@@ -680,7 +783,8 @@ class Trainer:
             if not chunks and self.sync == "ddp":
                 chunks = [self._chunks(0, 1)[0][:1]]  # every DDP worker must join the step's all-reduce
             # balance=True: each micro-batch's loss weighted by its share of the step, so that DDP's mean over
-            # workers is the mean over the step's samples (a worker without a sample adds nothing).
+            # workers is the mean over the step's samples (a worker without a sample adds nothing). A counted
+            # step (num_items_in_batch) needs only the zeros: its losses are shares of the step's count.
             weights = [comm.world * (len(c) if sizes[comm.rank] else 0) / sum(sizes) for c in chunks] \
                 if balance else None
             opt_before = self._opt_s
@@ -1417,7 +1521,9 @@ class Trainer:
                 "max_steps": self.max_steps or -1, "max_tokens": self.max_tokens or -1,
                 "batching": ("fixed", "length").index(self.batching),
                 "gradient_accumulation_steps": self.accumulation,
-                "precision": (None, "bf16", "fp16").index(self.precision)}
+                "precision": (None, "bf16", "fp16").index(self.precision),
+                "step taking num_items_in_batch": int(self._counting),
+                "average_tokens_across_devices": int(self.average_tokens_across_devices)}
         rows = self.comm.gather_floats([float(v) for v in mine.values()]).tolist()
         for i, name in enumerate(mine):
             values = [row[i] for row in rows]
@@ -1672,6 +1778,45 @@ def _collective_failed(exc: BaseException) -> bool:
     text = str(exc)
     return any(mark in text for mark in ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out waiting",
                                          "collective mismatch", "ProcessGroup"))
+
+
+def _takes_num_items(step: Callable) -> bool:
+    """Whether ``step`` has a ``num_items_in_batch`` parameter (by name: ``**kwargs`` alone does not say
+    that its loss uses the count)."""
+    try:
+        param = inspect.signature(step).parameters.get("num_items_in_batch")
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+    return param is not None and param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                inspect.Parameter.KEYWORD_ONLY)
+
+
+def _loss_shifts_labels(model: nn.Module) -> bool:
+    """Whether ``model``'s loss shifts its labels (token t predicts label t + 1), so that the items of
+    ``num_items_in_batch`` are ``labels[..., 1:]``: ours when their task is ``causal_lm``; a transformers
+    model when its ``loss_type`` maps to ForCausalLMLoss and it is not an encoder-decoder (trainer.py:534-544)."""
+    task = getattr(model, "task", None)
+    if isinstance(task, str):
+        return task == "causal_lm"
+    loss_type = getattr(model, "loss_type", None)
+    if not isinstance(loss_type, str):
+        return False
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:
+        return False
+    return LOSS_MAPPING.get(loss_type) is ForCausalLMLoss and \
+        not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+
+
+def _ignores_num_items(model: nn.Module) -> str | None:
+    """``"<Model>'s <task> head"`` where ``model`` is ours and its head ignores ``num_items_in_batch``
+    (``Family.num_items_tasks`` lacks its task, as transformers' head of that family ignores it), else None."""
+    task, family = getattr(model, "task", None), getattr(model, "family", None)
+    tasks = getattr(family, "num_items_tasks", None)
+    if not isinstance(task, str) or tasks is None or task in tasks:
+        return None
+    return f"{type(model).__name__}'s {task} head"
 
 
 def _loss_of(out: Any) -> torch.Tensor:

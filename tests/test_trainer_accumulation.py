@@ -5,6 +5,10 @@ micro-batches per worker, each loss divided by the step's count of micro-batches
 backward. ``precision="bf16"|"fp16"`` runs the closure under ``torch.autocast``; fp16 scales the
 loss with ``torch.amp.GradScaler``. Small MLPs on the CPU; the DDP case runs two gloo workers
 through tests/test_trainer_dist.py's harness.
+
+A ``step(model, batch, num_items_in_batch)`` gets the step's count of label items, as transformers'
+Trainer counts it, and its loss is not divided by k: tested on a tiny LLaMA (ours, and transformers' in
+transformers' own Trainer) against loops written out.
 """
 
 from __future__ import annotations
@@ -337,3 +341,321 @@ def test_bf16_under_el_che_autocasts_each_local_step():
     ref = mlp()
     replay(ref, data, batch=4, k=1, epochs=1, autocast=torch.bfloat16, opt=sgd, sched=None, clip=None)
     assert torch.equal(flat(a), flat(ref)) and torch.equal(flat(b), flat(ref))
+
+
+# ---- num_items_in_batch: token-weighted losses, as transformers' Trainer ---------------------------
+#
+# A step(model, batch, num_items_in_batch) gets the optimizer step's count of label items (transformers'
+# _get_num_items_in_batch: shift_labels, else labels[..., 1:] for a causal LM, else labels; != -100),
+# summed over the step's micro-batches (and under DDP over the workers, each loss then times the world
+# size), and its loss is not divided by k.
+
+TINY_LLAMA = dict(model_type="llama", hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                  num_hidden_layers=1, intermediate_size=48, vocab_size=64, max_position_embeddings=32,
+                  pad_token_id=0, num_labels=3)
+# Right-padded rows of 8 tokens whose lengths differ, so micro-batches of 2 hold unequal token counts.
+LENGTHS = [8, 2, 3, 7, 5, 8, 2, 6, 4, 8, 3, 5, 7, 2, 6, 8]
+
+
+def lm_data(n: int = 12, seqcls: bool = False) -> list[dict]:
+    gen = torch.Generator().manual_seed(7)
+    rows = []
+    for i in range(n):
+        length = LENGTHS[i % len(LENGTHS)]
+        ids = torch.zeros(8, dtype=torch.long)
+        ids[:length] = torch.randint(1, TINY_LLAMA["vocab_size"], (length,), generator=gen)
+        mask = (ids != 0).long()
+        labels = torch.tensor(-100 if i % 5 == 4 else i % 3) if seqcls else ids.masked_fill(mask == 0, -100)
+        rows.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return rows
+
+
+def tiny(task: str, transformers_model: bool = False):
+    from flodl_hf.auto import load_model
+    from helpers import make_checkpoint
+    source = make_checkpoint(TINY_LLAMA, task)
+    if transformers_model:
+        from flodl_hf.parity import reference_model
+        return reference_model(source, task, "sdpa").train()
+    return load_model(source, task, dtype=torch.float32)
+
+
+def counted_step(model, batch, num_items_in_batch):
+    return model(**batch, num_items_in_batch=num_items_in_batch)
+
+
+def mean_step(model, batch):
+    return model(**batch)
+
+
+def lm_replay(model, data, *, batch: int, k: int, epochs: int = 1, seed: int = 0, count=None, opt=adamw,
+              steps: int | None = None) -> list[int]:
+    """transformers' loop with num_items_in_batch, written out: per optimizer step the micro-batches
+    collated, ``count(micro-batch)`` summed over them and passed to the model, each loss backward
+    undivided; then clip, step, scheduler, zero_grad. Returns the counts."""
+    optimizer = opt(model.parameters())
+    scheduler = warmup(optimizer)
+    counts, done = [], 0
+    for epoch in range(epochs):
+        order = perm(len(data), seed, epoch)
+        for start in range(0, len(data), batch * k):
+            micro = [collate([data[i] for i in order[j:j + batch]])
+                     for j in range(start, min(start + batch * k, len(data)), batch)]
+            n = sum(count(mb) for mb in micro)
+            counts.append(int(n))
+            for mb in micro:
+                model(**mb, num_items_in_batch=n).loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            done += 1
+            if done == steps:
+                return counts
+    return counts
+
+
+def shifted(mb):
+    return mb["labels"][..., 1:].ne(-100).sum()
+
+
+def test_causal_lm_counts_the_steps_tokens_as_transformers_and_it_matters():
+    """k=2 micro-batches of unequal token counts: the trainer's step is the hand loop's (the exact token
+    mean of the step), and differs from dividing each micro-batch's mean by k."""
+    data = lm_data(12)  # 3 steps of 2 x 2 rows
+    seen: list[int] = []
+    means: list[float] = []  # each micro-batch's mean over its own tokens
+
+    def step(model, batch, num_items_in_batch):
+        seen.append(int(num_items_in_batch))
+        out = counted_step(model, batch, num_items_in_batch)
+        means.append(out.loss.item() * int(num_items_in_batch) / int(shifted(batch)))
+        return out
+
+    model = tiny("causal_lm")
+    kw = dict(batch_size=2, gradient_accumulation_steps=2, epochs=1, seed=3, scheduler=warmup, grad_clip=1.0)
+    t = fit(model, data, step=step, **kw)
+    ref = tiny("causal_lm")
+    counts = lm_replay(ref, data, batch=2, k=2, seed=3, count=shifted)
+    assert t.step == 3 and seen == [n for n in counts for _ in range(2)]  # the step's count, given to each
+    micro = [shifted(collate([data[i] for i in perm(12, 3, 0)[j:j + 2]])) for j in range(0, 12, 2)]
+    assert any(micro[2 * s] != micro[2 * s + 1] for s in range(3)), "the micro-batches must differ in tokens"
+    assert counts == [int(micro[2 * s] + micro[2 * s + 1]) for s in range(3)]
+    assert torch.equal(flat(model), flat(ref))
+    mean = fit(tiny("causal_lm"), data, step=mean_step, **kw).model  # today's rule: each mean divided by k
+    assert (flat(mean) - flat(model)).abs().max() > 1e-4
+    # The logged loss is each micro-batch's mean over its own tokens, weighted by its samples, as without
+    # the count (what a closure without num_items_in_batch returns).
+    train = [r for r in t.history if r.get("event") == "train"]
+    assert len(train) == 1 and train[0]["loss"] == pytest.approx(sum(means) / len(means), rel=1e-6)
+
+
+def test_shift_labels_and_count_items_override_the_rule():
+    """A batch's shift_labels are counted as they are; count_items= replaces the rule."""
+    data = lm_data(8)
+    for row in data:
+        row["shift_labels"] = torch.cat([row["labels"][1:], torch.tensor([-100])])
+        row["shift_labels"][0] = -100  # one fewer item than labels[..., 1:] holds
+    seen: list[int] = []
+
+    def step(model, batch, num_items_in_batch):
+        seen.append(int(num_items_in_batch))
+        return counted_step(model, batch, num_items_in_batch)
+
+    fit(tiny("causal_lm"), data, step=step, batch_size=2, gradient_accumulation_steps=2, max_steps=1,
+        shuffle=False)
+    assert seen == [int(sum(r["shift_labels"].ne(-100).sum() for r in data[:4]))] * 2
+    seen.clear()
+    fit(tiny("causal_lm"), data, step=step, batch_size=2, gradient_accumulation_steps=2, max_steps=1,
+        shuffle=False, count_items=lambda b: b["attention_mask"].sum())
+    assert seen == [int(sum(r["attention_mask"].sum() for r in data[:4]))] * 2
+
+
+def test_seqcls_counts_labels_unshifted_as_transformers():
+    """Labels of shape [B]: the count is the labels that are not -100 (no shift). The LLaMA sequence head
+    ignores the count, as transformers' does, so its mean losses are added undivided (transformers' Trainer
+    does the same), and the trainer says so."""
+    data = lm_data(12, seqcls=True)
+    seen: list[int] = []
+
+    def step(model, batch, num_items_in_batch):
+        seen.append(int(num_items_in_batch))
+        return counted_step(model, batch, num_items_in_batch)
+
+    model = tiny("seqcls")
+    with pytest.warns(UserWarning, match="ignores num_items_in_batch"):
+        fit(model, data, step=step, batch_size=2, gradient_accumulation_steps=2, epochs=1, seed=3,
+            scheduler=warmup, grad_clip=1.0)
+    ref = tiny("seqcls")
+    counts = lm_replay(ref, data, batch=2, k=2, seed=3, count=lambda mb: mb["labels"].ne(-100).sum())
+    assert seen == [n for n in counts for _ in range(2)] and counts != [4, 4, 4]  # two labels are -100
+    assert torch.equal(flat(model), flat(ref))
+
+
+def test_without_labels_the_count_is_none_and_the_loss_divided_by_k():
+    """A batch transformers cannot count (a tuple, no labels): num_items_in_batch=None, each loss divided by
+    the step's micro-batches, as without the parameter; count_items= counts it instead."""
+    data = Points(22)
+    given: list = []
+
+    def step(model, batch, num_items_in_batch):
+        given.append(num_items_in_batch)
+        return mse_step(model, batch)
+
+    model, ref = mlp(), mlp()
+    fit(model, data, step=step, batch_size=3, gradient_accumulation_steps=2, epochs=2, scheduler=warmup,
+        grad_clip=1.0, seed=5)
+    replay(ref, data, batch=3, k=2, epochs=2, seed=5)
+    assert set(given) == {None} and torch.equal(flat(model), flat(ref))
+
+    def summed(model, batch, num_items_in_batch):  # a sum over samples divided by the step's count
+        _, x, y = batch
+        return ((model(x) - y) ** 2).sum() / num_items_in_batch
+
+    a, b = mlp(), mlp()
+    fit(a, Points(40), step=summed, batch_size=4, gradient_accumulation_steps=2, epochs=2, opt=sgd,
+        count_items=lambda batch: len(batch[0]))
+    fit(b, Points(40), batch_size=8, epochs=2, opt=sgd)
+    torch.testing.assert_close(flat(a), flat(b), rtol=0, atol=1e-6)
+    with pytest.raises(TrainerConfigError, match="count_items= counts num_items_in_batch for a step that takes it"):
+        Trainer(mlp(), mse_step, sgd, Points(8), batch_size=2, epochs=1, count_items=len)
+    with pytest.raises(TrainerConfigError, match="average_tokens_across_devices must be a bool"):
+        Trainer(mlp(), step, sgd, Points(8), batch_size=2, epochs=1, average_tokens_across_devices=1)
+
+
+def test_resume_with_counted_items_is_bit_exact(tmp_path):
+    data = lm_data(12)  # 3 steps an epoch
+    kw = dict(step=counted_step, batch_size=2, gradient_accumulation_steps=2, scheduler=warmup, grad_clip=1.0,
+              seed=1)
+    straight = tiny("causal_lm")
+    fit(straight, data, max_steps=5, checkpoint_dir=tmp_path / "a", **kw)
+    fit(tiny("causal_lm"), data, max_steps=2, checkpoint_dir=tmp_path / "b", **kw)
+    resumed = tiny("causal_lm")
+    t = fit(resumed, data, max_steps=5, checkpoint_dir=tmp_path / "b", **kw)
+    assert t.resumed_from == tmp_path / "b" / "step-00000002.pt" and t.step == 5
+    assert torch.equal(flat(resumed), flat(straight))
+
+
+def test_length_batches_and_el_che_pass_the_count():
+    """batching='length': a micro-batch is a length batch, counted alike. El Che (k=1): each batch's own
+    count, so its loss is its mean: the same steps as sync='none' with k=1."""
+    data = lm_data(12)
+    seen: list[int] = []
+
+    def step(model, batch, num_items_in_batch):
+        seen.append(int(num_items_in_batch))
+        return counted_step(model, batch, num_items_in_batch)
+
+    t = fit(tiny("causal_lm"), data, step=step, batching="length", max_tokens=16, lengths=[8] * 12,
+            gradient_accumulation_steps=2, epochs=1, seed=2)
+    from flodl_hf.trainer import length_batches
+    batches = length_batches([8] * 12, 16, 2)
+    order = perm(len(batches), 2, 0)
+    expected = [int(sum(shifted(collate([data[i] for i in batches[b].tolist()])) for b in order[s:s + 2]))
+                for s in range(0, len(order), 2)]
+    assert t.step == len(expected) and seen == [n for n in expected for _ in range(2)]
+    a, b = tiny("causal_lm"), tiny("causal_lm")
+    fit(a, data, step=counted_step, batch_size=2, epochs=1, sync=ElChe(anchor=2, adaptive=False), opt=sgd)
+    fit(b, data, step=mean_step, batch_size=2, epochs=1, opt=sgd)
+    torch.testing.assert_close(flat(a), flat(b), rtol=0, atol=1e-6)
+
+
+# ---- num_items_in_batch under DDP ------------------------------------------------------------------
+
+def _ddp_counted(rank: int, out: str) -> dict:
+    import warnings
+    warnings.simplefilter("ignore")
+    seen: list[int] = []
+
+    def step(model, batch, num_items_in_batch):
+        seen.append(int(num_items_in_batch))
+        return counted_step(model, batch, num_items_in_batch)
+
+    results = {}
+    runs = (("params", {}), ("balanced", {"balance": True}), ("local", {"average_tokens_across_devices": False}))
+    for key, kw in runs:
+        model = tiny("causal_lm")
+        Trainer(model, step, sgd, lm_data(16), batch_size=2, gradient_accumulation_steps=2, epochs=1,
+                sync="ddp", progress=False, report=False, timeout=30, **kw).fit()
+        results[key] = flat(model)
+    return {**results, "seen": seen}
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo")
+def test_ddp_sums_the_count_over_workers_and_multiplies_the_loss_by_the_world(tmp_path):
+    tiny("causal_lm")  # the checkpoint cached before the workers read it
+    res = spawn(_ddp_counted, tmp_path, deadline=180.0)
+    for key in ("params", "balanced"):
+        assert torch.equal(res[0][key], res[1][key]), f"{key}: workers differ"
+    # One process: each step's 8 rows (2 workers x 2 micro-batches x 2), the count over all of them, each
+    # micro-batch's sum / count added: the token mean of the global step, however the workers split it.
+    data, ref = lm_data(16), tiny("causal_lm")
+    opt = sgd(ref.parameters())
+    order = perm(16, 0, 0)
+    counts = []
+    for s in range(2):
+        micro = [collate([data[i] for i in order[s * 8 + j:s * 8 + j + 2]]) for j in range(0, 8, 2)]
+        n = sum(shifted(mb) for mb in micro)
+        counts.append(int(n))
+        for mb in micro:
+            ref(**mb, num_items_in_batch=n).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert res[0]["seen"][:4] == res[1]["seen"][:4] == [counts[0]] * 2 + [counts[1]] * 2
+    for key in ("params", "balanced"):
+        torch.testing.assert_close(res[0][key], flat(ref), rtol=0, atol=1e-6, msg=key)
+    # average_tokens_across_devices=False: each worker divides by its own count, DDP averages the two.
+    assert torch.equal(res[0]["local"], res[1]["local"])
+    local = tiny("causal_lm")
+    opt = sgd(local.parameters())
+    for s in range(2):
+        for r in range(2):
+            micro = [collate([data[i] for i in order[s * 8 + r * 4 + j:s * 8 + r * 4 + j + 2]]) for j in (0, 2)]
+            n = sum(shifted(mb) for mb in micro)
+            assert res[r]["seen"][-4 + 2 * s:][:2] == [int(n)] * 2
+            for mb in micro:
+                (local(**mb, num_items_in_batch=n).loss / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.testing.assert_close(res[0]["local"], flat(local), rtol=0, atol=1e-6)
+    assert not torch.allclose(res[0]["local"], res[0]["params"], rtol=0, atol=1e-6)
+
+
+# ---- against transformers' Trainer -----------------------------------------------------------------
+
+def test_two_steps_equal_transformers_trainer_with_gradient_accumulation(tmp_path):
+    """transformers.Trainer (gradient_accumulation_steps=2, num_items_in_batch counted over the step) and
+    ours on the same transformers LlamaForCausalLM, rows in order on both sides, the same AdamW and
+    constant schedule, clipping at 1.0: the same parameters after 2 optimizer steps. Our own LLaMA, trained
+    the same way, lands within float rounding of them (its backward sums in another order)."""
+    pytest.importorskip("accelerate")
+    import transformers
+    from torch.utils.data import SequentialSampler
+    data = lm_data(8)
+
+    class InOrder(transformers.Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    def constant(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+    theirs = tiny("causal_lm", transformers_model=True)
+    opt = adamw(theirs.parameters())
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
+        max_grad_norm=1.0, use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
+        disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, seed=0)
+    trainer = InOrder(model=theirs, args=args, train_dataset=data, optimizers=(opt, constant(opt)))
+    assert trainer.model_accepts_loss_kwargs and trainer._loss_shifts_labels
+    trainer.train()
+
+    hf_in_ours = tiny("causal_lm", transformers_model=True)
+    t = fit(hf_in_ours, data, step=counted_step, batch_size=2, gradient_accumulation_steps=2, max_steps=2,
+            shuffle=False, scheduler=constant, grad_clip=1.0)
+    assert t.step == 2 and t._shifts  # transformers' model: its loss_type says it shifts
+    assert torch.equal(flat(hf_in_ours), flat(theirs))
+    ours = tiny("causal_lm")
+    fit(ours, data, step=counted_step, batch_size=2, gradient_accumulation_steps=2, max_steps=2,
+        shuffle=False, scheduler=constant, grad_clip=1.0)
+    torch.testing.assert_close(flat(ours), flat(theirs), rtol=0, atol=1e-5)
