@@ -7,21 +7,25 @@ those of ``model.generate`` with the same settings, and so are sampled ids where
   top_p; max_new_tokens / max_length), else transformers' global defaults (greedy, temperature 1.0, top_k 50,
   top_p 1.0, 20 new tokens); without the file, eos and pad come from config.json (``from_model_config``).
   A ``generation_config`` passed in (a transformers GenerationConfig or a dict) sits between the keywords and the
-  file. A field we do not implement (beams, n-gram bans, min-p...) set to a value that changes decoding is a
-  ConfigError naming the file and the field (an InputError for a keyword or a passed generation_config);
+  file. A field we do not implement (group beams, guidance, watermarking, top-h...) set to a value that changes
+  decoding is a ConfigError naming the file and the field (an InputError for a keyword or a passed generation_config);
 - without an attention mask, the pad id's positions are masked when the pad id is set, is no eos, and occurs
   (``_prepare_attention_mask_for_generation``); ``num_return_sequences`` repeats each row (``repeat_interleave``);
 - the prompt runs once with ``logits_to_keep=1`` (the prefill), positions ``cumsum(mask) - 1`` (0 on pads);
 - every later step feeds the last token alone, its position, the mask grown by one, and the cache;
-- the next-token scores are the last logits copied to float32, then the repetition penalty (left padding
-  skipped), the minimum length (eos ids to -inf), and when sampling temperature (``/ t``, when t != 1), top-k,
-  top-p, in that order (``_get_logits_processor``), as the processors compute them;
+- the next-token scores are the last logits copied to float32, then the logits processors of
+  ``_get_logits_processor`` in its order, with their ops (``generation_processors``): sequence bias, repetition
+  penalty (left padding skipped), n-gram ban, bad words, minimum length, forced bos / eos, invalid values,
+  exponential decay, suppression; when sampling temperature, top-k, top-p, min-p, typical, epsilon, eta; then
+  renormalization;
 - ``use_cache=False`` runs the whole sequence at every step, as transformers does without a cache;
 - greedy takes ``argmax`` of the scores; sampling ``torch.multinomial(softmax(scores), 1)`` drawn, as transformers, from
   torch's global generator (so ``torch.manual_seed(s)`` before either gives the same draws), or with
   ``seed=s`` from a generator of its own seeded with ``s`` (the same stream on CPU, the global one untouched);
-- a row that produced eos gets the pad id from then on; generation stops when every row has, or at the
-  maximum length.
+- a row that produced eos, ended a stop string (``stop_strings`` with ``tokenizer=``, StopStringCriteria) gets
+  the pad id from then on (when an eos id is set, as transformers); generation stops when every row has, at the
+  maximum length, or past ``max_time`` seconds;
+- ``num_beams > 1`` runs ``_beam_search`` instead (``_beam_search`` below), beam sampling with ``do_sample``.
 ``generate(prompts, model, ...)`` is the one-liner over texts, equal to transformers 5.24's text-generation
 pipeline: its defaults where neither the call nor the file sets one (256 new tokens, sampling at temperature
 0.7), its shapes (a list of records per prompt) and keys (``generated_text``, ``generated_token_ids``), with
@@ -31,7 +35,7 @@ greedy prompts batched by left padding and sampled ones run one at a time in the
 from __future__ import annotations
 
 import json
-import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -39,6 +43,7 @@ from typing import Any, Sequence
 import torch
 
 from .errors import ConfigError, InputError
+from .generation_processors import StopStrings, apply, logits_processors
 from .modeling import PLAIN_RECORD, config_sets_forward_defaults
 from .outputs import ModelOutput
 
@@ -51,7 +56,8 @@ GENERATION_CONFIG = "generation_config.json"
 GLOBAL_DEFAULTS: dict[str, Any] = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
                                    "repetition_penalty": 1.0, "num_return_sequences": 1, "use_cache": True,
                                    "min_length": 0, "return_dict_in_generate": False, "output_scores": False,
-                                   "output_logits": False}
+                                   "output_logits": False, "num_beams": 1, "length_penalty": 1.0,
+                                   "early_stopping": False}
 DEFAULT_NEW_TOKENS = 20  # transformers' max_length=20 default, counted in new tokens (_prepare_generated_length)
 
 
@@ -95,27 +101,16 @@ def _off(*neutral: Any):
 
 
 _UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "num_beams": (_off(1), "beam search"), "num_beam_groups": (_off(1), "group beam search"),
-    "no_repeat_ngram_size": (_off(0), "the n-gram ban"),
-    "bad_words_ids": (_off(), "the bad-words processor"), "sequence_bias": (_off(), "sequence bias"),
+    "num_beam_groups": (_off(1), "group beam search"),
     "force_words_ids": (_off(), "constrained beam search"), "constraints": (_off(), "constrained beam search"),
-    "forced_bos_token_id": (_off(), "forced bos"), "forced_eos_token_id": (_off(), "forced eos"),
-    "remove_invalid_values": (_off(False), "InfNanRemoveLogitsProcessor"),
-    "exponential_decay_length_penalty": (_off(), "the length penalty"),
-    "suppress_tokens": (_off(), "token suppression"), "begin_suppress_tokens": (_off(), "token suppression"),
-    "renormalize_logits": (_off(False), "logit renormalization"), "guidance_scale": (_off(1), "guidance"),
-    "watermarking_config": (_off(), "watermarking"), "stop_strings": (_off(), "stop strings"),
-    "max_time": (_off(), "the time limit"),
+    "guidance_scale": (_off(1), "guidance"), "watermarking_config": (_off(), "watermarking"),
     "penalty_alpha": (_off(), "contrastive search"), "dola_layers": (_off(), "DoLa decoding"),
     "token_healing": (_off(False), "token healing"), "prompt_lookup_num_tokens": (_off(), "prompt lookup"),
     "use_mtp": (_off(False), "multi-token prediction"),
     "cache_implementation": (_off("dynamic", "hybrid", "dynamic_full"), "another cache"),
-    "min_p": (_off(), "min-p sampling"), "top_h": (_off(), "top-h sampling"),
-    "typical_p": (lambda v: v is None or (_is_number(v) and v >= 1.0), "typical sampling"),
-    "epsilon_cutoff": (lambda v: v is None or (_is_number(v) and not 0.0 < v < 1.0), "epsilon sampling"),
-    "eta_cutoff": (lambda v: v is None or (_is_number(v) and not 0.0 < v < 1.0), "eta sampling"),
+    "top_h": (_off(), "top-h sampling"),
 }
-_ONLY_WHEN_SAMPLING = {"min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff"}
+_ONLY_WHEN_SAMPLING = {"top_h"}
 # keywords of transformers' generate that only shape what it records, accepted at these values
 _NEUTRAL_KEYWORDS = {"output_attentions": False, "output_hidden_states": False}
 
@@ -132,6 +127,37 @@ def _flag(value: Any) -> bool:
     return isinstance(value, bool)
 
 
+def _ids(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(_count(i) for i in value)
+
+
+def _id_lists(value: Any) -> bool:
+    """NoBadWordsLogitsProcessor._validate_arguments: a non-empty list of non-empty lists of ids."""
+    return isinstance(value, list) and bool(value) and all(isinstance(v, list) and v and _ids(v) for v in value)
+
+
+def _sequence_bias(value: Any) -> bool:
+    """SequenceBiasLogitsProcessor._validate_arguments: ``[[ids, bias], ...]`` or ``{tuple(ids): bias}``, not empty,
+    each ids a non-empty list of ids and each bias a float (an int is refused there too)."""
+    if isinstance(value, dict):
+        pairs = [(list(k), b) if isinstance(k, tuple) else (None, b) for k, b in value.items()]
+    elif isinstance(value, list):
+        pairs = [tuple(p) if isinstance(p, (list, tuple)) and len(p) == 2 else (None, None) for p in value]
+    else:
+        return False
+    return bool(pairs) and all(isinstance(ids, list) and ids and _ids(ids) and isinstance(b, float)
+                               for ids, b in pairs)
+
+
+def _decay(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == 2 and _is_int(value[0]) and _is_number(value[1])
+
+
+def _stop_strings(value: Any) -> bool:
+    strings = [value] if isinstance(value, str) else value
+    return isinstance(strings, (list, tuple)) and bool(strings) and all(isinstance(t, str) and t for t in strings)
+
+
 # The fields generate_ids implements, checked alike in generation_config.json, a generation_config and keywords
 _FIELDS: dict[str, tuple[Any, str]] = {
     "max_new_tokens": (_positive, "a positive integer"), "max_length": (_positive, "a positive integer"),
@@ -143,7 +169,28 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     "num_return_sequences": (_positive, "a positive integer"), "use_cache": (_flag, "true or false"),
     "return_dict_in_generate": (_flag, "true or false"), "output_scores": (_flag, "true or false"),
     "output_logits": (_flag, "true or false"),
+    # the logits processors and warpers (generation_processors); the ranges where their classes raise
+    "min_p": (lambda v: _is_number(v) and 0.0 <= v <= 1.0, "a number in [0, 1]"),
+    "typical_p": (lambda v: _is_number(v) and v > 0, "a positive number (1.0 or more: none)"),
+    "epsilon_cutoff": (_is_number, "a number (applied in (0, 1))"),
+    "eta_cutoff": (_is_number, "a number (applied in (0, 1))"),
+    "no_repeat_ngram_size": (_count, "a non-negative integer"),
+    "bad_words_ids": (_id_lists, "a non-empty list of non-empty lists of token ids"),
+    "sequence_bias": (_sequence_bias, "a non-empty list of [token ids, float bias] pairs"),
+    "forced_bos_token_id": (_count, "a token id"),
+    "forced_eos_token_id": (lambda v: _count(v) or (_ids(v) and bool(v)), "a token id or a list of them"),
+    "remove_invalid_values": (_flag, "true or false"), "renormalize_logits": (_flag, "true or false"),
+    "exponential_decay_length_penalty": (_decay, "a pair [start index, decay factor]"),
+    "suppress_tokens": (_ids, "a list of token ids"), "begin_suppress_tokens": (_ids, "a list of token ids"),
+    # the stopping criteria (generation_processors.StopStrings, MaxTimeCriteria)
+    "stop_strings": (_stop_strings, "a string or a non-empty list of non-empty strings"),
+    "max_time": (lambda v: _is_number(v) and v >= 0, "a non-negative number of seconds"),
+    # beam search (GenerationMixin._beam_search)
+    "num_beams": (_positive, "a positive integer"), "length_penalty": (_is_number, "a number"),
+    "early_stopping": (lambda v: v is True or v is False or v == "never", "true, false or \"never\""),
 }
+# the fields above that name token ids, checked against the vocabulary (the processors index the scores with them)
+_ID_FIELDS = ("bad_words_ids", "sequence_bias", "forced_bos_token_id", "forced_eos_token_id")
 
 
 def read_generation_config(root: str | Path | None) -> dict[str, Any] | None:
@@ -182,6 +229,38 @@ class GenerationSettings:
     return_dict_in_generate: bool = False
     output_scores: bool = False
     output_logits: bool = False
+    # the logits processors (generation_processors.logits_processors), None / False / 0: not applied
+    min_p: float | None = None
+    typical_p: float | None = None
+    epsilon_cutoff: float | None = None
+    eta_cutoff: float | None = None
+    no_repeat_ngram_size: int = 0
+    bad_words_ids: list[list[int]] | None = None
+    sequence_bias: Any = None
+    forced_bos_token_id: int | None = None
+    forced_eos_token_id: int | list[int] | None = None
+    remove_invalid_values: bool = False
+    exponential_decay_length_penalty: tuple[int, float] | None = None
+    suppress_tokens: list[int] | None = None
+    begin_suppress_tokens: list[int] | None = None
+    renormalize_logits: bool = False
+    stop_strings: str | list[str] | None = None
+    max_time: float | None = None
+    eos_set: bool = False  # an eos_token_id was given, [] included: transformers then pads finished rows
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def reads_history(self) -> bool:
+        """Whether a processor reads the ids before the last (left padding included) or the sequence length."""
+        return bool(self.no_repeat_ngram_size) or any(
+            v is not None for v in (self.bad_words_ids, self.sequence_bias, self.forced_bos_token_id))
+
+
+_PROCESSOR_FIELDS = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size", "bad_words_ids",
+                     "sequence_bias", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+                     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+                     "renormalize_logits", "stop_strings", "max_time")
 
 
 @dataclass
@@ -192,6 +271,22 @@ class GenerateDecoderOnlyOutput(ModelOutput):
     sequences: torch.Tensor
     scores: tuple[torch.Tensor, ...] | None = None
     logits: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[Any, ...] | None = None
+    hidden_states: tuple[Any, ...] | None = None
+    cache: Any = None
+
+
+@dataclass
+class GenerateBeamDecoderOnlyOutput(ModelOutput):
+    """transformers' ``GenerateBeamDecoderOnlyOutput`` (beam search with ``return_dict_in_generate=True``): the ids,
+    the returned hypotheses' scores (``output_scores``), per step the processed log-probabilities of every beam
+    (``output_scores``) and the raw float32 logits (``output_logits``), each token's source beam, the KV cache."""
+
+    sequences: torch.Tensor
+    sequences_scores: torch.Tensor | None = None
+    scores: tuple[torch.Tensor, ...] | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
+    beam_indices: torch.Tensor | None = None
     attentions: tuple[Any, ...] | None = None
     hidden_states: tuple[Any, ...] | None = None
     cache: Any = None
@@ -297,37 +392,46 @@ def generation_settings(model: torch.nn.Module, max_new_tokens: int | None = Non
         min_length=pick("min_length"), min_new_tokens=merged.get("min_new_tokens"),
         repetition_penalty=float(pick("repetition_penalty")), num_return_sequences=pick("num_return_sequences"),
         use_cache=pick("use_cache"), return_dict_in_generate=pick("return_dict_in_generate"),
-        output_scores=pick("output_scores"), output_logits=pick("output_logits"))
+        output_scores=pick("output_scores"), output_logits=pick("output_logits"),
+        eos_set=merged.get("eos_token_id") is not None, num_beams=pick("num_beams"),
+        length_penalty=pick("length_penalty"), early_stopping=pick("early_stopping"),
+        **{k: merged[k] for k in _PROCESSOR_FIELDS if merged.get(k) is not None})
     if sample and not settings.temperature > 0:
         raise refuse("temperature", "sampling needs a positive temperature")
-    if settings.num_return_sequences > 1 and not sample:
-        raise refuse("num_return_sequences", "several sequences per prompt need do_sample=True (transformers: "
-                                             "greedy decoding without beams does not support it)")
+    if settings.num_return_sequences > 1 and not sample and settings.num_beams == 1:
+        raise refuse("num_return_sequences", "several sequences per prompt need do_sample=True or num_beams > 1 "
+                                             "(transformers: greedy decoding without beams does not support it)")
+    if settings.num_return_sequences > settings.num_beams > 1:
+        raise refuse("num_return_sequences", f"at most num_beams={settings.num_beams} sequences come out of a "
+                                             "beam search (transformers refuses more)")
+    if settings.num_beams > 1 and settings.eos_set and not eos and not settings.pad:
+        raise refuse("eos_token_id", "beam search fills its sequences with the pad id, else the first eos id: "
+                                     "with no eos and a pad id of 0 or none, transformers fails (eos_token_id[0])")
+    vocab_size = getattr(model.config, "vocab_size", None)
+    for field in _ID_FIELDS:  # the processors index the scores with these ids (transformers raises or fails)
+        value = merged.get(field)
+        if value is None or vocab_size is None:
+            continue
+        seqs = (list(value) if isinstance(value, dict) else [p[0] for p in value]) if field == "sequence_bias" \
+            else value if field == "bad_words_ids" else [[value] if _is_int(value) else value]
+        if any(i >= vocab_size for seq in seqs for i in seq):
+            raise refuse(field, f"a token id beyond the vocabulary ({vocab_size} ids)")
+    if settings.bad_words_ids is not None and all(len(w) == 1 and w[0] in eos for w in settings.bad_words_ids):
+        raise refuse("bad_words_ids", "every bad word is an eos id, which NoBadWordsLogitsProcessor leaves out, "
+                                      "and it refuses an empty list")
+    for field in ("forced_bos_token_id", "forced_eos_token_id"):  # GenerationConfig.validate, 2.7
+        forced = merged.get(field)
+        if forced is not None and settings.suppress_tokens is not None:
+            forced = {forced} if _is_int(forced) else set(forced)
+            if forced <= set(settings.suppress_tokens):
+                raise refuse(field, "every forced token is also in suppress_tokens: the scores would all be -inf "
+                                    "(transformers refuses it)")
     for field, (neutral, what) in _UNSUPPORTED.items():
         if field not in merged or neutral(merged[field]) or (field in _ONLY_WHEN_SAMPLING and not sample):
             continue  # transformers applies the sampling ones only when sampling: nothing to refuse
         raise refuse(field, f"asks for {what}, which flodl-hf's generate does not implement (transformers would "
                             "apply it); remove the field or set it to its default")
     return settings
-
-
-def next_token_scores(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                      top_p: float | None = None) -> torch.Tensor:
-    """The sampling warpers in transformers' order (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper);
-    here ``top_k`` None / 0 and ``top_p`` None / 1.0 apply nothing (``generate_ids`` resolves the defaults)."""
-    scores = logits
-    if temperature is not None and temperature != 1.0:
-        scores = scores / temperature
-    if top_k is not None and top_k != 0:
-        k = min(max(int(top_k), 1), scores.size(-1))
-        scores = scores.masked_fill(scores < torch.topk(scores, k)[0][..., -1, None], -float("inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, sorted_indices = torch.sort(scores, descending=False)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        remove = cumulative <= (1 - top_p)
-        remove[..., -1:] = 0
-        scores = scores.masked_fill(remove.scatter(1, sorted_indices, remove), -float("inf"))
-    return scores
 
 
 def _check_arguments(max_new_tokens: Any, do_sample: Any, temperature: Any, top_k: Any, top_p: Any) -> None:
@@ -359,37 +463,6 @@ def _check_ids(input_ids: Any, attention_mask: Any) -> None:
         raise InputError(f"attention_mask {shape}: expected a tensor shaped like input_ids {tuple(input_ids.shape)}")
 
 
-def repetition_penalty(input_ids: torch.Tensor, scores: torch.Tensor, penalty: float,
-                       ignore: torch.Tensor | None = None) -> torch.Tensor:
-    """RepetitionPenaltyLogitsProcessor: every id of the sequence so far (the first ``ignore[row]`` positions
-    excepted: a left-padded row's pads) has its score multiplied by ``penalty`` when negative, else divided by it."""
-    vocab_size = scores.shape[-1]
-    if ignore is not None:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        input_ids = input_ids.masked_fill(positions[None, :] < ignore[:, None], vocab_size)
-    input_ids = input_ids.clamp(max=vocab_size)
-    scores = torch.nn.functional.pad(scores, (0, 1))
-    score = torch.gather(scores, 1, input_ids)
-    score = torch.where(score < 0, score * penalty, score / penalty)
-    return scores.scatter(1, input_ids, score)[..., :vocab_size]
-
-
-def process_scores(logits: torch.Tensor, input_ids: torch.Tensor, settings: GenerationSettings, min_length: int,
-                   ignore: torch.Tensor | None = None) -> torch.Tensor:
-    """``_get_logits_processor``'s list in its order, for what generate_ids implements: the repetition penalty, the
-    minimum length (MinLength / MinNewTokensLength: eos ids to -inf while the sequence is shorter), then, when
-    sampling, the warpers (``next_token_scores``)."""
-    scores = logits
-    if settings.repetition_penalty != 1.0:
-        scores = repetition_penalty(input_ids, scores, settings.repetition_penalty, ignore)
-    if settings.eos and input_ids.shape[-1] < min_length:
-        eos = torch.tensor(settings.eos, device=scores.device)
-        scores = torch.where(torch.isin(torch.arange(scores.shape[-1], device=scores.device), eos), -math.inf, scores)
-    if settings.do_sample:
-        scores = next_token_scores(scores, settings.temperature, settings.top_k, settings.top_p)
-    return scores
-
-
 def infer_attention_mask(input_ids: torch.Tensor, pad: int | None, eos: Sequence[int]) -> torch.Tensor:
     """``_prepare_attention_mask_for_generation``, when no mask is given: the positions holding the pad id are masked
     out when the pad id is set, is not an eos id, occurs in the input, and the ids are int32 or int64; else all ones."""
@@ -404,14 +477,19 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
                  max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  eos_token_id: int | Sequence[int] | torch.Tensor | None = None,
-                 pad_token_id: int | None = None, generation_config: Any = None,
-                 **options: Any) -> torch.Tensor | GenerateDecoderOnlyOutput:
+                 pad_token_id: int | None = None, generation_config: Any = None, tokenizer: Any = None,
+                 **options: Any) -> torch.Tensor | GenerateDecoderOnlyOutput | GenerateBeamDecoderOnlyOutput:
     """Prompt ids (B, S), left-padded, -> (B, S + n) ids: the prompts and up to ``max_new_tokens`` new tokens
     each, as transformers' ``generate`` returns them (``GenerateDecoderOnlyOutput`` with
     ``return_dict_in_generate=True``). Every setting left None takes transformers' default: ``generation_config``'s
     field, else the checkpoint's ``generation_config.json``, else its global default (see ``generation_settings``).
     ``options``: ``max_length``, ``min_new_tokens``, ``min_length``, ``repetition_penalty``,
-    ``num_return_sequences``, ``use_cache``, ``return_dict_in_generate``, ``output_scores``, ``output_logits``.
+    ``num_return_sequences``, ``use_cache``, ``return_dict_in_generate``, ``output_scores``, ``output_logits``, the
+    logits processors (``no_repeat_ngram_size``, ``bad_words_ids``, ``sequence_bias``, ``suppress_tokens``,
+    ``begin_suppress_tokens``, ``forced_bos_token_id``, ``forced_eos_token_id``, ``exponential_decay_length_penalty``,
+    ``remove_invalid_values``, ``renormalize_logits``; when sampling ``min_p``, ``typical_p``, ``epsilon_cutoff``,
+    ``eta_cutoff``), the stopping criteria (``stop_strings``, which needs ``tokenizer``, and ``max_time``), and beam
+    search (``num_beams``, ``length_penalty``, ``early_stopping``; a ``GenerateBeamDecoderOnlyOutput`` record).
     Without ``attention_mask``, the pad id's positions are masked as transformers infers them.
     ``seed``: sample from a generator seeded with it; None samples from torch's global generator."""
     if getattr(model, "task", None) != "causal_lm":
@@ -422,13 +500,20 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     settings = generation_settings(model, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
                                    pad_token_id, generation_config, **options)
     eos, pad = settings.eos, settings.pad
+    stop_strings = None
+    if settings.stop_strings is not None:  # _get_stopping_criteria
+        if tokenizer is None:
+            raise InputError(f"stop_strings={settings.stop_strings!r}: matching them needs the model's tokenizer; "
+                             "pass tokenizer= (as transformers' generate)")
+        stop_strings = StopStrings(tokenizer, settings.stop_strings)
     if attention_mask is None:
         attention_mask = infer_attention_mask(input_ids, pad, eos)
     device = model.device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    if settings.num_return_sequences > 1:  # _expand_inputs_for_generation
-        input_ids = input_ids.repeat_interleave(settings.num_return_sequences, dim=0)
-        attention_mask = attention_mask.repeat_interleave(settings.num_return_sequences, dim=0)
+    expand = max(settings.num_beams, settings.num_return_sequences)
+    if expand > 1:  # _expand_inputs_for_generation
+        input_ids = input_ids.repeat_interleave(expand, dim=0)
+        attention_mask = attention_mask.repeat_interleave(expand, dim=0)
     generator = None
     if settings.do_sample and seed is not None:
         generator = torch.Generator(device=device)
@@ -452,24 +537,32 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
                   else settings.min_length)
     # the repetition penalty skips the left padding, which transformers reads off the mask unless it is all ones
     ignore = None if (attention_mask == 1).all() else (attention_mask != 0).int().argmax(dim=1)
-    # GenerationMixin._prepare_position_ids_for_generation
-    position_ids = attention_mask.long().cumsum(-1) - 1
-    position_ids = position_ids.masked_fill(attention_mask == 0, 0)
-    eos_tensor = torch.tensor(eos, device=device, dtype=torch.long) if eos else None
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=device)
+    processors = logits_processors(settings, prompt_length, max_length, min_length, ignore, device)
     cache = model.backbone.new_cache() if settings.use_cache else None
+    decoder = _Decoder(model, attention_mask, cache, settings.use_cache)
+    eos_tensor = torch.tensor(eos, device=device, dtype=torch.long) if eos else None
+    started = time.time()  # MaxTimeCriteria counts from its creation, before the prefill
+
+    def stopped(ids: torch.Tensor) -> torch.Tensor:
+        """StoppingCriteriaList but the maximum length: a row stops on the time, a stop string or an eos."""
+        hit = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
+        if settings.max_time is not None and time.time() - started > settings.max_time:
+            hit |= True
+        if stop_strings is not None:
+            hit |= stop_strings(ids)
+        if eos_tensor is not None:
+            hit |= torch.isin(ids[:, -1], eos_tensor)
+        return hit
+
+    if settings.num_beams > 1:
+        return _beam_search(decoder, input_ids, settings, processors, stopped, max_length, generator)
+    fill = settings.eos_set and pad is not None  # _sample: finished rows get the pad id when an eos is set
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=device)
     record = settings.return_dict_in_generate
     scores_seen, logits_seen = [], []
-    step_ids, step_pos = input_ids.clone(), position_ids
-    plain = PLAIN_RECORD if config_sets_forward_defaults(model.config) else {}  # whatever config.json's defaults
     while True:
-        out = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=step_pos,
-                    cache=cache, use_cache=settings.use_cache, logits_to_keep=1, **plain)
-        # _update_model_kwargs_for_generation: positions and mask grow by one
-        position_ids = torch.cat([position_ids, position_ids[..., -1:] + 1], dim=-1)
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], dim=-1)
-        logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
-        scores = process_scores(logits, input_ids, settings, min_length, ignore)
+        logits = decoder.next_logits(input_ids)
+        scores = apply(processors, input_ids, logits)
         if record and settings.output_scores:
             scores_seen.append(scores)
         if record and settings.output_logits:
@@ -479,22 +572,172 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
             next_tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
         else:
             next_tokens = torch.argmax(scores, dim=-1)
-        if eos_tensor is not None:
+        if fill:
             next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-        done = input_ids.shape[-1] >= max_length
-        if eos_tensor is not None:
-            unfinished = unfinished & ~torch.isin(input_ids[:, -1], eos_tensor).long()
-        if done or unfinished.max() == 0:
+        unfinished = unfinished & ~stopped(input_ids).long()
+        if input_ids.shape[-1] >= max_length or unfinished.max() == 0:
             break
-        if settings.use_cache:  # the last token alone; without a cache, the whole sequence again
-            step_ids, step_pos = input_ids[:, -1:].clone(), position_ids[..., -1:].clone()
-        else:
-            step_ids, step_pos = input_ids.clone(), position_ids.clone()
     if not record:
         return input_ids
     return GenerateDecoderOnlyOutput(sequences=input_ids, scores=tuple(scores_seen) if settings.output_scores else None,
                                      logits=tuple(logits_seen) if settings.output_logits else None, cache=cache)
+
+
+class _Decoder:
+    """The model's side of transformers' decoding loops: the prompt once (the prefill, ``logits_to_keep=1``), then
+    each step the last token alone with its position and the cache, or without a cache the whole sequence again;
+    the mask and the positions grow by one after each step (_update_model_kwargs_for_generation)."""
+
+    def __init__(self, model: torch.nn.Module, attention_mask: torch.Tensor, cache: Any, use_cache: bool) -> None:
+        self.model, self.attention_mask, self.cache, self.use_cache = model, attention_mask, cache, use_cache
+        # GenerationMixin._prepare_position_ids_for_generation: cumsum(mask) - 1, 0 on pads
+        self.position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        self.prefilled = False
+        self.plain = PLAIN_RECORD if config_sets_forward_defaults(model.config) else {}  # whatever config.json says
+
+    def next_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The next-token logits of each row of ``input_ids`` (the sequences so far), float32 copies."""
+        if not self.prefilled:
+            step_ids, step_pos = input_ids.clone(), self.position_ids
+        elif self.use_cache:
+            step_ids, step_pos = input_ids[:, -1:].clone(), self.position_ids[..., -1:].clone()
+        else:
+            step_ids, step_pos = input_ids.clone(), self.position_ids.clone()
+        self.prefilled = True
+        out = self.model(input_ids=step_ids, attention_mask=self.attention_mask, position_ids=step_pos,
+                         cache=self.cache, use_cache=self.use_cache, logits_to_keep=1, **self.plain)
+        self.position_ids = torch.cat([self.position_ids, self.position_ids[..., -1:] + 1], dim=-1)
+        mask = self.attention_mask
+        self.attention_mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+        return out.logits[:, -1].to(copy=True, dtype=torch.float32)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Cache.reorder_cache (DynamicLayer.reorder_cache): every layer's keys and values take ``rows``' order."""
+        cache = self.cache
+        if cache is None:
+            return
+        for layer in range(len(cache)):
+            if cache.keys[layer] is not None and cache.keys[layer].numel() > 0:
+                cache.keys[layer] = cache.keys[layer].index_select(0, rows.to(cache.keys[layer].device))
+                cache.values[layer] = cache.values[layer].index_select(0, rows.to(cache.values[layer].device))
+
+
+def _gather_beams(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """GenerationMixin._gather_beams: the beams ``indices`` picks, along dim 1."""
+    while indices.dim() < tensor.dim():
+        indices = indices.unsqueeze(-1)
+    return torch.take_along_dim(tensor, indices, dim=1)
+
+
+def _beam_search(decoder: _Decoder, input_ids: torch.Tensor, settings: GenerationSettings, processors: list,
+                 stopped: Any, max_length: int,
+                 generator: torch.Generator | None) -> torch.Tensor | GenerateBeamDecoderOnlyOutput:
+    """GenerationMixin._beam_search (generation/utils.py:3578), with its helpers (:3343-3577) step for step: the
+    log-softmax of the logits through the processors, added to each beam's score; the top ``max(2, 1 + n_eos) *
+    num_beams`` continuations (sampled without replacement with ``do_sample``); those that hit a stopping criterion
+    become finished hypotheses scored ``score / new_length ** length_penalty``, the best others run on; the early
+    stop heuristic of ``early_stopping``; the best ``num_return_sequences`` hypotheses, cut to the longest (with
+    ``return_dict_in_generate``, transformers' GenerateBeamDecoderOnlyOutput)."""
+    s = settings
+    num_beams, length_penalty, early_stopping = s.num_beams, s.length_penalty, s.early_stopping
+    device = input_ids.device
+    flat, cur_len = input_ids.shape
+    batch, prompt_length = flat // num_beams, cur_len
+    n_eos = len(s.eos) if s.eos_set else 0
+    keep = max(2, 1 + n_eos) * num_beams
+    top_num_beams = torch.cat((torch.ones(num_beams, dtype=torch.bool),
+                               torch.zeros(keep - num_beams, dtype=torch.bool))).to(device)
+    # `pad_token_id or eos_token_id[0] if eos_token_id is not None else -1`, as written there
+    fill = (s.pad if s.pad else s.eos[0]) if s.eos_set else -1
+    running = torch.full((batch, num_beams, max_length), fill, dtype=torch.int64, device=device)
+    running[:, :, :cur_len] = input_ids.reshape(batch, num_beams, cur_len)
+    sequences = running.detach().clone()
+    running_scores = torch.zeros((batch, num_beams), dtype=torch.float, device=device)
+    running_scores[:, 1:] = -1e9  # only the first beam's continuations at the first step
+    beam_scores = torch.full((batch, num_beams), fill_value=-1e9, dtype=torch.float, device=device)
+    finished = torch.zeros((batch, num_beams), dtype=torch.bool, device=device)
+    improvable = torch.ones((batch, 1), dtype=torch.bool, device=device)
+    running_indices = torch.full((batch, num_beams, max_length - cur_len), -1, dtype=torch.int32, device=device)
+    beam_indices = running_indices.detach().clone()
+    flat_running = input_ids
+    scores_seen: list[torch.Tensor] = []
+    logits_seen: list[torch.Tensor] = []
+    while True:
+        if decoder.prefilled:
+            flat_running = running[:, :, :cur_len].reshape(batch * num_beams, cur_len)
+        logits = decoder.next_logits(flat_running)
+        log_probs = apply(processors, flat_running, torch.nn.functional.log_softmax(logits, dim=-1))
+        if s.return_dict_in_generate and s.output_logits:
+            logits_seen.append(logits.clone())
+        if s.return_dict_in_generate and s.output_scores:
+            scores_seen.append(log_probs.clone())
+        log_probs = log_probs.reshape(batch, num_beams, -1) + running_scores[:, :, None]
+        log_probs = torch.reshape(log_probs, (batch, -1))
+        # _get_top_k_continuations
+        if s.do_sample:
+            top_indices = torch.multinomial(torch.nn.functional.softmax(log_probs, dim=-1), num_samples=keep,
+                                            generator=generator)
+            top_log_probs = torch.gather(log_probs, 1, top_indices)
+            top_log_probs, order = top_log_probs.sort(dim=-1, descending=True)
+            top_indices = top_indices.gather(dim=-1, index=order)
+        else:
+            top_log_probs, top_indices = torch.topk(log_probs, k=keep)
+        vocab_size = log_probs.shape[-1] // num_beams
+        from_beam = top_indices // vocab_size
+        top_running_indices = _gather_beams(running_indices, from_beam)
+        top_sequences = _gather_beams(running, from_beam)
+        top_sequences[:, :, cur_len] = top_indices % vocab_size
+        offset = torch.arange(batch, device=device).view(-1, 1) * num_beams
+        top_running_indices[:, :, cur_len - prompt_length] = from_beam + offset
+        # the stopping criteria on each continuation (MaxLengthCriteria: all of them at the last position)
+        candidates = top_sequences[:, :, :cur_len + 1].reshape(batch * keep, cur_len + 1)
+        hits = stopped(candidates) | (cur_len + 1 >= max_length)
+        hits = hits.reshape(batch, keep)
+        # _get_running_beams_for_next_iteration
+        running_log_probs = top_log_probs + hits.to(torch.float32) * -1.0e9
+        next_beams = torch.topk(running_log_probs, k=num_beams)[1]
+        running = _gather_beams(top_sequences, next_beams)
+        running_scores = _gather_beams(running_log_probs, next_beams)
+        running_indices = _gather_beams(top_running_indices, next_beams)
+        # _update_finished_beams
+        just_finished = hits & top_num_beams[None, :]
+        finished_scores = top_log_probs / ((cur_len + 1 - prompt_length) ** length_penalty)
+        full = torch.all(finished, dim=-1, keepdim=True) & (early_stopping is True)
+        finished_scores += full.to(torch.float32) * -1.0e9
+        finished_scores += (~improvable).to(torch.float32) * -1.0e9
+        finished_scores += (~just_finished) * -1.0e9
+        merged_scores = torch.cat((beam_scores, finished_scores), dim=1)
+        best = torch.topk(merged_scores, k=num_beams)[1]
+        sequences = _gather_beams(torch.cat((sequences, top_sequences), dim=1), best)
+        beam_scores = _gather_beams(merged_scores, best)
+        beam_indices = _gather_beams(torch.cat((beam_indices, top_running_indices), dim=1), best)
+        finished = _gather_beams(torch.cat((finished, just_finished), dim=1), best)
+        decoder.reorder(running_indices[..., cur_len - prompt_length].reshape(-1))
+        cur_len += 1
+        # _check_early_stop_heuristic
+        if early_stopping == "never" and length_penalty > 0.0:
+            best_length = max_length - prompt_length
+        else:
+            best_length = cur_len - prompt_length
+        best_running = running_scores[:, :1] / (best_length ** length_penalty)
+        worst_finished = torch.where(finished, torch.min(beam_scores, dim=1, keepdim=True)[0], -1.0e9)
+        improvable = improvable & torch.any(best_running > worst_finished, dim=-1, keepdim=True)
+        # _beam_search_has_unfinished_sequences
+        go_on = torch.any(improvable) & ~(torch.all(finished) & (early_stopping is True)) & ~torch.all(hits)
+        if not go_on:
+            break
+    n = s.num_return_sequences
+    sequences = sequences[:, :n].reshape(batch * n, max_length)
+    beam_indices = beam_indices[:, :n].reshape(batch * n, -1)
+    generated = ((beam_indices + 1).bool()).sum(dim=1).max()
+    sequences = sequences[:, :prompt_length + generated]
+    if not s.return_dict_in_generate:
+        return sequences
+    return GenerateBeamDecoderOnlyOutput(
+        sequences=sequences, sequences_scores=beam_scores[:, :n].reshape(-1) if s.output_scores else None,
+        scores=tuple(scores_seen) if s.output_scores else None, logits=tuple(logits_seen) if s.output_logits else None,
+        beam_indices=beam_indices[:, :generated], cache=decoder.cache)
 
 
 # TextGenerationPipeline._default_generation_config: added by the pipeline for what neither the call nor the
@@ -502,7 +745,7 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
 PIPELINE_DEFAULTS: dict[str, Any] = {"max_new_tokens": 256, "do_sample": True, "temperature": 0.7}
 _PIPELINE_SAMPLING = {"temperature", "top_k", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff"}
 # keywords TextGenerationPipeline takes (its _sanitize_parameters, Pipeline.__call__) that generate() does not implement
-_PIPELINE_NOT_IMPLEMENTED = ("return_type", "prefix", "handle_long_generation", "stop_sequence", "truncation",
+_PIPELINE_NOT_IMPLEMENTED = ("return_type", "prefix", "handle_long_generation", "truncation",
                              "tokenizer_encode_kwargs", "add_special_tokens", "padding", "batch_size", "num_workers",
                              "assistant_model", "assistant_tokenizer")
 # generate() keywords that would make the pipeline add records' fields (scores, logits) that generate() does not write
@@ -591,13 +834,16 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
     The settings are the pipeline's: the keywords, else the model's generation config, else the pipeline's own
     defaults (256 new tokens, ``do_sample=True``, ``temperature=0.7``; the tokenizer's pad id), else
     transformers' (top-k 50). ``options``: ``generate_ids``' other settings (``num_return_sequences``,
-    ``repetition_penalty``, ``min_new_tokens``, ``max_length``, ``generation_config``, ...). A keyword the pipeline
-    takes that is not implemented here (``stop_sequence``, ``prefix``, ``truncation``, ...) is an InputError naming
-    it. As in the pipeline, the call's ``max_length`` also cuts each text prompt to that many tokens (its
-    tokenizer's truncation; a chat is not cut), so with ``max_new_tokens`` it bounds the prompt. Greedy prompts
-    are batched with left padding (the pipeline runs them one by one: the ids are the same); sampling, or a total
-    ``max_length`` / ``min_length``, runs them one by one in order, so that after ``torch.manual_seed(s)`` (or with
-    ``seed=s``, which leaves the global generator alone) the draws are the pipeline's.
+    ``repetition_penalty``, ``min_new_tokens``, ``max_length``, ``generation_config``, the logits processors, ...);
+    ``stop_sequence`` (a string or a list) stops at those strings, as the pipeline passes them to generate with the
+    tokenizer (``stop_strings`` alone is an InputError, as the pipeline fails without a tokenizer). A keyword the
+    pipeline takes that is not implemented here (``prefix``, ``truncation``, ...) is an InputError naming it. As
+    in the pipeline, the call's ``max_length`` also cuts each text prompt to that many tokens (its tokenizer's
+    truncation; a chat is not cut), so with ``max_new_tokens`` it bounds the prompt. Greedy prompts are batched
+    with left padding (the pipeline runs them one by one: the ids are the same); sampling, a total ``max_length`` /
+    ``min_length``, beams, stop strings, the time limit, or a processor reading the padded ids (n-gram ban, bad
+    words, sequence bias, forced bos) runs them one by one in order, so that after ``torch.manual_seed(s)`` (or
+    with ``seed=s``, which leaves the global generator alone) the draws and lengths are the pipeline's.
 
     ``prompts`` may also be a chat (a list of ``{"role", "content"}`` dicts) or a list of chats, as the pipeline
     takes them: each is rendered with the tokenizer's chat template (``apply_chat_template``, a generation
@@ -615,6 +861,9 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
             raise InputError(f"{name}={options[name]!r}: generate() writes only the pipeline's generated_text or "
                              "generated_token_ids; use generate_ids for scores and logits")
     kind = _return_type(return_full_text, return_tensors, return_text)
+    stop_sequence = options.pop("stop_sequence", None)
+    if stop_sequence is not None:  # TextGenerationPipeline._sanitize_parameters: stop strings, with the tokenizer
+        options["stop_strings"] = [stop_sequence] if isinstance(stop_sequence, str) else stop_sequence
     chats = _chats(prompts)
     if chats is not None:
         texts, single = chats
@@ -642,6 +891,9 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
         generation_settings(lm, **given)
         raise
     settings = generation_settings(lm, **kwargs)
+    if settings.stop_strings is not None and stop_sequence is None:
+        raise InputError(f"stop_strings={settings.stop_strings!r}: the text-generation pipeline hands generate no "
+                         "tokenizer for them (transformers raises); pass stop_sequence=, which it does hand one")
     if skip_special_tokens is None:
         skip_special_tokens = not getattr(tok, "response_template", None)
 
@@ -688,10 +940,14 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
             torch.manual_seed(seed)
         if not single:  # the pipeline runs a list through a DataLoader, whose iterator draws its base seed first
             torch.empty((), dtype=torch.int64).random_()
-        if settings.do_sample or totals or len(rows) == 1:
+        # a processor reading the padded ids, a stop string, the time limit or beams: one prompt at a time too
+        alone = settings.reads_history() or settings.stop_strings is not None or settings.max_time is not None \
+            or settings.num_beams > 1
+        if settings.do_sample or totals or alone or len(rows) == 1:
             # one prompt at a time, as the pipeline: the draws come in its order, and lengths are per prompt
             for r in rows:
-                ids = generate_ids(lm, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long), **kwargs)
+                ids = generate_ids(lm, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long),
+                                   tokenizer=tok if stop_sequence is not None else None, **kwargs)
                 sequences.extend(ids.tolist())
         else:
             # Left padding by hand: LLaMA tokenizers often have no pad token. Padded positions are masked out of

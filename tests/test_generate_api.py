@@ -103,8 +103,8 @@ def test_generation_config_object_or_dict_sits_under_the_keywords(pair):
     # a keyword wins over the generation_config's field
     reference = _theirs(theirs, ids, mask, generation_config=GenerationConfig(**fields), do_sample=False)
     assert torch.equal(generate_ids(ours, ids, mask, generation_config=fields, do_sample=False), reference)
-    with pytest.raises(InputError, match="generation_config: num_beams=3"):
-        generate_ids(ours, ids, mask, generation_config=GenerationConfig(num_beams=3))
+    with pytest.raises(InputError, match="generation_config: guidance_scale=1.5"):
+        generate_ids(ours, ids, mask, generation_config=GenerationConfig(guidance_scale=1.5))
     with pytest.raises(InputError, match="generation_config: top_k=-1"):
         generate_ids(ours, ids, mask, generation_config={"top_k": -1})
 
@@ -171,7 +171,7 @@ def test_lengths_several_sequences_no_cache_and_the_output_record(pair, tmp_path
 def test_keywords_we_do_not_implement_are_input_errors_naming_them(pair):
     ours, _ = pair
     ids, mask = _left_padded(ours.config.vocab_size)
-    for kwargs, name in ((dict(num_beams=2), "num_beams=2"), (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size"),
+    for kwargs, name in ((dict(num_beams=0), "num_beams=0"), (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size"),
                          (dict(output_attentions=True), "output_attentions"), (dict(foo=1), "foo=1"),
                          (dict(repetition_penalty=0), "repetition_penalty=0"), (dict(use_cache="no"), "use_cache"),
                          (dict(max_length=0), "max_length=0"), (dict(min_new_tokens=-1), "min_new_tokens=-1")):

@@ -105,8 +105,8 @@ def test_sampling_applies_top_k_50_unless_told_and_draws_from_the_global_generat
     assert torch.equal(got, reference) and torch.equal(torch.rand(4), expected)
 
 
-@pytest.mark.parametrize("field,value", [("bad_words_ids", [[5]]), ("num_beams", 3), ("no_repeat_ngram_size", 2),
-                                         ("forced_eos_token_id", 2), ("suppress_tokens", [5]),
+@pytest.mark.parametrize("field,value", [("bad_words_ids", [[]]), ("num_beams", 0), ("no_repeat_ngram_size", -2),
+                                         ("forced_eos_token_id", "2"), ("suppress_tokens", 5),
                                          ("num_return_sequences", 2)])
 def test_generation_config_fields_we_do_not_implement_are_refused(tmp_path, field, value):
     root = _copy(LLAMA, tmp_path)
@@ -121,9 +121,9 @@ def test_generation_config_neutral_values_run_and_malformed_files_are_typed(tmp_
     root = _copy(LLAMA, tmp_path)
     ours = load_model(root, "causal_lm", dtype=torch.float32).eval()
     ids, mask = _left_padded(ours.config.vocab_size)
-    _edit(root / "generation_config.json", repetition_penalty=1.0, num_beams=1, min_p=0.1, typical_p=1.0)
-    generate_ids(ours, ids, mask, max_new_tokens=2)  # min_p matters only when sampling
-    with pytest.raises(ConfigError, match=r"generation_config\.json: min_p="):
+    _edit(root / "generation_config.json", repetition_penalty=1.0, num_beams=1, top_h=0.1, typical_p=1.0)
+    generate_ids(ours, ids, mask, max_new_tokens=2)  # top_h matters only when sampling
+    with pytest.raises(ConfigError, match=r"generation_config\.json: top_h="):
         generate_ids(ours, ids, mask, max_new_tokens=2, do_sample=True)
     for bad, match in [("{not json", "not a readable JSON"), ("[1, 2]", "expected a JSON object"),
                        (json.dumps({"eos_token_id": "2"}), "eos_token_id="),

@@ -74,12 +74,12 @@ def test_sampling_draws_as_the_pipeline(model):
 
 
 @pytest.mark.parametrize("options,name", [
-    ({"stop_sequence": "day"}, "stop_sequence"), ({"prefix": "Once "}, "prefix"),
+    ({"stop_strings": "day"}, "stop_sequence"), ({"prefix": "Once "}, "prefix"),
     ({"handle_long_generation": "hole"}, "handle_long_generation"), ({"truncation": True}, "truncation"),
     ({"return_full_text": False, "return_tensors": True}, "return_tensors"),
     ({"return_full_text": True, "return_text": True}, "return_text"),
     ({"return_tensors": True, "return_text": True}, "return_text"),
-    ({"num_beams": 2}, "num_beams"), ({"output_scores": True, "return_dict_in_generate": True}, "return_dict"),
+    ({"num_beams": 0}, "num_beams"), ({"output_scores": True, "return_dict_in_generate": True}, "return_dict"),
     ({"num_return_sequences": 2, "do_sample": False}, "num_return_sequences")])
 def test_keywords_not_implemented_are_named(model, options, name):
     root, _ = model

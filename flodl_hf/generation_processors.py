@@ -1,0 +1,405 @@
+"""The logits processors and stopping criteria of transformers 5.24's generate, for ``generate_ids``.
+
+``logits_processors`` builds the list ``GenerationMixin._get_logits_processor`` builds (generation/utils.py:1416),
+in its order, for the settings ``generate_ids`` implements; each entry takes ``(input_ids, scores)`` and returns
+the new scores with the ops of the transformers class named beside it (generation/logits_process.py), so that the
+scores, and the ids drawn from them, are bitwise transformers'. ``StopStrings`` is ``StopStringCriteria``
+(generation/stopping_criteria.py): a row stops when a stop string ends in its last token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .errors import InputError
+
+Processor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# ---- processors (generation/logits_process.py), in _get_logits_processor's order -------------------------------
+
+class SequenceBias:
+    """SequenceBiasLogitsProcessor (:1242): each (ids, bias) adds ``bias`` to the score of its last id where the row
+    ends with the ids before it. ``sequence_bias`` is transformers' list ``[[ids, bias], ...]`` or its older dict
+    ``{tuple(ids): bias}``; a later duplicate overwrites an earlier one's bias, keeping its place (a dict)."""
+
+    def __init__(self, sequence_bias: Any) -> None:
+        if isinstance(sequence_bias, list):
+            sequence_bias = {tuple(ids): bias for ids, bias in sequence_bias}
+        self.sequence_bias: dict[tuple[int, ...], float] = dict(sequence_bias)
+        self.single: torch.Tensor | None = None
+        self.groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def _prepare(self, scores: torch.Tensor) -> None:
+        # _prepare_bias_variables: the one-token biases in one vector, longer sequences grouped by prefix length in
+        # the order their lengths first occur (index_add_ sums in that order)
+        device = scores.device
+        self.single = torch.zeros((scores.shape[-1],), dtype=torch.float, device=device)
+        singles = [(ids[0], bias) for ids, bias in self.sequence_bias.items() if len(ids) == 1]
+        if singles:
+            self.single[[i for i, _ in singles]] = torch.tensor([b for _, b in singles], device=device)
+        by_length: dict[int, list[tuple[tuple[int, ...], float]]] = {}
+        for ids, bias in self.sequence_bias.items():
+            if len(ids) > 1:
+                by_length.setdefault(len(ids) - 1, []).append((ids, bias))
+        self.groups = [(torch.tensor([ids[:-1] for ids, _ in group], device=device),
+                        torch.tensor([ids[-1] for ids, _ in group], device=device),
+                        torch.tensor([bias for _, bias in group], dtype=torch.float, device=device))
+                       for group in by_length.values()]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.single is None:
+            self._prepare(scores)
+        bias = torch.zeros_like(scores)
+        bias += self.single
+        for prefixes, last, biases in self.groups:
+            if prefixes.shape[1] > input_ids.shape[1]:
+                continue
+            matching = (input_ids[:, None, -prefixes.shape[1]:] == prefixes).all(dim=-1)
+            bias.index_add_(1, last, torch.where(matching, biases, 0.0).to(bias.dtype))
+        return scores + bias
+
+
+def bad_words(bad_words_ids: list[list[int]], eos: Sequence[int]) -> SequenceBias:
+    """NoBadWordsLogitsProcessor (:1432): a sequence bias of -inf for each bad sequence, less the one-token sequences
+    that are an eos id."""
+    kept = [seq for seq in bad_words_ids if all(seq != [e] for e in eos)]
+    return SequenceBias({tuple(seq): float("-inf") for seq in kept})
+
+
+def repetition_penalty(input_ids: torch.Tensor, scores: torch.Tensor, penalty: float,
+                       ignore: torch.Tensor | None = None) -> torch.Tensor:
+    """RepetitionPenaltyLogitsProcessor (:306): every id of the sequence so far (the first ``ignore[row]`` positions
+    excepted: a left-padded row's pads) has its score multiplied by ``penalty`` when negative, else divided by it."""
+    vocab_size = scores.shape[-1]
+    if ignore is not None:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        input_ids = input_ids.masked_fill(positions[None, :] < ignore[:, None], vocab_size)
+    input_ids = input_ids.clamp(max=vocab_size)
+    scores = torch.nn.functional.pad(scores, (0, 1))
+    score = torch.gather(scores, 1, input_ids)
+    score = torch.where(score < 0, score * penalty, score / penalty)
+    return scores.scatter(1, input_ids, score)[..., :vocab_size]
+
+
+def no_repeat_ngram(input_ids: torch.Tensor, scores: torch.Tensor, size: int) -> torch.Tensor:
+    """NoRepeatNGramLogitsProcessor (:1102): ban each id that would complete an n-gram the row already holds (its
+    left padding included, as there)."""
+    length = input_ids.shape[-1]
+    if length < size:
+        return scores
+    prefix = input_ids[:, length + 1 - size:]
+    windows = input_ids.unfold(dimension=1, size=size, step=1)
+    matches = (windows[..., :-1] == prefix.unsqueeze(1)).all(dim=-1)
+    vocab_size = scores.shape[-1]
+    banned = scores.new_zeros((scores.shape[0], vocab_size + 1), dtype=torch.bool)
+    banned.scatter_(1, torch.where(matches, windows[..., -1].clamp(max=vocab_size), vocab_size), True)
+    return scores.masked_fill(banned[:, :vocab_size], -float("inf"))
+
+
+def ban_ids(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """MinLength / MinNewTokensLength (:101, :164), SuppressTokens (:1913): the ids' scores to -inf."""
+    return torch.where(torch.isin(torch.arange(scores.shape[-1], device=scores.device), ids), -math.inf, scores)
+
+
+def force(scores: torch.Tensor, ids: Any) -> torch.Tensor:
+    """ForcedBOSTokenLogitsProcessor / ForcedEOSTokenLogitsProcessor (:1599, :1644): every score -inf but the ids' 0."""
+    forced = torch.full_like(scores, -math.inf)
+    forced[:, ids] = 0
+    return forced
+
+
+def remove_invalid_values(scores: torch.Tensor) -> torch.Tensor:
+    """InfNanRemoveLogitsProcessor (:1700): nan to 0, +-inf to the dtype's max / min."""
+    processed = torch.where(scores != scores, 0.0, scores)
+    processed = torch.where(scores == float("inf"), torch.finfo(scores.dtype).max, processed)
+    return torch.where(scores == -float("inf"), torch.finfo(scores.dtype).min, processed)
+
+
+def exponential_decay(input_ids: torch.Tensor, scores: torch.Tensor, start: int, factor: float,
+                      eos: torch.Tensor) -> torch.Tensor:
+    """ExponentialDecayLengthPenalty (:1721): past ``start`` (total length), the eos scores grow by
+    ``|score| * (factor ** steps - 1)``."""
+    length = input_ids.shape[-1]
+    if length <= start:
+        return scores
+    penalties = torch.zeros_like(scores)
+    penalty = torch.abs(scores[:, eos]) * (pow(factor, length - start) - 1)
+    penalties[:, eos] = penalty.masked_fill(~torch.isfinite(scores[:, eos]), 0.0)
+    return scores + penalties
+
+
+# ---- warpers (sampling only); ``keep``: min_tokens_to_keep, 1 without beams -----------------------------------
+
+def temperature(scores: torch.Tensor, t: float) -> torch.Tensor:
+    """TemperatureLogitsWarper (:238)."""
+    return scores / t
+
+
+def top_k(scores: torch.Tensor, k: int, keep: int = 1) -> torch.Tensor:
+    """TopKLogitsWarper (:571)."""
+    k = min(max(int(k), keep), scores.size(-1))
+    return scores.masked_fill(scores < torch.topk(scores, k)[0][..., -1, None], -float("inf"))
+
+
+def top_p(scores: torch.Tensor, p: float, keep: int = 1) -> torch.Tensor:
+    """TopPLogitsWarper (:502)."""
+    sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove = cumulative <= (1 - p)
+    remove[..., -keep:] = 0
+    return scores.masked_fill(remove.scatter(1, sorted_indices, remove), -float("inf"))
+
+
+def min_p(scores: torch.Tensor, p: float, keep: int = 1) -> torch.Tensor:
+    """MinPLogitsWarper (:733): drop the ids less likely than ``p`` times the top id's probability."""
+    probs = torch.softmax(scores, dim=-1)
+    remove = probs < p * probs.amax(dim=-1, keepdim=True)
+    remove.scatter_(-1, torch.topk(probs, min(keep, probs.shape[-1]), dim=-1).indices, False)
+    return scores.masked_fill(remove, -float("inf"))
+
+
+def typical(scores: torch.Tensor, mass: float, keep: int = 1) -> torch.Tensor:
+    """TypicalLogitsWarper (:809): keep the ids whose surprise is closest to the entropy, up to ``mass``."""
+    normalized = torch.nn.functional.log_softmax(scores, dim=-1)
+    p = torch.exp(normalized)
+    entropy = -(normalized * p).nansum(-1, keepdim=True)
+    shifted = torch.abs((-normalized) - entropy)
+    sorted_scores, sorted_indices = torch.sort(shifted, descending=False)
+    cumulative = scores.gather(-1, sorted_indices).softmax(dim=-1).cumsum(dim=-1)
+    last = (cumulative < mass).sum(dim=1)
+    last.clamp_(max=sorted_scores.shape[-1] - 1)
+    remove = sorted_scores > sorted_scores.gather(1, last.view(-1, 1))
+    remove[..., :keep] = 0
+    return scores.masked_fill(remove.scatter(1, sorted_indices, remove), -float("inf"))
+
+
+def _cut_below(scores: torch.Tensor, remove: torch.Tensor, keep: int) -> torch.Tensor:
+    # EpsilonLogitsWarper / EtaLogitsWarper: the top ``keep`` ids are always kept
+    remove = remove & (scores < torch.topk(scores, min(keep, scores.size(-1)))[0][..., -1, None])
+    return scores.masked_fill(remove, -float("inf"))
+
+
+def epsilon(scores: torch.Tensor, cutoff: float, keep: int = 1) -> torch.Tensor:
+    """EpsilonLogitsWarper (:897): drop the ids of probability under ``cutoff``."""
+    return _cut_below(scores, scores.softmax(dim=-1) < cutoff, keep)
+
+
+def eta(scores: torch.Tensor, cutoff: torch.Tensor, keep: int = 1) -> torch.Tensor:
+    """EtaLogitsWarper (:966): drop the ids of probability under ``min(eta, sqrt(eta) * exp(-entropy))``; ``cutoff``
+    a float32 0-d tensor, as there."""
+    entropy = torch.distributions.Categorical(logits=scores).entropy()
+    threshold = torch.min(cutoff, torch.sqrt(cutoff) * torch.exp(-entropy))[..., None]
+    return _cut_below(scores, scores.softmax(dim=-1) < threshold, keep)
+
+
+def renormalize(scores: torch.Tensor) -> torch.Tensor:
+    """LogitNormalization (:1823): log-softmax, always last."""
+    return scores.log_softmax(dim=-1)
+
+
+def logits_processors(settings: Any, prompt_length: int, max_length: int, min_length: int,
+                      ignore: torch.Tensor | None, device: torch.device) -> list[Processor]:
+    """``_get_logits_processor``'s list (generation/utils.py:1416-1663) for ``settings`` (a GenerationSettings),
+    in its order: sequence bias, repetition penalty, n-gram ban, bad words, minimum length, forced bos / eos,
+    invalid values, exponential decay, suppression; when sampling temperature, top-k, top-p, min-p, typical,
+    epsilon, eta; renormalization last. ``min_length`` is the total length under which an eos is banned
+    (MinLength and MinNewTokensLength ban the same ids: one ``torch.where`` gives their result)."""
+    s = settings
+    steps: list[Processor] = []
+    eos = torch.tensor(s.eos, device=device, dtype=torch.long)
+    if s.sequence_bias is not None:
+        steps.append(SequenceBias(s.sequence_bias))
+    if s.repetition_penalty != 1.0:
+        steps.append(lambda ids, x: repetition_penalty(ids, x, s.repetition_penalty, ignore))
+    if s.no_repeat_ngram_size:
+        steps.append(lambda ids, x: no_repeat_ngram(ids, x, s.no_repeat_ngram_size))
+    if s.bad_words_ids is not None:
+        steps.append(bad_words(s.bad_words_ids, s.eos))
+    if s.eos and min_length > prompt_length:
+        steps.append(lambda ids, x: ban_ids(x, eos) if ids.shape[-1] < min_length else x)
+    if s.forced_bos_token_id is not None:
+        steps.append(lambda ids, x: force(x, s.forced_bos_token_id) if ids.shape[-1] == 1 else x)
+    if s.forced_eos_token_id is not None:
+        forced = torch.tensor(s.forced_eos_token_id, device=device).reshape(-1)
+        steps.append(lambda ids, x: force(x, forced) if ids.shape[-1] == max_length - 1 else x)
+    if s.remove_invalid_values:
+        steps.append(lambda ids, x: remove_invalid_values(x))
+    if s.exponential_decay_length_penalty is not None:
+        start, factor = s.exponential_decay_length_penalty
+        steps.append(lambda ids, x: exponential_decay(ids, x, start + prompt_length, factor, eos))
+    if s.suppress_tokens is not None:
+        suppressed = torch.tensor(list(s.suppress_tokens), device=device)
+        steps.append(lambda ids, x: ban_ids(x, suppressed))
+    if s.begin_suppress_tokens is not None:
+        begin = prompt_length + (1 if prompt_length == 1 and s.forced_bos_token_id is not None else 0)
+        at_begin = torch.tensor(list(s.begin_suppress_tokens), device=device)
+        steps.append(lambda ids, x: ban_ids(x, at_begin) if ids.shape[-1] == begin else x)
+    if s.do_sample:
+        # with beams, keep one more id than there are eos ids (two without an eos), so a beam can go on
+        keep = 1 if s.num_beams == 1 else len(s.eos) + 1 if s.eos_set else 2
+        if s.temperature is not None and s.temperature != 1.0:
+            steps.append(lambda ids, x: temperature(x, s.temperature))
+        if s.top_k:
+            steps.append(lambda ids, x: top_k(x, s.top_k, keep))
+        if s.top_p is not None and s.top_p < 1.0:
+            steps.append(lambda ids, x: top_p(x, s.top_p, keep))
+        if s.min_p is not None:
+            steps.append(lambda ids, x: min_p(x, s.min_p, keep))
+        if s.typical_p is not None and s.typical_p < 1.0:
+            steps.append(lambda ids, x: typical(x, float(s.typical_p), keep))
+        if s.epsilon_cutoff is not None and 0.0 < s.epsilon_cutoff < 1.0:
+            steps.append(lambda ids, x: epsilon(x, float(s.epsilon_cutoff), keep))
+        if s.eta_cutoff is not None and 0.0 < s.eta_cutoff < 1.0:
+            cutoff = torch.tensor(float(s.eta_cutoff), device=device)
+            steps.append(lambda ids, x: eta(x, cutoff, keep))
+    if s.renormalize_logits:
+        steps.append(lambda ids, x: renormalize(x))
+    return steps
+
+
+def apply(steps: Sequence[Processor], input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    for step in steps:
+        scores = step(input_ids, scores)
+    return scores
+
+
+# ---- stopping criteria (generation/stopping_criteria.py) -----------------------------------------------------
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (transformers' convert_slow_tokenizer.bytes_to_unicode)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(keep, (chr(c) for c in chars)))
+
+
+def _decoder_has(config: Any, kind: str) -> bool:
+    if isinstance(config, dict):
+        return config.get("type") == kind or any(_decoder_has(v, kind) for v in config.values())
+    return isinstance(config, list) and any(_decoder_has(v, kind) for v in config)
+
+
+def matching_mode(tokenizer: Any) -> str | None:
+    """StopStringCriteria._get_stop_string_matching_mode (:293): "byte_level" (GPT-2 byte tokens), "byte_fallback"
+    (``<0x..>`` byte tokens) or None, read off the backend tokenizer's decoder."""
+    import json
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if decoder is None:
+        return None
+    if decoder.__class__.__name__ == "ByteLevel":
+        return "byte_level"
+    state = getattr(decoder, "__getstate__", lambda: None)()
+    try:
+        config = json.loads(state.encode() if isinstance(state, str) else state) \
+            if isinstance(state, (str, bytes)) else None
+    except json.JSONDecodeError:
+        config = None
+    if config is not None:
+        if _decoder_has(config, "ByteFallback"):
+            return "byte_fallback"
+        if _decoder_has(config, "ByteLevel"):
+            return "byte_level"
+    return None
+
+
+def _token_bytes(token: str, mode: str | None, byte_decoder: dict[str, int] | None) -> bytes | None:
+    if mode == "byte_level":
+        return bytes(byte_decoder[c] for c in token) if all(c in byte_decoder for c in token) else None
+    if mode == "byte_fallback" and len(token) == 6 and token.startswith("<0x") and token.endswith(">") \
+            and all(c in "0123456789abcdefABCDEF" for c in token[3:5]):
+        return bytes([int(token[3:5], 16)])
+    return None
+
+
+def token_texts(tokenizer: Any, mode: str | None, prefix: str = "abcdef") -> dict[int, str | bytes]:
+    """StopStringCriteria.clean_tokenizer_vocab (:358): each id's text as it reads inside a text (no "Ġ" or "▁"),
+    found by decoding it after a fixed prefix and cutting the prefix off; bytes in the byte modes."""
+    byte_decoder = {c: b for b, c in _bytes_to_unicode().items()} if mode == "byte_level" else None
+    base_ids = tokenizer(prefix, add_special_tokens=False, return_tensors=None)["input_ids"]
+    base = tokenizer.convert_ids_to_tokens([int(i) for i in base_ids])
+    texts: dict[int, str | bytes] = {}
+    for token, index in tokenizer.get_vocab().items():
+        text = _token_bytes(token, mode, byte_decoder)
+        if text is None:
+            decoded = tokenizer.convert_tokens_to_string(base + [token])
+            text = decoded[decoded.index(prefix) + len(prefix):]
+            if mode is not None:
+                text = text.encode("utf-8")
+        texts[index] = text
+    return texts
+
+
+_TEXTS_CACHE: OrderedDict = OrderedDict()  # (vocab, mode) -> token_texts, the last 8 (as STOP_STRING_EMBEDDING_CACHE)
+
+
+class StopStrings:
+    """StopStringCriteria (:112, its __call__ :483): a row is done when one of the strings ends inside its last
+    token, the tokens before it spelling the rest (running off the string's start is allowed), within the last
+    ``max(len(string))`` tokens. Per token and string, as there (_stop_string_get_matching_positions, :385): the
+    overlaps of the token's start with the string's end ("end lengths"), the positions (counted from the string's
+    end, 1 on) where the token may sit, and the token's length. The match walks these per row in Python where
+    transformers gathers them from a precomputed table; the answer is the same (tested on three vocabularies)."""
+
+    def __init__(self, tokenizer: Any, stop_strings: str | Sequence[str]) -> None:
+        strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
+        mode = matching_mode(tokenizer)
+        self.targets = strings if mode is None else tuple(s.encode("utf-8") for s in strings)
+        key = (tuple(sorted(tokenizer.get_vocab().items())), mode)
+        if key not in _TEXTS_CACHE:
+            _TEXTS_CACHE[key] = token_texts(tokenizer, mode)
+            if len(_TEXTS_CACHE) > 8:
+                _TEXTS_CACHE.popitem(last=False)
+        _TEXTS_CACHE.move_to_end(key)
+        texts = _TEXTS_CACHE[key]
+        self.lengths = {i: len(t) for i, t in texts.items()}
+        self.positions: list[dict[int, set[int]]] = []
+        self.ends: list[dict[int, list[int]]] = []
+        for target in self.targets:
+            positions, ends = {}, {}
+            rev_target = target[::-1]
+            for index, text in texts.items():
+                # _stop_string_get_matching_positions: where the reversed token starts the rest of the reversed string
+                rev = text[::-1]
+                found = [i for i in range(1, len(target)) if rev_target.startswith(rev[:1], i)
+                         and rev.startswith(rev_target[i:i + len(text)])]
+                if found:
+                    positions[index] = set(found)
+                # the token's start overlapping the string's end (the whole string inside the token included)
+                overlaps = [n for i in range(len(text)) if text[i:i + 1] == target[-1:]
+                            for n in [min(i + 1, len(target))] if text[i + 1 - n:i + 1] == target[-n:]]
+                if overlaps:
+                    ends[index] = overlaps
+            self.positions.append(positions)
+            self.ends.append(ends)
+        if not any(self.ends):
+            raise InputError(f"stop_strings={stop_strings!r}: no token of the vocabulary can end them (transformers "
+                             "refuses them too: a character the vocabulary lacks?)")
+        self.window = max(len(t) for t in self.targets)
+
+    def _ends_row(self, ids: list[int]) -> bool:
+        last, before = ids[-1], ids[-self.window:-1][::-1]
+        for target, positions, ends in zip(self.targets, self.positions, self.ends):
+            for matched in ends.get(last, ()):
+                if matched >= len(target):
+                    return True
+                for token in before:
+                    if matched not in positions.get(token, ()):
+                        break
+                    matched += self.lengths[token]
+                    if matched >= len(target):
+                        return True
+        return False
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = input_ids[:, -self.window:].tolist()
+        return torch.tensor([self._ends_row(r) for r in rows], dtype=torch.bool, device=input_ids.device)
