@@ -108,7 +108,7 @@ def test_sampling_applies_top_k_50_unless_told_and_draws_from_the_global_generat
 @pytest.mark.parametrize("field,value", [("bad_words_ids", [[]]), ("num_beams", 0), ("no_repeat_ngram_size", -2),
                                          ("forced_eos_token_id", "2"), ("suppress_tokens", 5),
                                          ("num_return_sequences", 2)])
-def test_generation_config_fields_we_do_not_implement_are_refused(tmp_path, field, value):
+def test_generation_config_fields_bad_or_not_implemented_are_refused(tmp_path, field, value):
     root = _copy(LLAMA, tmp_path)
     _edit(root / "generation_config.json", **{field: value})
     ours = load_model(root, "causal_lm", dtype=torch.float32).eval()

@@ -300,3 +300,23 @@ def test_stop_string_matching_equals_stop_string_criteria(kind, request):
             assert [bool(StopStrings(tok, stops)(p)) for p in prefixes] == expected, (stops, type(tok))
         matched += sum(expected)
     assert matched >= 3
+
+
+def test_the_generate_command_takes_beams_penalties_and_a_stop_text(model, capsys):
+    """`flodl-hf generate --num-beams --repetition-penalty --no-repeat-ngram-size --stop --json` prints the
+    pipeline's records for the same settings."""
+    import json
+
+    from flodl_hf.cli import main as cli
+
+    root, pipe = model
+    settings = dict(do_sample=False, max_new_tokens=5, num_beams=2, repetition_penalty=1.3, no_repeat_ngram_size=2)
+    theirs = pipe([PROMPTS[0]], **settings)
+    assert cli(["generate", PROMPTS[0], "--model", root, "--no-sample", "--max-new-tokens", "5", "--num-beams", "2",
+                "--repetition-penalty", "1.3", "--no-repeat-ngram-size", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == theirs
+    stop = theirs[0][0]["generated_text"][len(PROMPTS[0]):][-2:]
+    assert cli(["generate", PROMPTS[0], "--model", root, "--no-sample", "--max-new-tokens", "5", "--stop", stop,
+                "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == pipe([PROMPTS[0]], do_sample=False, max_new_tokens=5,
+                                                       stop_sequence=stop)

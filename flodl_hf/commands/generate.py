@@ -25,7 +25,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     results = generate(prompts, args.model, max_new_tokens=args.max_new_tokens, do_sample=args.sample,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                        eos_token_id=eos, return_full_text=args.full_text, return_tensors=args.return_tensors or None,
-                       num_return_sequences=args.num_return_sequences)
+                       num_return_sequences=args.num_return_sequences,
+                       **{name: value for name, value in (("num_beams", args.num_beams),
+                                                          ("repetition_penalty", args.repetition_penalty),
+                                                          ("no_repeat_ngram_size", args.no_repeat_ngram_size),
+                                                          ("min_p", args.min_p), ("stop_sequence", args.stop))
+                          if value is not None})
     if args.json:
         print(json.dumps(results, indent=2, ensure_ascii=False))
         return 0
@@ -40,7 +45,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("generate", help="continue prompts with a causal LM (LLaMA, Mistral, Qwen2), as "
+    p = subparsers.add_parser("generate", help="continue prompts with a causal LM (LLaMA, Mistral, Qwen2, ...), as "
                                                "transformers' text-generation pipeline")
     p.add_argument("texts", nargs="*", metavar="PROMPT", help="prompts (default: one per line on stdin)")
     p.add_argument("--model", "-m", required=True, help="a checkpoint directory, samples/<name>, or a hub id")
@@ -58,6 +63,15 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                                                           "pipeline)")
     p.add_argument("--num-return-sequences", type=int, default=None,
                    help="sequences per prompt, when sampling (default: generation_config.json's, else 1)")
+    p.add_argument("--num-beams", type=int, default=None,
+                   help="beam search with this many beams (default: generation_config.json's, else 1)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="transformers' repetition penalty (default: generation_config.json's, else 1.0: none)")
+    p.add_argument("--no-repeat-ngram-size", type=int, default=None,
+                   help="ban repeating any n-gram of this size (default: generation_config.json's, else 0: none)")
+    p.add_argument("--min-p", type=float, default=None, help="min-p sampling (default: generation_config.json's)")
+    p.add_argument("--stop", default=None, metavar="TEXT",
+                   help="stop a row once its text ends with TEXT (the pipeline's stop_sequence)")
     p.add_argument("--eos-token-id", default=None,
                    help="comma-separated ids that end a row (default: the config's; '' for none)")
     p.add_argument("--full-text", action=argparse.BooleanOptionalAction, default=None,
