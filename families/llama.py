@@ -12,9 +12,10 @@ Mirrors ``transformers.models.llama.modeling_llama`` (5.24):
 - heads: ``lm_head`` (causal_lm, tied with ``tie_word_embeddings``), ``score`` on the last non-pad token
   (seqcls), ``score`` per token (tokcls), ``qa_outputs`` with the backbone under ``transformer`` (qa).
 Mistral and Qwen2 (families/mistral.py, families/qwen2.py) are this file with other defaults, biases
-and windows; Qwen3, Phi3 and Gemma replace parts through the backbone's hooks (``attention_class`` with its
-``make_projections`` / ``project``, ``layer_class``, ``make_mlp``, ``norm_class``, ``embedding_class``) and the
-config's (``biases``, ``layer_kinds``, ``window``, ``rotary_dim``, ``rope_types``).
+and windows; Qwen3, Phi3, Gemma, Gemma2 and Gemma3 replace parts through the backbone's hooks (``attention_class``
+with its ``make_projections`` / ``project``, ``scaling`` / ``softcap`` and ``paths``, ``layer_class``, ``make_mlp``,
+``norm_class``, ``embedding_class``) and the config's (``biases``, ``layer_kinds``, ``window``, ``rotary_dim``,
+``rope_types``, ``rope_key`` / ``rope(key)``: a RoPE per layer kind).
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class LlamaConfig(BaseConfig):
         """The head dimensions RoPE turns: all of them (Phi3: ``partial_rotary_factor`` of them)."""
         return self.attention_head_dim
 
-    def rope(self) -> Rope:
+    def rope(self, key: str | None = None) -> Rope:
+        """The RoPE of ``rope_key`` ``key``: one for every layer here (Gemma3: one per layer kind)."""
         return Rope.resolve(self.rope_parameters, self.rope_scaling, self.rope_theta, self.default_theta,
                             self.max_position_embeddings, self.raw.get("original_max_position_embeddings"),
                             self.rope_types)
@@ -112,11 +114,27 @@ class LlamaConfig(BaseConfig):
         """The sliding window of a layer kind (None: full causal attention)."""
         return None
 
+    def rope_key(self, kind: str) -> str | None:
+        """Which RoPE a layer kind turns with (``rope(key)``): None, the one RoPE, for every kind here; Gemma3
+        keys it by kind (a local and a global theta)."""
+        return None
+
 
 class LlamaAttention(nn.Module):
     """LlamaAttention: ``q_proj k_proj v_proj o_proj``, RoPE, the cache, grouped attention. A family changes the
     projections through two hooks: ``make_projections`` (the modules: Phi3's fused ``qkv_proj``) and ``project``
-    (q, k, v per head before the transpose: Qwen3 norms each head there)."""
+    (q, k, v per head before the transpose: Qwen3 norms each head there); ``scaling`` and ``softcap`` (Gemma2's
+    ``query_pre_attn_scalar`` and ``attn_logit_softcapping``) are attributes a subclass sets."""
+
+    softcap: float | None = None  # tanh softcapping of the scores (eager only), None: none
+    paths: ClassVar[tuple[str, ...]] = ("sdpa", "eager")  # its attention paths (a family's attn_implementations)
+
+    @classmethod
+    def path(cls, config: LlamaConfig) -> str:
+        """The configured path where this attention has it, else its own first (Gemma2, eager only, asked for
+        sdpa runs eager, as the one-path encoders do); the masks are built for the same path."""
+        impl = config.attn_implementation
+        return impl if impl in cls.paths else cls.paths[0]
 
     def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
@@ -148,7 +166,7 @@ class LlamaAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         p = self.config.attention_dropout if self.training else 0.0
-        out = grouped_attend(q, k, v, mask, self.config.attn_implementation, self.groups, self.scaling, p)
+        out = grouped_attend(q, k, v, mask, self.path(self.config), self.groups, self.scaling, p, self.softcap)
         return self.o_proj(out.reshape(*input_shape, -1).contiguous())
 
 
@@ -190,7 +208,7 @@ class LlamaModel(Backbone):
         self.layers = nn.ModuleList(self.layer_class(config, self.attention_class(config, i), self.make_mlp(config),
                                                      self.norm_class) for i in range(config.num_hidden_layers))
         self.norm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
-        self.inverse_frequencies = LazyBuffers(self._make_inverse_frequencies)
+        self.inverse_frequencies = LazyBuffers(self._make_inverse_frequencies, self.rope_keys())
 
     @classmethod
     def make_mlp(cls, config: LlamaConfig) -> nn.Module:
@@ -210,8 +228,12 @@ class LlamaModel(Backbone):
     def new_cache(self) -> KVCache:
         return KVCache(self.cache_windows())
 
-    def _make_inverse_frequencies(self, _key: None, device: torch.device | None) -> torch.Tensor:
-        return self.config.rope().inverse_frequencies(self.config.rotary_dim, device)
+    def rope_keys(self) -> list[str | None]:
+        """Each layer's RoPE key (``config.rope_key``): [None, None, ...] when one RoPE serves every layer."""
+        return [self.config.rope_key(kind) for kind in self.config.layer_kinds()]
+
+    def _make_inverse_frequencies(self, key: str | None, device: torch.device | None) -> torch.Tensor:
+        return self.config.rope(key).inverse_frequencies(self.config.rotary_dim, device)
 
     def embed(self, input_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
               position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
@@ -223,7 +245,7 @@ class LlamaModel(Backbone):
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(hidden.shape[1], device=hidden.device) + past).unsqueeze(0)
-        impl = self.config.attn_implementation
+        impl = self.attention_class.path(self.config)
         specs = self.mask_specs()
         masks: dict[MaskSpec, torch.Tensor | None] = {}
         for spec in dict.fromkeys(specs):
@@ -231,9 +253,11 @@ class LlamaModel(Backbone):
             layer = specs.index(spec)
             masks[spec] = causal_mask(spec, attention_mask, hidden.shape[0], hidden.shape[1], impl, hidden.dtype,
                                       hidden.device, cache, layer)
-        rope = rotary_cos_sin(self.inverse_frequencies(None, hidden.device), position_ids, hidden.dtype)
-        for layer, spec in zip(self.layers, specs, strict=True):
-            hidden = layer(hidden, rope, masks[spec], cache)
+        keys = self.rope_keys()
+        ropes = {key: rotary_cos_sin(self.inverse_frequencies(key, hidden.device), position_ids, hidden.dtype)
+                 for key in dict.fromkeys(keys)}
+        for layer, spec, key in zip(self.layers, specs, keys, strict=True):
+            hidden = layer(hidden, ropes[key], masks[spec], cache)
         return self.norm(hidden)
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,

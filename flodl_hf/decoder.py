@@ -67,7 +67,7 @@ ROPE_TYPES = ("default", "llama3")
 
 @dataclass(frozen=True)
 class Rope:
-    """A resolved RoPE: type, theta, and the llama3 scaling fields (None for default)."""
+    """A resolved RoPE: type, theta, and the scaling fields (linear: factor; llama3: all; None for default)."""
 
     rope_type: str
     theta: float
@@ -104,6 +104,10 @@ class Rope:
             theta = float(default_theta)
         if rope_type == "default":
             return cls("default", theta)
+        if rope_type == "linear":  # a family opts in through supported (Gemma3's global RoPE)
+            if "factor" not in params:
+                raise ConfigError(f"config field {source} (linear) lacks factor")
+            return cls("linear", theta, _number(params["factor"], f"{source}.factor"))
         missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
         if missing:
             raise ConfigError(f"config field {source} (llama3) lacks {', '.join(missing)}")
@@ -124,6 +128,8 @@ class Rope:
             return 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device,
                                                                                              dtype=torch.float) / head_dim))
+        if self.rope_type == "linear":  # _compute_linear_scaling_rope_parameters: inv_freq /= factor
+            return inv_freq / self.factor
         factor, low, high, old = (self.factor, self.low_freq_factor, self.high_freq_factor,
                                   self.original_max_position_embeddings)
         low_freq_wavelen = old / low
@@ -312,11 +318,14 @@ def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def grouped_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl: str,
-                   groups: int, scaling: float, dropout_p: float = 0.0) -> torch.Tensor:
+                   groups: int, scaling: float, dropout_p: float = 0.0, softcap: float | None = None) -> torch.Tensor:
     """Causal grouped-query attention over q (B, heads, q, d) and k, v (B, kv_heads, kv, d); returns
-    (B, q, heads, d), contiguous, as the attention interface returns it."""
+    (B, q, heads, d), contiguous, as the attention interface returns it. ``softcap``: the scores become
+    ``tanh(s / cap) * cap`` before the mask (Gemma2's ``attn_logit_softcapping``), eager only, as transformers."""
     q_length = q.shape[2]
     if impl == "sdpa":
+        if softcap is not None:  # a family with a softcap declares eager only (transformers has no sdpa for it)
+            raise ValueError("attention logit softcapping runs on the eager path only")
         # integrations.sdpa_attention.sdpa_attention_forward: enable_gqa, pack_gqa (one query) or repeat_kv
         extra = {}
         if groups > 1:
@@ -336,6 +345,10 @@ def grouped_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     # modeling_llama.eager_attention_forward: repeat_kv, (q k^T) * s, + mask, float32 softmax, @ v
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)
     weights = torch.matmul(q, k.transpose(2, 3)) * scaling
+    if softcap is not None:  # modeling_gemma2.eager_attention_forward: / cap, tanh, * cap, then the mask
+        weights = weights / softcap
+        weights = torch.tanh(weights)
+        weights = weights * softcap
     if mask is not None:
         weights = weights + mask
     weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)

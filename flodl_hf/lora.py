@@ -75,6 +75,8 @@ PEFT_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "qwen2": ("q_proj", "v_proj"),
     "qwen3": ("q_proj", "v_proj"),
     "gemma": ("q_proj", "v_proj"),
+    "gemma2": ("q_proj", "v_proj"),
+    "gemma3_text": ("q_proj", "v_proj"),
 }
 
 # PEFT's task classes (PeftModelForSequenceClassification ...) add these to modules_to_save.

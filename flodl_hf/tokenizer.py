@@ -65,6 +65,8 @@ CLASS_FOR_MODEL_TYPE = {
     "qwen3": "Qwen2Tokenizer",
     "phi3": "TokenizersBackend",
     "gemma": "GemmaTokenizer",
+    "gemma2": "GemmaTokenizer",
+    "gemma3_text": "GemmaTokenizer",
 }
 
 

@@ -4,7 +4,8 @@ stopping, the LLaMA tokenizers (a SentencePiece model and a BPE-with-byte-fallba
 ``generate`` command, and a short causal-LM fine-tune with the trainer.
 
 Right padding, every head and the losses are in the shared tables (tests/cases/llama.py, mistral.py,
-qwen2.py, qwen3.py, phi3.py, gemma.py through test_parity.py, test_losses.py, test_export.py).
+qwen2.py, qwen3.py, phi3.py, gemma.py, gemma2.py, gemma3_text.py through test_parity.py, test_losses.py,
+test_export.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from helpers import make_checkpoint
 
 SMALL = {"llama": "llama-hd24-bias-tied-llama3", "mistral": "mistral-hd24-window4", "qwen2": "qwen2-hd24-sliding",
          "qwen3": "qwen3-hd24-qknorm-sliding", "phi3": "phi3-hd24-partial-window4",
-         "gemma": "gemma-hd24-scaled-bias"}
+         "gemma": "gemma-hd24-scaled-bias", "gemma2": "gemma2-hd24-softcap-sliding",
+         "gemma3_text": "gemma3_text-hd24-qknorm-2rope"}
 
 
 def _fields(variant: str) -> dict:
@@ -56,7 +58,8 @@ def _pair(variant: str, impl: str):
 # the real-width model on both paths, the windowed families on one each (both paths are in the parity table)
 CELLS = [("llama-1024-gqa", "sdpa"), ("llama-1024-gqa", "eager"), (SMALL["llama"], "sdpa"),
          (SMALL["mistral"], "eager"), (SMALL["qwen2"], "sdpa"), (SMALL["qwen3"], "eager"),
-         (SMALL["phi3"], "sdpa"), (SMALL["gemma"], "eager")]
+         (SMALL["phi3"], "sdpa"), (SMALL["gemma"], "eager"), (SMALL["gemma2"], "eager"),
+         (SMALL["gemma3_text"], "sdpa")]
 
 
 @pytest.mark.parametrize("variant,impl", CELLS, ids=[f"{v}-{i}" for v, i in CELLS])
@@ -169,7 +172,8 @@ def test_past_key_values_in_as_per_layer_tuples_and_logits_to_keep():
 
 @pytest.mark.parametrize("variant,impl", [("llama-1024-gqa", "sdpa"), (SMALL["mistral"], "sdpa"),
                                           (SMALL["qwen2"], "eager"), (SMALL["qwen3"], "sdpa"),
-                                          (SMALL["phi3"], "eager"), (SMALL["gemma"], "sdpa")])
+                                          (SMALL["phi3"], "eager"), (SMALL["gemma"], "sdpa"),
+                                          (SMALL["gemma2"], "eager"), (SMALL["gemma3_text"], "eager")])
 def test_greedy_generate_equals_transformers_and_stops_at_eos(variant, impl):
     _, ours, theirs = _pair(variant, impl)
     ids, mask = _left_padded(ours.config.vocab_size)
@@ -382,3 +386,46 @@ def test_export_and_verify_a_decoder_whose_tokenizer_has_no_pad_token(tmp_path):
     assert report.ok, report
     assert "padded" in report.inputs and "random" not in report.inputs
 
+
+def test_gemma3_text_reads_the_older_rope_and_pattern_spelling(tmp_path):
+    """``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling`` and ``sliding_window_pattern`` (older Hub configs)
+    read as transformers reads them: the same model as the nested ``rope_parameters`` and ``layer_types``."""
+    root = tmp_path / "old"
+    shutil.copytree(make_checkpoint(_fields(SMALL["gemma3_text"]), "causal_lm"), root)
+    config = json.loads((root / "config.json").read_text())
+    for name in ("rope_parameters", "layer_types", "_sliding_window_pattern"):
+        config.pop(name, None)
+    config.update(rope_theta=50000.0, rope_local_base_freq=500.0, sliding_window_pattern=2,
+                  rope_scaling={"rope_type": "linear", "factor": 2.0})
+    (root / "config.json").write_text(json.dumps(config))
+    theirs = quiet_transformers().AutoConfig.from_pretrained(str(root))
+    ours = load_model(root, "causal_lm").config
+    assert ours.layer_kinds() == theirs.layer_types == ["sliding_attention", "full_attention"]
+    for kind in ("full_attention", "sliding_attention"):
+        rope, params = ours.rope(kind), theirs.rope_parameters[kind]
+        assert (rope.rope_type, rope.theta, rope.factor) == (params["rope_type"], params["rope_theta"],
+                                                             params.get("factor"))
+    for impl in ("sdpa", "eager"):
+        result = check_parity(root, "causal_lm", impl)
+        assert result.exact, (impl, result.diffs)
+    from flodl_hf.errors import ConfigError
+    for bad in ({"rope_parameters": {"rope_type": "default", "rope_theta": 1.0}},
+                {"use_bidirectional_attention": True}):
+        (root / "config.json").write_text(json.dumps({**config, **bad}))
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            load_model(root, "causal_lm")
+
+
+def test_gemma2_asked_for_sdpa_runs_its_eager_path():
+    """transformers 5.24 has no sdpa path for Gemma2 (it refuses one: softcapping); as for the other one-path
+    families, a model asked for sdpa here runs its own path, masks included: the same bits as eager."""
+    source = make_checkpoint(_fields(SMALL["gemma2"]), "causal_lm")
+    with pytest.raises(ValueError, match="scaled_dot_product_attention"):
+        reference_model(source, "causal_lm", "sdpa")
+    theirs = reference_model(source, "causal_lm", None)
+    assert load_model(source, "causal_lm").attn_implementation == theirs.config._attn_implementation == "eager"
+    ours = load_model(source, "causal_lm", attn_implementation="sdpa").eval()
+    ids, mask = _left_padded(ours.config.vocab_size)
+    with torch.inference_mode():
+        assert torch.equal(ours(input_ids=ids, attention_mask=mask).logits,
+                           theirs(input_ids=ids, attention_mask=mask).logits)

@@ -56,6 +56,7 @@ HIDDEN_CASES = [
     ("llama-hd24-bias-tied-llama3", "causal_lm", "sdpa"), ("mistral-hd24-window4", "causal_lm", "eager"),
     ("qwen2-hd24-sliding", "causal_lm", "sdpa"), ("qwen3-hd24-qknorm-sliding", "causal_lm", "eager"),
     ("phi3-hd24-partial-window4", "causal_lm", "sdpa"), ("gemma-hd24-scaled-bias", "causal_lm", "eager"),
+    ("gemma2-hd24-softcap-sliding", "causal_lm", "eager"), ("gemma3_text-hd24-qknorm-2rope", "causal_lm", "sdpa"),
 ]
 
 

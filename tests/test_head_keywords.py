@@ -30,16 +30,20 @@ from test_losses import _labels, _one_case_per_family_and_head
 
 DECODERS = {"llama": "llama-hd24-bias-tied-llama3", "mistral": "mistral-hd24-window4", "qwen2": "qwen2-hd24-sliding",
             "qwen3": "qwen3-hd24-qknorm-sliding", "phi3": "phi3-hd24-partial-window4",
-            "gemma": "gemma-hd24-scaled-bias"}
+            "gemma": "gemma-hd24-scaled-bias", "gemma2": "gemma2-hd24-softcap-sliding",
+            "gemma3_text": "gemma3_text-hd24-qknorm-2rope"}
 DECODER_TASKS = ("base", "causal_lm", "seqcls", "tokcls", "qa")
 
 
 def _decoder_pairs(tasks: tuple[str, ...] = DECODER_TASKS) -> list:
-    """(model_type, task) for each decoder and each of ``tasks`` it declares (Phi3 and Gemma have no qa)."""
+    """(model_type, task) for each decoder and each of ``tasks`` it declares (no qa: Phi3, the Gemmas; no tokcls:
+    Gemma3)."""
     return [pytest.param(m, t, id=f"{t}-{m}") for m in DECODERS for t in tasks if get_family(m).supports(t)]
 
 
 def _load(fields: dict, task: str, impl: str = "eager"):
+    impls = get_family(fields["model_type"]).attn_implementations
+    impl = impl if impl in impls else impls[0]  # Gemma2: eager only (transformers refuses sdpa)
     source = make_checkpoint(fields, task)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -95,7 +99,7 @@ def test_decoder_forwards_take_transformers_positional_order(model_type):
     family = get_family(model_type)
     for task in filter(family.supports, DECODER_TASKS):
         ours = family.model_class(task)
-        theirs = getattr(transformers, family.arch + get_task(task).suffix)
+        theirs = getattr(transformers, family.architecture(task))  # Gemma3's text classes: two stems
         mine, hf = _positional(ours.forward), _positional(theirs.forward)
         assert mine == hf, (task, mine, hf)  # everything else is keyword-only, as transformers' **kwargs
 

@@ -38,7 +38,7 @@ TARGETS: dict[str, tuple[list[str], list[str]]] = {
     "mpnet": (["q", "v"], ["q", "k", "v", "o", "intermediate.dense", "output.dense"]),
     "modernbert": (["Wqkv"], ["Wqkv", "Wo", "Wi"]),
     **{decoder: (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-       for decoder in ("llama", "mistral", "qwen2", "qwen3", "gemma")},
+       for decoder in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")},
     "phi3": (["qkv_proj"], ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
 }
 TASKS = ("seqcls", "mlm")
