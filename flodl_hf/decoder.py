@@ -210,6 +210,14 @@ class KVCache:
         kv_length = window - 1 + query_length if seen >= window else seen + query_length
         return kv_length, kv_offset
 
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """``Cache.reorder_cache`` (``DynamicLayer.reorder_cache``): every layer's keys and values take the rows
+        ``beam_idx`` names, in its order (beam search)."""
+        for layer, keys in enumerate(self.keys):
+            if keys is not None and keys.numel() > 0:
+                self.keys[layer] = keys.index_select(0, beam_idx.to(keys.device))
+                self.values[layer] = self.values[layer].index_select(0, beam_idx.to(keys.device))
+
     def nbytes(self) -> int:
         """Bytes held by the cached keys and values."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)

@@ -614,13 +614,8 @@ class _Decoder:
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Cache.reorder_cache (DynamicLayer.reorder_cache): every layer's keys and values take ``rows``' order."""
-        cache = self.cache
-        if cache is None:
-            return
-        for layer in range(len(cache)):
-            if cache.keys[layer] is not None and cache.keys[layer].numel() > 0:
-                cache.keys[layer] = cache.keys[layer].index_select(0, rows.to(cache.keys[layer].device))
-                cache.values[layer] = cache.values[layer].index_select(0, rows.to(cache.values[layer].device))
+        if self.cache is not None:
+            self.cache.reorder_cache(rows)
 
 
 def _gather_beams(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
