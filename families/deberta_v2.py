@@ -109,10 +109,22 @@ class DebertaV2Config(BertConfig):
     def max_relative(self) -> int:
         return self.max_relative_positions if self.max_relative_positions >= 1 else self.max_position_embeddings
 
+    # The v2-only options the shared modules read, as properties (DeBERTa v1, ``families/deberta.py``, has
+    # none of them and returns their off value whatever its config.json says, as transformers ignores them).
+    @property
+    def log_buckets(self) -> int:
+        """Log-bucket count (HF's ``position_buckets``); <= 0: plain relative distances."""
+        return self.position_buckets
+
+    @property
+    def conv_size(self) -> int:
+        """The ConvLayer's kernel after layer 0; 0: no ConvLayer."""
+        return self.conv_kernel_size
+
     @property
     def att_span(self) -> int:
         """Relative distances kept each side (HF's ``pos_ebd_size``); rel_embeddings has twice as many rows."""
-        return self.position_buckets if self.position_buckets > 0 else self.max_relative
+        return self.log_buckets if self.log_buckets > 0 else self.max_relative
 
     def has(self, term: PosAttType) -> bool:
         return term in (self.pos_att_type or ())
@@ -187,23 +199,26 @@ class DisentangledSelfAttention(nn.Module):
     def __init__(self, config: DebertaV2Config) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
-        all_heads = config.head_dim * self.num_heads
-        self.query_proj = nn.Linear(config.hidden_size, all_heads)
-        self.key_proj = nn.Linear(config.hidden_size, all_heads)
-        self.value_proj = nn.Linear(config.hidden_size, all_heads)
         self.c2p, self.p2c = config.has(PosAttType.C2P), config.has(PosAttType.P2C)
         self.scale_factor = 1 + self.c2p + self.p2c
         self.relative_attention = config.relative_attention
-        self.share_att_key = config.share_att_key
         if self.relative_attention:
             self.att_span = config.att_span
             self.pos_dropout = nn.Dropout(config.hidden_dropout_prob)
-            if not self.share_att_key:
-                if self.c2p:
-                    self.pos_key_proj = nn.Linear(config.hidden_size, all_heads)
-                if self.p2c:
-                    self.pos_query_proj = nn.Linear(config.hidden_size, all_heads)
+        self.make_projections(config, config.head_dim * self.num_heads)
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
+
+    def make_projections(self, config: DebertaV2Config, all_heads: int) -> None:
+        """The content projections, then those of the relative terms (v1 overrides both: fused ``in_proj``)."""
+        self.query_proj = nn.Linear(config.hidden_size, all_heads)
+        self.key_proj = nn.Linear(config.hidden_size, all_heads)
+        self.value_proj = nn.Linear(config.hidden_size, all_heads)
+        self.share_att_key = config.share_att_key
+        if self.relative_attention and not self.share_att_key:
+            if self.c2p:
+                self.pos_key_proj = nn.Linear(config.hidden_size, all_heads)
+            if self.p2c:
+                self.pos_query_proj = nn.Linear(config.hidden_size, all_heads)
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         # DisentangledSelfAttention.transpose_for_scores: (B, S, H) -> contiguous (B*heads, S, head_dim)
@@ -294,12 +309,12 @@ class DebertaV2Encoder(BertEncoder):
     def __init__(self, config: DebertaV2Config) -> None:
         super().__init__(config)
         self.relative_attention = config.relative_attention
-        self.position_buckets, self.max_relative = config.position_buckets, config.max_relative
+        self.position_buckets, self.max_relative = config.log_buckets, config.max_relative
         if self.relative_attention:
             self.rel_embeddings = nn.Embedding(config.att_span * 2, config.hidden_size)
         self.LayerNorm = (nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
                           if "layer_norm" in config.norm_rel_ebd_terms else None)
-        self.conv = ConvLayer(config) if config.conv_kernel_size > 0 else None
+        self.conv = ConvLayer(config) if config.conv_size > 0 else None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         keep = None

@@ -58,6 +58,7 @@ CLASS_FOR_MODEL_TYPE = {
     "xlm-roberta": "XLMRobertaTokenizer",
     "albert": "AlbertTokenizer",
     "deberta-v2": "DebertaV2Tokenizer",
+    "deberta": "DebertaTokenizer",
     "mpnet": "MPNetTokenizer",
     "llama": "LlamaTokenizer",
     "mistral": "LlamaTokenizer",
@@ -195,6 +196,16 @@ def _deberta_v2_pipeline(t: BackendTokenizer, o: dict, token_id: Callable) -> No
                                          0 if sep_id is None else sep_id)
 
 
+# models/deberta/tokenization_deberta.py: DebertaTokenizer.__init__ (byte-level BPE; pairs [CLS] a [SEP] [SEP] b [SEP])
+def _deberta_pipeline(t: BackendTokenizer, o: dict, token_id: Callable) -> None:
+    t.normalizer = None
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=o["add_prefix_space"])
+    t.decoder = decoders.ByteLevel()
+    cls, sep = o["cls_token"], o["sep_token"]
+    t.post_processor = processors.TemplateProcessing(single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} {sep} $B {sep}",
+                                                    special_tokens=[(cls, token_id(cls)), (sep, token_id(sep))])
+
+
 _BERT = Recipe("WordPiece", ("input_ids", "token_type_ids", "attention_mask"),
                {**BERT_SPECIALS, "do_lower_case": True, "tokenize_chinese_chars": True, "strip_accents": None},
                _wordpiece_model, _bert_pipeline)
@@ -212,6 +223,10 @@ RECIPES: dict[str, Recipe] = {
                                "pad_token": "<pad>", "cls_token": "[CLS]", "mask_token": "[MASK]",
                                "do_lower_case": True, "keep_accents": False, "add_prefix_space": True},
                               _unigram_model(lambda vocab, o: 1), _albert_pipeline, file_post_processor_wins=True),
+    "DebertaTokenizer": Recipe("BPE", ("input_ids", "attention_mask", "token_type_ids"),
+                               {"bos_token": "[CLS]", "eos_token": "[SEP]", "sep_token": "[SEP]", "cls_token": "[CLS]",
+                                "unk_token": "[UNK]", "pad_token": "[PAD]", "mask_token": "[MASK]",
+                                "add_prefix_space": False}, _bpe_model, _deberta_pipeline),
     "DebertaV2Tokenizer": Recipe("Unigram", ("input_ids", "attention_mask", "token_type_ids"),
                                  {"bos_token": "[CLS]", "eos_token": "[SEP]", "unk_token": "[UNK]",
                                   "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",

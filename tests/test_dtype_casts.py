@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 FIELDS = {case_id: fields for case_id, _task, fields in CASES}
 MODELS = [("llama-hd24-bias-tied-llama3", "causal_lm"), ("qwen2-hd24-sliding", "causal_lm"),
-          ("modernbert-bias-mean-hd24", "mlm"), ("bert-hd24", "seqcls"), ("deberta-v3-hd24", "base"),
+          ("modernbert-bias-mean-hd24", "mlm"), ("bert-hd24", "seqcls"), ("deberta-v3-hd24", "base"), ("deberta1-hd24", "base"),
           ("distilbert-sinusoidal-hd24", "base"), ("mpnet-hd24", "base"), ("qwen3-hd24-qknorm-sliding", "causal_lm"),
           ("phi3-hd24-partial-window4", "causal_lm"), ("gemma-hd24-scaled-bias", "causal_lm"),
           ("gemma2-hd24-softcap-sliding", "causal_lm"), ("gemma3_text-hd24-qknorm-2rope", "causal_lm")]

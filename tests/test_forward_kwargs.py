@@ -49,6 +49,7 @@ def _assert_same(a, b, where: str) -> None:
 HIDDEN_CASES = [
     ("bert-hd24", "base", "sdpa"), ("bert-hd24", "mc", "eager"), ("roberta-hd24", "seqcls", "sdpa"),
     ("deberta-v3-hd24", "base", "eager"), ("deberta-v2xl-conv", "seqcls", "eager"),
+    ("deberta1-hd24", "base", "eager"), ("deberta1-c2p-embproj", "tokcls", "eager"),
     ("modernbert-bias-mean-hd24", "base", "sdpa"), ("modernbert-bias-mean-hd24", "mlm", "sdpa"),
     ("distilbert-sinusoidal-hd24", "qa", "sdpa"), ("electra-proj-hd24", "tokcls", "sdpa"),
     ("albert-groups-hd24", "base", "sdpa"), ("mpnet-hd24", "base", "eager"),

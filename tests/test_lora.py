@@ -35,6 +35,7 @@ TARGETS: dict[str, tuple[list[str], list[str]]] = {
     "distilbert": (["q_lin", "v_lin"], ["q_lin", "k_lin", "v_lin", "lin1", "lin2"]),
     "deberta-v2": (["query_proj", "value_proj"], ["query_proj", "key_proj", "value_proj", "intermediate.dense",
                                                   "output.dense"]),
+    "deberta": (["in_proj"], ["in_proj", "pos_proj", "pos_q_proj", "intermediate.dense", "output.dense"]),
     "mpnet": (["q", "v"], ["q", "k", "v", "o", "intermediate.dense", "output.dense"]),
     "modernbert": (["Wqkv"], ["Wqkv", "Wo", "Wi"]),
     **{decoder: (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])

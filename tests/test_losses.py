@@ -55,7 +55,7 @@ def _one_case_per_family_and_head():
             chosen[key] = (case_id, fields)
     for (model_type, task), (case_id, fields) in chosen.items():
         variants = ("single", "multi", "regression") if task == "seqcls" else ("default",)
-        if task == "seqcls" and model_type == "deberta-v2":
+        if task == "seqcls" and model_type in ("deberta-v2", "deberta"):
             variants += ("soft", "negative")
         for variant in variants:
             yield pytest.param(task, fields, variant, id=f"{case_id}-{variant}")

@@ -54,7 +54,8 @@ def _assert_same(a, b, where: str) -> None:
 CASES_BY_FAMILY = [
     ("bert-768", "base"), ("bert-hd24", "mc"), ("roberta-hd24", "seqcls"), ("camembert-hd24", "tokcls"),
     ("xlm-roberta-hd24", "qa"), ("distilbert-sinusoidal-hd24", "qa"), ("albert-groups-hd24", "base"),
-    ("deberta-v3-768", "seqcls"), ("deberta-v2xl-conv", "mlm"), ("electra-proj-hd24", "pretraining"),
+    ("deberta-v3-768", "seqcls"), ("deberta-v2xl-conv", "mlm"), ("deberta1-768", "seqcls"),
+    ("deberta1-p2c-nonlegacy", "mlm"), ("electra-proj-hd24", "pretraining"),
     ("modernbert-bias-mean-hd24", "mlm"), ("mpnet-hd24", "base"),
     ("llama-hd24-bias-tied-llama3", "causal_lm"), ("mistral-hd24-window4", "seqcls"), ("qwen2-hd24-sliding", "base"),
     ("qwen3-hd24-qknorm-sliding", "qa"), ("phi3-hd24-partial-window4", "tokcls"),
