@@ -296,10 +296,15 @@ def _check_weights(directory: Path, config: BaseConfig, task: str, stamp: dict, 
 
 
 def _source_reference(src: _Source, task: str, cast: torch.dtype | None):
+    """transformers' model of the source, loaded as the export's is: outside inference mode, even when called
+    inside it (the load, the cast and _own_memory's copies). Parameters made under inference mode are inference
+    tensors, and some kernels fold them otherwise (DeBERTa's talking heads moved by 4.5e-8), so check 3 would
+    compare two loads rather than two checkpoints."""
     transformers = quiet_transformers()
     cls = getattr(transformers, get_task(task).auto_class)
-    model = cls.from_pretrained(str(src.ckpt.root), dtype=cast or torch.float32)
-    return _own_memory(model.to(torch.float32)).eval()
+    with torch.inference_mode(False):
+        model = cls.from_pretrained(str(src.ckpt.root), dtype=cast or torch.float32)
+        return _own_memory(model.to(torch.float32)).eval()
 
 
 @torch.inference_mode()
@@ -311,7 +316,8 @@ def _check_against_source(directory: Path, task: str, src: _Source, cast: torch.
     fields = None
     if fresh:  # both heads would be random: compare the backbones
         transformers = quiet_transformers()
-        ref_export = _own_memory(transformers.AutoModel.from_pretrained(str(directory), dtype=torch.float32)).eval()
+        with torch.inference_mode(False):  # as _source_reference loads
+            ref_export = _own_memory(transformers.AutoModel.from_pretrained(str(directory), dtype=torch.float32)).eval()
         task, fields = "base", ["last_hidden_state"]
         batch = {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()}
     theirs = _source_reference(src, task, cast)
