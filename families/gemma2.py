@@ -45,11 +45,8 @@ class Gemma2Config(GemmaConfig):
     attn_logit_softcapping: float | None = 50.0
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        super().__post_init__()  # LlamaConfig checks layer_types
         kinds = self.layer_kinds()
-        if len(kinds) != self.num_hidden_layers or set(kinds) - {FULL, SLIDING}:
-            raise ConfigError(f"config: layer_types={self.layer_types!r} must list {self.num_hidden_layers} "
-                              f"entries of {FULL!r} or {SLIDING!r}")
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
             value = getattr(self, name)
             if value is not None and not value > 0:  # a power -0.5 or a divisor: zero or less is no model

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
 
 from flodl_hf.decoder import ROPE_TYPES, Rope
 from flodl_hf.errors import ConfigError
@@ -84,18 +83,13 @@ class Gemma3TextConfig(Gemma2Config):
 class Gemma3Attention(Gemma2Attention):
     paths = LlamaAttention.paths  # Gemma3PreTrainedModel._supports_sdpa = True
 
+    # Gemma3Attention.forward: q_norm and k_norm over each head, before RoPE (per row of head_dim, so the same bits
+    # before or after transformers' transpose)
+    qk_norm = GemmaRMSNorm
+
     def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.softcap = None  # Gemma3Attention.forward hands no softcap to the attention, whatever the config says
-        self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-
-    def project(self, hidden_states: torch.Tensor,
-                shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # Gemma3Attention.forward: q_norm and k_norm over each head, before RoPE (per row of head_dim, so the
-        # same bits before or after transformers' transpose)
-        q, k, v = super().project(hidden_states, shape)
-        return self.q_norm(q), self.k_norm(k), v
 
 
 class Gemma3TextModel(Gemma2Model):

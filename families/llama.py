@@ -80,6 +80,10 @@ class LlamaConfig(BaseConfig):
         if self.num_attention_heads % self.kv_heads:
             raise ConfigError(f"config: num_attention_heads={self.num_attention_heads} is not a multiple of "
                               f"num_key_value_heads={self.num_key_value_heads}")
+        kinds = self.layer_kinds()
+        if len(kinds) != self.num_hidden_layers or set(kinds) - {FULL, SLIDING}:
+            raise ConfigError(f"config: layer_types={getattr(self, 'layer_types', None)!r} must list "
+                              f"{self.num_hidden_layers} entries of {FULL!r} or {SLIDING!r}")
         self.rope()  # a bad rope field fails at load, naming itself
 
     # derived, not written back (a Qwen2 config.json has no head_dim, and its export must not gain one)
@@ -123,10 +127,14 @@ class LlamaConfig(BaseConfig):
 class LlamaAttention(nn.Module):
     """LlamaAttention: ``q_proj k_proj v_proj o_proj``, RoPE, the cache, grouped attention. A family changes the
     projections through two hooks: ``make_projections`` (the modules: Phi3's fused ``qkv_proj``) and ``project``
-    (q, k, v per head before the transpose: Qwen3 norms each head there); ``scaling`` and ``softcap`` (Gemma2's
-    ``query_pre_attn_scalar`` and ``attn_logit_softcapping``) are attributes a subclass sets."""
+    (q, k, v per head before the transpose); ``qk_norm`` (Qwen3's and Gemma3's ``q_norm``/``k_norm`` over each
+    head of q and k, in ``project``), ``scaling`` and ``softcap`` (Gemma2's ``query_pre_attn_scalar`` and
+    ``attn_logit_softcapping``) are attributes a subclass sets."""
 
     softcap: float | None = None  # tanh softcapping of the scores (eager only), None: none
+    # a norm class over each head of q and k (q_norm, k_norm, built after the projections as transformers'),
+    # applied to q and k per head before the transpose and RoPE; None: none
+    qk_norm: ClassVar[type[nn.Module] | None] = None
     paths: ClassVar[tuple[str, ...]] = ("sdpa", "eager")  # its attention paths (a family's attn_implementations)
 
     @classmethod
@@ -143,6 +151,9 @@ class LlamaAttention(nn.Module):
         self.groups = config.num_attention_heads // config.kv_heads
         self.scaling = self.head_dim ** -0.5
         self.make_projections(config, config.num_attention_heads * self.head_dim, config.kv_heads * self.head_dim)
+        if self.qk_norm is not None:
+            self.q_norm = self.qk_norm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = self.qk_norm(self.head_dim, eps=config.rms_norm_eps)
 
     def make_projections(self, config: LlamaConfig, heads: int, kv: int) -> None:
         qkv_bias, o_bias, _ = config.biases()
@@ -153,7 +164,16 @@ class LlamaAttention(nn.Module):
 
     def project(self, hidden_states: torch.Tensor,
                 shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k and v viewed as ``shape`` (B, S, heads, head_dim), not yet transposed."""
+        """q, k and v viewed as ``shape`` (B, S, heads, head_dim), not yet transposed; q and k normed per head
+        with ``qk_norm`` (Qwen3Attention.forward: ``q_norm(q_proj(h).view(shape))``)."""
+        q, k, v = self.project_heads(hidden_states, shape)
+        if self.qk_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def project_heads(self, hidden_states: torch.Tensor,
+                      shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections viewed per head (Phi-3 slices its fused ``qkv_proj`` here)."""
         return (self.q_proj(hidden_states).view(shape), self.k_proj(hidden_states).view(shape),
                 self.v_proj(hidden_states).view(shape))
 

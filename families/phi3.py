@@ -56,8 +56,8 @@ class Phi3Attention(LlamaAttention):
         self.qkv_proj = nn.Linear(config.hidden_size, heads + 2 * kv, bias=False)
         self.qkv_split = (heads, heads + kv)
 
-    def project(self, hidden_states: torch.Tensor,
-                shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_heads(self, hidden_states: torch.Tensor,
+                      shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # Phi3Attention.forward: one product, then q, k and v sliced out of it and viewed per head
         qkv = self.qkv_proj(hidden_states)
         q_end, k_end = self.qkv_split

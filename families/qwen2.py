@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from flodl_hf.errors import ConfigError
 from flodl_hf.registry import register
 
 from .llama import FULL, SLIDING, Llama, LlamaConfig
@@ -28,13 +27,6 @@ class Qwen2Config(LlamaConfig):
     sliding_window: int | None = 4096
     max_window_layers: int = 28
     layer_types: list[str] | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        kinds = self.layer_kinds()
-        if len(kinds) != self.num_hidden_layers or set(kinds) - {FULL, SLIDING}:
-            raise ConfigError(f"config: layer_types={self.layer_types!r} must list {self.num_hidden_layers} "
-                              f"entries of {FULL!r} or {SLIDING!r}")
 
     def biases(self) -> tuple[bool, bool, bool]:
         return True, False, False  # Qwen2Attention: q/k/v with bias, o_proj without; Qwen2MLP without

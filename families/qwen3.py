@@ -7,12 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 
 from flodl_hf.decoder import RMSNorm
 from flodl_hf.registry import register
 
-from .llama import LlamaAttention, LlamaConfig, LlamaModel
+from .llama import LlamaAttention, LlamaModel
 from .qwen2 import Qwen2, Qwen2Config
 
 
@@ -27,16 +26,7 @@ class Qwen3Config(Qwen2Config):
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
-        super().__init__(config, layer_idx)
-        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-
-    def project(self, hidden_states: torch.Tensor,
-                shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # Qwen3Attention.forward: q_norm(q_proj(h).view(shape)), k likewise, before the transpose and RoPE
-        q, k, v = super().project(hidden_states, shape)
-        return self.q_norm(q), self.k_norm(k), v
+    qk_norm = RMSNorm  # Qwen3Attention: q_norm(q_proj(h).view(shape)), k likewise, before the transpose and RoPE
 
 
 class Qwen3Model(LlamaModel):
