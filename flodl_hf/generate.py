@@ -416,9 +416,15 @@ def generation_settings(model: torch.nn.Module, max_new_tokens: int | None = Non
             else value if field == "bad_words_ids" else [[value] if _is_int(value) else value]
         if any(i >= vocab_size for seq in seqs for i in seq):
             raise refuse(field, f"a token id beyond the vocabulary ({vocab_size} ids)")
-    if settings.bad_words_ids is not None and all(len(w) == 1 and w[0] in eos for w in settings.bad_words_ids):
-        raise refuse("bad_words_ids", "every bad word is an eos id, which NoBadWordsLogitsProcessor leaves out, "
-                                      "and it refuses an empty list")
+    if settings.exponential_decay_length_penalty is not None:  # ExponentialDecayLengthPenalty indexes with the eos
+        if not settings.eos_set:
+            raise refuse("exponential_decay_length_penalty", "it raises the eos ids' scores, and no eos_token_id is "
+                                                             "set (transformers fails on torch.tensor(None))")
+        if any(e < 0 for e in eos):  # its ValueError; an id past the vocabulary fails only where it applies
+            where_eos = "eos_token_id" if "eos_token_id" in args or "eos_token_id" in given else where
+            raise refuse("exponential_decay_length_penalty", f"it indexes the scores with the eos ids {eos} "
+                                                             f"({where_eos}), which need to be non-negative "
+                                                             "(transformers raises)")
     for field in ("forced_bos_token_id", "forced_eos_token_id"):  # GenerationConfig.validate, 2.7
         forced = merged.get(field)
         if forced is not None and settings.suppress_tokens is not None:

@@ -66,7 +66,7 @@ class SequenceBias:
 
 def bad_words(bad_words_ids: list[list[int]], eos: Sequence[int]) -> SequenceBias:
     """NoBadWordsLogitsProcessor (:1432): a sequence bias of -inf for each bad sequence, less the one-token sequences
-    that are an eos id."""
+    that are an eos id (all of them may be: then it changes nothing, as there)."""
     kept = [seq for seq in bad_words_ids if all(seq != [e] for e in eos)]
     return SequenceBias({tuple(seq): float("-inf") for seq in kept})
 
@@ -231,7 +231,15 @@ def logits_processors(settings: Any, prompt_length: int, max_length: int, min_le
         steps.append(lambda ids, x: remove_invalid_values(x))
     if s.exponential_decay_length_penalty is not None:
         start, factor = s.exponential_decay_length_penalty
-        steps.append(lambda ids, x: exponential_decay(ids, x, start + prompt_length, factor, eos))
+        top = max(s.eos, default=-1)
+
+        def decay(ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            if ids.shape[-1] > start + prompt_length and top >= x.shape[-1]:  # where transformers' indexing fails
+                raise InputError(f"exponential_decay_length_penalty={s.exponential_decay_length_penalty!r}: it "
+                                 f"indexes the scores with the eos ids {s.eos}, and {top} is beyond the vocabulary "
+                                 f"({x.shape[-1]} ids; transformers raises an IndexError)")
+            return exponential_decay(ids, x, start + prompt_length, factor, eos)
+        steps.append(decay)
     if s.suppress_tokens is not None:
         suppressed = torch.tensor(list(s.suppress_tokens), device=device)
         steps.append(lambda ids, x: ban_ids(x, suppressed))

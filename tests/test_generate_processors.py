@@ -136,7 +136,7 @@ def test_settings_through_generation_config_and_the_file(pair, tmp_path):
 @pytest.mark.parametrize("kwargs,name", [
     (dict(min_p=1.5), "min_p=1.5"), (dict(typical_p=0), "typical_p=0"), (dict(epsilon_cutoff="x"), "epsilon_cutoff"),
     (dict(no_repeat_ngram_size=1.5), "no_repeat_ngram_size"), (dict(bad_words_ids=[5]), "bad_words_ids"),
-    (dict(bad_words_ids=[[40000]]), "bad_words_ids"), (dict(bad_words_ids=[[2]], eos_token_id=2), "bad_words_ids"),
+    (dict(bad_words_ids=[[40000]]), "bad_words_ids"),
     (dict(sequence_bias={(5,): 1}), "sequence_bias"), (dict(sequence_bias=[[[5], 1.0, 2]]), "sequence_bias"),
     (dict(forced_bos_token_id=-1), "forced_bos_token_id"), (dict(forced_eos_token_id=[40000]), "forced_eos_token_id"),
     (dict(forced_eos_token_id=[3], suppress_tokens=[3, 4]), "forced_eos_token_id"),
@@ -148,6 +148,38 @@ def test_bad_values_are_input_errors_naming_the_setting(pair, kwargs, name):
     ids, mask = _left_padded(pair[0].config.vocab_size)
     with pytest.raises(InputError, match=name):
         pair[0].generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, **kwargs)
+
+
+def test_bad_words_that_are_all_eos_ids_change_nothing(pair):
+    """NoBadWordsLogitsProcessor validates the bad words before leaving out the one-token eos ones: when that leaves
+    none, transformers runs with an empty bias (found by a randomized comparison; we refused it)."""
+    ids, mask = _left_padded(pair[0].config.vocab_size)
+    for settings in (dict(bad_words_ids=[[2]], eos_token_id=2), dict(bad_words_ids=[[7], [5]], eos_token_id=[5, 7])):
+        got = _same_scores(pair, ids, mask, max_new_tokens=3, **settings)
+        assert torch.equal(got.sequences, generate_ids(pair[0], ids, mask, max_new_tokens=3,
+                                                       eos_token_id=settings["eos_token_id"]))
+        _same(pair, ids, mask, seed=3, do_sample=True, max_new_tokens=3, num_beams=2, **settings)
+
+
+def test_exponential_decay_needs_valid_eos_ids(pair):
+    """ExponentialDecayLengthPenalty indexes the scores with the eos ids: without one transformers fails
+    (torch.tensor(None)), a negative one is its ValueError, one past the vocabulary an IndexError once the penalty
+    applies (before, nothing); ours are InputErrors naming the setting (found by a randomized comparison: we decoded
+    on, or raised an IndexError). An empty eos list changes nothing on either side."""
+    from flodl_hf.auto import load_model
+    ids, mask = _left_padded(pair[0].config.vocab_size)
+    qwen2 = make_checkpoint(_fields(SMALL["qwen2"]), "causal_lm")  # no eos id in its config
+    ours = load_model(qwen2, "causal_lm", dtype=torch.float32)
+    vocab = ours.config.vocab_size
+    decay = dict(max_new_tokens=3, exponential_decay_length_penalty=(0, 1.5))
+    for model, extra in ((ours, {}), (pair[0], dict(eos_token_id=-1)), (pair[0], dict(eos_token_id=[5, vocab]))):
+        with pytest.raises(InputError, match="exponential_decay_length_penalty"):
+            generate_ids(model, ids, mask, **decay, **extra)
+    with pytest.raises(Exception) as theirs:  # transformers raises too, untyped
+        _theirs(pair[1], ids, mask, **decay, eos_token_id=-1)
+    assert not isinstance(theirs.value, InputError)
+    _same_scores(pair, ids, mask, **decay, eos_token_id=[])
+    _same(pair, ids, mask, max_new_tokens=3, exponential_decay_length_penalty=(3, 1.5), eos_token_id=[5, vocab])
 
 
 @pytest.fixture(scope="module")
