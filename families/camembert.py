@@ -19,3 +19,4 @@ class Camembert(Roberta):
     model_type = "camembert"
     arch = "Camembert"
     config_class = CamembertConfig
+    head_before_backbone = True  # CamembertFor*: the head is built before the backbone

@@ -24,7 +24,7 @@ from flodl_hf.config import Activation
 from flodl_hf.errors import ConfigError
 from flodl_hf.heads import PooledClassifier, TokenClassifier
 from flodl_hf.layers import activation, record_attention
-from flodl_hf.modeling import HeadPart, PreTrainedModel
+from flodl_hf.modeling import HeadPart, PreTrainedModel, mount_last
 from flodl_hf.outputs import BaseModelOutput
 from flodl_hf.keys import LEGACY_LAYERNORM
 from flodl_hf.registry import Family, register
@@ -392,6 +392,7 @@ class ContextPooledClassifier(PooledClassifier):
     def __init__(self, config: DebertaV2Config, num_outputs: int) -> None:
         super().__init__(config.hidden_size, num_outputs, DebertaV2.classifier_dropout(config))
         self.pooler = ContextPooler(config)
+        mount_last(self, "classifier", "dropout")  # transformers' order: pooler, classifier, dropout
 
     def forward(self, hidden_states: torch.Tensor, pooler_output: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:

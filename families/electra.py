@@ -26,7 +26,7 @@ from flodl_hf.errors import ConfigError
 from flodl_hf.families.bert import Bert, BertConfig, BertEmbeddings, BertModel
 from flodl_hf.families.roberta import RobertaClassificationHead, RobertaSequenceHead
 from flodl_hf.layers import activation
-from flodl_hf.modeling import HeadPart, TaskModel
+from flodl_hf.modeling import HeadPart, TaskModel, mount_last
 from flodl_hf.outputs import ModelOutput
 from flodl_hf.registry import register
 from flodl_hf.task_registry import Task, register_task
@@ -73,6 +73,7 @@ class ElectraModel(BertModel):
         super().__init__(config, add_pooling_layer=False)  # ELECTRA has no pooler
         if config.embedding_size != config.hidden_size:
             self.embeddings_project = nn.Linear(config.embedding_size, config.hidden_size)
+            mount_last(self, "encoder")  # transformers' order: embeddings, embeddings_project, encoder
 
     def embed(self, **inputs: torch.Tensor | None) -> torch.Tensor:
         hidden = super().embed(**inputs)

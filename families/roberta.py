@@ -18,7 +18,7 @@ from torch import nn
 
 from flodl_hf.families.bert import Bert, BertConfig, BertEmbeddings, BertForMaskedLM, BertModel
 from flodl_hf.heads import ModelForMultipleChoice
-from flodl_hf.modeling import HeadPart, positional_order
+from flodl_hf.modeling import HeadPart, mount_last, positional_order
 from flodl_hf.registry import register
 
 
@@ -36,6 +36,7 @@ class RobertaEmbeddings(BertEmbeddings):
         self.padding_idx = config.pad_token_id
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
                                                 padding_idx=config.pad_token_id)
+        mount_last(self, "position_embeddings")  # transformers registers it last (after LayerNorm)
 
     def position_ids(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor) -> torch.Tensor:
         pad = self.padding_idx

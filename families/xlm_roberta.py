@@ -19,3 +19,4 @@ class XLMRoberta(Roberta):
     model_type = "xlm-roberta"
     arch = "XLMRoberta"
     config_class = XLMRobertaConfig
+    head_before_backbone = True  # XLMRobertaFor*: the head is built before the backbone

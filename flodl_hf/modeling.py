@@ -162,16 +162,12 @@ class PreTrainedModel(nn.Module):
 
     # ---- saving -----------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Tensors under HF's names, each tied tensor once (under its first name), as save_pretrained writes them."""
+        """Tensors under HF's names, each tied tensor once (under its canonical name, ``tied_keys``), as
+        save_pretrained writes them."""
         key_map = self.family.key_map()
-        seen: set[int] = set()
-        out: dict[str, torch.Tensor] = {}
-        for name, tensor in self.state_dict(keep_vars=True).items():
-            if id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            out[key_map.to_hf(name)] = tensor.detach()
-        return out
+        _, aliases = tied_keys(self)
+        return {key_map.to_hf(name): tensor.detach() for name, tensor in self.state_dict(keep_vars=True).items()
+                if name not in aliases}
 
     def save_pretrained(self, directory: str | Path, max_shard_size: int | str = "5GB") -> Path:
         """Write ``config.json`` and ``model.safetensors`` (sharded above ``max_shard_size``)."""
@@ -183,6 +179,43 @@ class PreTrainedModel(nn.Module):
         (directory / io.CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         io.save_safetensors(self.hf_state_dict(), directory, max_shard_size)
         return directory
+
+
+def tied_keys(model: nn.Module) -> tuple[dict[str, torch.Size], dict[str, str]]:
+    """``keys.expected``: canonical key -> shape, and alias -> canonical key for each tied tensor; except that a
+    tensor tied across a task model's backbone and head is canonical under the backbone's name (the input
+    embeddings, as transformers writes them), whichever of the two is mounted first (a family whose
+    ``head_before_backbone`` is true, XLM-RoBERTa's, mounts its head first, so the decoder names the tied weight
+    first)."""
+    shapes, aliases = keys.expected(model)
+    prefix = getattr(model, "base_model_prefix", "") if isinstance(model, TaskModel) else ""
+    if not prefix or not aliases:
+        return shapes, aliases
+    prefix += "."
+    groups: dict[str, list[str]] = {}
+    for alias, canonical in aliases.items():
+        groups.setdefault(canonical, [canonical]).append(alias)
+    for canonical, names in groups.items():
+        inside = [n for n in names if n.startswith(prefix)]
+        if canonical.startswith(prefix) or not inside:
+            continue
+        chosen = inside[0]
+        shapes = {(chosen if k == canonical else k): v for k, v in shapes.items()}
+        for name in names:
+            if name == chosen:
+                del aliases[name]
+            else:
+                aliases[name] = chosen
+    return shapes, aliases
+
+
+def mount_last(module: nn.Module, *names: str) -> None:
+    """Re-register the children ``names`` of ``module`` after its others, in this order. ``named_parameters``
+    (hence ``clip_grad_norm_``'s sum, and ``named_modules``, which LoRA follows) lists children in the order they
+    were registered: this puts a child that a subclass adds where transformers' class registers it."""
+    for name in names:
+        child = module._modules.pop(name)
+        module._modules[name] = child
 
 
 def positional_order(*names: str):
@@ -546,9 +579,15 @@ class TaskModel(PreTrainedModel):
         self.base_model_prefix = self.backbone_prefix or family.prefix
         backbone = family.backbone_class(config, add_pooling_layer=part.uses_pooler)
         backbone.bind_family(family)
-        self.add_module(self.base_model_prefix, backbone)
+        # transformers' order of registration, which named_parameters follows: most task classes build their
+        # backbone first, XLM-RoBERTa's and CamemBERT's their head (the family's head_before_backbone, default False)
+        head_first = family.head_before_backbone
+        if not head_first:
+            self.add_module(self.base_model_prefix, backbone)
         for name, child in part.named_children():
             self.add_module(name, child)
+        if head_first:
+            self.add_module(self.base_model_prefix, backbone)
         object.__setattr__(self, "head", part)  # not registered: its children already are
         part.bind(self.backbone)
         decoder = part.output_embeddings()
@@ -630,7 +669,7 @@ def load_weights(model: PreTrainedModel, tensors: dict[str, torch.Tensor], sourc
     and the pooler it may need, are initialised fresh as transformers does, with a
     warning that lists them.
     """
-    shapes, aliases = keys.expected(model)
+    shapes, aliases = tied_keys(model)
     untied: dict[str, torch.Tensor] = {}
     state = keys.normalise(model, tensors, shapes, aliases, untied)
     missing = [k for k in shapes if k not in state]

@@ -58,6 +58,9 @@ class Family:
     # record outputs with hooks (check_model_inputs / capture_outputs) read a keyword passed as None as False;
     # the older ones (DeBERTa-v2, MPNet) take the config's value, as for a keyword left out.
     none_is_config_default: ClassVar[bool] = False
+    # Whether transformers' task classes register their head before the backbone (XLM-RoBERTa's, CamemBERT's):
+    # TaskModel mounts them in that order, which named_parameters, hence clip_grad_norm_'s sum, follows.
+    head_before_backbone: ClassVar[bool] = False
 
     # ---- building ---------------------------------------------------------------------------
     @classmethod
