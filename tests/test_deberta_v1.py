@@ -18,7 +18,7 @@ from cases.deberta import CONFIGS
 from helpers import make_checkpoint, one_thread, quiet_transformers  # noqa: F401  (the fixture)
 from test_losses import test_loss_and_gradients_equal_transformers as loss_and_gradients
 from test_tokenizer import assert_same
-from test_tokenizer_dirs import PAIRS, SAMPLES, _done, _fresh, _write_config, corpus
+from test_tokenizer_dirs import PAIRS, SAMPLES, _done, _write_config, byte_level_bpe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -77,14 +77,9 @@ def test_pos_att_type_parsing():
 
 def deberta_tokenizer_dir():
     """microsoft/deberta-base's layout: a byte-level BPE vocab.json + merges.txt, [CLS]/[SEP]/[PAD]/[MASK]."""
-    out, done = _fresh("deberta-v1-vocab-merges")
+    out, done = byte_level_bpe("deberta-v1-vocab-merges", ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"])
     if done:
         return out
-    from tokenizers import ByteLevelBPETokenizer
-    tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(corpus(), vocab_size=500, min_frequency=2,
-                            special_tokens=["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"])
-    tok.save_model(str(out))
     (out / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": False, "vocab_type": "gpt2"}))
     _write_config(out, "deberta", pad_token_id=0)
     return _done(out)

@@ -117,17 +117,23 @@ def wordpiece_vocab_dir() -> Path:
     return _done(out)
 
 
+def byte_level_bpe(name: str, special_tokens: list[str]) -> tuple[Path, bool]:
+    """``_fresh(name)``, with a byte-level BPE vocab.json + merges.txt trained on the corpus in it when new."""
+    out, done = _fresh(name)
+    if not done:
+        from tokenizers import ByteLevelBPETokenizer
+        tok = ByteLevelBPETokenizer()
+        tok.train_from_iterator(corpus(), vocab_size=500, min_frequency=2, special_tokens=special_tokens)
+        tok.save_model(str(out))
+    return out, done
+
+
 @functools.lru_cache(maxsize=None)
 def bpe_vocab_dir() -> Path:
     """roberta: vocab.json + merges.txt + config.json only (byte-level BPE)."""
-    out, done = _fresh("roberta-vocab-merges")
+    out, done = byte_level_bpe("roberta-vocab-merges", ["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
     if done:
         return out
-    from tokenizers import ByteLevelBPETokenizer
-    tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(corpus(), vocab_size=500, min_frequency=2,
-                            special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
-    tok.save_model(str(out))
     _write_config(out, "roberta", pad_token_id=1)
     return _done(out)
 
