@@ -4,7 +4,6 @@ pipelines."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -18,7 +17,7 @@ from cases.deberta import CONFIGS
 from helpers import make_checkpoint, one_thread, quiet_transformers  # noqa: F401  (the fixture)
 from test_losses import test_loss_and_gradients_equal_transformers as loss_and_gradients
 from test_tokenizer import assert_same
-from test_tokenizer_dirs import PAIRS, SAMPLES, _done, _write_config, byte_level_bpe
+from test_tokenizer_dirs import PAIRS, SAMPLES, deberta_bpe_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -75,20 +74,10 @@ def test_pos_att_type_parsing():
     assert config.to_dict()["position_buckets"] == 8
 
 
-def deberta_tokenizer_dir():
-    """microsoft/deberta-base's layout: a byte-level BPE vocab.json + merges.txt, [CLS]/[SEP]/[PAD]/[MASK]."""
-    out, done = byte_level_bpe("deberta-v1-vocab-merges", ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"])
-    if done:
-        return out
-    (out / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": False, "vocab_type": "gpt2"}))
-    _write_config(out, "deberta", pad_token_id=0)
-    return _done(out)
-
-
 def test_tokenizer_same_as_transformers(tmp_path):
     """As shipped (vocab.json + merges.txt) and as save_pretrained writes it (tokenizer.json)."""
     transformers = quiet_transformers()
-    raw = deberta_tokenizer_dir()
+    raw = deberta_bpe_dir()
     saved = tmp_path / "saved"
     transformers.AutoTokenizer.from_pretrained(str(raw)).save_pretrained(str(saved))
     shutil.copy(raw / "config.json", saved / "config.json")
@@ -111,7 +100,7 @@ def model_dir(tmp_path, task: str, **fields):
     directory = tmp_path / task
     shutil.copytree(make_checkpoint(fields, task), directory)
     for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
-        shutil.copy(deberta_tokenizer_dir() / name, directory / name)
+        shutil.copy(deberta_bpe_dir() / name, directory / name)
     return directory
 
 

@@ -174,6 +174,18 @@ def spm_dir(family: str, model_type: str = "unigram") -> Path:
 
 
 @functools.lru_cache(maxsize=None)
+def deberta_bpe_dir() -> Path:
+    """DeBERTa v1 (microsoft/deberta-base's layout): a byte-level BPE vocab.json + merges.txt with
+    [CLS]/[SEP]/[PAD]/[MASK], read by transformers' DebertaTokenizer."""
+    out, done = byte_level_bpe("deberta-v1-vocab-merges", ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"])
+    if done:
+        return out
+    (out / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": False, "vocab_type": "gpt2"}))
+    _write_config(out, "deberta", pad_token_id=0)
+    return _done(out)
+
+
+@functools.lru_cache(maxsize=None)
 def saved_dir(source: Path, name: str | None = None, **config_changes) -> Path:
     """transformers' AutoTokenizer for ``source``, written back with save_pretrained (tokenizer.json +
     tokenizer_config.json), then tokenizer_config.json edited by ``config_changes`` (None deletes a key)."""
@@ -202,7 +214,8 @@ def all_dirs() -> dict[str, Path]:
             "bert/cased-config": saved_dir(bert, "bert-cased-config", do_lower_case=False, model_max_length=24),
             "distilbert/tokenizer.json": saved_dir(bert, "distilbert-class", tokenizer_class="DistilBertTokenizer"),
             "roberta/vocab+merges": roberta, "roberta/tokenizer.json": saved_dir(roberta),
-            "roberta/prefix-space": saved_dir(roberta, "roberta-prefix-space", add_prefix_space=True)}
+            "roberta/prefix-space": saved_dir(roberta, "roberta-prefix-space", add_prefix_space=True),
+            "deberta/vocab+merges": deberta_bpe_dir(), "deberta/tokenizer.json": saved_dir(deberta_bpe_dir())}
     for family in SPM_LAYOUTS:
         for kind in ("unigram", "bpe"):
             spm = spm_dir(family, kind)
