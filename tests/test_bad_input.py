@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flodl_hf import AutoConfig, AutoTokenizer, answer, classify, embed, fill_mask, rank, tag
+from flodl_hf import AutoConfig, AutoTokenizer, answer, classify, embed, fill_mask, rank, tag, zero_shot
 from flodl_hf import io
 from flodl_hf.auto import AutoModelForMaskedLM, load_model
 from flodl_hf.convert import convert
@@ -754,6 +754,8 @@ TASK_CASES: list[tuple[str, str, Callable[[], Any], type, str]] = [
     ("embed", "bad-pooling", lambda: embed("a", _task(BERT, "mlm"), pooling="median"), InputError, "pooling"),
     ("rank", "top_k-negative", lambda: rank("q", ["a"], _task(BERT, "mlm"), top_k=-1), InputError, "top_k"),
     ("rank", "no-texts", lambda: rank("q", [], _task(BERT, "mlm")), InputError, "texts"),
+    ("zero_shot", "on-a-masked-lm", lambda: zero_shot("hello", ["a", "b"], _task(BERT, "mlm")), MissingHeadError,
+     "so zero_shot cannot run"),
 ]
 for _entry, _name, _call, _error, _named in TASK_CASES:
     case(_entry, _name, _nothing, lambda s, t, c=_call: c(), _error, _named)
@@ -1065,3 +1067,6 @@ def test_a_classifier_trained_for_the_other_classification_task_is_refused():
     # (a WeightsMismatchError whose hint, pass num_labels=, did not help)
     with pytest.raises(MissingHeadError, match="architectures names a tokcls model, so classify cannot run"):
         classify("hello world", _tiny("tokcls"))
+    # zero_shot loads the sequence classifier too, and names itself, not classify
+    with pytest.raises(MissingHeadError, match="architectures names a tokcls model, so zero_shot cannot run"):
+        zero_shot("hello world", ["a", "b"], _tiny("tokcls"))

@@ -74,9 +74,10 @@ def max_input_length(model: nn.Module, tokenizer: Tokenizer) -> int:
     return min(limits) if limits else LARGE_INTEGER
 
 
-def _load_with_head(source: str, task: str) -> nn.Module:
-    """``load_model`` for a task one-liner: a checkpoint without the task's head is refused (the Auto
-    classes would initialise one at random, with a warning; a one-liner would then predict noise)."""
+def _load_with_head(source: str, task: str, function: str) -> nn.Module:
+    """``load_model`` for a task one-liner (``function``, named in the errors): a checkpoint without the task's
+    head is refused (the Auto classes would initialise one at random, with a warning; a one-liner would then
+    predict noise)."""
     from ..auto import load_model
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -87,17 +88,17 @@ def _load_with_head(source: str, task: str) -> nn.Module:
             # keys, but what is wrong is the task (the checkpoint's architectures says which it was trained for).
             trained_for = _architecture_task(_raw_config(source))
             if trained_for in _TASK_FUNCTION and trained_for != task:
-                raise _wrong_task(source, task, trained_for) from exc
+                raise _wrong_task(source, function, trained_for) from exc
             raise
     report = getattr(model, "load_report", None)
     prefix = getattr(model, "base_model_prefix", "") + "."
     head = [k for k in (report.fresh if report else []) if task != "base" and not k.startswith(prefix)]
     trained_for = _architecture_task(getattr(getattr(model, "config", None), "raw", None))
     if not head and {task, trained_for} == {"seqcls", "tokcls"}:  # both heads are `classifier`, of one shape
-        raise _wrong_task(source, task, trained_for)
+        raise _wrong_task(source, function, trained_for)
     if head:
         raise MissingHeadError(f"{source}: has no {task} head (missing {', '.join(head)}), so "
-                               f"{_TASK_FUNCTION.get(task, task)} cannot run on it: a head initialised at random "
+                               f"{function} cannot run on it: a head initialised at random "
                                "would predict noise. Pass a checkpoint fine-tuned for this task, or train one "
                                "(flodl_hf.AutoModelFor... with num_labels=) first")
     for w in caught:
@@ -108,9 +109,9 @@ def _load_with_head(source: str, task: str) -> nn.Module:
 _SCORES = {"seqcls": "whole texts", "tokcls": "tokens", "qa": "answer spans", "mlm": "masked tokens"}
 
 
-def _wrong_task(source: str, task: str, trained_for: str) -> MissingHeadError:
+def _wrong_task(source: str, function: str, trained_for: str) -> MissingHeadError:
     return MissingHeadError(f"{source}: config.json's architectures names a {trained_for} model, so "
-                            f"{_TASK_FUNCTION[task]} cannot run on it: its head was trained to score "
+                            f"{function} cannot run on it: its head was trained to score "
                             f"{_SCORES.get(trained_for, trained_for)}. Pass a checkpoint fine-tuned for this task")
 
 
@@ -173,10 +174,11 @@ def _precision_context(precision: str) -> contextlib.AbstractContextManager:
 
 
 def load(model: Source, task: str, tokenizer: str | Path | Tokenizer | None = None,
-         precision: str = "exact") -> Loaded:
+         precision: str = "exact", function: str | None = None) -> Loaded:
     """The model for ``task`` ("mlm", "seqcls", "tokcls", "qa", "base") and its tokenizer, cached by source.
 
     ``precision``: "exact" (float32, the default), "bf16" or "int8" (opt-in, faster, scores change).
+    ``function``: the one-liner to name in a wrong-head error (by default the task's own: seqcls's is classify).
     """
     _check_precision(precision)
     if isinstance(model, nn.Module):
@@ -190,7 +192,7 @@ def load(model: Source, task: str, tokenizer: str | Path | Tokenizer | None = No
         source = str(model)
         key = (source, task, "exact")
         if key not in _MODELS:
-            _MODELS[key] = _load_with_head(source, task)
+            _MODELS[key] = _load_with_head(source, task, function or _TASK_FUNCTION.get(task, task))
         if precision == "int8":
             if (source, task, "int8") not in _MODELS:
                 _MODELS[(source, task, "int8")] = quantize_int8(_MODELS[key])

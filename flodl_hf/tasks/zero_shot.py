@@ -108,7 +108,7 @@ def zero_shot(sequences: str | Sequence[str], candidate_labels: str | Sequence[s
     for i, text in enumerate(items):
         if not text:  # the pipeline: "You must include at least one label and at least one sequence."
             raise InputError(f"sequences[{i}] is empty: give at least one character of text")
-    loaded = load(model, "seqcls", tokenizer, precision)
+    loaded = load(model, "seqcls", tokenizer, precision, function="zero_shot")
     entail = entailment_id(loaded.model.config)
     if not items:
         return []
