@@ -66,6 +66,7 @@ same step number (a live El Che window that ends inside the step) is ``step-XXXX
       "seed": int, "batch_size": int | None, "world_size": int, "sync": str,
       "batching": "fixed" | "length", "max_tokens": int | None,
       "gradient_accumulation_steps": int, "precision": None | "bf16" | "fp16",  # absent: 1, None
+      "num_items_in_batch": bool,                   # step takes the step's count of label items (absent: unknown)
       "el_che": {"anchor": int, "counts": [int], "ms_per_batch": [float | None]} | None,
       "outer": DiLoCo outer SGD state_dict | None,
       "worker": worker 0's {"optimizer", "scheduler", "rng", "batches"[, "scaler"]},  # fp16: GradScaler
@@ -1484,6 +1485,7 @@ class Trainer:
             "world_size": comm.world, "sync": self.sync, "batching": self.batching, "max_tokens": self.max_tokens,
             "data_size": len(self.data), "shuffle": self.shuffle,
             "gradient_accumulation_steps": self.accumulation, "precision": self.precision,
+            "num_items_in_batch": self._counting,  # a resume whose step counts otherwise scales its losses otherwise
             "el_che": {"anchor": self.plan.anchor, "counts": list(self.plan.counts), "ms_per_batch": self._ms}
             if self.plan is not None else None,
             "outer": self.outer.state_dict() if self.outer is not None else None,
@@ -1551,8 +1553,15 @@ class Trainer:
                                ("max_tokens", self.max_tokens, None), ("data_size", len(self.data), len(self.data)),
                                ("shuffle", self.shuffle, self.shuffle),  # (data_size on: older checkpoints lack them)
                                ("gradient_accumulation_steps", self.accumulation, 1),
-                               ("precision", self.precision, None)):
+                               ("precision", self.precision, None),
+                               ("num_items_in_batch", self._counting, self._counting)):  # older: not recorded
             if state.get(key, old) != mine:
+                if key == "num_items_in_batch":
+                    raise TrainerError(f"{path}: checkpoint was written by a step that "
+                                       f"{'takes' if state[key] else 'does not take'} num_items_in_batch, and this "
+                                       f"Trainer's step {'does' if mine else 'does not'}: the losses would be scaled "
+                                       "another way from here on. Give step the same signature, or resume=False to "
+                                       "start fresh")
                 raise TrainerError(f"{path}: checkpoint has {key}={state.get(key)!r} but this Trainer has "
                                    f"{key}={mine!r}; pass the same value, or resume=False to start fresh")
         worker = state["worker"]

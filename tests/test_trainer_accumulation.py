@@ -534,6 +534,18 @@ def test_resume_with_counted_items_is_bit_exact(tmp_path):
     t = fit(resumed, data, max_steps=5, checkpoint_dir=tmp_path / "b", **kw)
     assert t.resumed_from == tmp_path / "b" / "step-00000002.pt" and t.step == 5
     assert torch.equal(flat(resumed), flat(straight))
+    # The checkpoint says the step counted: a resume whose step does not (its losses then divided by k) is refused
+    assert load_checkpoint(tmp_path / "b")["num_items_in_batch"] is True
+    with pytest.raises(TrainerError, match="written by a step that takes num_items_in_batch, and this Trainer's "
+                                           "step does not"):
+        fit(tiny("causal_lm"), data, max_steps=7, checkpoint_dir=tmp_path / "b", **{**kw, "step": mean_step})
+    # A checkpoint from before the field was recorded resumes as before (nothing to compare)
+    newest = tmp_path / "b" / "step-00000005.pt"
+    state = torch.load(newest, weights_only=False)
+    del state["num_items_in_batch"]
+    torch.save(state, newest)
+    t = fit(tiny("causal_lm"), data, max_steps=6, checkpoint_dir=tmp_path / "b", **{**kw, "step": mean_step})
+    assert t.resumed_from == newest and t.step == 6
 
 
 def test_length_batches_and_el_che_pass_the_count():
