@@ -12,10 +12,11 @@ Mirrors ``transformers.models.llama.modeling_llama`` (5.24):
 - heads: ``lm_head`` (causal_lm, tied with ``tie_word_embeddings``), ``score`` on the last non-pad token
   (seqcls), ``score`` per token (tokcls), ``qa_outputs`` with the backbone under ``transformer`` (qa).
 Mistral and Qwen2 (families/mistral.py, families/qwen2.py) are this file with other defaults, biases
-and windows; Qwen3, Phi3, Gemma, Gemma2 and Gemma3 replace parts through the backbone's hooks (``attention_class``
-with its ``make_projections`` / ``project``, ``scaling`` / ``softcap`` and ``paths``, ``layer_class``, ``make_mlp``,
-``norm_class``, ``embedding_class``) and the config's (``biases``, ``layer_kinds``, ``window``, ``rotary_dim``,
-``rope_types``, ``rope_key`` / ``rope(key)``: a RoPE per layer kind).
+and windows; Qwen3, Phi3, Gemma, Gemma2, Gemma3 and GPT-2 replace parts through the backbone's hooks
+(``attention_class`` with its ``make_projections`` / ``project``, ``attend``, ``project_out``, ``scaling`` /
+``softcap`` and ``paths``, ``layer_class``, ``make_mlp``, ``norm_class``, ``embedding_class``, ``embed`` (handed the
+positions and token types), ``rotary_embeddings`` (None: no RoPE)) and the config's (``biases``, ``layer_kinds``,
+``window``, ``rotary_dim``, ``rope_types``, ``rope_key`` / ``rope(key)``: a RoPE per layer kind).
 """
 
 from __future__ import annotations
@@ -182,12 +183,20 @@ class LlamaAttention(nn.Module):
         # LlamaAttention.forward: view + transpose, RoPE, cache update, attention, reshape, o_proj
         input_shape = hidden_states.shape[:-1]
         q, k, v = (t.transpose(1, 2) for t in self.project(hidden_states, (*input_shape, -1, self.head_dim)))
-        q, k = apply_rotary_pos_emb(q, k, *rope)
+        if rope is not None:  # None: the positions are in the embeddings (GPT-2's wpe)
+            q, k = apply_rotary_pos_emb(q, k, *rope)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
+        return self.project_out(self.attend(q, k, v, mask).reshape(*input_shape, -1).contiguous())
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The attention of q (B, heads, q, d) over k, v, as (B, q, heads, d) (GPT-2 has its own eager recipe)."""
         p = self.config.attention_dropout if self.training else 0.0
-        out = grouped_attend(q, k, v, mask, self.path(self.config), self.groups, self.scaling, p, self.softcap)
-        return self.o_proj(out.reshape(*input_shape, -1).contiguous())
+        return grouped_attend(q, k, v, mask, self.path(self.config), self.groups, self.scaling, p, self.softcap)
+
+    def project_out(self, attn_output: torch.Tensor) -> torch.Tensor:
+        """The output projection (GPT-2: ``c_proj`` then its residual dropout)."""
+        return self.o_proj(attn_output)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -274,11 +283,33 @@ class LlamaModel(Backbone):
             masks[spec] = causal_mask(spec, attention_mask, hidden.shape[0], hidden.shape[1], impl, hidden.dtype,
                                       hidden.device, cache, layer)
         keys = self.rope_keys()
-        ropes = {key: rotary_cos_sin(self.inverse_frequencies(key, hidden.device), position_ids, hidden.dtype)
-                 for key in dict.fromkeys(keys)}
+        ropes = self.rotary_embeddings(keys, position_ids, hidden)
         for layer, spec, key in zip(self.layers, specs, keys, strict=True):
             hidden = layer(hidden, ropes[key], masks[spec], cache)
         return self.norm(hidden)
+
+    def rotary_embeddings(self, keys: list[str | None], position_ids: torch.Tensor,
+                          hidden: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(cos, sin) per RoPE key, handed to each layer's attention (None there: no RoPE, GPT-2)."""
+        return {key: self.rotary(key, position_ids, hidden) for key in dict.fromkeys(keys)}
+
+    def rotary(self, key: str | None, position_ids: torch.Tensor,
+               hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of RoPE ``key``, as LlamaRotaryEmbedding.forward. A longrope (in a family whose
+        ``rope_types`` take it: Phi3) turns with its long frequencies when ``max(position_ids) + 1`` passes
+        original_max_position_embeddings, its short ones otherwise, as ``longrope_frequency_update`` (the long
+        ones land in the short ones' buffer, so they take its dtype), and scales cos and sin by its attention
+        factor."""
+        inv_freq = self.inverse_frequencies(key, hidden.device)
+        if "longrope" not in self.config.rope_types:
+            return rotary_cos_sin(inv_freq, position_ids, hidden.dtype)
+        rope = self.config.rope(key)
+        if rope.rope_type == "longrope":
+            long = rope.inverse_frequencies(self.config.rotary_dim, hidden.device, long=True)
+            seq_len = torch.max(position_ids) + 1
+            inv_freq = torch.where(seq_len > rope.original_max_position_embeddings, long.to(inv_freq.dtype),
+                                   inv_freq.to(hidden.device))
+        return rotary_cos_sin(inv_freq, position_ids, hidden.dtype, rope.attention_scaling)
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: Any = None,
@@ -289,14 +320,19 @@ class LlamaModel(Backbone):
         ``past_key_values`` (the cache's name before transformers 5.24)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        if token_type_ids is not None:
+        if token_type_ids is not None and "token_type_ids" not in self.input_names:
             raise InputError(f"{type(self).__name__} has no token types: pass no token_type_ids")
         use_cache = self.config.use_cache if use_cache is None else use_cache
         cache = as_cache(cache, self.cache_windows(), past_key_values)
         self._check_inputs(input_ids, attention_mask, inputs_embeds, cache)
         if use_cache and cache is None:
             cache = self.new_cache()
-        hidden = self.embed(input_ids=input_ids, inputs_embeds=inputs_embeds)
+        if position_ids is None:  # LlamaModel.forward: the cache's length on, before this step updates it
+            inputs = input_ids if input_ids is not None else inputs_embeds
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = (torch.arange(inputs.shape[1], device=inputs.device) + past).unsqueeze(0)
+        hidden = self.embed(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
+                            inputs_embeds=inputs_embeds)
         hidden = self.encode(hidden, attention_mask, position_ids, cache)
         return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache if use_cache else None)
 
@@ -344,6 +380,15 @@ def last_token_index(input_ids: torch.Tensor | None, pad_token_id: int | None, b
     non_pad = (input_ids != pad_token_id).to(device, torch.int32)
     indices = torch.arange(input_ids.shape[-1], device=device, dtype=torch.int32)
     return (indices * non_pad).argmax(-1)
+
+
+def token_dropout(config: Any) -> float:
+    """GenericForTokenClassification's (and GPT2ForTokenClassification's) dropout: classifier_dropout, else
+    hidden_dropout, else 0.1."""
+    dropout = config.raw.get("classifier_dropout")
+    if dropout is None:
+        dropout = config.raw.get("hidden_dropout")
+    return 0.1 if dropout is None else dropout
 
 
 class DecoderForSequenceClassification(ModelForSequenceClassification):
@@ -442,12 +487,9 @@ class Llama(Family):
 
     @classmethod
     def token_head(cls, config: LlamaConfig) -> HeadPart:
-        # GenericForTokenClassification: classifier_dropout, else hidden_dropout, else 0.1; bias unless told
-        dropout = config.raw.get("classifier_dropout")
-        if dropout is None:
-            dropout = config.raw.get("hidden_dropout")
+        # GenericForTokenClassification: bias unless told
         return ScoreHead(config.hidden_size, config.num_labels, bias=config.raw.get("token_classification_bias", True),
-                         dropout=0.1 if dropout is None else dropout)
+                         dropout=token_dropout(config))
 
     @classmethod
     def span_head(cls, config: LlamaConfig) -> HeadPart:

@@ -65,9 +65,20 @@ def _number(value: Any, field: str, keep_int: bool = False) -> float:
 ROPE_TYPES = ("default", "llama3")
 
 
+def _factors(value: Any, field: str) -> tuple[float, ...]:
+    """A longrope factor list: a JSON array of numbers (Phi3Config.validate_rope refuses anything else; a generic
+    config's ``torch.tensor`` fails on it). Kept as given (ints stay ints, as transformers' ``torch.tensor`` reads
+    them)."""
+    if not isinstance(value, list) or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in value):
+        raise ConfigError(f"config field {field}={value!r}: expected a list of numbers")
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class Rope:
-    """A resolved RoPE: type, theta, and the scaling fields (linear: factor; llama3: all; None for default)."""
+    """A resolved RoPE: type, theta, and the scaling fields (linear: factor; llama3: all but the longrope ones;
+    longrope: factor, original_max_position_embeddings, short_factor, long_factor, attention_factor; None for
+    default)."""
 
     rope_type: str
     theta: float
@@ -75,6 +86,15 @@ class Rope:
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
     original_max_position_embeddings: float | None = None
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    attention_factor: float | None = None
+
+    @property
+    def attention_scaling(self) -> float:
+        """What multiplies cos and sin (the rotary modules' ``attention_scaling``): longrope's attention factor,
+        1.0 for the other types here."""
+        return 1.0 if self.attention_factor is None else self.attention_factor
 
     @classmethod
     def resolve(cls, rope_parameters: dict | None, rope_scaling: dict | None, rope_theta: float | None,
@@ -86,7 +106,13 @@ class Rope:
         For llama3, a top-level ``original_max_position_embeddings`` (passed here) wins over the nested one,
         which wins over ``max_position_embeddings``. Numbers must be JSON numbers (transformers fails on
         strings at the first forward); anything else is a ConfigError naming config.json and the field, as is a
-        type outside ``supported`` (the family's: Phi3 takes ``default`` only)."""
+        type outside ``supported`` (the family's: Phi3 takes ``default`` and ``longrope``).
+
+        longrope (``_compute_longrope_parameters``): ``short_factor`` and ``long_factor`` are required lists of
+        numbers; ``factor`` defaults to ``max_position_embeddings / original_max_position_embeddings`` (read as
+        for llama3), ``attention_factor`` to ``sqrt(1 + log(factor) / log(original))`` when that factor is above 1,
+        else 1.0. Where transformers fails computing them (a division by zero, a log of a non-positive number) it
+        is a ConfigError."""
         given = rope_scaling or rope_parameters
         source = "rope_scaling" if rope_scaling else "rope_parameters"
         if given is not None and not isinstance(given, dict):
@@ -108,9 +134,11 @@ class Rope:
             if "factor" not in params:
                 raise ConfigError(f"config field {source} (linear) lacks factor")
             return cls("linear", theta, _number(params["factor"], f"{source}.factor"))
-        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
+        required = ("short_factor", "long_factor") if rope_type == "longrope" else \
+            ("factor", "low_freq_factor", "high_freq_factor")
+        missing = [k for k in required if k not in params]
         if missing:
-            raise ConfigError(f"config field {source} (llama3) lacks {', '.join(missing)}")
+            raise ConfigError(f"config field {source} ({rope_type}) lacks {', '.join(missing)}")
         if original_max_position_embeddings is not None:  # standardize_rope_params: the top-level one wins
             old = _number(original_max_position_embeddings, "original_max_position_embeddings", True)
         elif params.get("original_max_position_embeddings") is not None:
@@ -118,12 +146,49 @@ class Rope:
                           True)
         else:
             old = _number(max_position_embeddings, "max_position_embeddings", True)
+        if rope_type == "longrope":
+            return cls._longrope(params, source, theta, max_position_embeddings, old)
         return cls("llama3", theta, _number(params["factor"], f"{source}.factor"),
                    _number(params["low_freq_factor"], f"{source}.low_freq_factor"),
                    _number(params["high_freq_factor"], f"{source}.high_freq_factor"), old)
 
-    def inverse_frequencies(self, head_dim: int, device: torch.device | None = None) -> torch.Tensor:
-        # modeling_rope_utils: compute_default_rope_parameters / _compute_llama3_parameters, in their order
+    @classmethod
+    def _longrope(cls, params: dict, source: str, theta: float, max_position_embeddings: int, old: float) -> "Rope":
+        """_compute_longrope_parameters' scalars: the factor, then the attention factor, in Python floats."""
+        short = _factors(params["short_factor"], f"{source}.short_factor")
+        long = _factors(params["long_factor"], f"{source}.long_factor")
+        factor = params.get("factor")
+        if factor is None:  # Phi3: the ratio of the two lengths, not a stored factor
+            if old == 0:
+                raise ConfigError("config field original_max_position_embeddings=0: longrope divides "
+                                  "max_position_embeddings by it")
+            factor = _number(max_position_embeddings, "max_position_embeddings") / old
+        else:
+            factor = _number(factor, f"{source}.factor")
+        attention = params.get("attention_factor")
+        if attention is not None:
+            attention = _number(attention, f"{source}.attention_factor")
+        elif factor <= 1.0:
+            attention = 1.0
+        elif old <= 1:
+            raise ConfigError(f"config field original_max_position_embeddings={old!r}: longrope's attention factor "
+                              "divides by its log, which must be positive (or give attention_factor)")
+        else:
+            attention = math.sqrt(1 + math.log(factor) / math.log(old))
+        return cls("longrope", theta, factor, original_max_position_embeddings=old, short_factor=short,
+                   long_factor=long, attention_factor=attention)
+
+    def inverse_frequencies(self, head_dim: int, device: torch.device | None = None,
+                            long: bool = False) -> torch.Tensor:
+        """The inverse frequencies of ``head_dim`` rotated dimensions; longrope's long ones with ``long`` (its short
+        ones otherwise, which transformers' rotary module holds in ``inv_freq`` / ``original_inv_freq``)."""
+        # modeling_rope_utils: compute_default_rope_parameters / _compute_llama3_parameters /
+        # _compute_longrope_parameters, in their order
+        if self.rope_type == "longrope":
+            ext_factors = torch.tensor(self.long_factor if long else self.short_factor, dtype=torch.float32,
+                                       device=device)
+            inv_freq_shape = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+            return 1.0 / (ext_factors * self.theta ** inv_freq_shape)
         if self.rope_type == "default":
             return 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device,

@@ -587,7 +587,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     if not record:
         return input_ids
     return GenerateDecoderOnlyOutput(sequences=input_ids, scores=tuple(scores_seen) if settings.output_scores else None,
-                                     logits=tuple(logits_seen) if settings.output_logits else None, cache=cache)
+                                     logits=tuple(logits_seen) if settings.output_logits else None,
+                                     cache=decoder.cache)
 
 
 class _Decoder:
@@ -604,6 +605,10 @@ class _Decoder:
 
     def next_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The next-token logits of each row of ``input_ids`` (the sequences so far), float32 copies."""
+        drops = getattr(self.model.backbone, "drops_cache", None)  # a family's prepare_inputs_for_generation (Phi3)
+        if self.prefilled and self.use_cache and drops is not None and \
+                drops(input_ids.shape[1], self.cache.get_seq_length()):
+            self.prefilled, self.cache = False, self.model.backbone.new_cache()  # the whole sequences again
         if not self.prefilled:
             step_ids, step_pos = input_ids.clone(), self.position_ids
         elif self.use_cache:
@@ -944,6 +949,11 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
         # a processor reading the padded ids, a stop string, the time limit or beams: one prompt at a time too
         alone = settings.reads_history() or settings.stop_strings is not None or settings.max_time is not None \
             or settings.num_beams > 1
+        # a family whose decoding changes with the padded length (Phi-3 at original_max_position_embeddings + 1
+        # tokens: the cache dropped; longrope's long frequencies for every row): one at a time if a batch gets there
+        drops = getattr(lm.backbone, "drops_cache", None)
+        new_tokens = DEFAULT_NEW_TOKENS if settings.max_new_tokens is None else settings.max_new_tokens
+        alone = alone or (drops is not None and drops(max(len(r) for r in rows) + new_tokens, 0))
         if settings.do_sample or totals or alone or len(rows) == 1:
             # one prompt at a time, as the pipeline: the draws come in its order, and lengths are per prompt
             for r in rows:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointFormatError
+from .layers import Conv1D
 
 # Keys HF checkpoints carry that are not weights (buffers HF recomputes).
 IGNORED_KEY = re.compile(r"(^|\.)(position_ids|token_type_ids)$")
@@ -149,7 +150,7 @@ def init_fresh(owner: nn.Module, name: str, std: float) -> None:
     with torch.no_grad():
         if isinstance(owner, nn.LayerNorm):
             tensor.fill_(1.0 if name == "weight" else 0.0)
-        elif isinstance(owner, (nn.Linear, nn.Embedding)) and name == "weight":
+        elif isinstance(owner, (nn.Linear, nn.Embedding, Conv1D)) and name == "weight":
             tensor.normal_(mean=0.0, std=std)
         else:
             tensor.zero_()

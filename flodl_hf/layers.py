@@ -13,7 +13,7 @@ import math
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -213,11 +213,31 @@ def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
 
 
+class Conv1D(nn.Module):
+    """transformers.pytorch_utils.Conv1D: a linear layer whose weight is stored (in, out), run as
+    ``addmm(bias, x.view(-1, in), weight)`` (``F.linear`` on the transposed weight may round differently).
+    ``fan_in_fan_out``: LoRA adapts it as PEFT adapts a Conv1D (flodl_hf.lora.LoraConv1D)."""
+
+    fan_in_fan_out: ClassVar[bool] = True
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.empty(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size_out = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
 @torch.no_grad()
 def init_weights(module: nn.Module, std: float) -> None:
     """transformers' default ``_init_weights`` for fresh (not loaded) modules."""
     for sub in module.modules():
-        if isinstance(sub, (nn.Linear, nn.Conv1d)):  # Conv1d: DeBERTa-v2's ConvLayer, as transformers inits it
+        # Conv1d: DeBERTa-v2's ConvLayer; Conv1D: GPT-2's projections (GPT2PreTrainedModel._init_weights)
+        if isinstance(sub, (nn.Linear, nn.Conv1d, Conv1D)):
             sub.weight.normal_(mean=0.0, std=std)
             if sub.bias is not None:
                 sub.bias.zero_()
@@ -232,7 +252,7 @@ def init_weights(module: nn.Module, std: float) -> None:
                 sub.bias.zero_()
         for name, param in sub.named_parameters(recurse=False):
             # bare parameters (e.g. an LM head's output bias) start at zero
-            if not isinstance(sub, (nn.Linear, nn.Conv1d, nn.Embedding, nn.LayerNorm)):
+            if not isinstance(sub, (nn.Linear, nn.Conv1d, Conv1D, nn.Embedding, nn.LayerNorm)):
                 param.zero_()
 
 

@@ -24,7 +24,10 @@ adapter and one that PEFT wrote loads here:
   the model's task's; ``load_adapter`` takes the adapter's). A module to save that shares a weight with
   another (a tied LM head) trains its own copy, as PEFT's ``ModulesToSaveWrapper`` does;
 - on a float16 / bfloat16 base the adapter weights are float32, as PEFT's (``autocast_adapter_dtype``);
-- a decoder tied to the input embeddings is never adapted: a target that matches one is refused.
+- a decoder tied to the input embeddings is never adapted: a target that matches one is refused;
+- a ``Conv1D`` target (GPT-2's ``c_attn``..., a module declaring ``fan_in_fan_out = True``) is a
+  :class:`LoraConv1D`, as PEFT adapts it with ``fan_in_fan_out`` (which it sets by the layer's type, so the
+  field's value in an adapter_config.json changes nothing).
 
 Out: :func:`save_adapter` (a LoRA model) and :func:`export_adapter` (a trainer checkpoint) write
 ``adapter_config.json`` and ``adapter_model.safetensors`` under PEFT's keys
@@ -77,6 +80,7 @@ PEFT_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "gemma": ("q_proj", "v_proj"),
     "gemma2": ("q_proj", "v_proj"),
     "gemma3_text": ("q_proj", "v_proj"),
+    "gpt2": ("c_attn",),
 }
 
 # PEFT's task classes (PeftModelForSequenceClassification ...) add these to modules_to_save.
@@ -101,7 +105,7 @@ _PLAIN_INITS = ("gaussian", "orthogonal", "eva", "lora_ga")
 _TASK_DEFAULT: Any = object()   # add_lora's task_type default: PEFT's task type for the model's task
 
 # adapter_config.json fields whose non-default values change the computation and are not implemented.
-_UNSUPPORTED_FIELDS = {"use_dora": False, "lora_bias": False, "fan_in_fan_out": False, "rank_pattern": {},
+_UNSUPPORTED_FIELDS = {"use_dora": False, "lora_bias": False, "rank_pattern": {},
                        "alpha_pattern": {}, "layers_to_transform": None, "layer_replication": None,
                        "target_parameters": None, "exclude_modules": None, "trainable_token_indices": None,
                        "use_qalora": False, "alora_invocation_tokens": None, "arrow_config": None,
@@ -155,7 +159,7 @@ class LoraLinear(nn.Linear):
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float, use_rslora: bool) -> None:
         nn.Module.__init__(self)
-        self.in_features, self.out_features = base.in_features, base.out_features
+        self.in_features, self.out_features = self.features(base)
         self.weight = base.weight
         self.bias = base.bias
         self.r, self.lora_alpha = r, alpha
@@ -177,6 +181,19 @@ class LoraLinear(nn.Linear):
                 self.lora_A.to(dtype=torch.float32)
                 self.lora_B.to(dtype=torch.float32)
         self.merged = False
+
+    @staticmethod
+    def features(base: nn.Module) -> tuple[int, int]:
+        return base.in_features, base.out_features
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def unloaded(self) -> nn.Module:
+        """The plain layer again, holding this one's (merged) weight and bias."""
+        plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        plain.weight, plain.bias = self.weight, self.bias
+        return plain
 
     def delta_weight(self) -> torch.Tensor:
         """PEFT's ``get_delta_weight``: ``(B @ A) * scaling`` (a half / bfloat16 adapter on the CPU in float32,
@@ -202,7 +219,7 @@ class LoraLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # peft.tuners.lora.layer.Linear.forward: result = base_layer(x); x cast to lora_A's dtype; result +
         # lora_B(lora_A(dropout(x))) * scaling (a float32 adapter promotes the sum), cast back to result's dtype.
-        result = F.linear(x, self.weight, self.bias)
+        result = self.base_forward(x)
         if self.merged:
             return result
         result_dtype = result.dtype
@@ -214,6 +231,39 @@ class LoraLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling}, merged={self.merged}"
+
+
+class LoraConv1D(LoraLinear):
+    """LoRA on a ``Conv1D`` layer (a module declaring ``fan_in_fan_out = True``, as GPT-2's: weight stored (in, out),
+    run as ``addmm(bias, x, weight)``): PEFT's ``lora.Linear`` with ``fan_in_fan_out``, which PEFT sets for every
+    Conv1D target whatever the config says: the base layer's own forward, A ``[r, in]`` and B ``[out, r]`` as on a
+    linear layer, the delta ``transpose(B @ A) * scaling`` to merge into the (in, out) weight."""
+
+    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float, use_rslora: bool) -> None:
+        super().__init__(base, r, alpha, dropout, use_rslora)
+        object.__setattr__(self, "_base", base)  # not registered: unloading puts it back
+
+    @staticmethod
+    def features(base: nn.Module) -> tuple[int, int]:
+        return tuple(base.weight.shape)  # (in, out), as PEFT reads a Conv1D's
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        # transformers.pytorch_utils.Conv1D.forward
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(x.size()[:-1] + (self.out_features,))
+
+    def unloaded(self) -> nn.Module:
+        self._base.weight, self._base.bias = self.weight, self.bias
+        return self._base
+
+    def delta_weight(self) -> torch.Tensor:
+        return super().delta_weight().T  # transpose(B @ A, fan_in_fan_out) * scaling: the same bits
+
+
+def _lora_class(module: nn.Module) -> type[LoraLinear] | None:
+    """The LoRA layer for a module: a linear layer, a ``fan_in_fan_out`` (Conv1D) layer, or None."""
+    if getattr(module, "fan_in_fan_out", False) is True:
+        return LoraConv1D
+    return LoraLinear if isinstance(module, nn.Linear) else None
 
 
 # ---- adding, merging ---------------------------------------------------------------------------------
@@ -331,9 +381,9 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     for name, module in list(model.named_modules()):
         if not name or _in_modules_to_save(name, to_save or []) or not _matches_target(name, targets):
             continue
-        if not isinstance(module, nn.Linear):
+        if _lora_class(module) is None:
             raise AdapterError(f"target_modules {targets!r} matches {name} ({type(module).__name__}); LoRA "
-                               "here adapts nn.Linear layers only")
+                               "here adapts nn.Linear (and Conv1D) layers only")
         if _tied_to_embeddings(model, module):
             tied.append(name)  # the tied decoder is the embedding matrix: never adapted
             continue
@@ -348,7 +398,7 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
                                       "target_modules")
     if not chosen:
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                          if isinstance(m, nn.Linear) and not _tied_to_embeddings(model, m)})
+                          if _lora_class(m) is not None and not _tied_to_embeddings(model, m)})
         raise AdapterError(f"target_modules {targets!r} matches no linear layer of {type(model).__name__}; "
                            f"its linear layers are named {', '.join(linears)}")
 
@@ -357,7 +407,8 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     saved = save_module_names(model, to_save or [])
     _untie(model, saved)
     for name in chosen:  # named_modules() order: transformers' order, so PEFT's RNG draws
-        _replace_module(model, name, LoraLinear(_module(model, name), r, alpha, float(dropout), use_rslora))
+        base = _module(model, name)
+        _replace_module(model, name, _lora_class(base)(base, r, alpha, float(dropout), use_rslora))
     cfg.targeted = chosen
     for name, module in model.named_modules():
         if isinstance(module, LoraLinear):
@@ -405,9 +456,7 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
     """Merge, then put plain ``nn.Linear`` layers back: the model is an ordinary one again, keys unchanged."""
     merge(model)
     for name, layer in lora_layers(model).items():
-        plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
-        plain.weight, plain.bias = layer.weight, layer.bias
-        _replace_module(model, name, plain)
+        _replace_module(model, name, layer.unloaded())
     for p in model.parameters():
         p.requires_grad_(True)
     del model.lora_config
@@ -456,7 +505,9 @@ def peft_config_dict(model: nn.Module, base: str | None = None) -> dict[str, Any
         "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base, "revision": None,
         "r": cfg.r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout, "target_modules": targets,
         "modules_to_save": cfg.modules_to_save, "use_rslora": cfg.use_rslora, "bias": cfg.bias,
-        "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "layers_to_transform": None,
+        # PEFT sets fan_in_fan_out at each target by its type (True on a Conv1D, False on nn.Linear): the last one's
+        "fan_in_fan_out": isinstance(next(reversed(lora_layers(model).values()), None), LoraConv1D),
+        "init_lora_weights": True, "inference_mode": True, "layers_to_transform": None,
         "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False, "lora_bias": False,
     }
     if task_type is None and hasattr(model, "architecture"):
@@ -612,6 +663,10 @@ def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
     if kind not in SUPPORTED_PEFT_TYPES:
         raise UnsupportedAdapterError(f"{path}: peft_type {_show(kind)} is not supported; flodl-hf reads "
                                       f"{', '.join(SUPPORTED_PEFT_TYPES)} adapters")
+    if data.get("fan_in_fan_out") is not None and not isinstance(data["fan_in_fan_out"], bool):
+        # any true or false: PEFT decides it per layer type (LoraConv1D)
+        raise AdapterError(f"{path}: field 'fan_in_fan_out' is {_show(data['fan_in_fan_out'])} "
+                           f"({type(data['fan_in_fan_out']).__name__}); expected JSON true or false")
     for name, default in _UNSUPPORTED_FIELDS.items():
         value = data.get(name, default)
         if default is False and value is not None and not isinstance(value, bool):

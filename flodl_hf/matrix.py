@@ -7,6 +7,7 @@ added is asked only of the families that declare it (``matrix_pairs``).
 
 from __future__ import annotations
 
+import copy
 import html
 import json
 import os
@@ -36,6 +37,7 @@ TINY = {
     "num_attention_heads": 4, "n_heads": 4, "intermediate_size": 64, "hidden_dim": 64,
     "num_hidden_layers": 2, "n_layers": 2, "vocab_size": 128, "max_position_embeddings": 64,
     "num_key_value_heads": 2,  # decoders' grouped KV heads (Mistral's default 8, Qwen2's 32)
+    "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,  # GPT-2's names
 }
 
 
@@ -61,6 +63,16 @@ def tiny_config(model_type: str, fields: dict[str, Any] | None = None, task: str
         out["vocab_size"] = max(out["vocab_size"], max(specials) + 1)
     if task in TASK_LABELS:
         out["num_labels"] = TASK_LABELS[task]
+    for key in ("rope_parameters", "rope_scaling"):
+        # longrope's factor lists hold one entry per pair of rotated dimensions: cut (or cycle) to the tiny head's
+        params = out.get(key)
+        lists = [n for n in ("short_factor", "long_factor") if isinstance(params, dict) and params.get(n)
+                 and isinstance(params[n], list)]
+        if lists:
+            head = out.get("head_dim") or out["hidden_size"] // out["num_attention_heads"]
+            partial = params.get("partial_rotary_factor", out.get("partial_rotary_factor")) or 1.0
+            pairs = int(head * partial) // 2
+            out[key] = {**params, **{n: [params[n][i % len(params[n])] for i in range(pairs)] for n in lists}}
     if task == "seqcls" and {**defaults, **out}.get("pad_token_id") is None:
         out["pad_token_id"] = 0  # a decoder's classifier finds each row's last token by it (batches of 2 rows)
     return out
@@ -70,7 +82,7 @@ def generate_checkpoint(fields: dict[str, Any], task: str, out: Path, seed: int 
     """transformers' model for ``task`` from ``fields``, every parameter perturbed (so LayerNorms and
     biases are not trivial), written with ``save_pretrained``."""
     transformers = quiet_transformers()
-    fields = dict(fields)
+    fields = copy.deepcopy(dict(fields))  # transformers' configs fill nested RoPE dicts in place: keep the caller's
     config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
     model = getattr(transformers, get_task(task).auto_class).from_config(config)

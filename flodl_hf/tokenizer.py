@@ -68,6 +68,7 @@ CLASS_FOR_MODEL_TYPE = {
     "gemma": "GemmaTokenizer",
     "gemma2": "GemmaTokenizer",
     "gemma3_text": "GemmaTokenizer",
+    "gpt2": "GPT2Tokenizer",  # byte-level BPE, no recipe: transformers builds it (its post-processor from add_bos_token)
 }
 
 

@@ -58,6 +58,7 @@ HIDDEN_CASES = [
     ("qwen2-hd24-sliding", "causal_lm", "sdpa"), ("qwen3-hd24-qknorm-sliding", "causal_lm", "eager"),
     ("phi3-hd24-partial-window4", "causal_lm", "sdpa"), ("gemma-hd24-scaled-bias", "causal_lm", "eager"),
     ("gemma2-hd24-softcap-sliding", "causal_lm", "eager"), ("gemma3_text-hd24-qknorm-2rope", "causal_lm", "sdpa"),
+    ("gpt2-hd24", "causal_lm", "eager"), ("gpt2-hd24", "tokcls", "sdpa"),
 ]
 
 

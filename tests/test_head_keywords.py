@@ -7,7 +7,9 @@
 - The decoders' sequence, token and span heads take ``cache`` / ``past_key_values`` / ``use_cache`` as
   transformers' generic heads do, and return the same keys (the token and span records carry no cache).
 - The decoders' forwards take transformers' positional order (input_ids, attention_mask, position_ids, cache,
-  inputs_embeds, ...): the signatures agree, and ``model(ids, mask, pos)`` is ``torch.equal`` to transformers'.
+  inputs_embeds, ...; GPT-2's classes: input_ids, cache, attention_mask, token_type_ids, position_ids, ...): the
+  signatures agree, and ids, mask and positions passed positionally in that order are ``torch.equal`` to
+  transformers'.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from test_losses import _labels, _one_case_per_family_and_head
 DECODERS = {"llama": "llama-hd24-bias-tied-llama3", "mistral": "mistral-hd24-window4", "qwen2": "qwen2-hd24-sliding",
             "qwen3": "qwen3-hd24-qknorm-sliding", "phi3": "phi3-hd24-partial-window4",
             "gemma": "gemma-hd24-scaled-bias", "gemma2": "gemma2-hd24-softcap-sliding",
-            "gemma3_text": "gemma3_text-hd24-qknorm-2rope"}
+            "gemma3_text": "gemma3_text-hd24-qknorm-2rope", "gpt2": "gpt2-hd24"}
 DECODER_TASKS = ("base", "causal_lm", "seqcls", "tokcls", "qa")
 
 
@@ -104,6 +106,12 @@ def test_decoder_forwards_take_transformers_positional_order(model_type):
         assert mine == hf, (task, mine, hf)  # everything else is keyword-only, as transformers' **kwargs
 
 
+def _in_order(model, **named) -> tuple:
+    """``named`` as positional arguments in the order of transformers' class of ``model`` (None in the gaps)."""
+    names = _positional(type(model).forward)
+    return tuple(named.get(n) for n in names[:max(names.index(n) for n in named) + 1])
+
+
 def _tensors(out) -> dict[str, torch.Tensor]:
     return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
 
@@ -115,14 +123,16 @@ def test_positional_call_equals_transformers(model_type, task):
     batch = make_batch(ours.config, task)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     pos = (torch.arange(ids.shape[1]) + 3).expand_as(ids)  # not the default, so a misplaced argument shows
-    a, b = ours(ids, mask, pos), theirs(ids, mask, pos)
+    args = _in_order(theirs, input_ids=ids, attention_mask=mask, position_ids=pos)
+    a, b = ours(*args), theirs(*args)
     assert list(a.keys()) == list(b.keys())
     assert _tensors(a).keys() == _tensors(b).keys()
     assert all(torch.equal(v, getattr(b, k)) for k, v in _tensors(a).items())
-    assert not torch.equal(next(iter(_tensors(a).values())), next(iter(_tensors(ours(ids, mask)).values())))
+    plain = ours(input_ids=ids, attention_mask=mask)
+    assert not torch.equal(next(iter(_tensors(a).values())), next(iter(_tensors(plain).values())))
     labels = _labels(task, ours.config, batch, "default") if task != "base" else {}
-    if labels:  # labels in their positional place too: (ids, mask, pos, cache, embeds, labels...)
-        args = (ids, mask, pos, None, None, *labels.values())
+    if labels:  # labels in their positional place too: (ids, mask, pos, cache, embeds, labels...) for LLaMA's
+        args = _in_order(theirs, input_ids=ids, attention_mask=mask, position_ids=pos, **labels)
         assert torch.equal(ours(*args).loss, theirs(*args).loss)
 
 
@@ -157,5 +167,11 @@ def test_decoder_heads_take_a_cache_and_return_transformers_keys(model_type, tas
     old = ours.backbone.new_cache()
     ours(ids[:, :cut], attention_mask=mask[:, :cut], past_key_values=old)
     assert old.get_seq_length() == cut
-    with pytest.raises(InputError, match="token_type_ids"):
-        ours(ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids))
+    types = torch.ones_like(ids)
+    if "token_type_ids" in ours.backbone.input_names:  # GPT-2: token types through wte, as transformers
+        a = ours(ids, attention_mask=mask, token_type_ids=types)
+        b = theirs(ids, attention_mask=mask, token_type_ids=types)
+        assert all(torch.equal(v, getattr(b, k)) for k, v in _tensors(a).items())
+    else:
+        with pytest.raises(InputError, match="token_type_ids"):
+            ours(ids, attention_mask=mask, token_type_ids=types)

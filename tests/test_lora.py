@@ -41,6 +41,7 @@ TARGETS: dict[str, tuple[list[str], list[str]]] = {
     **{decoder: (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
        for decoder in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")},
     "phi3": (["qkv_proj"], ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    "gpt2": (["c_attn"], ["c_attn", "c_proj", "c_fc"]),  # Conv1D layers: PEFT's fan_in_fan_out
 }
 TASKS = ("seqcls", "mlm")
 

@@ -60,7 +60,7 @@ CASES_BY_FAMILY = [
     ("llama-hd24-bias-tied-llama3", "causal_lm"), ("mistral-hd24-window4", "seqcls"), ("qwen2-hd24-sliding", "base"),
     ("qwen3-hd24-qknorm-sliding", "qa"), ("phi3-hd24-partial-window4", "tokcls"),
     ("gemma-hd24-scaled-bias", "causal_lm"), ("gemma2-hd24-softcap-sliding", "causal_lm"),
-    ("gemma3_text-hd24-qknorm-2rope", "seqcls"),
+    ("gemma3_text-hd24-qknorm-2rope", "seqcls"), ("gpt2-hd24", "tokcls"), ("gpt2-hd24-scalings", "causal_lm"),
 ]
 
 

@@ -1,0 +1,367 @@
+"""GPT-2 (``model_type: gpt2``: gpt2, distilgpt2, gpt2-medium...): LLaMA's decoder (families/llama.py: its masks,
+KV cache, attention paths and heads) with learned absolute positions (``wpe``, added to ``wte``, then token types
+through ``wte`` and ``drop``), no RoPE, LayerNorm (``ln_1``, ``ln_2``, ``ln_f``) and HF's ``Conv1D`` projections
+(weights stored (in, out), ``torch.addmm``): q, k and v split from one ``c_attn``, ``c_proj`` with its residual
+dropout, the ``c_fc`` / ``c_proj`` MLP with ``activation_function``. The backbone sits under ``transformer.``
+(``h.N``); hub checkpoints store it without the prefix and may carry the old ``attn.bias`` / ``attn.masked_bias``
+mask buffers, which are skipped as transformers skips them. ``add_cross_attention`` is refused; the
+``GPT2DoubleHeadsModel`` is not implemented.
+
+Mirrors ``transformers.models.gpt2.modeling_gpt2`` (5.24); config names as ``GPT2Config`` (``n_embd``, ``n_layer``,
+``n_head``, ``n_positions``, ``n_inner``; the ``attribute_map`` names are read and answered too)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flodl_hf.config import Activation, BaseConfig
+from flodl_hf.errors import ConfigError, InputError
+from flodl_hf.heads import TokenClassifier
+from flodl_hf.heads.causal_lm import ModelForCausalLM
+from flodl_hf.keys import KeyMap
+from flodl_hf.layers import Conv1D, activation, record_attention
+from flodl_hf.modeling import Backbone, HeadPart
+from flodl_hf.outputs import (BaseModelOutputWithPast, CausalLMOutput, QuestionAnsweringModelOutput,
+                              SequenceClassifierOutputWithPast, TokenClassifierOutput)
+from flodl_hf.registry import register
+
+from .llama import (DecoderForQuestionAnswering, DecoderForSequenceClassification, DecoderForTokenClassification, FULL,
+                    Llama, LlamaAttention, LlamaModel, token_dropout)
+
+# GPT2Config.attribute_map: the generic names, read from a config.json and answered as properties
+ATTRIBUTE_MAP = {"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
+                 "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}
+
+
+@dataclass
+class GPT2Config(BaseConfig):
+    model_type: ClassVar[str] = "gpt2"
+    enum_fields: ClassVar[dict[str, type]] = {"activation_function": Activation}
+
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: int | None = None
+    activation_function: Activation = Activation.GELU_NEW
+    resid_pdrop: float = 0.1
+    embd_pdrop: float = 0.1
+    attn_pdrop: float = 0.1
+    layer_norm_epsilon: float = 1e-5
+    scale_attn_weights: bool = True
+    use_cache: bool = True
+    bos_token_id: int | None = 50256
+    eos_token_id: int | list[int] | None = 50256
+    pad_token_id: int | None = None
+    scale_attn_by_inverse_layer_idx: bool = False
+    reorder_and_upcast_attn: bool = False
+    add_cross_attention: bool = False
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("vocab_size", "n_positions", "n_embd", "n_head"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"config (gpt2): field {name}={getattr(self, name)} must be > 0")
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"config (gpt2): field n_embd={self.n_embd} is not a multiple of n_head={self.n_head}")
+        for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"config (gpt2): field {name}={getattr(self, name)!r} is a dropout probability: "
+                                  "it must lie in [0, 1]")
+        if not (math.isfinite(self.layer_norm_epsilon) and self.layer_norm_epsilon > 0):
+            raise ConfigError(f"config (gpt2): field layer_norm_epsilon={self.layer_norm_epsilon!r} must be finite "
+                              "and > 0")
+        if self.add_cross_attention:
+            raise ConfigError("config field add_cross_attention=true (GPT-2 as a decoder with cross-attention) "
+                              "is not supported")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "GPT2Config":
+        # PreTrainedConfig.__setattr__ through attribute_map: hidden_size=... sets n_embd (the GPT-2 name wins)
+        fields = dict(data)
+        for generic, own in ATTRIBUTE_MAP.items():
+            if generic in fields and own not in fields:
+                fields[own] = fields[generic]
+        config = super().from_dict(fields)
+        config.raw = copy.deepcopy(dict(data))  # written back as it came
+        return config
+
+    # the generic names (attribute_map) and what LLaMA's shared parts read
+    hidden_size = property(lambda self: self.n_embd)
+    max_position_embeddings = property(lambda self: self.n_positions)
+    num_attention_heads = property(lambda self: self.n_head)
+    num_hidden_layers = property(lambda self: self.n_layer)
+    kv_heads = num_attention_heads
+    attention_head_dim = property(lambda self: self.n_embd // self.n_head)
+    attention_dropout = property(lambda self: self.attn_pdrop)
+
+    def layer_kinds(self) -> list[str]:
+        return [FULL] * self.n_layer
+
+    def window(self, kind: str) -> int | None:
+        return None
+
+    def rope_key(self, kind: str) -> str | None:
+        return None
+
+
+class GPT2Attention(LlamaAttention):
+    """``c_attn`` split into q, k and v; no RoPE; ``c_proj`` then ``resid_dropout``; the scaling of
+    ``scale_attn_weights`` / ``scale_attn_by_inverse_layer_idx``; on the eager path GPT-2's own recipe (softmax
+    in the scores' dtype, or with ``reorder_and_upcast_attn`` the float32 ``baddbmm`` of
+    ``_upcast_and_reordered_attn``)."""
+
+    def __init__(self, config: GPT2Config, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        # GPT2Attention.__init__: the unified scaling
+        self.scaling = self.head_dim ** -0.5 if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            self.scaling /= float(layer_idx + 1)
+
+    def make_projections(self, config: GPT2Config, heads: int, kv: int) -> None:
+        self.c_attn = Conv1D(3 * config.n_embd, config.n_embd)
+        self.c_proj = Conv1D(config.n_embd, config.n_embd)
+        self.attn_dropout = nn.Dropout(config.attn_pdrop)
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
+
+    def project_heads(self, hidden_states: torch.Tensor,
+                      shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self.c_attn(hidden_states).split(self.config.n_embd, dim=2)
+        return q.view(shape), k.view(shape), v.view(shape)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if self.path(self.config) != "eager":
+            return super().attend(q, k, v, mask)
+        if self.config.reorder_and_upcast_attn:  # GPT2Attention._upcast_and_reordered_attn
+            batch, heads, q_len, dk = q.shape
+            k_len = k.shape[-2]
+            weights = torch.empty(batch * heads, q_len, k_len, dtype=torch.float32, device=q.device)
+            weights = torch.baddbmm(weights, q.reshape(-1, q_len, dk).float(),
+                                    k.transpose(-1, -2).reshape(-1, dk, k_len).float(), beta=0, alpha=self.scaling)
+            weights = weights.reshape(batch, heads, q_len, k_len)
+        else:  # modeling_gpt2.eager_attention_forward
+            weights = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
+        if mask is not None:
+            weights = weights + mask
+        weights = self.attn_dropout(F.softmax(weights, dim=-1).type(v.dtype))
+        record_attention(weights)
+        return torch.matmul(weights, v).transpose(1, 2).contiguous()
+
+    def project_out(self, attn_output: torch.Tensor) -> torch.Tensor:
+        return self.resid_dropout(self.c_proj(attn_output))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, intermediate_size: int, config: GPT2Config) -> None:
+        super().__init__()
+        self.c_fc = Conv1D(intermediate_size, config.n_embd)
+        self.c_proj = Conv1D(config.n_embd, intermediate_size)
+        self.act = activation(config.activation_function)
+        self.dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.act(self.c_fc(hidden_states))))
+
+
+class GPT2Block(nn.Module):
+    """GPT2Block: ``h + attn(ln_1(h))``, then ``h + mlp(ln_2(h))``, its parts handed in as LLaMA's layers'."""
+
+    def __init__(self, config: GPT2Config, attn: nn.Module, mlp: nn.Module, norm_class: type[nn.Module]) -> None:
+        super().__init__()
+        self.ln_1 = norm_class(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = attn
+        self.ln_2 = norm_class(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = mlp
+
+    def forward(self, hidden_states: torch.Tensor, rope: None, mask: torch.Tensor | None, cache: Any) -> torch.Tensor:
+        hidden_states = self.attn(self.ln_1(hidden_states), rope, mask, cache) + hidden_states
+        return hidden_states + self.mlp(self.ln_2(hidden_states))
+
+
+class GPT2Model(LlamaModel):
+    """``wte``, ``wpe``, ``drop``, the blocks ``h``, ``ln_f``; LLaMA's forward, masks and cache."""
+
+    attention_class = GPT2Attention
+    layer_class = GPT2Block
+    norm_class = nn.LayerNorm
+    input_names = (*LlamaModel.input_names, "token_type_ids")
+
+    def __init__(self, config: GPT2Config, add_pooling_layer: bool = False) -> None:
+        Backbone.__init__(self, config)  # GPT2Model.__init__'s modules, in its order (not LLaMA's)
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.drop = nn.Dropout(config.embd_pdrop)
+        self.h = nn.ModuleList(self.layer_class(config, self.attention_class(config, i), self.make_mlp(config),
+                                                self.norm_class) for i in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+
+    # LLaMA's encode runs self.layers and closes with self.norm
+    layers = property(lambda self: self.h)
+    norm = property(lambda self: self.ln_f)
+
+    @classmethod
+    def make_mlp(cls, config: GPT2Config) -> nn.Module:
+        return GPT2MLP(config.n_inner if config.n_inner is not None else 4 * config.n_embd, config)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.wte
+
+    def position_table_size(self) -> int | None:
+        return self.wpe.num_embeddings
+
+    def rotary_embeddings(self, keys: list[str | None], position_ids: torch.Tensor,
+                          hidden: torch.Tensor) -> dict[str | None, None]:
+        return {None: None}
+
+    def embed(self, input_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        # GPT2Model.forward: (wte + wpe) + wte(token types), then drop
+        if inputs_embeds is None:
+            inputs_embeds = self.wte(input_ids)
+        hidden = inputs_embeds + self.wpe(position_ids).to(inputs_embeds.device)
+        if token_type_ids is not None:
+            hidden = hidden + self.wte(token_type_ids.view(-1, inputs_embeds.shape[1]))
+        return self.drop(hidden)
+
+    def forward(self, input_ids: torch.Tensor | None = None, cache: Any = None,
+                attention_mask: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: torch.Tensor | None = None,
+                use_cache: bool | None = None, *,
+                past_key_values: Any = None) -> "BaseModelOutputWithPastAndCrossAttentions":
+        """GPT2Model.forward's positional order; LLaMA's forward."""
+        no_cross_attention(encoder_hidden_states, encoder_attention_mask)
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                              token_type_ids=token_type_ids, past_key_values=past_key_values)
+        return BaseModelOutputWithPastAndCrossAttentions(**vars(out))
+
+
+# ---- the records and task models: transformers' GPT-2 classes' positional orders, LLaMA's heads ---------------
+
+@dataclass
+class BaseModelOutputWithPastAndCrossAttentions(BaseModelOutputWithPast):
+    """GPT2Model's record: ``cross_attentions`` is ``()`` with ``output_attentions=True`` (no cross-attention layer),
+    as the BERT lineage's."""
+
+    cross_attentions: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class CausalLMOutputWithCrossAttentions(CausalLMOutput):
+    cross_attentions: tuple[torch.Tensor, ...] | None = None
+
+
+def no_cross_attention(encoder_hidden_states: Any, encoder_attention_mask: Any) -> None:
+    if encoder_hidden_states is not None or encoder_attention_mask is not None:
+        raise InputError("encoder_hidden_states / encoder_attention_mask: GPT-2 with cross-attention "
+                         "(add_cross_attention) is not supported")
+
+
+class GPT2LMHeadModel(ModelForCausalLM):
+    def forward(self, input_ids: torch.Tensor | None = None, cache: Any = None,
+                attention_mask: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                encoder_hidden_states: torch.Tensor | None = None, encoder_attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, use_cache: bool | None = None,
+                logits_to_keep: int | torch.Tensor = 0, *, past_key_values: Any = None, cache_position: Any = None,
+                shift_labels: torch.Tensor | None = None,
+                num_items_in_batch: torch.Tensor | int | None = None) -> CausalLMOutputWithCrossAttentions:
+        no_cross_attention(encoder_hidden_states, encoder_attention_mask)
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              cache=cache, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                              logits_to_keep=logits_to_keep, token_type_ids=token_type_ids,
+                              past_key_values=past_key_values, cache_position=cache_position,
+                              shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
+        return CausalLMOutputWithCrossAttentions(**vars(out))
+
+
+class GPT2ForSequenceClassification(DecoderForSequenceClassification):
+    def forward(self, input_ids: torch.Tensor | None = None, cache: Any = None,
+                attention_mask: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, use_cache: bool | None = None, *, past_key_values: Any = None,
+                num_items_in_batch: torch.Tensor | int | None = None) -> SequenceClassifierOutputWithPast:
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               cache=cache, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                               token_type_ids=token_type_ids, past_key_values=past_key_values,
+                               num_items_in_batch=num_items_in_batch)
+
+
+class GPT2ForTokenClassification(DecoderForTokenClassification):
+    def forward(self, input_ids: torch.Tensor | None = None, cache: Any = None,
+                attention_mask: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, use_cache: bool | None = None, *, past_key_values: Any = None,
+                num_items_in_batch: torch.Tensor | int | None = None) -> TokenClassifierOutput:
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               cache=cache, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                               token_type_ids=token_type_ids, past_key_values=past_key_values,
+                               num_items_in_batch=num_items_in_batch)
+
+
+class GPT2ForQuestionAnswering(DecoderForQuestionAnswering):
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None, start_positions: torch.Tensor | None = None,
+                end_positions: torch.Tensor | None = None, *, cache: Any = None, use_cache: bool | None = None,
+                past_key_values: Any = None,
+                num_items_in_batch: torch.Tensor | int | None = None) -> QuestionAnsweringModelOutput:
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               cache=cache, inputs_embeds=inputs_embeds, start_positions=start_positions,
+                               end_positions=end_positions, use_cache=use_cache, token_type_ids=token_type_ids,
+                               past_key_values=past_key_values, num_items_in_batch=num_items_in_batch)
+
+
+class GPT2KeyMap(KeyMap):
+    """The old causal-mask buffers (``attn.bias``, ``attn.masked_bias``) some checkpoints carry are skipped, as
+    transformers' ``_keys_to_ignore_on_load_unexpected``; everything else is LLaMA's table."""
+
+    OLD_BUFFERS = re.compile(r"(^|\.)(attn|crossattention)\.(bias|masked_bias)$")
+
+    def normalise(self, tensors: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        kept = {k: t for k, t in tensors.items() if not (isinstance(k, str) and self.OLD_BUFFERS.search(k))}
+        return super().normalise(kept, *args, **kwargs)
+
+
+@register
+class GPT2(Llama):
+    model_type = "gpt2"
+    arch = "GPT2"
+    prefix = "transformer"
+    config_class = GPT2Config
+    backbone_class = GPT2Model
+    task_models = {"causal_lm": GPT2LMHeadModel, "seqcls": GPT2ForSequenceClassification,
+                   "tokcls": GPT2ForTokenClassification, "qa": GPT2ForQuestionAnswering}
+    # only GPT2LMHeadModel's loss is self.loss_function(..., **kwargs); its QA head computes its own
+    num_items_tasks = frozenset({"causal_lm"})
+    # transformers' class names where GPT-2's differ from arch + the task's suffix
+    ARCHITECTURES: ClassVar[dict[str, str]] = {"causal_lm": "GPT2LMHeadModel"}
+
+    @classmethod
+    def architecture(cls, task: str) -> str:
+        return cls.ARCHITECTURES.get(task) or super().architecture(task)
+
+    @classmethod
+    def key_map(cls) -> KeyMap:
+        return GPT2KeyMap(cls.prefix, cls.key_renames, cls.legacy_suffixes)
+
+    @classmethod
+    def max_sequence_length(cls, config: GPT2Config) -> int | None:
+        return config.n_positions  # the wpe table
+
+    @classmethod
+    def token_head(cls, config: GPT2Config) -> HeadPart:
+        # GPT2ForTokenClassification: classifier(dropout(h)), with a bias
+        return TokenClassifier(config.n_embd, config.num_labels, token_dropout(config))

@@ -1,0 +1,261 @@
+"""GPT-2's own checks against transformers (and its tokenizer) in the same run: the Conv1D layout and op, a hub-style
+checkpoint (keys without ``transformer.``, the old ``attn.bias`` / ``attn.masked_bias`` buffers) loading and
+exporting as transformers', the config's names, generation (beam search and sampling; greedy with left padding is in
+tests/test_decoder.py) and the byte-level BPE tokenizer. The forwards, heads, losses, caches, export round trips and
+LoRA are in the shared tables (tests/cases/gpt2.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flodl_hf import AutoTokenizer
+from flodl_hf.auto import AutoConfig, load_model
+from flodl_hf.errors import ConfigError, InputError
+from flodl_hf.export import export
+from flodl_hf.generate import generate_ids
+from flodl_hf.parity import REFERENCE_CLASSES, make_batch, quiet_transformers, reference_model
+from flodl_hf.verify import verify_export
+
+from cases import CASES
+from helpers import make_checkpoint, one_thread  # noqa: F401  (fixture)
+from test_tokenizer import assert_same, compare
+from test_tokenizer_dirs import PAIRS, SAMPLES, _done, _write_config, byte_level_bpe, saved_dir
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FIELDS = {case_id: fields for case_id, _task, fields in CASES}
+SMALL = FIELDS["gpt2-hd24-causal_lm"]
+
+
+def _pair(source, task: str = "causal_lm", impl: str = "sdpa"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = load_model(source, task, dtype=torch.float32, attn_implementation=impl).eval()
+        theirs = reference_model(source, task, impl).eval()
+    return ours, theirs
+
+
+# ---- Conv1D ----------------------------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def test_conv1d_keeps_transformers_layout_and_op():
+    from transformers.pytorch_utils import Conv1D as TheirConv1D
+
+    from flodl_hf.families.gpt2 import Conv1D
+    ours, theirs = _pair(make_checkpoint(SMALL, "causal_lm"))
+    mine, hf = ours.state_dict(), theirs.state_dict()
+    assert {k: v.shape for k, v in mine.items()} == {k: v.shape for k, v in hf.items()}
+    assert mine["transformer.h.0.attn.c_attn.weight"].shape == (96, 3 * 96)  # (in, out), as transformers stores it
+    assert mine["transformer.h.0.mlp.c_fc.weight"].shape == (96, 160)
+    a, b = Conv1D(160, 96), TheirConv1D(160, 96)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(3, 7, 96, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a(x), b(x))
+
+
+# ---- a hub-style checkpoint ------------------------------------------------------------------------------------
+
+def _hub_style(tmp_path):
+    """The causal LM's checkpoint as the hub's gpt2 holds it: GPT2Model keys (no ``transformer.``, no lm_head) and
+    every layer's old ``attn.bias`` (the causal tril) and ``attn.masked_bias`` buffers."""
+    source = make_checkpoint(SMALL, "causal_lm")
+    out = tmp_path / "hub-gpt2"
+    shutil.copytree(source, out)
+    tensors = load_file(str(source / "model.safetensors"))
+    state = {k.removeprefix("transformer."): v for k, v in tensors.items() if k.startswith("transformer.")}
+    n = SMALL["n_positions"]
+    for i in range(SMALL["n_layer"]):
+        state[f"h.{i}.attn.bias"] = torch.tril(torch.ones(n, n, dtype=torch.bool)).view(1, 1, n, n).to(torch.uint8)
+        state[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("task", ["causal_lm", "base"])
+@torch.inference_mode()
+def test_hub_checkpoint_without_prefix_and_with_old_buffers_loads_as_transformers(tmp_path, task):
+    source = _hub_style(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # strict: an unexpected key fails, a missing one would be a warning
+        ours = load_model(source, task, dtype=torch.float32).eval()
+    transformers = quiet_transformers()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs, info = getattr(transformers, REFERENCE_CLASSES[task]).from_pretrained(
+            str(source), output_loading_info=True, attn_implementation="sdpa", dtype=torch.float32)
+    # transformers: nothing missing; attn.bias ignored (_keys_to_ignore_on_load_unexpected), masked_bias reported as
+    # unexpected and dropped too (its pattern is "attn.bias")
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    assert all(k.endswith(".attn.masked_bias") for k in info["unexpected_keys"]), info
+    theirs.eval()
+    batch = make_batch(ours.config, task)
+    a, b = ours(**batch), theirs(**batch)
+    key = "logits" if task == "causal_lm" else "last_hidden_state"
+    assert torch.equal(getattr(a, key), getattr(b, key))
+
+
+def test_export_of_a_hub_checkpoint_writes_transformers_keys(tmp_path):
+    source = _hub_style(tmp_path)
+    result = export(source, tmp_path / "out")
+    written = set(load_file(str(result.out / "model.safetensors")))
+    transformers = quiet_transformers()
+    saved = tmp_path / "theirs"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformers.AutoModelForCausalLM.from_pretrained(str(source)).save_pretrained(str(saved))
+    assert written == set(load_file(str(saved / "model.safetensors")))
+    assert all(k.startswith("transformer.") and not k.endswith((".attn.bias", "masked_bias")) for k in written)
+    report = verify_export(result.out)
+    assert report.ok and report.max_abs_diff == 0.0, report.format_table()
+
+
+# ---- config ----------------------------------------------------------------------------------------------------
+
+def test_config_takes_transformers_names_and_refuses_what_is_not_implemented(tmp_path):
+    transformers = quiet_transformers()
+    fields = {k: v for k, v in SMALL.items() if k not in ("n_embd", "n_layer", "n_head", "n_positions")}
+    fields.update(hidden_size=96, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+    theirs = transformers.GPT2Config(**{k: v for k, v in fields.items() if k != "model_type"})
+    directory = tmp_path / "generic-names"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({**fields, "model_type": "gpt2"}))
+    ours = AutoConfig.from_pretrained(directory)
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings", "n_embd",
+                 "n_layer", "n_head", "n_positions", "n_inner", "layer_norm_epsilon", "pad_token_id"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    for bad, field in ((dict(add_cross_attention=True), "add_cross_attention"), (dict(n_head=5), "n_head"),
+                       (dict(attn_pdrop=1.5), "attn_pdrop"), (dict(activation_function="nope"), "activation_function")):
+        (directory / "config.json").write_text(json.dumps({**SMALL, **bad}))
+        with pytest.raises(ConfigError, match=field):
+            AutoConfig.from_pretrained(directory)
+
+
+@torch.inference_mode()
+def test_token_types_go_through_wte_and_cross_attention_inputs_are_refused():
+    ours, theirs = _pair(make_checkpoint(SMALL, "causal_lm"), impl="eager")
+    batch = make_batch(ours.config, "causal_lm")
+    types = torch.randint(0, 5, batch["input_ids"].shape, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(ours(**batch, token_type_ids=types).logits, theirs(**batch, token_type_ids=types).logits)
+    with pytest.raises(InputError, match="encoder_hidden_states"):
+        ours(**batch, encoder_hidden_states=torch.zeros(2, 3, 96))
+
+
+# ---- generation ------------------------------------------------------------------------------------------------
+
+def _left_padded(vocab: int, lengths=(9, 6, 3)):
+    gen = torch.Generator().manual_seed(1)
+    width = max(lengths)
+    ids = torch.randint(1, vocab, (len(lengths), width), generator=gen)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, width - n:] = 1
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("settings", [dict(num_beams=3, early_stopping=True),
+                                      dict(do_sample=True, top_k=20, temperature=0.7),
+                                      dict(repetition_penalty=1.3, no_repeat_ngram_size=2)],
+                         ids=["beams", "sampled", "penalties"])
+@torch.inference_mode()
+def test_generate_equals_transformers_with_left_padding(settings):
+    ours, theirs = _pair(make_checkpoint(SMALL, "causal_lm"), impl="sdpa")
+    ids, mask = _left_padded(ours.config.vocab_size)
+    torch.manual_seed(7)
+    reference = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0,
+                                eos_token_id=2, **settings)
+    torch.manual_seed(7)
+    assert torch.equal(generate_ids(ours, ids, mask, max_new_tokens=8, pad_token_id=0, eos_token_id=2, **settings),
+                       reference)
+
+
+@torch.inference_mode()
+def test_generate_runs_to_the_end_of_the_position_table_as_transformers():
+    """wpe has n_positions rows: transformers caps max_length there; so do we, and the last step is equal."""
+    ours, theirs = _pair(make_checkpoint(SMALL, "causal_lm"), impl="eager")
+    ids, mask = _left_padded(ours.config.vocab_size, lengths=(60, 58))
+    reference = theirs.generate(input_ids=ids, attention_mask=mask, max_length=64, pad_token_id=0, eos_token_id=[])
+    assert torch.equal(generate_ids(ours, ids, mask, max_length=64, pad_token_id=0, eos_token_id=[]), reference)
+
+
+# ---- the tokenizer ---------------------------------------------------------------------------------------------
+
+def _gpt2_vocab_dir():
+    out, done = byte_level_bpe("gpt2-vocab-merges", ["<|endoftext|>"])
+    if done:
+        return out
+    _write_config(out, "gpt2", pad_token_id=None)
+    return _done(out)
+
+
+def _tokenizer_dirs():
+    plain = _gpt2_vocab_dir()
+    return {"vocab+merges": plain, "tokenizer.json": saved_dir(plain, "gpt2-saved"),
+            "pad+prefix-space": saved_dir(plain, "gpt2-pad-prefix", pad_token="<|endoftext|>", add_prefix_space=True),
+            "bos": saved_dir(plain, "gpt2-bos", pad_token="<|endoftext|>", add_bos_token=True)}
+
+
+@pytest.mark.parametrize("name", ["vocab+merges", "tokenizer.json", "pad+prefix-space", "bos"])
+def test_tokenizer_equals_transformers(name):
+    transformers = quiet_transformers()
+    directory = _tokenizer_dirs()[name]
+    ref = transformers.AutoTokenizer.from_pretrained(str(directory))
+    ours = AutoTokenizer.from_pretrained(directory)
+    assert type(ref).__name__ == "GPT2Tokenizer" and ours.settings.class_name == "GPT2Tokenizer"
+    for attr in ("model_input_names", "padding_side", "all_special_tokens", "vocab_size", "bos_token_id",
+                 "eos_token_id", "unk_token_id", "pad_token_id"):
+        assert getattr(ours, attr) == getattr(ref, attr), attr
+    assert ours.get_vocab() == ref.get_vocab()
+    extra = dict(return_offsets_mapping=True, return_special_tokens_mask=True)
+    for kwargs in (dict(padding=True), dict(padding=True, padding_side="left"), dict(truncation=True, max_length=6),
+                   dict(add_special_tokens=False, padding=True)):
+        compare(ours, ref, f"{name} {kwargs}", SAMPLES, **kwargs, **extra)
+    questions, contexts = map(list, zip(*PAIRS))
+    compare(ours, ref, f"{name} pairs", questions, contexts, padding=True, **extra)
+    for text in SAMPLES:
+        assert_same(ours(text, return_tensors=None, **extra), ref(text, **extra), f"{name} {text!r}")
+        ids = ref(text)["input_ids"]
+        assert ours.decode(ids) == ref.decode(ids)
+
+
+def test_generate_texts_equal_the_text_generation_pipeline(tmp_path):
+    """The GPT-2 tokenizer has no pad token: our prompts are left-padded by hand, and the records equal the
+    pipeline's (which runs each prompt alone), greedy and with a pad token set."""
+    from flodl_hf.generate import generate
+    from flodl_hf.tasks.runtime import clear_cache
+    root = tmp_path / "model"
+    shutil.copytree(make_checkpoint(SMALL, "causal_lm"), root)
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(_gpt2_vocab_dir() / name, root / name)
+    transformers = quiet_transformers()
+    prompts = ["It was the fourth day", "Paris is"]
+    for config in ({}, {"pad_token": "<|endoftext|>"}):
+        (root / "tokenizer_config.json").write_text(json.dumps(config))
+        clear_cache()
+        pipe = transformers.pipeline("text-generation", model=str(root), tokenizer=str(root))
+        ours = generate(prompts, str(root), do_sample=False, max_new_tokens=5, eos_token_id=[])
+        assert ours == pipe(prompts, do_sample=False, max_new_tokens=5, eos_token_id=[])
+
+
+def test_a_fresh_model_initialises_its_conv1d_layers_as_transformers(tmp_path):
+    """from_config (and a head the checkpoint lacks) draws Conv1D weights as transformers draws a Linear's (normal,
+    std initializer_range; bias zero), not zeros: compared with transformers' fresh model, statistically."""
+    from flodl_hf.auto import AutoModelForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(**{k: v for k, v in SMALL.items() if k != "model_type"})
+    config.save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    ours = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    theirs = GPT2LMHeadModel(config)
+    for name, p in theirs.named_parameters():
+        if ".c_attn." in name or ".c_fc." in name:
+            mine = dict(ours.named_parameters())[name]
+            if name.endswith("bias"):
+                assert not mine.any() and not p.any(), name
+            else:
+                assert abs(mine.std().item() - p.std().item()) < 0.2 * p.std().item(), name
