@@ -105,9 +105,8 @@ _PLAIN_INITS = ("gaussian", "orthogonal", "eva", "lora_ga")
 _TASK_DEFAULT: Any = object()   # add_lora's task_type default: PEFT's task type for the model's task
 
 # adapter_config.json fields whose non-default values change the computation and are not implemented.
-_UNSUPPORTED_FIELDS = {"use_dora": False, "lora_bias": False, "rank_pattern": {},
-                       "alpha_pattern": {}, "layers_to_transform": None, "layer_replication": None,
-                       "target_parameters": None, "exclude_modules": None, "trainable_token_indices": None,
+_UNSUPPORTED_FIELDS = {"use_dora": False, "lora_bias": False, "layer_replication": None,
+                       "target_parameters": None, "trainable_token_indices": None,
                        "use_qalora": False, "alora_invocation_tokens": None, "arrow_config": None,
                        "use_bdlora": None, "velora_config": None, "monteclora_config": None, "kasa_config": None}
 
@@ -134,6 +133,12 @@ class LoraConfig:
     task: str = "base"                     # our task name
     targeted: list[str] = field(default_factory=list)   # the module names adapted, in order
     task_type: str | None = None           # PEFT's task_type (SEQ_CLS ...), written to adapter_config.json
+    # PEFT's selection and per-module settings (check_target_module_exists, get_pattern_key)
+    rank_pattern: dict[str, int] = field(default_factory=dict)      # module-name pattern -> r
+    alpha_pattern: dict[str, float] = field(default_factory=dict)   # module-name pattern -> lora_alpha
+    exclude_modules: list[str] | str | None = None
+    layers_to_transform: list[int] | int | None = None
+    layers_pattern: list[str] | str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or self.r <= 0:
@@ -144,6 +149,47 @@ class LoraConfig:
             raise AdapterError(f"LoRA bias={self.bias!r}: expected one of {', '.join(BIAS_MODES)}")
         if self.task_type is not None and not isinstance(self.task_type, str):
             raise AdapterError(f"LoRA task_type={self.task_type!r}: expected PEFT's task type (a string) or None")
+        problem = _selection_problem({name: getattr(self, name) for name, *_ in _SELECTION_FIELDS},
+                                     self.target_modules)
+        if problem:
+            raise AdapterError(f"LoRA {problem}")
+
+    def rank_and_alpha(self, name: str) -> tuple[int, float]:
+        """The r and lora_alpha of module ``name``: PEFT's ``_create_and_replace``, the first pattern of
+        ``rank_pattern`` / ``alpha_pattern`` that matches the end of the name (``get_pattern_key``), else r / alpha."""
+        def pick(patterns: dict, default: Any) -> Any:
+            for key in patterns:
+                if re.match(rf"(.*\.)?({key})$", name):
+                    return patterns[key]
+            return default
+        return pick(self.rank_pattern, self.r), pick(self.alpha_pattern, self.lora_alpha)
+
+    def selects(self, name: str) -> bool:
+        """Whether PEFT adapts module ``name`` (``check_target_module_exists``): not excluded, not in a module to
+        save, a target, and, with ``layers_to_transform``, in one of those layers (its first numbered segment, or
+        the number after one of ``layers_pattern``)."""
+        excluded = self.exclude_modules
+        if excluded and (re.fullmatch(excluded, name) if isinstance(excluded, str)
+                         else name in excluded or any(name.endswith("." + e) for e in excluded)):
+            return False
+        if _in_modules_to_save(name, self.modules_to_save or []) or not _matches_target(name, self.target_modules):
+            return False
+        layers = self.layers_to_transform
+        if layers is None or layers == [] or isinstance(self.target_modules, str):
+            return True
+        if not self.layers_pattern:
+            match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)
+        else:
+            patterns = [self.layers_pattern] if isinstance(self.layers_pattern, str) else self.layers_pattern
+            match = None
+            for pattern in patterns:
+                match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", name)
+                if match is not None:
+                    break
+        if match is None:
+            return False
+        index = int(match.group("idx"))
+        return index == layers if isinstance(layers, int) else index in layers
 
     @property
     def scaling(self) -> float:
@@ -343,7 +389,10 @@ def lora_layers(model: nn.Module) -> dict[str, LoraLinear]:
 
 def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.0,
              target_modules: Iterable[str] | str | None = None, modules_to_save: Iterable[str] | None = None,
-             use_rslora: bool = False, bias: str = "none", task_type: str | None = _TASK_DEFAULT) -> nn.Module:
+             use_rslora: bool = False, bias: str = "none", task_type: str | None = _TASK_DEFAULT,
+             rank_pattern: dict[str, int] | None = None, alpha_pattern: dict[str, float] | None = None,
+             exclude_modules: Iterable[str] | str | None = None, layers_to_transform: Iterable[int] | int | None = None,
+             layers_pattern: Iterable[str] | str | None = None) -> nn.Module:
     """Put LoRA adapters on ``model``'s linear layers named by ``target_modules`` (PEFT's rules), in place.
 
     Every base parameter is frozen; the adapters, ``modules_to_save`` (plus PEFT's head for the task type:
@@ -351,7 +400,9 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     ``bias="all"`` / ``"lora_only"``, the biases stay trainable. ``task_type`` is PEFT's ``LoraConfig.task_type``:
     by default the one of the model's task (:data:`PEFT_TASK_TYPES`); ``None`` is a plain ``PeftModel``, which
     adds no head. A module to save that shares a weight with another module (a tied LM head) gets its own copy,
-    as PEFT's wrapper does. Returns the model, which carries ``model.lora_config``.
+    as PEFT's wrapper does. ``exclude_modules``, ``layers_to_transform`` / ``layers_pattern``, ``rank_pattern`` and
+    ``alpha_pattern`` are PEFT's ``LoraConfig`` fields, with PEFT's matching rules. Returns the model, which
+    carries ``model.lora_config``.
     """
     if is_lora(model):
         raise AdapterError(f"{type(model).__name__} already has LoRA adapters (one adapter per model)")
@@ -373,13 +424,21 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     heads = TASK_TYPE_MODULES_TO_SAVE.get(task_type, ()) if isinstance(task_type, str) else ()
     if heads:  # PeftModelFor<TaskType>.__init__ extends modules_to_save with its head
         to_save = (to_save or []) + [m for m in heads if m not in (to_save or [])]
+    def listed(value: Any) -> Any:  # a copy; an iterable given for a list field as a list (a string stays one)
+        if isinstance(value, dict):
+            return dict(value)
+        return value if value is None or isinstance(value, (str, int)) else list(value)
     cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=float(dropout), target_modules=targets,
-                     modules_to_save=to_save, use_rslora=use_rslora, bias=bias, task=task, task_type=task_type)
+                     modules_to_save=to_save, use_rslora=use_rslora, bias=bias, task=task, task_type=task_type,
+                     rank_pattern={} if rank_pattern is None else listed(rank_pattern),
+                     alpha_pattern={} if alpha_pattern is None else listed(alpha_pattern),
+                     exclude_modules=listed(exclude_modules), layers_to_transform=listed(layers_to_transform),
+                     layers_pattern=listed(layers_pattern))
 
     chosen: list[str] = []
     tied: list[str] = []
     for name, module in list(model.named_modules()):
-        if not name or _in_modules_to_save(name, to_save or []) or not _matches_target(name, targets):
+        if not name or not cfg.selects(name):
             continue
         if _lora_class(module) is None:
             raise AdapterError(f"target_modules {targets!r} matches {name} ({type(module).__name__}); LoRA "
@@ -408,7 +467,7 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     _untie(model, saved)
     for name in chosen:  # named_modules() order: transformers' order, so PEFT's RNG draws
         base = _module(model, name)
-        _replace_module(model, name, _lora_class(base)(base, r, alpha, float(dropout), use_rslora))
+        _replace_module(model, name, _lora_class(base)(base, *cfg.rank_and_alpha(name), float(dropout), use_rslora))
     cfg.targeted = chosen
     for name, module in model.named_modules():
         if isinstance(module, LoraLinear):
@@ -507,8 +566,10 @@ def peft_config_dict(model: nn.Module, base: str | None = None) -> dict[str, Any
         "modules_to_save": cfg.modules_to_save, "use_rslora": cfg.use_rslora, "bias": cfg.bias,
         # PEFT sets fan_in_fan_out at each target by its type (True on a Conv1D, False on nn.Linear): the last one's
         "fan_in_fan_out": isinstance(next(reversed(lora_layers(model).values()), None), LoraConv1D),
-        "init_lora_weights": True, "inference_mode": True, "layers_to_transform": None,
-        "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False, "lora_bias": False,
+        "init_lora_weights": True, "inference_mode": True,
+        "layers_to_transform": cfg.layers_to_transform, "layers_pattern": cfg.layers_pattern,
+        "rank_pattern": cfg.rank_pattern, "alpha_pattern": cfg.alpha_pattern, "exclude_modules": cfg.exclude_modules,
+        "use_dora": False, "lora_bias": False,
     }
     if task_type is None and hasattr(model, "architecture"):
         # what PEFT writes for a model without a task type: the class, so our reader knows the head
@@ -582,13 +643,48 @@ _LORA_FIELDS: tuple[tuple[str, Any, Any, str], ...] = (
 )
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_patterns(v: Any, ok: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and ok(x) for k, x in v.items())
+
+
+# PEFT's selection fields, optional everywhere (older trainer checkpoints lack them): (field, default, check, what).
+_SELECTION_FIELDS: tuple[tuple[str, Any, Any, str], ...] = (
+    ("rank_pattern", {}, lambda v: _is_patterns(v, lambda x: _is_int(x) and x > 0),
+     "an object of module-name pattern -> positive int"),
+    ("alpha_pattern", {}, lambda v: _is_patterns(v, _is_number), "an object of module-name pattern -> number"),
+    ("exclude_modules", None, lambda v: v is None or isinstance(v, str) or _is_names(v),
+     "a list of module names, a regular expression string, or null"),
+    ("layers_to_transform", None, lambda v: v is None or _is_int(v) or (isinstance(v, list) and all(map(_is_int, v))),
+     "a layer index, a list of them, or null"),
+    ("layers_pattern", None, lambda v: v is None or isinstance(v, str) or _is_names(v),
+     "a layer-list name (e.g. 'layers'), a list of them, or null"),
+)
+
+
+def _add_lora_from(model: nn.Module, settings: dict[str, Any], task_type: str | None) -> nn.Module:
+    """``add_lora`` with checked settings (:func:`lora_settings`), for weights loaded next: the RNG draws of the
+    init, overwritten, leave the caller's RNG as it was."""
+    with torch.random.fork_rng(devices=[]):
+        return add_lora(model, r=settings["r"], alpha=settings["lora_alpha"], dropout=settings["lora_dropout"],
+                        target_modules=settings["target_modules"], modules_to_save=settings["modules_to_save"],
+                        use_rslora=settings["use_rslora"], bias=settings["bias"], task_type=task_type,
+                        **{name: settings[name] for name, *_ in _SELECTION_FIELDS})
+
+
 def lora_settings(data: dict[str, Any], where: str, error: type[Exception] = AdapterError,
                   defaults: bool = True) -> dict[str, Any]:
     """The LoRA settings of ``data`` (adapter_config.json, or a trainer checkpoint's ``lora`` config), checked:
     r, lora_alpha, lora_dropout, target_modules, modules_to_save, use_rslora, bias with PEFT's types and
-    defaults (``defaults=False``: every one must be there). Anything else is an ``error`` naming ``where`` and
-    the field, with what was found and what is expected."""
+    defaults (``defaults=False``: every one must be there), and PEFT's selection fields (rank_pattern,
+    alpha_pattern, exclude_modules, layers_to_transform, layers_pattern; absent: PEFT's defaults). Anything
+    else is an ``error`` naming ``where`` and the field, with what was found and what is expected."""
     out: dict[str, Any] = {}
+    for name, default, *_ in _SELECTION_FIELDS:
+        out[name] = data.get(name, default)
     for name, default, ok, expected in _LORA_FIELDS:
         if name not in data:
             if default is _REQUIRED or not defaults:
@@ -610,7 +706,37 @@ def lora_settings(data: dict[str, Any], where: str, error: type[Exception] = Ada
         except re.error as exc:
             raise error(f"{where}: field 'target_modules' is {_show(targets)}, not a valid regular expression "
                         f"({exc}); expected a list of module names or a regular expression string") from None
+    problem = _selection_problem(out, targets)
+    if problem:
+        raise error(f"{where}: {problem}")
     return out
+
+
+def _selection_problem(values: dict[str, Any], targets: Any) -> str | None:
+    """What is wrong with PEFT's selection fields (``_SELECTION_FIELDS``, by name in ``values``), as a phrase
+    naming the field; None when nothing is. Types, regular expressions, and PEFT's ``LoraConfig.__post_init__``
+    rules (no layer fields with a regex ``target_modules``; ``layers_pattern`` only with ``layers_to_transform``)."""
+    for name, _, ok, expected in _SELECTION_FIELDS:
+        if not ok(values[name]):
+            return f"field {name!r} is {_show(values[name])} ({type(values[name]).__name__}); expected {expected}"
+    patterns = [("rank_pattern", k) for k in values["rank_pattern"]]
+    patterns += [("alpha_pattern", k) for k in values["alpha_pattern"]]
+    for name in ("exclude_modules", "layers_pattern"):
+        value = values[name]
+        patterns += [(name, v) for v in ([value] if isinstance(value, str) else value or [])]
+    for name, pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            return f"field {name!r} holds {_show(pattern)}, not a valid regular expression ({exc})"
+    for name in ("layers_to_transform", "layers_pattern"):
+        if isinstance(targets, str) and values[name] is not None:
+            return (f"field {name!r} is {_show(values[name])}, but target_modules is a string (a regular "
+                    f"expression): PEFT refuses {name} with it; expected null")
+    if values["layers_pattern"] and values["layers_to_transform"] is None:
+        return (f"field 'layers_pattern' is {_show(values['layers_pattern'])} without layers_to_transform, which PEFT "
+                "refuses; expected layers_to_transform too, or layers_pattern null")
+    return None
 
 
 def _check_base_record(base: Any, where: str, error: type[Exception]) -> None:
@@ -694,10 +820,11 @@ def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
                                       f"{', '.join(map(repr, _PLAIN_INITS))} (PEFT's path_initial_model_for_weight_"
                                       "conversion saves a PiSSA/OLoRA/CorDA adapter as plain LoRA)")
     settings = lora_settings(data, str(path))
-    if init == "orthogonal" and settings["r"] % 2:
+    odd = [f"{k} -> {r}" for k, r in settings["rank_pattern"].items() if r % 2]
+    if init == "orthogonal" and (settings["r"] % 2 or odd):
         # peft.tuners.lora.layer.LoraLayer.orthogonal_init reruns at every load and splits a QR basis in halves
-        raise AdapterError(f"{path}: init_lora_weights='orthogonal' needs an even r, and field 'r' is "
-                           f"{settings['r']}; PEFT refuses this adapter too (its orthogonal initialisation, rerun "
+        given = f"field 'r' is {settings['r']}" if settings["r"] % 2 else f"field 'rank_pattern' gives {', '.join(odd)}"
+        raise AdapterError(f"{path}: init_lora_weights='orthogonal' needs an even r, and {given}; PEFT refuses this adapter too (its orthogonal initialisation, rerun "
                            "when it loads the adapter, requires the LoRA rank to be even). The saved A and B replace "
                            "the initialisation at load, so setting init_lora_weights to true in this file loads the "
                            "same adapter, in PEFT as here")
@@ -795,11 +922,8 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
     except (SafetensorError, OSError, ValueError) as exc:
         raise AdapterError(f"{weights}: not a readable safetensors file ({exc}); {ADAPTER_WEIGHTS} must be what "
                            "PeftModel.save_pretrained writes") from exc
-    with torch.random.fork_rng(devices=[]):  # the init is overwritten: leave the caller's RNG as it was
-        # PeftModel.from_pretrained: the config's modules_to_save, plus the head its task_type's class adds
-        add_lora(model, r=settings["r"], alpha=settings["lora_alpha"], dropout=settings["lora_dropout"],
-                 target_modules=settings["target_modules"], modules_to_save=settings["modules_to_save"],
-                 use_rslora=settings["use_rslora"], bias=settings["bias"], task_type=task_type)
+    # PeftModel.from_pretrained: the config's modules_to_save, plus the head its task_type's class adds
+    _add_lora_from(model, settings, task_type)
     ours = {}
     hf_of = {_to_hf(model, k): k for k in adapter_state(model)}
     for key, tensor in raw.items():
@@ -913,10 +1037,7 @@ def model_from_checkpoint(data: dict[str, Any], path: str | os.PathLike) -> nn.M
     model.lora_base = base
     # a checkpoint written before task_type was recorded: PEFT's task type for the task, as add_lora then took
     task_type = cfg["task_type"] if "task_type" in cfg else PEFT_TASK_TYPES.get(cfg["task"])
-    with torch.random.fork_rng(devices=[]):
-        add_lora(model, r=settings["r"], alpha=settings["lora_alpha"], dropout=settings["lora_dropout"],
-                 target_modules=settings["target_modules"], modules_to_save=settings["modules_to_save"],
-                 use_rslora=settings["use_rslora"], bias=settings["bias"], task_type=task_type)
+    _add_lora_from(model, settings, task_type)
     state = saved if entry["adapter_only"] else {k: v for k, v in saved.items() if k in adapter_state(model)}
     _load_into(model, state, str(path))
     return model.eval()

@@ -305,11 +305,110 @@ def test_task_type_of_another_head_is_refused(tmp_path):
         _ours(BERT, tok)
 
 
-# ---- 8. layers_to_transform by identity ----------------------------------------------------------------------
+# ---- 8. PEFT's selection: exclude_modules, layers_to_transform / layers_pattern, rank_pattern / alpha_pattern ----
 
-@pytest.mark.parametrize("value", [0, 1, [0]])
-def test_layers_to_transform_is_refused_whatever_its_value(value, tmp_path):
-    adapter = tmp_path / "peft"
-    _peft_adapter(BERT, adapter, target_modules=["query"], r=4, layers_to_transform=value, layers_pattern="layer")
-    with pytest.raises(UnsupportedAdapterError, match=re.escape(f"layers_to_transform={value!r}")):
-        _ours(BERT, adapter)
+_SELECTIONS = [
+    ("layer-0", BERT, dict(target_modules=["query", "value"], layers_to_transform=0)),
+    ("layer-1-pattern", BERT, dict(target_modules=["query", "value"], layers_to_transform=[1], layers_pattern="layer")),
+    ("exclude-list", BERT, dict(target_modules=["query", "key", "value", "dense"], exclude_modules=["key", "output.dense"])),
+    ("exclude-regex", BERT, dict(target_modules=["query", "value"], exclude_modules=r".*layer\.1\..*")),
+    ("rank-alpha-patterns", BERT, dict(target_modules=["query", "key", "value"], r=4,
+                                       rank_pattern={"value": 2, r"layer.1.attention.self.query": 6},
+                                       alpha_pattern={"key": 16, "query": 3})),
+    ("llama-layers", LLAMA_TIED, dict(target_modules=["q_proj", "v_proj", "down_proj"], layers_to_transform=[1],
+                                      layers_pattern=["layers"], rank_pattern={"down_proj": 2})),
+]
+
+
+@pytest.mark.parametrize("case_id,cfg", [pytest.param(c, cfg, id=i) for i, c, cfg in _SELECTIONS])
+def test_peft_selection_fields_both_ways(case_id, cfg, tmp_path):
+    """PEFT's adapter with the field loads here onto the same modules with the same ranks (outputs equal), saves
+    back to PEFT's keys and bits, and reloads in PEFT; add_lora with the same fields and seed draws PEFT's init."""
+    cfg = {"r": 4, "lora_alpha": 8, **cfg}
+    theirs = _peft_adapter(case_id, tmp_path / "peft", **cfg)
+    ours = _ours(case_id, tmp_path / "peft")
+    shapes = {_key(n): tuple(p.shape) for n, p in theirs.named_parameters() if "lora_" in n}
+    assert shapes == {n: tuple(p.shape) for n, p in ours.named_parameters() if "lora_" in n}
+    assert len({s for s in shapes.values()}) > 1 or "pattern" not in str(cfg)  # the patterns gave several ranks
+    scalings = {_key(n): m.scaling["default"] for n, m in theirs.named_modules() if hasattr(m, "lora_A")
+                and isinstance(getattr(m, "scaling", None), dict)}
+    assert scalings == {n: m.scaling for n, m in lora.lora_layers(ours).items()}
+    _both_ways(case_id, tmp_path, theirs, tmp_path / "peft")
+    saved = json.loads((tmp_path / "ours" / lora.ADAPTER_CONFIG).read_text())
+    for name, default in (("rank_pattern", {}), ("alpha_pattern", {}), ("layers_to_transform", None),
+                          ("layers_pattern", None), ("exclude_modules", None)):
+        assert saved[name] == cfg.get(name, default), name
+    source, task = _source(case_id)
+    torch.manual_seed(0)
+    fresh = load_model(source, task)
+    torch.manual_seed(0)  # _peft_adapter's seed before get_peft_model
+    theirs_fresh = peft.get_peft_model(reference_model(source, task, "eager"),
+                                       peft.LoraConfig(**cfg, task_type=lora.PEFT_TASK_TYPES.get(task, "CAUSAL_LM")))
+    torch.manual_seed(0)
+    lora.add_lora(fresh, r=cfg["r"], alpha=cfg["lora_alpha"], target_modules=cfg["target_modules"],
+                  **{k: v for k, v in cfg.items() if k in ("rank_pattern", "alpha_pattern", "exclude_modules",
+                                                           "layers_to_transform", "layers_pattern")})
+    inits = {_key(n): p for n, p in theirs_fresh.named_parameters() if "lora_A" in n}
+    assert inits and inits.keys() == {n for n, _ in fresh.named_parameters() if "lora_A" in n}
+    assert all(torch.equal(p, inits[n]) for n, p in fresh.named_parameters() if "lora_A" in n)
+
+
+def _key(name: str) -> str:
+    return name.removeprefix("base_model.model.").replace(".default", "")
+
+
+_BAD_SELECTIONS = [
+    ({"rank_pattern": {"query": 0}}, "rank_pattern"),
+    ({"rank_pattern": {"query": "2"}}, "rank_pattern"),
+    ({"alpha_pattern": ["query"]}, "alpha_pattern"),
+    ({"exclude_modules": 5}, "exclude_modules"),
+    ({"exclude_modules": "("}, "exclude_modules.*not a valid regular expression"),
+    ({"rank_pattern": {"[": 2}}, "rank_pattern.*not a valid regular expression"),
+    ({"layers_to_transform": "0"}, "layers_to_transform"),
+    ({"layers_to_transform": [0, True]}, "layers_to_transform"),
+    ({"layers_pattern": "layer", "layers_to_transform": None}, "layers_pattern.*without layers_to_transform"),
+    ({"target_modules": ".*query", "layers_to_transform": [0]}, "layers_to_transform.*target_modules is a string"),
+]
+
+
+@pytest.mark.parametrize("change,expected", _BAD_SELECTIONS)
+def test_bad_selection_fields_are_typed_errors_naming_them(change, expected, tmp_path):
+    _peft_adapter(BERT, tmp_path / "peft", target_modules=["query"], r=4)
+    config_path = tmp_path / "peft" / lora.ADAPTER_CONFIG
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **change}))
+    with pytest.raises(AdapterError, match=expected) as info:
+        _ours(BERT, tmp_path / "peft")
+    assert str(config_path) in str(info.value)
+    source, task = _source(BERT)
+    kwargs = {k: v for k, v in change.items() if k != "target_modules"}
+    with pytest.raises(AdapterError, match=expected):  # add_lora's keywords, the same rules
+        lora.add_lora(load_model(source, task), target_modules=change.get("target_modules", ["query"]), **kwargs)
+
+
+def test_selection_fields_survive_a_trainer_checkpoint(tmp_path):
+    """A LoRA trainer checkpoint records the selection fields: export --checkpoint --adapter rebuilds the same
+    modules and ranks, and PEFT loads the adapter it writes (outputs equal). An entry written before the
+    fields existed still reads, with PEFT's defaults."""
+    from flodl_hf import checkpoint_schema
+    source, task = _source(BERT)
+    model = lora.add_lora(load_model(source, task), r=4, alpha=8, target_modules=["query", "value"],
+                          rank_pattern={"value": 2}, exclude_modules=r".*layer\.0\.attention\.self\.query")
+    _perturb(model)
+    entry = lora.trainer_entry(model)
+    data = {**checkpoint_schema.header(), "model": lora.trainer_model_state(model), "config": model.config.to_dict(),
+            "lora": entry}
+    path = tmp_path / "step-1.pt"
+    torch.save(data, str(path))
+    out = lora.export_adapter(path, tmp_path / "adapter")
+    back = _peft_reload(BERT, out)
+    assert {_key(n): tuple(p.shape) for n, p in back.named_parameters() if "lora_" in n} == \
+        {n: tuple(p.shape) for n, p in model.named_parameters() if "lora_" in n}
+    model.eval().set_attn_implementation("eager")
+    batch = make_batch(model.config, task)
+    with torch.no_grad():
+        _equal(model(**batch), back(**batch))
+    older = {**entry, "config": {k: v for k, v in entry["config"].items() if k not in
+                                 ("rank_pattern", "alpha_pattern", "exclude_modules", "layers_to_transform",
+                                  "layers_pattern")}}
+    settings = lora.checkpoint_entry({**data, "lora": older}, path)["config"]
+    assert lora.lora_settings(settings, "x", defaults=False)["rank_pattern"] == {}
