@@ -27,7 +27,10 @@ adapter and one that PEFT wrote loads here:
 - a decoder tied to the input embeddings is never adapted: a target that matches one is refused;
 - a ``Conv1D`` target (GPT-2's ``c_attn``..., a module declaring ``fan_in_fan_out = True``) is a
   :class:`LoraConv1D`, as PEFT adapts it with ``fan_in_fan_out`` (which it sets by the layer's type, so the
-  field's value in an adapter_config.json changes nothing).
+  field's value in an adapter_config.json changes nothing);
+- PEFT's ``exclude_modules``, ``layers_to_transform`` / ``layers_pattern``, ``rank_pattern`` /
+  ``alpha_pattern`` (:meth:`LoraConfig.selects`, :meth:`LoraConfig.rank_and_alpha`) and DoRA (``use_dora``:
+  a trainable ``lora_magnitude_vector`` per layer, ``DoraLinearVariant``'s forward and merge op for op).
 
 Out: :func:`save_adapter` (a LoRA model) and :func:`export_adapter` (a trainer checkpoint) write
 ``adapter_config.json`` and ``adapter_model.safetensors`` under PEFT's keys
@@ -105,7 +108,7 @@ _PLAIN_INITS = ("gaussian", "orthogonal", "eva", "lora_ga")
 _TASK_DEFAULT: Any = object()   # add_lora's task_type default: PEFT's task type for the model's task
 
 # adapter_config.json fields whose non-default values change the computation and are not implemented.
-_UNSUPPORTED_FIELDS = {"use_dora": False, "lora_bias": False, "layer_replication": None,
+_UNSUPPORTED_FIELDS = {"lora_bias": False, "layer_replication": None,
                        "target_parameters": None, "trainable_token_indices": None,
                        "use_qalora": False, "alora_invocation_tokens": None, "arrow_config": None,
                        "use_bdlora": None, "velora_config": None, "monteclora_config": None, "kasa_config": None}
@@ -139,6 +142,7 @@ class LoraConfig:
     exclude_modules: list[str] | str | None = None
     layers_to_transform: list[int] | int | None = None
     layers_pattern: list[str] | str | None = None
+    use_dora: bool = False                 # DoRA: a trainable magnitude per output row (PEFT's use_dora)
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or self.r <= 0:
@@ -149,7 +153,7 @@ class LoraConfig:
             raise AdapterError(f"LoRA bias={self.bias!r}: expected one of {', '.join(BIAS_MODES)}")
         if self.task_type is not None and not isinstance(self.task_type, str):
             raise AdapterError(f"LoRA task_type={self.task_type!r}: expected PEFT's task type (a string) or None")
-        problem = _selection_problem({name: getattr(self, name) for name, *_ in _SELECTION_FIELDS},
+        problem = _optional_problem({name: getattr(self, name) for name, *_ in _OPTIONAL_FIELDS},
                                      self.target_modules)
         if problem:
             raise AdapterError(f"LoRA {problem}")
@@ -203,7 +207,8 @@ class LoraConfig:
 class LoraLinear(nn.Linear):
     """A linear layer with a LoRA adapter; ``weight`` and ``bias`` stay the same Parameters, under the same keys."""
 
-    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float, use_rslora: bool) -> None:
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float, use_rslora: bool,
+                 use_dora: bool = False) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = self.features(base)
         self.weight = base.weight
@@ -223,10 +228,29 @@ class LoraLinear(nn.Linear):
             # values are float32(base_dtype(init)), as PEFT's are.
             self.lora_A.to(device=device, dtype=dtype)
             self.lora_B.to(device=device, dtype=dtype)
-            if dtype in _UPCAST_DTYPES:
-                self.lora_A.to(dtype=torch.float32)
-                self.lora_B.to(dtype=torch.float32)
+        self.use_dora = use_dora
+        if use_dora:
+            # DoraLinearVariant.init -> DoraLinearLayer.update_layer, after the move to the base's dtype: the
+            # magnitude is the row norm of W + scaling * (B @ A) (B is zero here), in the weight's dtype
+            a, b = self.lora_A.weight.detach(), self.lora_B.weight.detach()
+            half = a.dtype == torch.float16
+            lora_weight = b.float() @ a.float() if half else b @ a
+            lora_weight = lora_weight.half() if half else lora_weight
+            self.lora_magnitude_vector = nn.Parameter(self._weight_norm(self.weight.detach(), lora_weight,
+                                                                        self.scaling))
+        if base.weight.is_floating_point() and dtype in _UPCAST_DTYPES:
+            self.lora_A.to(dtype=torch.float32)
+            self.lora_B.to(dtype=torch.float32)
+            if use_dora:
+                self.lora_magnitude_vector.data = self.lora_magnitude_vector.data.float()
         self.merged = False
+        self._merged_norm: torch.Tensor | None = None  # DoRA: the weight norm of the merge, for unmerge
+
+    @staticmethod
+    def _weight_norm(weight: torch.Tensor, lora_weight: torch.Tensor, scaling: float) -> torch.Tensor:
+        """DoraLinearLayer.get_weight_norm: the L2 norm of each row of ``weight + scaling * lora_weight``."""
+        weight = weight + scaling * lora_weight
+        return torch.linalg.norm(weight, dim=1).to(weight.dtype)
 
     @staticmethod
     def features(base: nn.Module) -> tuple[int, int]:
@@ -251,16 +275,30 @@ class LoraLinear(nn.Linear):
 
     @torch.no_grad()
     def merge(self) -> None:
-        """W += delta, in place (PEFT's unsafe merge, the default of ``merge_and_unload``)."""
-        if not self.merged:
+        """W += delta, in place (PEFT's unsafe merge, the default of ``merge_and_unload``); DoRA's
+        (``DoraLinearVariant.merge_unsafe``): W = magnitude / ||W + delta||_row * (W + delta)."""
+        if self.merged:
+            return
+        if self.use_dora:
+            delta = self.delta_weight()
+            self._merged_norm = self._weight_norm(self.weight, delta, scaling=1).detach()
+            factor = (self.lora_magnitude_vector / self._merged_norm).view(-1, 1)
+            self.weight.data = (factor * (self.weight.data + delta)).to(self.weight.dtype)
+        else:
             self.weight.data += self.delta_weight()
-            self.merged = True
+        self.merged = True
 
     @torch.no_grad()
     def unmerge(self) -> None:
-        if self.merged:
+        if not self.merged:
+            return
+        if self.use_dora:  # DoraLinearVariant.unmerge: W / factor - delta, with the norm of the merge
+            factor = (self.lora_magnitude_vector / self._merged_norm).view(-1, 1)
+            self.weight.data = (self.weight.data / factor - self.delta_weight()).to(self.weight.dtype)
+            self._merged_norm = None
+        else:
             self.weight.data -= self.delta_weight().to(self.weight.dtype)
-            self.merged = False
+        self.merged = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # peft.tuners.lora.layer.Linear.forward: result = base_layer(x); x cast to lora_A's dtype; result +
@@ -272,11 +310,37 @@ class LoraLinear(nn.Linear):
         lora_dtype = self.lora_A.weight.dtype
         if x.dtype != lora_dtype:
             x = x.to(lora_dtype)
-        result = result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        if self.use_dora:
+            result = result + self._dora(x, result)
+        else:
+            result = result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
         return result.to(result_dtype)
 
+    def _dora(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        # DoraLinearVariant.forward then DoraLinearLayer.forward, op for op: the base result is reused unless
+        # dropout is live (then x is dropped out and the base product recomputed without bias); the norm is detached
+        if isinstance(self.lora_dropout, nn.Identity) or not self.training:
+            base_result = result
+        else:
+            x = self.lora_dropout(x)
+            base_result = None
+        a = self.lora_A.weight
+        x_eye = torch.eye(a.shape[1], device=a.device, dtype=a.dtype)
+        lora_weight = self.lora_B(self.lora_A(x_eye)).T.to(x.dtype)
+        weight = self.weight.to(x.dtype)
+        weight_norm = self._weight_norm(weight, lora_weight.detach(), self.scaling).detach()
+        mag_norm_scale = (self.lora_magnitude_vector / weight_norm).view(1, -1)
+        lora_result = self.lora_B(self.lora_A(x))
+        if base_result is not None:
+            if self.bias is not None:
+                base_result = base_result - self.bias
+        else:
+            base_result = F.linear(x, weight)
+        return (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * self.scaling
+
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling}, merged={self.merged}"
+        dora = ", use_dora=True" if self.use_dora else ""
+        return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling}{dora}, merged={self.merged}"
 
 
 class LoraConv1D(LoraLinear):
@@ -285,8 +349,9 @@ class LoraConv1D(LoraLinear):
     Conv1D target whatever the config says: the base layer's own forward, A ``[r, in]`` and B ``[out, r]`` as on a
     linear layer, the delta ``transpose(B @ A) * scaling`` to merge into the (in, out) weight."""
 
-    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float, use_rslora: bool) -> None:
-        super().__init__(base, r, alpha, dropout, use_rslora)
+    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float, use_rslora: bool,
+                 use_dora: bool = False) -> None:
+        super().__init__(base, r, alpha, dropout, use_rslora)  # DoRA on a Conv1D is refused by add_lora
         object.__setattr__(self, "_base", base)  # not registered: unloading puts it back
 
     @staticmethod
@@ -392,7 +457,7 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
              use_rslora: bool = False, bias: str = "none", task_type: str | None = _TASK_DEFAULT,
              rank_pattern: dict[str, int] | None = None, alpha_pattern: dict[str, float] | None = None,
              exclude_modules: Iterable[str] | str | None = None, layers_to_transform: Iterable[int] | int | None = None,
-             layers_pattern: Iterable[str] | str | None = None) -> nn.Module:
+             layers_pattern: Iterable[str] | str | None = None, use_dora: bool = False) -> nn.Module:
     """Put LoRA adapters on ``model``'s linear layers named by ``target_modules`` (PEFT's rules), in place.
 
     Every base parameter is frozen; the adapters, ``modules_to_save`` (plus PEFT's head for the task type:
@@ -401,8 +466,9 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     by default the one of the model's task (:data:`PEFT_TASK_TYPES`); ``None`` is a plain ``PeftModel``, which
     adds no head. A module to save that shares a weight with another module (a tied LM head) gets its own copy,
     as PEFT's wrapper does. ``exclude_modules``, ``layers_to_transform`` / ``layers_pattern``, ``rank_pattern`` and
-    ``alpha_pattern`` are PEFT's ``LoraConfig`` fields, with PEFT's matching rules. Returns the model, which
-    carries ``model.lora_config``.
+    ``alpha_pattern`` are PEFT's ``LoraConfig`` fields, with PEFT's matching rules; ``use_dora`` is PEFT's DoRA (a
+    trainable magnitude per output row of each adapted layer). Returns the model, which carries
+    ``model.lora_config``.
     """
     if is_lora(model):
         raise AdapterError(f"{type(model).__name__} already has LoRA adapters (one adapter per model)")
@@ -433,7 +499,7 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
                      rank_pattern={} if rank_pattern is None else listed(rank_pattern),
                      alpha_pattern={} if alpha_pattern is None else listed(alpha_pattern),
                      exclude_modules=listed(exclude_modules), layers_to_transform=listed(layers_to_transform),
-                     layers_pattern=listed(layers_pattern))
+                     layers_pattern=listed(layers_pattern), use_dora=use_dora)
 
     chosen: list[str] = []
     tied: list[str] = []
@@ -461,18 +527,25 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
         raise AdapterError(f"target_modules {targets!r} matches no linear layer of {type(model).__name__}; "
                            f"its linear layers are named {', '.join(linears)}")
 
+    conv = [n for n in chosen if _lora_class(_module(model, n)) is LoraConv1D]
+    if use_dora and conv:
+        raise UnsupportedAdapterError(f"use_dora on {', '.join(conv)} (Conv1D layers): flodl-hf implements DoRA on "
+                                      "linear layers only; leave them out of target_modules or use plain LoRA")
     for p in model.parameters():
         p.requires_grad_(False)
     saved = save_module_names(model, to_save or [])
     _untie(model, saved)
     for name in chosen:  # named_modules() order: transformers' order, so PEFT's RNG draws
         base = _module(model, name)
-        _replace_module(model, name, _lora_class(base)(base, *cfg.rank_and_alpha(name), float(dropout), use_rslora))
+        _replace_module(model, name, _lora_class(base)(base, *cfg.rank_and_alpha(name), float(dropout), use_rslora,
+                                                       use_dora))
     cfg.targeted = chosen
     for name, module in model.named_modules():
         if isinstance(module, LoraLinear):
             module.lora_A.weight.requires_grad_(True)
             module.lora_B.weight.requires_grad_(True)
+            if module.use_dora:
+                module.lora_magnitude_vector.requires_grad_(True)
             if bias == "lora_only" and module.bias is not None:
                 module.bias.requires_grad_(True)
     for name in saved:
@@ -538,7 +611,7 @@ def _to_hf(model: nn.Module, key: str) -> str:
     adapted layer's own bias sits under ``base_layer.`` in PEFT's model, and so in its file."""
     key_map = model.family.key_map() if hasattr(model, "family") else None
     hf = key_map.to_hf if key_map is not None else (lambda k: k)
-    for part in (".lora_A.weight", ".lora_B.weight", ".bias"):
+    for part in (".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector", ".bias"):
         if key.endswith(part):  # the module's own weight key goes through the family's table
             module = key[: -len(part)]
             path = hf(module + ".weight")[: -len(".weight")]
@@ -560,6 +633,7 @@ def peft_config_dict(model: nn.Module, base: str | None = None) -> dict[str, Any
     cfg: LoraConfig = model.lora_config
     task_type = cfg.task_type
     targets = cfg.target_modules if isinstance(cfg.target_modules, str) else sorted(cfg.target_modules)
+    excluded = cfg.exclude_modules
     out: dict[str, Any] = {
         "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base, "revision": None,
         "r": cfg.r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout, "target_modules": targets,
@@ -568,8 +642,9 @@ def peft_config_dict(model: nn.Module, base: str | None = None) -> dict[str, Any
         "fan_in_fan_out": isinstance(next(reversed(lora_layers(model).values()), None), LoraConv1D),
         "init_lora_weights": True, "inference_mode": True,
         "layers_to_transform": cfg.layers_to_transform, "layers_pattern": cfg.layers_pattern,
-        "rank_pattern": cfg.rank_pattern, "alpha_pattern": cfg.alpha_pattern, "exclude_modules": cfg.exclude_modules,
-        "use_dora": False, "lora_bias": False,
+        "rank_pattern": cfg.rank_pattern, "alpha_pattern": cfg.alpha_pattern,
+        "exclude_modules": sorted(excluded) if isinstance(excluded, list) else excluded,  # a set in PEFT
+        "use_dora": cfg.use_dora, "lora_bias": False,
     }
     if task_type is None and hasattr(model, "architecture"):
         # what PEFT writes for a model without a task type: the class, so our reader knows the head
@@ -651,8 +726,9 @@ def _is_patterns(v: Any, ok: Any) -> bool:
     return isinstance(v, dict) and all(isinstance(k, str) and ok(x) for k, x in v.items())
 
 
-# PEFT's selection fields, optional everywhere (older trainer checkpoints lack them): (field, default, check, what).
-_SELECTION_FIELDS: tuple[tuple[str, Any, Any, str], ...] = (
+# PEFT's selection fields and use_dora, optional everywhere (older trainer checkpoints lack them):
+# (field, default, check, what is expected).
+_OPTIONAL_FIELDS: tuple[tuple[str, Any, Any, str], ...] = (
     ("rank_pattern", {}, lambda v: _is_patterns(v, lambda x: _is_int(x) and x > 0),
      "an object of module-name pattern -> positive int"),
     ("alpha_pattern", {}, lambda v: _is_patterns(v, _is_number), "an object of module-name pattern -> number"),
@@ -662,6 +738,7 @@ _SELECTION_FIELDS: tuple[tuple[str, Any, Any, str], ...] = (
      "a layer index, a list of them, or null"),
     ("layers_pattern", None, lambda v: v is None or isinstance(v, str) or _is_names(v),
      "a layer-list name (e.g. 'layers'), a list of them, or null"),
+    ("use_dora", False, lambda v: isinstance(v, bool), "JSON true or false"),
 )
 
 
@@ -672,7 +749,7 @@ def _add_lora_from(model: nn.Module, settings: dict[str, Any], task_type: str | 
         return add_lora(model, r=settings["r"], alpha=settings["lora_alpha"], dropout=settings["lora_dropout"],
                         target_modules=settings["target_modules"], modules_to_save=settings["modules_to_save"],
                         use_rslora=settings["use_rslora"], bias=settings["bias"], task_type=task_type,
-                        **{name: settings[name] for name, *_ in _SELECTION_FIELDS})
+                        **{name: settings[name] for name, *_ in _OPTIONAL_FIELDS})
 
 
 def lora_settings(data: dict[str, Any], where: str, error: type[Exception] = AdapterError,
@@ -683,7 +760,7 @@ def lora_settings(data: dict[str, Any], where: str, error: type[Exception] = Ada
     alpha_pattern, exclude_modules, layers_to_transform, layers_pattern; absent: PEFT's defaults). Anything
     else is an ``error`` naming ``where`` and the field, with what was found and what is expected."""
     out: dict[str, Any] = {}
-    for name, default, *_ in _SELECTION_FIELDS:
+    for name, default, *_ in _OPTIONAL_FIELDS:
         out[name] = data.get(name, default)
     for name, default, ok, expected in _LORA_FIELDS:
         if name not in data:
@@ -706,17 +783,17 @@ def lora_settings(data: dict[str, Any], where: str, error: type[Exception] = Ada
         except re.error as exc:
             raise error(f"{where}: field 'target_modules' is {_show(targets)}, not a valid regular expression "
                         f"({exc}); expected a list of module names or a regular expression string") from None
-    problem = _selection_problem(out, targets)
+    problem = _optional_problem(out, targets)
     if problem:
         raise error(f"{where}: {problem}")
     return out
 
 
-def _selection_problem(values: dict[str, Any], targets: Any) -> str | None:
-    """What is wrong with PEFT's selection fields (``_SELECTION_FIELDS``, by name in ``values``), as a phrase
+def _optional_problem(values: dict[str, Any], targets: Any) -> str | None:
+    """What is wrong with PEFT's selection fields (``_OPTIONAL_FIELDS``, by name in ``values``), as a phrase
     naming the field; None when nothing is. Types, regular expressions, and PEFT's ``LoraConfig.__post_init__``
     rules (no layer fields with a regex ``target_modules``; ``layers_pattern`` only with ``layers_to_transform``)."""
-    for name, _, ok, expected in _SELECTION_FIELDS:
+    for name, _, ok, expected in _OPTIONAL_FIELDS:
         if not ok(values[name]):
             return f"field {name!r} is {_show(values[name])} ({type(values[name]).__name__}); expected {expected}"
     patterns = [("rank_pattern", k) for k in values["rank_pattern"]]
@@ -1011,7 +1088,7 @@ def load_trainer_state(model: nn.Module, state: dict[str, Any], where: str) -> N
 
 def _settings(cfg: dict[str, Any]) -> str:
     return ", ".join(f"{k}={cfg[k]!r}" for k in ("r", "lora_alpha", "lora_dropout", "target_modules",
-                                                  "modules_to_save", "use_rslora", "bias") if k in cfg)
+                                                  "modules_to_save", "use_rslora", "bias", "use_dora") if k in cfg)
 
 
 def model_from_checkpoint(data: dict[str, Any], path: str | os.PathLike) -> nn.Module:

@@ -337,7 +337,9 @@ def test_peft_selection_fields_both_ways(case_id, cfg, tmp_path):
     saved = json.loads((tmp_path / "ours" / lora.ADAPTER_CONFIG).read_text())
     for name, default in (("rank_pattern", {}), ("alpha_pattern", {}), ("layers_to_transform", None),
                           ("layers_pattern", None), ("exclude_modules", None)):
-        assert saved[name] == cfg.get(name, default), name
+        expected = cfg.get(name, default)
+        assert saved[name] == (sorted(expected) if name == "exclude_modules" and isinstance(expected, list)
+                               else expected), name  # PEFT keeps exclude_modules as a set: written sorted
     source, task = _source(case_id)
     torch.manual_seed(0)
     fresh = load_model(source, task)
@@ -354,7 +356,9 @@ def test_peft_selection_fields_both_ways(case_id, cfg, tmp_path):
 
 
 def _key(name: str) -> str:
-    return name.removeprefix("base_model.model.").replace(".default", "")
+    """A PeftModel parameter name -> ours (DoRA's magnitude is a Parameter of the layer itself here)."""
+    return name.removeprefix("base_model.model.").replace(".default", "").replace("magnitude_vector.weight",
+                                                                                   "magnitude_vector")
 
 
 _BAD_SELECTIONS = [
@@ -386,13 +390,14 @@ def test_bad_selection_fields_are_typed_errors_naming_them(change, expected, tmp
 
 
 def test_selection_fields_survive_a_trainer_checkpoint(tmp_path):
-    """A LoRA trainer checkpoint records the selection fields: export --checkpoint --adapter rebuilds the same
+    """A LoRA trainer checkpoint records the selection fields and DoRA: export --checkpoint --adapter rebuilds the same
     modules and ranks, and PEFT loads the adapter it writes (outputs equal). An entry written before the
     fields existed still reads, with PEFT's defaults."""
     from flodl_hf import checkpoint_schema
     source, task = _source(BERT)
     model = lora.add_lora(load_model(source, task), r=4, alpha=8, target_modules=["query", "value"],
-                          rank_pattern={"value": 2}, exclude_modules=r".*layer\.0\.attention\.self\.query")
+                          rank_pattern={"value": 2}, exclude_modules=r".*layer\.0\.attention\.self\.query",
+                          use_dora=True)
     _perturb(model)
     entry = lora.trainer_entry(model)
     data = {**checkpoint_schema.header(), "model": lora.trainer_model_state(model), "config": model.config.to_dict(),
@@ -409,6 +414,61 @@ def test_selection_fields_survive_a_trainer_checkpoint(tmp_path):
         _equal(model(**batch), back(**batch))
     older = {**entry, "config": {k: v for k, v in entry["config"].items() if k not in
                                  ("rank_pattern", "alpha_pattern", "exclude_modules", "layers_to_transform",
-                                  "layers_pattern")}}
+                                  "layers_pattern", "use_dora")}}
     settings = lora.checkpoint_entry({**data, "lora": older}, path)["config"]
     assert lora.lora_settings(settings, "x", defaults=False)["rank_pattern"] == {}
+
+
+# ---- 9. DoRA (use_dora) ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case_id,cfg", [
+    pytest.param(BERT, dict(target_modules=["query", "value", "output.dense"], lora_dropout=0.0), id="bert"),
+    pytest.param(BERT, dict(target_modules=["query", "value"], lora_dropout=0.2, rank_pattern={"value": 2}),
+                 id="bert-dropout"),
+    pytest.param(LLAMA_TIED, dict(target_modules=["q_proj", "o_proj", "up_proj"], lora_dropout=0.0), id="llama"),
+])
+def test_dora_both_ways_training_step_and_merge(case_id, cfg, tmp_path):
+    """PEFT's DoRA adapter: our init (the magnitude, A with the same seed), outputs in eval and, with the same
+    seed, the loss and every adapter gradient in train mode (dropout recomputes the base product), our save back
+    to PEFT's keys and bits and PEFT's reload, and the merged weights, all torch.equal to peft."""
+    cfg = {"r": 4, "lora_alpha": 8, "use_dora": True, **cfg}
+    source, task = _source(case_id)
+    torch.manual_seed(0)
+    fresh = load_model(source, task)
+    torch.manual_seed(0)
+    lora.add_lora(fresh, r=4, alpha=8, dropout=cfg["lora_dropout"], target_modules=cfg["target_modules"],
+                  rank_pattern=cfg.get("rank_pattern"), use_dora=True)
+    theirs = _peft_adapter(case_id, tmp_path / "peft", **cfg)  # seeds 0 before get_peft_model, then perturbs
+    torch.manual_seed(0)
+    reference = peft.get_peft_model(reference_model(source, task, "eager"),
+                                    peft.LoraConfig(**cfg, task_type=lora.PEFT_TASK_TYPES.get(task, "CAUSAL_LM")))
+    init = {_key(n): p for n, p in reference.named_parameters() if "lora_" in n}
+    mine = {n: p for n, p in fresh.named_parameters() if "lora_" in n}
+    assert init.keys() == mine.keys() and any("lora_magnitude_vector" in k for k in mine)
+    assert all(torch.equal(mine[k], init[k]) for k in mine), [k for k in mine if not torch.equal(mine[k], init[k])]
+    ours, out = _both_ways(case_id, tmp_path, theirs, tmp_path / "peft")
+    assert json.loads((out / lora.ADAPTER_CONFIG).read_text())["use_dora"] is True
+    assert any(k.endswith(".lora_magnitude_vector") for k in load_file(str(out / lora.ADAPTER_WEIGHTS)))
+    # a training step: loss and every trainable gradient
+    batch = make_batch(ours.config, task)
+    labels = batch["input_ids"] if task == "causal_lm" else torch.tensor([0, 1])
+    ours.train(), theirs.train()
+    torch.manual_seed(7)
+    loss_ours = ours(**batch, labels=labels).loss
+    torch.manual_seed(7)
+    loss_theirs = theirs(**batch, labels=labels).loss
+    assert torch.equal(loss_ours, loss_theirs), (loss_ours.item(), loss_theirs.item())
+    loss_ours.backward(), loss_theirs.backward()
+    grads = {_key(n).replace(".modules_to_save", "").replace(".base_layer", ""): p.grad
+             for n, p in theirs.named_parameters() if p.requires_grad}
+    trained = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    assert trained.keys() == grads.keys()
+    for name, p in trained.items():
+        assert torch.equal(p.grad, grads[name]), f"{name}: {(p.grad - grads[name]).abs().max().item()}"
+    # merged: PEFT's merge_and_unload bits
+    ours.eval(), theirs.eval()
+    merged_theirs = theirs.merge_and_unload()
+    merged_ours = lora.merge_and_unload(ours)
+    hf = dict(merged_theirs.state_dict())
+    for key, tensor in merged_ours.state_dict().items():
+        assert torch.equal(tensor, hf[key]), key
