@@ -62,6 +62,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 BASE_STAMP = "flodl_hf_base.json"   # our side file: the task and the base's weight sha256 (PEFT ignores it)
 PEFT_PREFIX = "base_model.model."
+ALL_LINEAR = "all-linear"   # PEFT's INCLUDE_LINEAR_LAYERS_SHORTHAND
 SUPPORTED_PEFT_TYPES = ("LORA",)
 BIAS_MODES = ("none", "all", "lora_only")
 
@@ -168,15 +169,16 @@ class LoraConfig:
             return default
         return pick(self.rank_pattern, self.r), pick(self.alpha_pattern, self.lora_alpha)
 
-    def selects(self, name: str) -> bool:
-        """Whether PEFT adapts module ``name`` (``check_target_module_exists``): not excluded, not in a module to
-        save, a target, and, with ``layers_to_transform``, in one of those layers (its first numbered segment, or
-        the number after one of ``layers_pattern``)."""
+    def selects(self, name: str, modules_to_save: list[str]) -> bool:
+        """Whether PEFT adapts module ``name`` (``check_target_module_exists``): not excluded, not in one of
+        ``modules_to_save`` (those given when the adapters are injected: a task type's head is added after), a
+        target, and, with ``layers_to_transform``, in one of those layers (its first numbered segment, or the
+        number after one of ``layers_pattern``)."""
         excluded = self.exclude_modules
         if excluded and (re.fullmatch(excluded, name) if isinstance(excluded, str)
                          else name in excluded or any(name.endswith("." + e) for e in excluded)):
             return False
-        if _in_modules_to_save(name, self.modules_to_save or []) or not _matches_target(name, self.target_modules):
+        if _in_modules_to_save(name, modules_to_save) or not _matches_target(name, self.target_modules):
             return False
         layers = self.layers_to_transform
         if layers is None or layers == [] or isinstance(self.target_modules, str):
@@ -436,6 +438,22 @@ def _tied_to_embeddings(model: nn.Module, module: nn.Module) -> bool:
     return embeddings is not None and getattr(module, "weight", None) is embeddings.weight
 
 
+def all_linear_targets(model: nn.Module, task_type: str | None) -> list[str]:
+    """PEFT's ``target_modules="all-linear"`` (``_maybe_include_all_linear_layers``): the full names of every linear
+    layer but the output embeddings (the LM decoder), or, without those and for ``SEQ_CLS``, the classification
+    head (``score`` or ``classifier``, the first the model has); sorted (a set in PEFT)."""
+    names = {n for n, m in model.named_modules() if _lora_class(m) is not None}  # nn.Linear and Conv1D, as PEFT
+    get = getattr(model, "get_output_embeddings", None)
+    output = get() if callable(get) else None
+    modules = dict(model.named_modules())
+    if output is not None:
+        names -= {next(n for n, m in modules.items() if m is output)}
+    elif task_type == "SEQ_CLS":
+        head = next((n for n in ("score", "classifier") if n in modules), None)
+        names -= {head}
+    return sorted(names)
+
+
 def default_targets(model_type: str) -> list[str]:
     """PEFT's default ``target_modules`` for a model type; a typed error where PEFT has none."""
     if model_type not in PEFT_DEFAULT_TARGETS:
@@ -481,6 +499,8 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     task = getattr(model, "task", "base")
     if task_type is _TASK_DEFAULT:
         task_type = PEFT_TASK_TYPES.get(task)
+    if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
+        targets = all_linear_targets(model, task_type)
     to_save = None
     if modules_to_save is not None:
         to_save = []
@@ -490,6 +510,9 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     heads = TASK_TYPE_MODULES_TO_SAVE.get(task_type, ()) if isinstance(task_type, str) else ()
     if heads:  # PeftModelFor<TaskType>.__init__ extends modules_to_save with its head
         to_save = (to_save or []) + [m for m in heads if m not in (to_save or [])]
+    # The modules to save that the adapters are injected with (never adapted): SEQ_CLS adds its head before the
+    # injection, TOKEN_CLS and QUESTION_ANS after it (a head they then adapt is PEFT's TypeError, refused below)
+    given = list(to_save or []) if task_type == "SEQ_CLS" else list(dict.fromkeys(modules_to_save or []))
     def listed(value: Any) -> Any:  # a copy; an iterable given for a list field as a list (a string stays one)
         if isinstance(value, dict):
             return dict(value)
@@ -504,7 +527,7 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     chosen: list[str] = []
     tied: list[str] = []
     for name, module in list(model.named_modules()):
-        if not name or not cfg.selects(name):
+        if not name or not cfg.selects(name, given):
             continue
         if _lora_class(module) is None:
             raise AdapterError(f"target_modules {targets!r} matches {name} ({type(module).__name__}); LoRA "
@@ -531,9 +554,14 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     if use_dora and conv:
         raise UnsupportedAdapterError(f"use_dora on {', '.join(conv)} (Conv1D layers): flodl-hf implements DoRA on "
                                       "linear layers only; leave them out of target_modules or use plain LoRA")
+    saved = save_module_names(model, to_save or [])
+    clash = [n for n in chosen if n in saved]
+    if clash:  # PEFT: "modules_to_save cannot be applied to modules of type lora.Linear" (a TypeError)
+        raise AdapterError(f"target_modules {_show(targets)} matches {', '.join(clash)}, which is also a module to "
+                           f"save ({', '.join(to_save or [])}, by its name's end), and PEFT cannot both adapt and save "
+                           "one module; leave it out of target_modules (exclude_modules=) or of modules_to_save")
     for p in model.parameters():
         p.requires_grad_(False)
-    saved = save_module_names(model, to_save or [])
     _untie(model, saved)
     for name in chosen:  # named_modules() order: transformers' order, so PEFT's RNG draws
         base = _module(model, name)
@@ -773,11 +801,7 @@ def lora_settings(data: dict[str, Any], where: str, error: type[Exception] = Ada
             raise error(f"{where}: field {name!r} is {_show(value)} ({type(value).__name__}); expected {expected}")
         out[name] = value
     targets = out["target_modules"]
-    if isinstance(targets, str):  # PEFT: a regex over the whole module name, or its 'all-linear' wildcard
-        if targets == "all-linear":
-            raise (UnsupportedAdapterError if issubclass(error, AdapterError) else error)(
-                f"{where}: field 'target_modules' is 'all-linear', PEFT's wildcard, which flodl-hf does not "
-                "implement; expected a list of module names or a regular expression")
+    if isinstance(targets, str) and targets.lower() != ALL_LINEAR:  # a regex over the whole module name
         try:
             re.compile(targets)
         except re.error as exc:

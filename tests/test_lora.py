@@ -332,7 +332,6 @@ _BAD_ADAPTER_CONFIGS = [  # (change to adapter_config.json, field named, what th
     ({"target_modules": 5}, "target_modules", "list of module names"),
     ({"target_modules": ["query", 5]}, "target_modules", "list of module names"),
     ({"target_modules": "(query"}, "target_modules", "regular expression"),
-    ({"target_modules": "all-linear"}, "target_modules", "all-linear"),
     ({"modules_to_save": "classifier"}, "modules_to_save", "list of module names or null"),
     ({"modules_to_save": [1]}, "modules_to_save", "list of module names or null"),
     ({"use_rslora": "no"}, "use_rslora", "JSON true or false"),

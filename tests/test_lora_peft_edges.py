@@ -472,3 +472,45 @@ def test_dora_both_ways_training_step_and_merge(case_id, cfg, tmp_path):
     hf = dict(merged_theirs.state_dict())
     for key, tensor in merged_ours.state_dict().items():
         assert torch.equal(tensor, hf[key]), key
+
+
+# ---- 10. target_modules="all-linear" ----------------------------------------------------------------------
+
+def _first_cases(tasks):
+    seen, out = set(), []
+    for case_id, task, fields in CASES:
+        key = (fields["model_type"], task)
+        if task in tasks and key not in seen:
+            seen.add(key)
+            out.append(pytest.param(case_id, task, fields, id=case_id))
+    return out
+
+
+@pytest.mark.parametrize("case_id,task,fields", _first_cases(("mlm", "causal_lm", "seqcls", "tokcls")))
+def test_all_linear_expands_to_peft_s_modules(case_id, task, fields):
+    """PEFT's 'all-linear' on transformers' model and ours on the same checkpoint name the same layers (the
+    output embeddings, or a SEQ_CLS head, left out), with the model's task type and without one."""
+    source = make_checkpoint(fields, task)
+    for task_type in {lora.PEFT_TASK_TYPES.get(task, "CAUSAL_LM" if task == "causal_lm" else None), None}:
+        config = peft.LoraConfig(r=2, target_modules="all-linear", task_type=task_type)
+        try:
+            theirs = peft.get_peft_model(reference_model(source, task, "eager"), config)
+        except TypeError as exc:  # a layer both adapted and saved (TOKEN_CLS's classifier, DistilBERT's
+            assert "modules_to_save cannot be applied" in str(exc)  # pre_classifier): PEFT refuses, and so do we
+            with pytest.raises(AdapterError, match="also a module to save"):
+                lora.add_lora(load_model(source, task), r=2, target_modules="all-linear", task_type=task_type)
+            continue
+        expected = sorted(theirs.peft_config["default"].target_modules)
+        assert lora.all_linear_targets(load_model(source, task), task_type) == expected
+        adapted = sorted(_key(n)[:-len(".lora_A.weight")] for n, _ in theirs.named_parameters() if "lora_A" in n)
+        ours = lora.add_lora(load_model(source, task), r=2, target_modules="ALL-LINEAR", task_type=task_type)
+        assert sorted(lora.lora_layers(ours)) == adapted and ours.lora_config.target_modules == expected
+
+
+def test_all_linear_adapter_both_ways(tmp_path):
+    theirs = _peft_adapter(LLAMA_TIED, tmp_path / "peft", target_modules="all-linear", r=4)
+    ours, out = _both_ways(LLAMA_TIED, tmp_path, theirs, tmp_path / "peft")
+    assert "lm_head" not in lora.lora_layers(ours) and len(lora.lora_layers(ours)) > 7
+    # a hand-written adapter_config.json that still says all-linear is expanded at load, as PEFT does
+    _edit_config(tmp_path / "peft", target_modules="all-linear")
+    assert sorted(lora.lora_layers(_ours(LLAMA_TIED, tmp_path / "peft"))) == sorted(lora.lora_layers(ours))
