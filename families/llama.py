@@ -12,11 +12,12 @@ Mirrors ``transformers.models.llama.modeling_llama`` (5.24):
 - heads: ``lm_head`` (causal_lm, tied with ``tie_word_embeddings``), ``score`` on the last non-pad token
   (seqcls), ``score`` per token (tokcls), ``qa_outputs`` with the backbone under ``transformer`` (qa).
 Mistral and Qwen2 (families/mistral.py, families/qwen2.py) are this file with other defaults, biases
-and windows; Qwen3, Phi3, Gemma, Gemma2, Gemma3 and GPT-2 replace parts through the backbone's hooks
-(``attention_class`` with its ``make_projections`` / ``project``, ``attend``, ``project_out``, ``scaling`` /
-``softcap`` and ``paths``, ``layer_class``, ``make_mlp``, ``norm_class``, ``embedding_class``, ``embed`` (handed the
-positions and token types), ``rotary_embeddings`` (None: no RoPE)) and the config's (``biases``, ``layer_kinds``,
-``window``, ``rotary_dim``, ``rope_types``, ``rope_key`` / ``rope(key)``: a RoPE per layer kind).
+and windows; Qwen3, Phi3, Gemma, Gemma2, Gemma3, GPT-2, OLMo 2 and Granite replace parts through the backbone's
+hooks (``attention_class`` with its ``make_projections`` / ``project``, ``rotate``, ``attend``, ``project_out``,
+``scaling`` / ``softcap`` and ``paths``, ``layer_class``, ``make_mlp``, ``norm_class``, ``embedding_class``, ``embed``
+(handed the positions and token types), ``rotary_embeddings`` (None: no RoPE) / ``rotary``) and the config's
+(``biases``, ``layer_kinds``, ``window``, ``rotary_dim``, ``rope_types``, ``rope_key`` / ``rope(key)``: a RoPE per
+layer kind).
 """
 
 from __future__ import annotations
@@ -184,10 +185,15 @@ class LlamaAttention(nn.Module):
         input_shape = hidden_states.shape[:-1]
         q, k, v = (t.transpose(1, 2) for t in self.project(hidden_states, (*input_shape, -1, self.head_dim)))
         if rope is not None:  # None: the positions are in the embeddings (GPT-2's wpe)
-            q, k = apply_rotary_pos_emb(q, k, *rope)
+            q, k = self.rotate(q, k, *rope)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         return self.project_out(self.attend(q, k, v, mask).reshape(*input_shape, -1).contiguous())
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on q and k (OLMo 2 casts the results back to their dtypes)."""
+        return apply_rotary_pos_emb(q, k, cos, sin)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """The attention of q (B, heads, q, d) over k, v, as (B, q, heads, d) (GPT-2 has its own eager recipe)."""

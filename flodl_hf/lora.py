@@ -68,8 +68,8 @@ BIAS_MODES = ("none", "all", "lora_only")
 
 # PEFT's default LoRA targets for the model types registered here, as
 # peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING holds them (peft 0.21);
-# a model type PEFT has no default for (camembert, distilbert, albert, mpnet, modernbert, phi3) needs
-# target_modules, in PEFT as here.
+# a model type PEFT has no default for (camembert, distilbert, albert, mpnet, modernbert, phi3, olmo2, granite)
+# needs target_modules, in PEFT as here.
 PEFT_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "bert": ("query", "value"),
     "roberta": ("query", "value"),
@@ -85,6 +85,7 @@ PEFT_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "gemma2": ("q_proj", "v_proj"),
     "gemma3_text": ("q_proj", "v_proj"),
     "gpt2": ("c_attn",),
+    "gpt_neox": ("query_key_value",),
 }
 
 # PEFT's task classes (PeftModelForSequenceClassification ...) add these to modules_to_save.

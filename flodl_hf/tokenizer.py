@@ -68,7 +68,10 @@ CLASS_FOR_MODEL_TYPE = {
     "gemma": "GemmaTokenizer",
     "gemma2": "GemmaTokenizer",
     "gemma3_text": "GemmaTokenizer",
+    "olmo2": "TokenizersBackend",
+    "granite": "TokenizersBackend",
     "gpt2": "GPT2Tokenizer",  # byte-level BPE, no recipe: transformers builds it (its post-processor from add_bos_token)
+    "gpt_neox": "GPTNeoXTokenizer",  # byte-level BPE (tokenizer.json), no recipe: transformers builds it
 }
 
 

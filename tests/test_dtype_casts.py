@@ -28,7 +28,9 @@ MODELS = [("llama-hd24-bias-tied-llama3", "causal_lm"), ("qwen2-hd24-sliding", "
           ("distilbert-sinusoidal-hd24", "base"), ("mpnet-hd24", "base"), ("qwen3-hd24-qknorm-sliding", "causal_lm"),
           ("phi3-hd24-partial-window4", "causal_lm"), ("gemma-hd24-scaled-bias", "causal_lm"),
           ("gemma2-hd24-softcap-sliding", "causal_lm"), ("gemma3_text-hd24-qknorm-2rope", "causal_lm"),
-          ("gpt2-hd24", "causal_lm")]
+          ("gpt2-hd24", "causal_lm"), ("gpt_neox-hd24", "causal_lm"),
+          ("olmo2-hd24-qknorm-postnorm", "causal_lm"), ("olmo2-hd24-qknorm-postnorm", "seqcls"),
+          ("granite-hd24-multipliers", "causal_lm")]
 CASTS = {
     "bfloat16": lambda m: m.bfloat16(),
     "half": lambda m: m.half(),

@@ -59,6 +59,8 @@ HIDDEN_CASES = [
     ("phi3-hd24-partial-window4", "causal_lm", "sdpa"), ("gemma-hd24-scaled-bias", "causal_lm", "eager"),
     ("gemma2-hd24-softcap-sliding", "causal_lm", "eager"), ("gemma3_text-hd24-qknorm-2rope", "causal_lm", "sdpa"),
     ("gpt2-hd24", "causal_lm", "eager"), ("gpt2-hd24", "tokcls", "sdpa"),
+    ("gpt_neox-hd24", "causal_lm", "sdpa"), ("gpt_neox-hd24-sequential", "tokcls", "eager"),
+    ("olmo2-hd24-qknorm-postnorm", "causal_lm", "eager"), ("granite-hd24-multipliers", "causal_lm", "sdpa"),
 ]
 
 

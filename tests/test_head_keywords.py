@@ -33,7 +33,8 @@ from test_losses import _labels, _one_case_per_family_and_head
 DECODERS = {"llama": "llama-hd24-bias-tied-llama3", "mistral": "mistral-hd24-window4", "qwen2": "qwen2-hd24-sliding",
             "qwen3": "qwen3-hd24-qknorm-sliding", "phi3": "phi3-hd24-partial-window4",
             "gemma": "gemma-hd24-scaled-bias", "gemma2": "gemma2-hd24-softcap-sliding",
-            "gemma3_text": "gemma3_text-hd24-qknorm-2rope", "gpt2": "gpt2-hd24"}
+            "gemma3_text": "gemma3_text-hd24-qknorm-2rope", "gpt2": "gpt2-hd24",
+            "gpt_neox": "gpt_neox-hd24", "olmo2": "olmo2-hd24-qknorm-postnorm", "granite": "granite-hd24-multipliers"}
 DECODER_TASKS = ("base", "causal_lm", "seqcls", "tokcls", "qa")
 
 

@@ -61,6 +61,8 @@ CASES_BY_FAMILY = [
     ("qwen3-hd24-qknorm-sliding", "qa"), ("phi3-hd24-partial-window4", "tokcls"),
     ("gemma-hd24-scaled-bias", "causal_lm"), ("gemma2-hd24-softcap-sliding", "causal_lm"),
     ("gemma3_text-hd24-qknorm-2rope", "seqcls"), ("gpt2-hd24", "tokcls"), ("gpt2-hd24-scalings", "causal_lm"),
+    ("gpt_neox-hd24", "qa"), ("gpt_neox-hd24-sequential", "causal_lm"),
+    ("olmo2-hd24-qknorm-postnorm", "seqcls"), ("granite-hd24-multipliers", "causal_lm"),
 ]
 
 

@@ -1,0 +1,321 @@
+"""GPT-NeoX's own checks against transformers (and its tokenizer) in the same run: the RoPE fields as GPTNeoXConfig
+reads them (``rotary_pct`` / ``rotary_emb_base``, the RoPE dict winning, the top-level ``rope_theta`` and
+``partial_rotary_factor`` ignored, linear and llama3 on the partial dimensions), the fused ``query_key_value``'s
+per-head layout, a hub-style checkpoint (Pythia's config spelling, ``embed_out``, the old attention buffers) loading
+and exporting as transformers', training with every dropout on (both residual forms, tied and untied), generation
+with beams and sampling, the tokenizer, and PEFT's default LoRA target. The forwards, heads, losses, caches, greedy
+generation with left padding, export round trips and LoRA are in the shared tables (tests/cases/gpt_neox.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flodl_hf import AutoTokenizer
+from flodl_hf.auto import AutoConfig, load_model
+from flodl_hf.errors import ConfigError, InputError
+from flodl_hf.export import export
+from flodl_hf.generate import generate_ids
+from flodl_hf.parity import REFERENCE_CLASSES, check_parity, make_batch, quiet_transformers, reference_model
+from flodl_hf.verify import verify_export
+
+from cases import CASES
+from helpers import make_checkpoint, one_thread  # noqa: F401  (fixture)
+from test_tokenizer import assert_same, compare
+from test_tokenizer_dirs import PAIRS, SAMPLES, _done, _write_config, byte_level_bpe, saved_dir
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FIELDS = {case_id: fields for case_id, _task, fields in CASES}
+SMALL = FIELDS["gpt_neox-hd24-causal_lm"]
+SEQUENTIAL = FIELDS["gpt_neox-hd24-sequential-causal_lm"]
+_SIZES = dict(hidden_size=96, num_attention_heads=4, num_hidden_layers=1, intermediate_size=160, vocab_size=512,
+              max_position_embeddings=64)
+
+
+def _pair(source, task: str = "causal_lm", impl: str = "sdpa"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = load_model(source, task, dtype=torch.float32, attn_implementation=impl).eval()
+        theirs = reference_model(source, task, impl).eval()
+    return ours, theirs
+
+
+def _left_padded(vocab: int, lengths=(9, 6, 3)):
+    gen = torch.Generator().manual_seed(1)
+    width = max(lengths)
+    ids = torch.randint(1, vocab, (len(lengths), width), generator=gen)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, width - n:] = 1
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+# ---- RoPE: the fields as GPTNeoXConfig reads them ---------------------------------------------------------------
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5}
+ROPES = {
+    "defaults": {},  # 0.25 of the head, theta 10000
+    "pythia": dict(rotary_pct=0.5, rotary_emb_base=5000),
+    "top-level-ignored": dict(rope_theta=777.0, partial_rotary_factor=0.5),  # transformers ignores both
+    "dict-wins": dict(rotary_pct=0.5, rotary_emb_base=5000,
+                      rope_parameters={"rope_type": "default", "rope_theta": 3000.0, "partial_rotary_factor": 1.0}),
+    "linear-scaling": dict(rotary_pct=0.5, rope_scaling={"type": "linear", "factor": 2.0}),
+    "llama3": dict(rope_parameters=LLAMA3),
+}
+
+
+@pytest.mark.parametrize("name", list(ROPES))
+@torch.inference_mode()
+def test_rope_fields_turn_the_dimensions_transformers_turns(name):
+    """Our rotated dimensions, inverse frequencies, cos and sin equal those of transformers' GPTNeoXRotaryEmbedding
+    and GPTNeoXAttention.rotary_ndims for the same config.json fields."""
+    from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention, GPTNeoXRotaryEmbedding
+
+    from flodl_hf.families.gpt_neox import GPTNeoXConfig, GPTNeoXModel
+    fields = {**_SIZES, **ROPES[name]}
+    transformers = quiet_transformers()
+    theirs = transformers.GPTNeoXConfig(**copy.deepcopy(fields))
+    config = GPTNeoXConfig.from_dict({"model_type": "gpt_neox", **copy.deepcopy(fields)})
+    assert config.rotary_dim == GPTNeoXAttention(theirs, 0).rotary_ndims
+    rotary = GPTNeoXRotaryEmbedding(theirs)
+    ours = GPTNeoXModel(config)
+    assert torch.equal(ours.inverse_frequencies(None, torch.device("cpu")), rotary.inv_freq)
+    positions = torch.arange(40).unsqueeze(0)
+    hidden = torch.zeros(1, 40, 96)
+    for a, b in zip(ours.rotary(None, positions, hidden), rotary(hidden, positions), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["linear-scaling", "llama3", "top-level-ignored"])
+def test_scaled_and_oddly_spelled_ropes_run_as_transformers(name):
+    fields = {"model_type": "gpt_neox", **_SIZES, "num_hidden_layers": 2, "pad_token_id": 0, **ROPES[name]}
+    source = make_checkpoint(fields, "causal_lm")
+    ids, mask = _left_padded(fields["vocab_size"])
+    result = check_parity(source, "causal_lm", "sdpa", batch={"input_ids": ids, "attention_mask": mask})
+    assert result.exact, result.diffs
+
+
+@pytest.mark.parametrize("bad,field", [
+    (dict(head_dim=32), "head_dim"),  # transformers' RoPE would read it, its attention not
+    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "rope_type"),
+    (dict(rotary_pct="half"), "rotary_pct"),
+    (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": None}), "partial_rotary_factor"),
+    (dict(hidden_dropout=1.5), "hidden_dropout"),
+    (dict(hidden_act="nope"), "hidden_act"),
+])
+def test_config_refuses_what_transformers_would_run_otherwise(tmp_path, bad, field):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", **_SIZES, **bad}))
+    with pytest.raises(ConfigError, match=field):
+        AutoConfig.from_pretrained(tmp_path)
+
+
+# ---- the fused query_key_value ----------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def test_query_key_value_is_laid_out_per_head():
+    """q, k, v are chunked from each head's 3 * head_size slice, as GPTNeoXAttention.forward views them (a flat
+    split of the 3 * hidden outputs would give other tensors)."""
+    ours, theirs = _pair(make_checkpoint(SMALL, "causal_lm"))
+    hidden = torch.randn(2, 5, 96, generator=torch.Generator().manual_seed(0))
+    mine = [t.transpose(1, 2) for t in ours.backbone.layers[0].attention.project(hidden, (2, 5, -1, 24))]
+    qkv = theirs.gpt_neox.layers[0].attention.query_key_value(hidden)
+    reference = qkv.view(2, 5, -1, 3 * 24).transpose(1, 2).chunk(3, dim=-1)
+    assert all(torch.equal(a, b) for a, b in zip(mine, reference, strict=True))
+    flat = [t.view(2, 5, -1, 24).transpose(1, 2) for t in qkv.split(96, dim=-1)]
+    assert not torch.equal(mine[0], flat[0])
+
+
+# ---- a hub-style checkpoint --------------------------------------------------------------------------------------
+
+def _hub_style(tmp_path, lm_head_key: str = "embed_out.weight"):
+    """The causal LM as Pythia's repositories hold it: config.json with rotary_pct / rotary_emb_base (no
+    rope_parameters), the head as ``embed_out.weight``, every layer's old ``attention.bias`` (the causal tril),
+    ``attention.masked_bias`` and ``attention.rotary_emb.inv_freq`` buffers."""
+    source = make_checkpoint(SMALL, "causal_lm")
+    out = tmp_path / "hub-pythia"
+    shutil.copytree(source, out)
+    config = json.loads((source / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(rotary_pct=rope["partial_rotary_factor"], rotary_emb_base=rope["rope_theta"])
+    (out / "config.json").write_text(json.dumps(config))
+    state = load_file(str(source / "model.safetensors"))
+    assert "embed_out.weight" in state  # what transformers' save_pretrained writes
+    state[lm_head_key] = state.pop("embed_out.weight")
+    n = SMALL["max_position_embeddings"]
+    for i in range(SMALL["num_hidden_layers"]):
+        state[f"gpt_neox.layers.{i}.attention.bias"] = torch.tril(torch.ones(n, n, dtype=torch.bool)).view(1, 1, n, n)
+        state[f"gpt_neox.layers.{i}.attention.masked_bias"] = torch.tensor(-1e9)
+        state[f"gpt_neox.layers.{i}.attention.rotary_emb.inv_freq"] = torch.ones(3)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("task,lm_head_key", [("causal_lm", "embed_out.weight"), ("causal_lm", "lm_head.weight"),
+                                              ("base", "embed_out.weight")])
+@torch.inference_mode()
+def test_hub_checkpoint_loads_as_transformers(tmp_path, task, lm_head_key):
+    source = _hub_style(tmp_path, lm_head_key)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = load_model(source, task, dtype=torch.float32).eval()
+    # the buffers go without a word; the bare backbone leaves the head unused, and says so
+    assert [str(w.message).rpartition(": ")[2] for w in caught] == ([] if task == "causal_lm" else ["lm_head.weight"])
+    transformers = quiet_transformers()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs, info = getattr(transformers, REFERENCE_CLASSES[task]).from_pretrained(
+            str(source), output_loading_info=True, attn_implementation="sdpa", dtype=torch.float32)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    assert all(k.endswith(("embed_out.weight", "lm_head.weight")) for k in info["unexpected_keys"]), info
+    theirs.eval()
+    assert ours.config.rotary_dim == 6
+    batch = make_batch(ours.config, task)
+    a, b = ours(**batch), theirs(**batch)
+    key = "logits" if task == "causal_lm" else "last_hidden_state"
+    assert torch.equal(getattr(a, key), getattr(b, key))
+
+
+def test_export_of_a_hub_checkpoint_writes_transformers_keys(tmp_path):
+    source = _hub_style(tmp_path)
+    result = export(source, tmp_path / "out")
+    written = set(load_file(str(result.out / "model.safetensors")))
+    transformers = quiet_transformers()
+    saved = tmp_path / "theirs"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformers.AutoModelForCausalLM.from_pretrained(str(source)).save_pretrained(str(saved))
+    assert written == set(load_file(str(saved / "model.safetensors")))
+    assert "embed_out.weight" in written and not any(k.endswith(("attention.bias", "masked_bias", "inv_freq"))
+                                                     for k in written)
+    config = json.loads((result.out / "config.json").read_text())
+    assert config["rotary_pct"] == 0.25 and "rope_parameters" not in config  # the source's spelling, as it came
+    report = verify_export(result.out)
+    assert report.ok and report.max_abs_diff == 0.0, report.format_table()
+
+
+# ---- training with every dropout on -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fields,impl", [(SMALL, "eager"), (SEQUENTIAL, "sdpa")], ids=["parallel", "sequential-tied"])
+def test_training_with_dropouts_equals_transformers(fields, impl):
+    """hidden_dropout (embeddings, both branches) and attention_dropout on: the same seed draws the same masks in
+    the same order on both sides, so the loss and every gradient (the tied embed_in's two contributions included)
+    are torch.equal; a model whose branch dropouts drew in another order would not be."""
+    fields = {**fields, "hidden_dropout": 0.1, "attention_dropout": 0.1}
+    source = make_checkpoint(fields, "causal_lm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = load_model(source, "causal_lm", dtype=torch.float32, attn_implementation=impl).train()
+        theirs = reference_model(source, "causal_lm", impl).train()
+    assert ours.config.tie_word_embeddings is fields.get("tie_word_embeddings", False)
+    ids, mask = _left_padded(ours.config.vocab_size)
+    batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    losses = []
+    for model in (ours, theirs):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        out = model(**batch)
+        out.loss.backward()
+        losses.append(out.loss.detach())
+    assert torch.equal(*losses)
+    key_map = ours.family.key_map()
+    for (name, p), (their_name, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
+        assert key_map.to_hf(name) == key_map.to_hf(key_map.to_native(their_name))
+        assert torch.equal(p.grad, q.grad), name
+    ours.eval()
+    torch.manual_seed(0)
+    assert not torch.equal(ours(**batch).loss, losses[0])  # the dropouts did act
+
+
+# ---- generation -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("settings", [dict(num_beams=3, early_stopping=True),
+                                      dict(do_sample=True, top_k=20, temperature=0.7)], ids=["beams", "sampled"])
+@torch.inference_mode()
+def test_generate_equals_transformers_with_left_padding(settings):
+    ours, theirs = _pair(make_checkpoint(SEQUENTIAL, "causal_lm"), impl="sdpa")
+    ids, mask = _left_padded(ours.config.vocab_size)
+    torch.manual_seed(7)
+    reference = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0,
+                                eos_token_id=2, **settings)
+    torch.manual_seed(7)
+    assert torch.equal(generate_ids(ours, ids, mask, max_new_tokens=8, pad_token_id=0, eos_token_id=2, **settings),
+                       reference)
+
+
+@torch.inference_mode()
+def test_token_types_are_refused():
+    ours, _ = _pair(make_checkpoint(SMALL, "causal_lm"))
+    batch = make_batch(ours.config, "causal_lm")
+    with pytest.raises(InputError, match="token_type_ids"):
+        ours(**batch, token_type_ids=torch.zeros_like(batch["input_ids"]))
+
+
+# ---- the tokenizer and the LoRA default -----------------------------------------------------------------------------
+
+def _neox_vocab_dir():
+    out, done = byte_level_bpe("gpt_neox-vocab-merges", ["<|endoftext|>", "<|padding|>"])
+    if done:
+        return out
+    _write_config(out, "gpt_neox", pad_token_id=None)
+    return _done(out)
+
+
+@pytest.mark.parametrize("name", ["vocab+merges", "tokenizer.json", "pad+prefix-space"])
+def test_tokenizer_equals_transformers(name):
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    from flodl_hf.tokenizer import CLASS_FOR_MODEL_TYPE
+    assert CLASS_FOR_MODEL_TYPE["gpt_neox"] == TOKENIZER_MAPPING_NAMES["gpt_neox"]
+    plain = _neox_vocab_dir()
+    directory = {"vocab+merges": plain, "tokenizer.json": saved_dir(plain, "gpt_neox-saved"),
+                 "pad+prefix-space": saved_dir(plain, "gpt_neox-pad-prefix", pad_token="<|endoftext|>",
+                                               add_prefix_space=True)}[name]
+    transformers = quiet_transformers()
+    ref = transformers.AutoTokenizer.from_pretrained(str(directory))
+    ours = AutoTokenizer.from_pretrained(directory)
+    assert type(ref).__name__ == "GPTNeoXTokenizer" and ours.settings.class_name == "GPTNeoXTokenizer"
+    for attr in ("model_input_names", "padding_side", "all_special_tokens", "vocab_size", "bos_token_id",
+                 "eos_token_id", "unk_token_id", "pad_token_id"):
+        assert getattr(ours, attr) == getattr(ref, attr), attr
+    assert ours.get_vocab() == ref.get_vocab()
+    extra = dict(return_offsets_mapping=True, return_special_tokens_mask=True)
+    for kwargs in (dict(padding=True), dict(padding=True, padding_side="left"), dict(truncation=True, max_length=6)):
+        compare(ours, ref, f"{name} {kwargs}", SAMPLES, **kwargs, **extra)
+    questions, contexts = map(list, zip(*PAIRS))
+    compare(ours, ref, f"{name} pairs", questions, contexts, padding=True, **extra)
+    for text in SAMPLES:
+        assert_same(ours(text, return_tensors=None, **extra), ref(text, **extra), f"{name} {text!r}")
+        ids = ref(text)["input_ids"]
+        assert ours.decode(ids) == ref.decode(ids)
+
+
+def test_generate_texts_equal_the_text_generation_pipeline(tmp_path):
+    """Pythia's tokenizer layout (tokenizer.json, ``<|padding|>`` as the pad token): the records equal the
+    pipeline's, greedy, for a list of prompts (left-padded into one batch here, one at a time there)."""
+    from flodl_hf.generate import generate
+    from flodl_hf.tasks.runtime import clear_cache
+    root = tmp_path / "model"
+    shutil.copytree(make_checkpoint(SMALL, "causal_lm"), root)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(saved_dir(_neox_vocab_dir(), "gpt_neox-saved") / name, root / name)
+    clear_cache()
+    transformers = quiet_transformers()
+    pipe = transformers.pipeline("text-generation", model=str(root), tokenizer=str(root))
+    prompts = ["It was the fourth day", "Paris is"]
+    ours = generate(prompts, str(root), do_sample=False, max_new_tokens=5, eos_token_id=[])
+    assert ours == pipe(prompts, do_sample=False, max_new_tokens=5, eos_token_id=[])
+
+
+def test_lora_default_target_is_pefts():
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT
+
+    from flodl_hf import lora
+    assert lora.default_targets("gpt_neox") == list(PEFT["gpt_neox"]) == ["query_key_value"]
