@@ -98,6 +98,12 @@ class LlamaConfig(BaseConfig):
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
+    def norm_eps(self) -> float:
+        """The layer and final norms' epsilon: ``rms_norm_eps`` (StarCoder2: ``norm_epsilon``; StableLM:
+        ``layer_norm_eps``)."""
+        return self.rms_norm_eps
+
+    @property
     def rotary_dim(self) -> int:
         """The head dimensions RoPE turns: all of them (Phi3: ``partial_rotary_factor`` of them)."""
         return self.attention_head_dim
@@ -212,8 +218,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = norm_class(config.hidden_size, eps=config.norm_eps)
+        self.post_attention_layernorm = norm_class(config.hidden_size, eps=config.norm_eps)
 
     def forward(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                 cache: KVCache | None) -> torch.Tensor:
@@ -242,7 +248,7 @@ class LlamaModel(Backbone):
         self.embed_tokens = self.embedding_class(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(self.layer_class(config, self.attention_class(config, i), self.make_mlp(config),
                                                      self.norm_class) for i in range(config.num_hidden_layers))
-        self.norm = self.norm_class(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = self.norm_class(config.hidden_size, eps=config.norm_eps)
         self.inverse_frequencies = LazyBuffers(self._make_inverse_frequencies, self.rope_keys())
 
     @classmethod

@@ -68,7 +68,8 @@ BIAS_MODES = ("none", "all", "lora_only")
 
 # PEFT's default LoRA targets for the model types registered here, as
 # peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING holds them (peft 0.21);
-# a model type PEFT has no default for (camembert, distilbert, albert, mpnet, modernbert, phi3, olmo2, granite)
+# a model type PEFT has no default for (camembert, distilbert, albert, mpnet, modernbert, phi3, olmo2, granite,
+# starcoder2)
 # needs target_modules, in PEFT as here.
 PEFT_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "bert": ("query", "value"),
@@ -84,8 +85,10 @@ PEFT_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "gemma": ("q_proj", "v_proj"),
     "gemma2": ("q_proj", "v_proj"),
     "gemma3_text": ("q_proj", "v_proj"),
+    "stablelm": ("q_proj", "v_proj"),
     "gpt2": ("c_attn",),
     "gpt_neox": ("query_key_value",),
+    "gptj": ("q_proj", "v_proj"),
 }
 
 # PEFT's task classes (PeftModelForSequenceClassification ...) add these to modules_to_save.

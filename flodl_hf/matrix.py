@@ -73,6 +73,9 @@ def tiny_config(model_type: str, fields: dict[str, Any] | None = None, task: str
             partial = params.get("partial_rotary_factor", out.get("partial_rotary_factor")) or 1.0
             pairs = int(head * partial) // 2
             out[key] = {**params, **{n: [params[n][i % len(params[n])] for i in range(pairs)] for n in lists}}
+    rotary = {**defaults, **out}.get("rotary_dim")  # GPT-J: the turned dimensions fit in the tiny head
+    if isinstance(rotary, int) and out.get("n_embd") and out.get("n_head"):
+        out["rotary_dim"] = min(rotary, out["n_embd"] // out["n_head"])
     if task == "seqcls" and {**defaults, **out}.get("pad_token_id") is None:
         out["pad_token_id"] = 0  # a decoder's classifier finds each row's last token by it (batches of 2 rows)
     return out

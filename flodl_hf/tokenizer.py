@@ -70,8 +70,11 @@ CLASS_FOR_MODEL_TYPE = {
     "gemma3_text": "GemmaTokenizer",
     "olmo2": "TokenizersBackend",
     "granite": "TokenizersBackend",
+    "stablelm": "TokenizersBackend",
+    "starcoder2": "GPT2Tokenizer",  # byte-level BPE, no recipe: transformers builds it
     "gpt2": "GPT2Tokenizer",  # byte-level BPE, no recipe: transformers builds it (its post-processor from add_bos_token)
     "gpt_neox": "GPTNeoXTokenizer",  # byte-level BPE (tokenizer.json), no recipe: transformers builds it
+    "gptj": "GPT2Tokenizer",  # as AutoTokenizer maps gptj: GPT-2's byte-level BPE
 }
 
 

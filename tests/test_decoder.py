@@ -4,7 +4,8 @@ stopping, the LLaMA tokenizers (a SentencePiece model and a BPE-with-byte-fallba
 ``generate`` command, and a short causal-LM fine-tune with the trainer.
 
 Right padding, every head and the losses are in the shared tables (tests/cases/llama.py, mistral.py,
-qwen2.py, qwen3.py, phi3.py, gemma.py, gemma2.py, gemma3_text.py, gpt2.py, gpt_neox.py, olmo2.py, granite.py
+qwen2.py, qwen3.py, phi3.py, gemma.py, gemma2.py, gemma3_text.py, gpt2.py, gpt_neox.py, olmo2.py, granite.py,
+gptj.py, starcoder2.py, stablelm.py
 through test_parity.py, test_losses.py, test_export.py).
 """
 
@@ -30,7 +31,9 @@ SMALL = {"llama": "llama-hd24-bias-tied-llama3", "mistral": "mistral-hd24-window
          "qwen3": "qwen3-hd24-qknorm-sliding", "phi3": "phi3-hd24-partial-window4",
          "gemma": "gemma-hd24-scaled-bias", "gemma2": "gemma2-hd24-softcap-sliding",
          "gemma3_text": "gemma3_text-hd24-qknorm-2rope", "gpt2": "gpt2-hd24", "gpt_neox": "gpt_neox-hd24",
-         "olmo2": "olmo2-hd24-qknorm-postnorm", "granite": "granite-hd24-multipliers"}
+         "olmo2": "olmo2-hd24-qknorm-postnorm", "granite": "granite-hd24-multipliers",
+         "starcoder2": "starcoder2-hd24-bias-window4", "stablelm": "stablelm-hd24-qknorm-parallel",
+         "gptj": "gptj-hd24"}
 
 
 def _fields(variant: str) -> dict:
@@ -62,7 +65,10 @@ CELLS = [("llama-1024-gqa", "sdpa"), ("llama-1024-gqa", "eager"), (SMALL["llama"
          (SMALL["phi3"], "sdpa"), (SMALL["gemma"], "eager"), (SMALL["gemma2"], "eager"),
          (SMALL["gemma3_text"], "sdpa"), (SMALL["gpt2"], "sdpa"), ("gpt2-768-1layer", "eager"),
          ("gpt2-hd24-scalings", "eager"), (SMALL["gpt_neox"], "eager"), ("gpt_neox-hd24-sequential", "sdpa"),
-         (SMALL["olmo2"], "sdpa"), (SMALL["olmo2"], "eager"), (SMALL["granite"], "sdpa"), (SMALL["granite"], "eager")]
+         (SMALL["olmo2"], "sdpa"), (SMALL["olmo2"], "eager"), (SMALL["granite"], "sdpa"), (SMALL["granite"], "eager"),
+         (SMALL["starcoder2"], "sdpa"), (SMALL["starcoder2"], "eager"), (SMALL["stablelm"], "sdpa"),
+         (SMALL["stablelm"], "eager"), ("stablelm-hd24-sequential", "sdpa"), (SMALL["gptj"], "eager"),
+         ("gptj-hd24-fullrot-tied", "sdpa")]
 
 
 @pytest.mark.parametrize("variant,impl", CELLS, ids=[f"{v}-{i}" for v, i in CELLS])
@@ -179,7 +185,10 @@ def test_past_key_values_in_as_per_layer_tuples_and_logits_to_keep():
                                           (SMALL["gemma2"], "eager"), (SMALL["gemma3_text"], "eager"),
                                           (SMALL["gpt2"], "sdpa"), ("gpt2-hd24-scalings", "eager"),
                                           (SMALL["gpt_neox"], "sdpa"), ("gpt_neox-hd24-sequential", "eager"),
-                                          (SMALL["olmo2"], "eager"), (SMALL["granite"], "sdpa")])
+                                          (SMALL["olmo2"], "eager"), (SMALL["granite"], "sdpa"),
+                                          (SMALL["starcoder2"], "sdpa"), ("starcoder2-hd24-nobias-untied", "eager"),
+                                          (SMALL["stablelm"], "eager"), ("stablelm-hd24-sequential", "sdpa"),
+                                          (SMALL["gptj"], "sdpa"), ("gptj-hd24-fullrot-tied", "eager")])
 def test_greedy_generate_equals_transformers_and_stops_at_eos(variant, impl):
     _, ours, theirs = _pair(variant, impl)
     ids, mask = _left_padded(ours.config.vocab_size)

@@ -30,7 +30,8 @@ MODELS = [("llama-hd24-bias-tied-llama3", "causal_lm"), ("qwen2-hd24-sliding", "
           ("gemma2-hd24-softcap-sliding", "causal_lm"), ("gemma3_text-hd24-qknorm-2rope", "causal_lm"),
           ("gpt2-hd24", "causal_lm"), ("gpt_neox-hd24", "causal_lm"),
           ("olmo2-hd24-qknorm-postnorm", "causal_lm"), ("olmo2-hd24-qknorm-postnorm", "seqcls"),
-          ("granite-hd24-multipliers", "causal_lm")]
+          ("granite-hd24-multipliers", "causal_lm"), ("starcoder2-hd24-bias-window4", "causal_lm"),
+          ("stablelm-hd24-qknorm-parallel", "causal_lm"), ("gptj-hd24", "causal_lm"), ("gptj-hd24-fullrot-tied", "seqcls")]
 CASTS = {
     "bfloat16": lambda m: m.bfloat16(),
     "half": lambda m: m.half(),

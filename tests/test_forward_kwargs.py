@@ -61,6 +61,8 @@ HIDDEN_CASES = [
     ("gpt2-hd24", "causal_lm", "eager"), ("gpt2-hd24", "tokcls", "sdpa"),
     ("gpt_neox-hd24", "causal_lm", "sdpa"), ("gpt_neox-hd24-sequential", "tokcls", "eager"),
     ("olmo2-hd24-qknorm-postnorm", "causal_lm", "eager"), ("granite-hd24-multipliers", "causal_lm", "sdpa"),
+    ("starcoder2-hd24-bias-window4", "causal_lm", "eager"), ("stablelm-hd24-qknorm-parallel", "tokcls", "sdpa"),
+    ("gptj-hd24", "causal_lm", "eager"), ("gptj-hd24", "qa", "sdpa"),
 ]
 
 

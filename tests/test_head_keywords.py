@@ -34,7 +34,9 @@ DECODERS = {"llama": "llama-hd24-bias-tied-llama3", "mistral": "mistral-hd24-win
             "qwen3": "qwen3-hd24-qknorm-sliding", "phi3": "phi3-hd24-partial-window4",
             "gemma": "gemma-hd24-scaled-bias", "gemma2": "gemma2-hd24-softcap-sliding",
             "gemma3_text": "gemma3_text-hd24-qknorm-2rope", "gpt2": "gpt2-hd24",
-            "gpt_neox": "gpt_neox-hd24", "olmo2": "olmo2-hd24-qknorm-postnorm", "granite": "granite-hd24-multipliers"}
+            "gpt_neox": "gpt_neox-hd24", "olmo2": "olmo2-hd24-qknorm-postnorm", "granite": "granite-hd24-multipliers",
+            "starcoder2": "starcoder2-hd24-bias-window4", "stablelm": "stablelm-hd24-qknorm-parallel",
+            "gptj": "gptj-hd24"}
 DECODER_TASKS = ("base", "causal_lm", "seqcls", "tokcls", "qa")
 
 

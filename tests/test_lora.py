@@ -39,10 +39,13 @@ TARGETS: dict[str, tuple[list[str], list[str]]] = {
     "mpnet": (["q", "v"], ["q", "k", "v", "o", "intermediate.dense", "output.dense"]),
     "modernbert": (["Wqkv"], ["Wqkv", "Wo", "Wi"]),
     **{decoder: (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-       for decoder in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite")},
+       for decoder in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite",
+                       "stablelm")},
+    "starcoder2": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"]),
     "phi3": (["qkv_proj"], ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
     "gpt2": (["c_attn"], ["c_attn", "c_proj", "c_fc"]),  # Conv1D layers: PEFT's fan_in_fan_out
     "gpt_neox": (["query_key_value"], ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
+    "gptj": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"]),
 }
 TASKS = ("seqcls", "mlm")
 

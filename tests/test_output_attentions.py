@@ -63,6 +63,8 @@ CASES_BY_FAMILY = [
     ("gemma3_text-hd24-qknorm-2rope", "seqcls"), ("gpt2-hd24", "tokcls"), ("gpt2-hd24-scalings", "causal_lm"),
     ("gpt_neox-hd24", "qa"), ("gpt_neox-hd24-sequential", "causal_lm"),
     ("olmo2-hd24-qknorm-postnorm", "seqcls"), ("granite-hd24-multipliers", "causal_lm"),
+    ("starcoder2-hd24-bias-window4", "seqcls"), ("stablelm-hd24-qknorm-parallel", "causal_lm"),
+    ("gptj-hd24", "qa"), ("gptj-hd24-fullrot-tied", "causal_lm"),
 ]
 
 
