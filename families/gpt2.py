@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,7 +25,6 @@ from flodl_hf.config import Activation, BaseConfig
 from flodl_hf.errors import ConfigError, InputError
 from flodl_hf.heads import TokenClassifier
 from flodl_hf.heads.causal_lm import ModelForCausalLM
-from flodl_hf.keys import KeyMap
 from flodl_hf.layers import Conv1D, activation, record_attention
 from flodl_hf.modeling import Backbone, HeadPart
 from flodl_hf.outputs import (BaseModelOutputWithPast, CausalLMOutput, QuestionAnsweringModelOutput,
@@ -42,8 +40,11 @@ ATTRIBUTE_MAP = {"hidden_size": "n_embd", "max_position_embeddings": "n_position
 
 
 @dataclass
-class GPT2Config(BaseConfig):
-    model_type: ClassVar[str] = "gpt2"
+class GPT2StyleConfig(BaseConfig):
+    """The config GPT-2 and GPT-J share: OpenAI's names (``n_embd``, ``n_layer``, ``n_head``, ``n_positions``,
+    ``n_inner``; the generic ``attribute_map`` names read and answered), dropouts, LayerNorm epsilon, every layer
+    full (no windows, no RoPE keys); checked at load, naming the model type and the field."""
+
     enum_fields: ClassVar[dict[str, type]] = {"activation_function": Activation}
 
     vocab_size: int = 50257
@@ -57,37 +58,31 @@ class GPT2Config(BaseConfig):
     embd_pdrop: float = 0.1
     attn_pdrop: float = 0.1
     layer_norm_epsilon: float = 1e-5
-    scale_attn_weights: bool = True
     use_cache: bool = True
     bos_token_id: int | None = 50256
     eos_token_id: int | list[int] | None = 50256
     pad_token_id: int | None = None
-    scale_attn_by_inverse_layer_idx: bool = False
-    reorder_and_upcast_attn: bool = False
-    add_cross_attention: bool = False
     tie_word_embeddings: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        kind = self.model_type
         for name in ("vocab_size", "n_positions", "n_embd", "n_head"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"config (gpt2): field {name}={getattr(self, name)} must be > 0")
+                raise ConfigError(f"config ({kind}): field {name}={getattr(self, name)} must be > 0")
         if self.n_embd % self.n_head:
-            raise ConfigError(f"config (gpt2): field n_embd={self.n_embd} is not a multiple of n_head={self.n_head}")
+            raise ConfigError(f"config ({kind}): field n_embd={self.n_embd} is not a multiple of n_head={self.n_head}")
         for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError(f"config (gpt2): field {name}={getattr(self, name)!r} is a dropout probability: "
+                raise ConfigError(f"config ({kind}): field {name}={getattr(self, name)!r} is a dropout probability: "
                                   "it must lie in [0, 1]")
         if not (math.isfinite(self.layer_norm_epsilon) and self.layer_norm_epsilon > 0):
-            raise ConfigError(f"config (gpt2): field layer_norm_epsilon={self.layer_norm_epsilon!r} must be finite "
+            raise ConfigError(f"config ({kind}): field layer_norm_epsilon={self.layer_norm_epsilon!r} must be finite "
                               "and > 0")
-        if self.add_cross_attention:
-            raise ConfigError("config field add_cross_attention=true (GPT-2 as a decoder with cross-attention) "
-                              "is not supported")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "GPT2Config":
-        # PreTrainedConfig.__setattr__ through attribute_map: hidden_size=... sets n_embd (the GPT-2 name wins)
+    def from_dict(cls, data: dict[str, Any]) -> "GPT2StyleConfig":
+        # PreTrainedConfig.__setattr__ through attribute_map: hidden_size=... sets n_embd (the model's own name wins)
         fields = dict(data)
         for generic, own in ATTRIBUTE_MAP.items():
             if generic in fields and own not in fields:
@@ -113,6 +108,22 @@ class GPT2Config(BaseConfig):
 
     def rope_key(self, kind: str) -> str | None:
         return None
+
+
+@dataclass
+class GPT2Config(GPT2StyleConfig):
+    model_type: ClassVar[str] = "gpt2"
+
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+    reorder_and_upcast_attn: bool = False
+    add_cross_attention: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.add_cross_attention:
+            raise ConfigError("config field add_cross_attention=true (GPT-2 as a decoder with cross-attention) "
+                              "is not supported")
 
 
 class GPT2Attention(LlamaAttention):
@@ -324,17 +335,6 @@ class GPT2ForQuestionAnswering(DecoderForQuestionAnswering):
                                past_key_values=past_key_values, num_items_in_batch=num_items_in_batch)
 
 
-class GPT2KeyMap(KeyMap):
-    """The old causal-mask buffers (``attn.bias``, ``attn.masked_bias``) some checkpoints carry are skipped, as
-    transformers' ``_keys_to_ignore_on_load_unexpected``; everything else is LLaMA's table."""
-
-    OLD_BUFFERS = re.compile(r"(^|\.)(attn|crossattention)\.(bias|masked_bias)$")
-
-    def normalise(self, tensors: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
-        kept = {k: t for k, t in tensors.items() if not (isinstance(k, str) and self.OLD_BUFFERS.search(k))}
-        return super().normalise(kept, *args, **kwargs)
-
-
 @register
 class GPT2(Llama):
     model_type = "gpt2"
@@ -342,6 +342,8 @@ class GPT2(Llama):
     prefix = "transformer"
     config_class = GPT2Config
     backbone_class = GPT2Model
+    # the old causal-mask buffers some checkpoints carry (transformers' _keys_to_ignore_on_load_unexpected)
+    ignored_keys = (r"(^|\.)(attn|crossattention)\.(bias|masked_bias)$",)
     task_models = {"causal_lm": GPT2LMHeadModel, "seqcls": GPT2ForSequenceClassification,
                    "tokcls": GPT2ForTokenClassification, "qa": GPT2ForQuestionAnswering}
     # only GPT2LMHeadModel's loss is self.loss_function(..., **kwargs); its QA head computes its own
@@ -352,10 +354,6 @@ class GPT2(Llama):
     @classmethod
     def architecture(cls, task: str) -> str:
         return cls.ARCHITECTURES.get(task) or super().architecture(task)
-
-    @classmethod
-    def key_map(cls) -> KeyMap:
-        return GPT2KeyMap(cls.prefix, cls.key_renames, cls.legacy_suffixes)
 
     @classmethod
     def max_sequence_length(cls, config: GPT2Config) -> int | None:

@@ -15,7 +15,6 @@ Mirrors ``transformers.models.gpt_neox.modeling_gpt_neox`` (5.24); config names 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -27,7 +26,6 @@ from flodl_hf.decoder import KVCache, Rope, _number
 from flodl_hf.errors import ConfigError
 from flodl_hf.heads import TokenClassifier
 from flodl_hf.heads.causal_lm import ModelForCausalLM
-from flodl_hf.keys import KeyMap
 from flodl_hf.layers import LazyBuffers, activation
 from flodl_hf.modeling import Backbone, HeadPart
 from flodl_hf.outputs import BaseModelOutputWithPast, CausalLMOutput, SequenceClassifierOutputWithPast
@@ -248,17 +246,6 @@ class GPTNeoXForQuestionAnswering(GPT2ForQuestionAnswering):
     """GPT-2's positional order (input_ids, attention_mask, token_type_ids, ...), shared; token types refused."""
 
 
-class GPTNeoXKeyMap(KeyMap):
-    """The old per-layer buffers (``attention.bias``, ``attention.masked_bias``, ``attention.rotary_emb.inv_freq``)
-    some checkpoints carry are skipped, as transformers drops them; everything else is the table."""
-
-    OLD_BUFFERS = re.compile(r"(^|\.)attention\.(bias|masked_bias|rotary_emb\.inv_freq)$")
-
-    def normalise(self, tensors: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
-        kept = {k: t for k, t in tensors.items() if not (isinstance(k, str) and self.OLD_BUFFERS.search(k))}
-        return super().normalise(kept, *args, **kwargs)
-
-
 @register
 class GPTNeoX(Llama):
     model_type = "gpt_neox"
@@ -273,10 +260,8 @@ class GPTNeoX(Llama):
     # the module is lm_head, its key in a file embed_out.weight: transformers' conversion mapping renames it so on
     # load and back on save_pretrained, and so do load and export here
     key_renames = (("embed_out.weight", "lm_head.weight"),)
-
-    @classmethod
-    def key_map(cls) -> KeyMap:
-        return GPTNeoXKeyMap(cls.prefix, cls.key_renames, cls.legacy_suffixes)
+    # the old per-layer buffers some checkpoints carry, which transformers drops
+    ignored_keys = (r"(^|\.)attention\.(bias|masked_bias|rotary_emb\.inv_freq)$",)
 
     @classmethod
     def token_head(cls, config: GPTNeoXConfig) -> HeadPart:

@@ -17,8 +17,6 @@ a head) is refused at load."""
 
 from __future__ import annotations
 
-import copy
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,91 +24,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flodl_hf.config import Activation, BaseConfig
 from flodl_hf.errors import ConfigError
 from flodl_hf.heads.causal_lm import LMHead, ModelForCausalLM
-from flodl_hf.keys import KeyMap
 from flodl_hf.layers import LazyBuffers, activation, record_attention
 from flodl_hf.modeling import Backbone, HeadPart
 from flodl_hf.outputs import BaseModelOutputWithPast, CausalLMOutput
 from flodl_hf.registry import register
 
-from .gpt2 import ATTRIBUTE_MAP, GPT2KeyMap
-from .llama import FULL, Llama, LlamaAttention, LlamaModel
+from .gpt2 import GPT2, GPT2StyleConfig
+from .llama import Llama, LlamaAttention, LlamaModel
 
 
 @dataclass
-class GPTJConfig(BaseConfig):
+class GPTJConfig(GPT2StyleConfig):
     model_type: ClassVar[str] = "gptj"
-    enum_fields: ClassVar[dict[str, type]] = {"activation_function": Activation}
 
     vocab_size: int = 50400
     n_positions: int = 2048
     n_embd: int = 4096
     n_layer: int = 28
     n_head: int = 16
-    rotary_dim: int = 64
-    n_inner: int | None = None
-    activation_function: Activation = Activation.GELU_NEW
     resid_pdrop: float = 0.0
     embd_pdrop: float = 0.0
     attn_pdrop: float = 0.0
-    layer_norm_epsilon: float = 1e-5
-    use_cache: bool = True
-    bos_token_id: int | None = 50256
-    eos_token_id: int | list[int] | None = 50256
-    pad_token_id: int | None = None
     tie_word_embeddings: bool = False
+    rotary_dim: int = 64
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("vocab_size", "n_positions", "n_embd", "n_head"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"config (gptj): field {name}={getattr(self, name)} must be > 0")
-        if self.n_embd % self.n_head:
-            raise ConfigError(f"config (gptj): field n_embd={self.n_embd} is not a multiple of n_head={self.n_head}")
-        for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError(f"config (gptj): field {name}={getattr(self, name)!r} is a dropout probability: "
-                                  "it must lie in [0, 1]")
-        if not (math.isfinite(self.layer_norm_epsilon) and self.layer_norm_epsilon > 0):
-            raise ConfigError(f"config (gptj): field layer_norm_epsilon={self.layer_norm_epsilon!r} must be finite "
-                              "and > 0")
         # GPTJConfig's strict int; the table's doubled halves must match the turned slice of each head (GPTJAttention
         # broadcasts them against it): anything else fails in transformers
         rotary, head_dim = self.rotary_dim, self.n_embd // self.n_head
         if isinstance(rotary, bool) or not isinstance(rotary, int) or rotary < 2 or rotary % 2 or rotary > head_dim:
             raise ConfigError(f"config (gptj): field rotary_dim={rotary!r} must be an even number of dimensions "
                               f"from 2 to the head size {head_dim}")
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "GPTJConfig":
-        # PreTrainedConfig.__setattr__ through attribute_map: hidden_size=... sets n_embd (the GPT-J name wins)
-        fields = dict(data)
-        for generic, own in ATTRIBUTE_MAP.items():
-            if generic in fields and own not in fields:
-                fields[own] = fields[generic]
-        config = super().from_dict(fields)
-        config.raw = copy.deepcopy(dict(data))  # written back as it came
-        return config
-
-    # the generic names (attribute_map) and what LLaMA's shared parts read
-    hidden_size = property(lambda self: self.n_embd)
-    max_position_embeddings = property(lambda self: self.n_positions)
-    num_attention_heads = property(lambda self: self.n_head)
-    num_hidden_layers = property(lambda self: self.n_layer)
-    kv_heads = num_attention_heads
-    attention_head_dim = property(lambda self: self.n_embd // self.n_head)
-    attention_dropout = property(lambda self: self.attn_pdrop)
-
-    def layer_kinds(self) -> list[str]:
-        return [FULL] * self.n_layer
-
-    def window(self, kind: str) -> int | None:
-        return None
-
-    def rope_key(self, kind: str) -> str | None:
-        return None
 
 
 def create_sinusoidal_positions(num_pos: int, dim: int, device: torch.device | None = None) -> torch.Tensor:
@@ -292,15 +239,12 @@ class GPTJ(Llama):
     prefix = "transformer"
     config_class = GPTJConfig
     backbone_class = GPTJModel
+    ignored_keys = GPT2.ignored_keys  # the same old attn.bias / attn.masked_bias buffers
     tasks = ("base", "causal_lm", "seqcls", "qa")  # transformers has no GPTJForTokenClassification
     # GenericForSequenceClassification / GenericForQuestionAnswering, as LLaMA's (the QA backbone under
     # transformer, which is GPT-J's prefix anyway)
     task_models = {**{t: m for t, m in Llama.task_models.items() if t in ("seqcls", "qa")},
                    "causal_lm": GPTJForCausalLM}
-
-    @classmethod
-    def key_map(cls) -> KeyMap:
-        return GPT2KeyMap(cls.prefix, cls.key_renames, cls.legacy_suffixes)
 
     @classmethod
     def max_sequence_length(cls, config: GPTJConfig) -> int | None:

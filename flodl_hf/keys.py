@@ -40,13 +40,16 @@ def has_pooler(keys: Iterable[str]) -> bool:
 
 
 class KeyMap:
-    """One family's key table: backbone prefix, invertible renames, one-way legacy suffixes."""
+    """One family's key table: backbone prefix, invertible renames, one-way legacy suffixes, and regexes of keys
+    a checkpoint may carry that are skipped on load (besides IGNORED_KEY)."""
 
     def __init__(self, prefix: str, renames: tuple[tuple[str, str], ...] = (),
-                 legacy: tuple[tuple[str, str], ...] = ()) -> None:
+                 legacy: tuple[tuple[str, str], ...] = (), ignored: tuple[str, ...] = ()) -> None:
         self.prefix = prefix
         self.renames = tuple(renames)
         self.legacy = tuple(legacy)
+        self.ignored = tuple(ignored)
+        self._ignored = re.compile("|".join(f"(?:{p})" for p in self.ignored)) if self.ignored else None
         self._fwd = [(self._compile(hf), native) for hf, native in self.renames]
         self._rev = [(self._compile(native), hf) for hf, native in self.renames]
 
@@ -88,7 +91,7 @@ class KeyMap:
                 raise CheckpointFormatError(f"state_dict key {key!r} is a {type(key).__name__}, not a tensor name (str)")
             if not isinstance(tensor, torch.Tensor):
                 raise CheckpointFormatError(f"state_dict entry {key!r} is a {type(tensor).__name__}, not a tensor")
-            if IGNORED_KEY.search(key):
+            if IGNORED_KEY.search(key) or (self._ignored is not None and self._ignored.search(key)):
                 continue
             state[self.to_native(key)] = tensor
         prefix = self.prefix + "."
@@ -140,7 +143,7 @@ def normalise(model: nn.Module, tensors: dict[str, torch.Tensor], shapes: dict[s
         shapes, aliases = expected(model)
     key_map = model.family.key_map()
     if model.base_model_prefix and model.base_model_prefix != key_map.prefix:  # a task model's own mount point
-        key_map = KeyMap(model.base_model_prefix, key_map.renames, key_map.legacy)
+        key_map = KeyMap(model.base_model_prefix, key_map.renames, key_map.legacy, key_map.ignored)
     return key_map.normalise(tensors, shapes, aliases, bool(model.base_model_prefix), untied)
 
 

@@ -40,6 +40,8 @@ class Family:
     key_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
     # Old spellings a checkpoint may use, mapped one way on load (suffix -> suffix); export writes today's.
     legacy_suffixes: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # Regexes of checkpoint keys skipped on load, as transformers' _keys_to_ignore_on_load_unexpected (old buffers).
+    ignored_keys: ClassVar[tuple[str, ...]] = ()
     # Attention paths transformers has for this family, declared once (DeBERTa has only its own, "eager").
     # Parity runs each; a model asked for a path its family lacks runs the first one.
     attn_implementations: ClassVar[tuple[str, ...]] = ("sdpa", "eager")
@@ -91,9 +93,9 @@ class Family:
 
     @classmethod
     def key_map(cls) -> "KeyMap":
-        """How this family's checkpoint keys map to module keys (prefix, renames, legacy spellings)."""
+        """How this family's checkpoint keys map to module keys (prefix, renames, legacy spellings, keys skipped)."""
         from .keys import KeyMap
-        return KeyMap(cls.prefix, cls.key_renames, cls.legacy_suffixes)
+        return KeyMap(cls.prefix, cls.key_renames, cls.legacy_suffixes, cls.ignored_keys)
 
     # ---- head parts: defaults shared by the BERT lineage; families override what differs ----
     @classmethod
