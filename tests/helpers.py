@@ -6,12 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from flodl_hf.parity import quiet_transformers
+from flodl_hf.parity import REFERENCE_CLASSES, quiet_transformers, reference_model
 from flodl_hf.matrix import generate_checkpoint
 
 CACHE = Path(os.environ.get("FLODL_HF_TEST_CACHE", Path(__file__).resolve().parent.parent / ".test-cache"))
@@ -40,3 +41,66 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def model_pair(source, task: str = "causal_lm", impl: str = "sdpa", dtype: torch.dtype = torch.float32):
+    """Ours and transformers' model of ``source`` for ``task`` on attention path ``impl``, in ``dtype``, both in
+    eval mode (load warnings hidden)."""
+    from flodl_hf.auto import load_model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = load_model(source, task, dtype=dtype, attn_implementation=impl).eval()
+        if dtype == torch.float32:
+            theirs = reference_model(source, task, impl)
+        else:
+            theirs = getattr(quiet_transformers(), REFERENCE_CLASSES[task]).from_pretrained(
+                str(source), dtype=dtype, attn_implementation=impl).eval()
+    return ours, theirs
+
+
+def left_padded(vocab: int, lengths=(9, 6, 3), seed: int = 1, low: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded batch of random ids in [low, vocab) with rows of ``lengths`` real tokens, and its mask."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(low, vocab, (len(lengths), width), generator=gen)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, width - n:] = 1
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def assert_training_step_equal(ours, theirs, batch: dict) -> torch.Tensor:
+    """One train-mode forward and backward of each model on ``batch`` from the same seed: the loss and every
+    parameter's gradient torch.equal, parameters paired in order (transformers' names through our key map).
+    Returns our loss."""
+    ours.train(), theirs.train()
+    losses = []
+    for model in (ours, theirs):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        out = model(**batch)
+        out.loss.backward()
+        losses.append(out.loss.detach())
+    assert torch.equal(*losses), (losses[0].item(), losses[1].item())
+    key_map = ours.family.key_map()
+    for (name, p), (their_name, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
+        assert key_map.to_hf(name) == key_map.to_hf(key_map.to_native(their_name)), (name, their_name)
+        assert torch.equal(p.grad, q.grad), name
+    return losses[0]
+
+
+def dropout_acted(model, batch: dict, loss: torch.Tensor) -> bool:
+    """Whether ``model`` in eval mode gives another loss on ``batch`` than ``loss`` (taken in train mode)."""
+    model.eval()
+    torch.manual_seed(0)
+    return not torch.equal(model(**batch).loss, loss)
+
+
+def assert_generate_equal(ours, theirs, ids: torch.Tensor, mask: torch.Tensor, **settings) -> None:
+    """transformers' generate and ours from the same seed give the same ids (pad 0, eos 2, 8 new tokens)."""
+    from flodl_hf.generate import generate_ids
+    settings = {"max_new_tokens": 8, "pad_token_id": 0, "eos_token_id": 2, **settings}
+    torch.manual_seed(7)
+    reference = theirs.generate(input_ids=ids, attention_mask=mask, **settings)
+    torch.manual_seed(7)
+    assert torch.equal(generate_ids(ours, ids, mask, **settings), reference)

@@ -19,11 +19,11 @@ from flodl_hf.auto import AutoConfig, load_model
 from flodl_hf.errors import ConfigError, InputError
 from flodl_hf.export import export
 from flodl_hf.generate import generate_ids
-from flodl_hf.parity import REFERENCE_CLASSES, make_batch, quiet_transformers, reference_model
+from flodl_hf.parity import REFERENCE_CLASSES, make_batch, quiet_transformers
 from flodl_hf.verify import verify_export
 
 from cases import CASES
-from helpers import make_checkpoint, one_thread  # noqa: F401  (fixture)
+from helpers import assert_generate_equal, left_padded, make_checkpoint, model_pair, one_thread  # noqa: F401  (fixture)
 from test_tokenizer import assert_same, compare
 from test_tokenizer_dirs import PAIRS, SAMPLES, _done, _write_config, byte_level_bpe, saved_dir
 
@@ -33,12 +33,6 @@ FIELDS = {case_id: fields for case_id, _task, fields in CASES}
 SMALL = FIELDS["gpt2-hd24-causal_lm"]
 
 
-def _pair(source, task: str = "causal_lm", impl: str = "sdpa"):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ours = load_model(source, task, dtype=torch.float32, attn_implementation=impl).eval()
-        theirs = reference_model(source, task, impl).eval()
-    return ours, theirs
 
 
 # ---- Conv1D ----------------------------------------------------------------------------------------------------
@@ -48,7 +42,7 @@ def test_conv1d_keeps_transformers_layout_and_op():
     from transformers.pytorch_utils import Conv1D as TheirConv1D
 
     from flodl_hf.families.gpt2 import Conv1D
-    ours, theirs = _pair(make_checkpoint(SMALL, "causal_lm"))
+    ours, theirs = model_pair(make_checkpoint(SMALL, "causal_lm"))
     mine, hf = ours.state_dict(), theirs.state_dict()
     assert {k: v.shape for k, v in mine.items()} == {k: v.shape for k, v in hf.items()}
     assert mine["transformer.h.0.attn.c_attn.weight"].shape == (96, 3 * 96)  # (in, out), as transformers stores it
@@ -138,7 +132,7 @@ def test_config_takes_transformers_names_and_refuses_what_is_not_implemented(tmp
 
 @torch.inference_mode()
 def test_token_types_go_through_wte_and_cross_attention_inputs_are_refused():
-    ours, theirs = _pair(make_checkpoint(SMALL, "causal_lm"), impl="eager")
+    ours, theirs = model_pair(make_checkpoint(SMALL, "causal_lm"), impl="eager")
     batch = make_batch(ours.config, "causal_lm")
     types = torch.randint(0, 5, batch["input_ids"].shape, generator=torch.Generator().manual_seed(3))
     assert torch.equal(ours(**batch, token_type_ids=types).logits, theirs(**batch, token_type_ids=types).logits)
@@ -148,14 +142,6 @@ def test_token_types_go_through_wte_and_cross_attention_inputs_are_refused():
 
 # ---- generation ------------------------------------------------------------------------------------------------
 
-def _left_padded(vocab: int, lengths=(9, 6, 3)):
-    gen = torch.Generator().manual_seed(1)
-    width = max(lengths)
-    ids = torch.randint(1, vocab, (len(lengths), width), generator=gen)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        mask[row, width - n:] = 1
-    return ids.masked_fill(mask == 0, 0), mask
 
 
 @pytest.mark.parametrize("settings", [dict(num_beams=3, early_stopping=True),
@@ -164,21 +150,16 @@ def _left_padded(vocab: int, lengths=(9, 6, 3)):
                          ids=["beams", "sampled", "penalties"])
 @torch.inference_mode()
 def test_generate_equals_transformers_with_left_padding(settings):
-    ours, theirs = _pair(make_checkpoint(SMALL, "causal_lm"), impl="sdpa")
-    ids, mask = _left_padded(ours.config.vocab_size)
-    torch.manual_seed(7)
-    reference = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0,
-                                eos_token_id=2, **settings)
-    torch.manual_seed(7)
-    assert torch.equal(generate_ids(ours, ids, mask, max_new_tokens=8, pad_token_id=0, eos_token_id=2, **settings),
-                       reference)
+    ours, theirs = model_pair(make_checkpoint(SMALL, "causal_lm"), impl="sdpa")
+    ids, mask = left_padded(ours.config.vocab_size)
+    assert_generate_equal(ours, theirs, ids, mask, **settings)
 
 
 @torch.inference_mode()
 def test_generate_runs_to_the_end_of_the_position_table_as_transformers():
     """wpe has n_positions rows: transformers caps max_length there; so do we, and the last step is equal."""
-    ours, theirs = _pair(make_checkpoint(SMALL, "causal_lm"), impl="eager")
-    ids, mask = _left_padded(ours.config.vocab_size, lengths=(60, 58))
+    ours, theirs = model_pair(make_checkpoint(SMALL, "causal_lm"), impl="eager")
+    ids, mask = left_padded(ours.config.vocab_size, lengths=(60, 58))
     reference = theirs.generate(input_ids=ids, attention_mask=mask, max_length=64, pad_token_id=0, eos_token_id=[])
     assert torch.equal(generate_ids(ours, ids, mask, max_length=64, pad_token_id=0, eos_token_id=[]), reference)
 

@@ -21,12 +21,11 @@ from flodl_hf import AutoTokenizer
 from flodl_hf.auto import AutoConfig, load_model
 from flodl_hf.errors import ConfigError, InputError
 from flodl_hf.export import export
-from flodl_hf.generate import generate_ids
-from flodl_hf.parity import REFERENCE_CLASSES, check_parity, make_batch, quiet_transformers, reference_model
+from flodl_hf.parity import REFERENCE_CLASSES, check_parity, make_batch, quiet_transformers
 from flodl_hf.verify import verify_export
 
 from cases import CASES
-from helpers import make_checkpoint, one_thread  # noqa: F401  (fixture)
+from helpers import assert_generate_equal, assert_training_step_equal, dropout_acted, left_padded, make_checkpoint, model_pair, one_thread  # noqa: F401  (fixture)
 from test_tokenizer import assert_same, compare
 from test_tokenizer_dirs import PAIRS, SAMPLES, _done, _write_config, byte_level_bpe, saved_dir
 
@@ -39,22 +38,8 @@ _SIZES = dict(hidden_size=96, num_attention_heads=4, num_hidden_layers=1, interm
               max_position_embeddings=64)
 
 
-def _pair(source, task: str = "causal_lm", impl: str = "sdpa"):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ours = load_model(source, task, dtype=torch.float32, attn_implementation=impl).eval()
-        theirs = reference_model(source, task, impl).eval()
-    return ours, theirs
 
 
-def _left_padded(vocab: int, lengths=(9, 6, 3)):
-    gen = torch.Generator().manual_seed(1)
-    width = max(lengths)
-    ids = torch.randint(1, vocab, (len(lengths), width), generator=gen)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        mask[row, width - n:] = 1
-    return ids.masked_fill(mask == 0, 0), mask
 
 
 # ---- RoPE: the fields as GPTNeoXConfig reads them ---------------------------------------------------------------
@@ -98,7 +83,7 @@ def test_rope_fields_turn_the_dimensions_transformers_turns(name):
 def test_scaled_and_oddly_spelled_ropes_run_as_transformers(name):
     fields = {"model_type": "gpt_neox", **_SIZES, "num_hidden_layers": 2, "pad_token_id": 0, **ROPES[name]}
     source = make_checkpoint(fields, "causal_lm")
-    ids, mask = _left_padded(fields["vocab_size"])
+    ids, mask = left_padded(fields["vocab_size"])
     result = check_parity(source, "causal_lm", "sdpa", batch={"input_ids": ids, "attention_mask": mask})
     assert result.exact, result.diffs
 
@@ -123,7 +108,7 @@ def test_config_refuses_what_transformers_would_run_otherwise(tmp_path, bad, fie
 def test_query_key_value_is_laid_out_per_head():
     """q, k, v are chunked from each head's 3 * head_size slice, as GPTNeoXAttention.forward views them (a flat
     split of the 3 * hidden outputs would give other tensors)."""
-    ours, theirs = _pair(make_checkpoint(SMALL, "causal_lm"))
+    ours, theirs = model_pair(make_checkpoint(SMALL, "causal_lm"))
     hidden = torch.randn(2, 5, 96, generator=torch.Generator().manual_seed(0))
     mine = [t.transpose(1, 2) for t in ours.backbone.layers[0].attention.project(hidden, (2, 5, -1, 24))]
     qkv = theirs.gpt_neox.layers[0].attention.query_key_value(hidden)
@@ -210,28 +195,12 @@ def test_training_with_dropouts_equals_transformers(fields, impl):
     are torch.equal; a model whose branch dropouts drew in another order would not be."""
     fields = {**fields, "hidden_dropout": 0.1, "attention_dropout": 0.1}
     source = make_checkpoint(fields, "causal_lm")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ours = load_model(source, "causal_lm", dtype=torch.float32, attn_implementation=impl).train()
-        theirs = reference_model(source, "causal_lm", impl).train()
+    ours, theirs = model_pair(source, "causal_lm", impl)
     assert ours.config.tie_word_embeddings is fields.get("tie_word_embeddings", False)
-    ids, mask = _left_padded(ours.config.vocab_size)
+    ids, mask = left_padded(ours.config.vocab_size)
     batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
-    losses = []
-    for model in (ours, theirs):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(0)
-        out = model(**batch)
-        out.loss.backward()
-        losses.append(out.loss.detach())
-    assert torch.equal(*losses)
-    key_map = ours.family.key_map()
-    for (name, p), (their_name, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
-        assert key_map.to_hf(name) == key_map.to_hf(key_map.to_native(their_name))
-        assert torch.equal(p.grad, q.grad), name
-    ours.eval()
-    torch.manual_seed(0)
-    assert not torch.equal(ours(**batch).loss, losses[0])  # the dropouts did act
+    loss = assert_training_step_equal(ours, theirs, batch)
+    assert dropout_acted(ours, batch, loss)
 
 
 # ---- generation -----------------------------------------------------------------------------------------------------
@@ -240,19 +209,14 @@ def test_training_with_dropouts_equals_transformers(fields, impl):
                                       dict(do_sample=True, top_k=20, temperature=0.7)], ids=["beams", "sampled"])
 @torch.inference_mode()
 def test_generate_equals_transformers_with_left_padding(settings):
-    ours, theirs = _pair(make_checkpoint(SEQUENTIAL, "causal_lm"), impl="sdpa")
-    ids, mask = _left_padded(ours.config.vocab_size)
-    torch.manual_seed(7)
-    reference = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0,
-                                eos_token_id=2, **settings)
-    torch.manual_seed(7)
-    assert torch.equal(generate_ids(ours, ids, mask, max_new_tokens=8, pad_token_id=0, eos_token_id=2, **settings),
-                       reference)
+    ours, theirs = model_pair(make_checkpoint(SEQUENTIAL, "causal_lm"), impl="sdpa")
+    ids, mask = left_padded(ours.config.vocab_size)
+    assert_generate_equal(ours, theirs, ids, mask, **settings)
 
 
 @torch.inference_mode()
 def test_token_types_are_refused():
-    ours, _ = _pair(make_checkpoint(SMALL, "causal_lm"))
+    ours, _ = model_pair(make_checkpoint(SMALL, "causal_lm"))
     batch = make_batch(ours.config, "causal_lm")
     with pytest.raises(InputError, match="token_type_ids"):
         ours(**batch, token_type_ids=torch.zeros_like(batch["input_ids"]))

@@ -19,12 +19,11 @@ from safetensors.torch import load_file, save_file
 from flodl_hf.auto import AutoConfig, load_model
 from flodl_hf.errors import ConfigError
 from flodl_hf.export import export
-from flodl_hf.generate import generate_ids
-from flodl_hf.parity import REFERENCE_CLASSES, make_batch, quiet_transformers
+from flodl_hf.parity import make_batch, quiet_transformers
 from flodl_hf.verify import verify_export
 
 from cases import CASES
-from helpers import make_checkpoint, one_thread  # noqa: F401  (fixture)
+from helpers import assert_generate_equal, assert_training_step_equal, dropout_acted, left_padded, make_checkpoint, model_pair, one_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,24 +32,8 @@ SMALL = FIELDS["gptj-hd24-causal_lm"]
 FULLROT = FIELDS["gptj-hd24-fullrot-tied-causal_lm"]
 
 
-def _pair(source, task: str = "causal_lm", impl: str = "sdpa", dtype=torch.float32):
-    transformers = quiet_transformers()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ours = load_model(source, task, dtype=dtype, attn_implementation=impl).eval()
-        theirs = getattr(transformers, REFERENCE_CLASSES[task]).from_pretrained(
-            str(source), dtype=dtype, attn_implementation=impl).eval()
-    return ours, theirs
 
 
-def _left_padded(vocab: int, lengths=(9, 6, 3)):
-    gen = torch.Generator().manual_seed(1)
-    width = max(lengths)
-    ids = torch.randint(1, vocab, (len(lengths), width), generator=gen)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        mask[row, width - n:] = 1
-    return ids.masked_fill(mask == 0, 0), mask
 
 
 # ---- the rotation ---------------------------------------------------------------------------------------------
@@ -63,7 +46,7 @@ def test_rotation_is_gptjs_interleaved_form(fields):
     from transformers.models.gptj import modeling_gptj as theirs_module
 
     from flodl_hf.decoder import apply_rotary_pos_emb as rotate_half_form
-    ours, theirs = _pair(make_checkpoint(fields, "causal_lm"))
+    ours, theirs = model_pair(make_checkpoint(fields, "causal_lm"))
     rotary = theirs.transformer.rotary_emb
     assert torch.equal(ours.backbone.embed_positions(None, None), rotary.embed_positions)
     positions = torch.tensor([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]])
@@ -105,7 +88,7 @@ def test_config_refuses_what_transformers_cannot_run(tmp_path, bad, field):
 @pytest.mark.parametrize("task", ["causal_lm", "seqcls"])
 @torch.inference_mode()
 def test_token_types_go_through_wte_as_transformers(task):
-    ours, theirs = _pair(make_checkpoint(SMALL, task), task, "eager")
+    ours, theirs = model_pair(make_checkpoint(SMALL, task), task, "eager")
     batch = make_batch(ours.config, task)
     batch["token_type_ids"] = (torch.arange(batch["input_ids"].shape[1]) % 3).expand_as(batch["input_ids"])
     a, b = ours(**batch, use_cache=False), theirs(**batch, use_cache=False)
@@ -117,8 +100,8 @@ def test_token_types_go_through_wte_as_transformers(task):
 @torch.inference_mode()
 def test_bfloat16_load_equals_transformers(impl):
     """dtype=bfloat16 at load: the eager path's float32 q k^T, the softmax cast back, the table's rows cast."""
-    ours, theirs = _pair(make_checkpoint(SMALL, "causal_lm"), impl=impl, dtype=torch.bfloat16)
-    ids, mask = _left_padded(ours.config.vocab_size)
+    ours, theirs = model_pair(make_checkpoint(SMALL, "causal_lm"), impl=impl, dtype=torch.bfloat16)
+    ids, mask = left_padded(ours.config.vocab_size)
     a = ours(input_ids=ids, attention_mask=mask, use_cache=False).logits
     b = theirs(input_ids=ids, attention_mask=mask, use_cache=False).logits
     assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b)
@@ -171,23 +154,12 @@ def test_training_with_dropouts_equals_transformers(fields, impl):
     contributions) are torch.equal."""
     fields = {**fields, "embd_pdrop": 0.1, "attn_pdrop": 0.1, "resid_pdrop": 0.1}
     source = make_checkpoint(fields, "causal_lm")
-    ours, theirs = _pair(source, "causal_lm", impl)
+    ours, theirs = model_pair(source, "causal_lm", impl)
     ours.train(), theirs.train()
-    ids, mask = _left_padded(ours.config.vocab_size)
+    ids, mask = left_padded(ours.config.vocab_size)
     batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
-    losses = []
-    for model in (ours, theirs):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(0)
-        out = model(**batch)
-        out.loss.backward()
-        losses.append(out.loss.detach())
-    assert torch.equal(*losses)
-    for (name, p), (their_name, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
-        assert name == their_name and torch.equal(p.grad, q.grad), name
-    ours.eval()
-    torch.manual_seed(0)
-    assert not torch.equal(ours(**batch).loss, losses[0])  # the dropouts did act
+    loss = assert_training_step_equal(ours, theirs, batch)
+    assert dropout_acted(ours, batch, loss)
 
 
 # ---- generation -------------------------------------------------------------------------------------------------
@@ -196,14 +168,9 @@ def test_training_with_dropouts_equals_transformers(fields, impl):
                                       dict(do_sample=True, top_k=20, temperature=0.7)], ids=["beams", "sampled"])
 @torch.inference_mode()
 def test_generate_equals_transformers_with_left_padding(settings):
-    ours, theirs = _pair(make_checkpoint(SMALL, "causal_lm"), impl="eager")
-    ids, mask = _left_padded(ours.config.vocab_size)
-    torch.manual_seed(7)
-    reference = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0,
-                                eos_token_id=2, **settings)
-    torch.manual_seed(7)
-    assert torch.equal(generate_ids(ours, ids, mask, max_new_tokens=8, pad_token_id=0, eos_token_id=2, **settings),
-                       reference)
+    ours, theirs = model_pair(make_checkpoint(SMALL, "causal_lm"), impl="eager")
+    ids, mask = left_padded(ours.config.vocab_size)
+    assert_generate_equal(ours, theirs, ids, mask, **settings)
 
 
 # ---- the tokenizer class and the LoRA default -------------------------------------------------------------------

@@ -12,20 +12,18 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import warnings
 from dataclasses import fields as dataclass_fields
 
 import pytest
 import torch
 
-from flodl_hf.auto import AutoConfig, load_model
+from flodl_hf.auto import AutoConfig
 from flodl_hf.errors import AdapterError, ConfigError
-from flodl_hf.generate import generate_ids
-from flodl_hf.parity import check_parity, make_batch, quiet_transformers, reference_model
+from flodl_hf.parity import check_parity, make_batch, quiet_transformers
 from flodl_hf.registry import get_family
 
 from cases import CASES
-from helpers import make_checkpoint, one_thread  # noqa: F401  (fixture)
+from helpers import assert_generate_equal, assert_training_step_equal, dropout_acted, left_padded, make_checkpoint, model_pair, one_thread  # noqa: F401  (fixture)
 from test_lora import TARGETS, test_peft_round_trip_and_training_step as peft_round_trip
 from test_tokenizer import compare
 from test_tokenizer_dirs import PAIRS, SAMPLES, _done, _write_config, byte_level_bpe, saved_dir
@@ -41,22 +39,8 @@ _SIZES = dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=4, num_
               intermediate_size=160, vocab_size=512, max_position_embeddings=64)
 
 
-def _pair(source, task: str = "causal_lm", impl: str = "sdpa"):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ours = load_model(source, task, dtype=torch.float32, attn_implementation=impl).eval()
-        theirs = reference_model(source, task, impl).eval()
-    return ours, theirs
 
 
-def _left_padded(vocab: int, lengths=(9, 6, 3)):
-    gen = torch.Generator().manual_seed(1)
-    width = max(lengths)
-    ids = torch.randint(3, vocab, (len(lengths), width), generator=gen)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        mask[row, width - n:] = 1
-    return ids.masked_fill(mask == 0, 0), mask
 
 
 @pytest.mark.parametrize("model_type", ["starcoder2", "stablelm"])
@@ -118,7 +102,7 @@ def test_stablelm_scaled_ropes_run_as_transformers(name):
     fields = {"model_type": "stablelm", **_SIZES, "num_hidden_layers": 2, "pad_token_id": 0, "qk_layernorm": True,
               **ROPES[name]}
     source = make_checkpoint(fields, "causal_lm")
-    ids, mask = _left_padded(fields["vocab_size"])
+    ids, mask = left_padded(fields["vocab_size"], low=3)
     result = check_parity(source, "causal_lm", "sdpa", batch={"input_ids": ids, "attention_mask": mask})
     assert result.exact, result.diffs
 
@@ -141,7 +125,7 @@ def test_stablelm_config_refuses_what_transformers_would_not_run_so(tmp_path, ba
 def test_stablelm_per_head_norms_act_and_are_transformers():
     """k_layernorm has one norm per KV head (2 here), q_layernorm one per query head; putting one head's weight
     back to ones on both sides changes the logits, and both sides still agree."""
-    ours, theirs = _pair(make_checkpoint(STABLELM, "causal_lm"), impl="eager")
+    ours, theirs = model_pair(make_checkpoint(STABLELM, "causal_lm"), impl="eager")
     attention = ours.model.layers[0].self_attn
     assert len(attention.q_layernorm.norms) == 4 and len(attention.k_layernorm.norms) == 2
     assert all(n.bias is None for n in attention.k_layernorm.norms)
@@ -159,8 +143,8 @@ def test_stablelm_per_head_norms_act_and_are_transformers():
 def test_stablelm_returns_a_given_cache_without_use_cache():
     """StableLmModel.forward returns ``cache`` whatever ``use_cache`` says: a step on a cache with use_cache=False
     gives it back updated, with transformers' keys and values; with no cache given there is none."""
-    ours, theirs = _pair(make_checkpoint(STABLELM, "causal_lm"))
-    ids, mask = _left_padded(ours.config.vocab_size)
+    ours, theirs = model_pair(make_checkpoint(STABLELM, "causal_lm"))
+    ids, mask = left_padded(ours.config.vocab_size, low=3)
     first = dict(input_ids=ids[:, :6], attention_mask=mask[:, :6], use_cache=True)
     a, b = ours(**first), theirs(**first)
     step = dict(input_ids=ids[:, 6:], attention_mask=mask, use_cache=False)
@@ -191,28 +175,12 @@ def test_training_with_dropouts_equals_transformers(fields, task, impl):
     """The same seed draws the same masks in the same order on both sides, so the loss and every gradient (tied
     embeddings' two contributions included) are torch.equal; and the dropouts did act."""
     source = make_checkpoint(fields, task)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ours = load_model(source, task, dtype=torch.float32, attn_implementation=impl).train()
-        theirs = reference_model(source, task, impl).train()
-    ids, mask = _left_padded(ours.config.vocab_size)
+    ours, theirs = model_pair(source, task, impl)
+    ids, mask = left_padded(ours.config.vocab_size, low=3)
     labels = ids.masked_fill(mask == 0, -100) if task == "causal_lm" else (ids % 3).masked_fill(mask == 0, -100)
     batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
-    losses = []
-    for model in (ours, theirs):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(0)
-        out = model(**batch)
-        out.loss.backward()
-        losses.append(out.loss.detach())
-    assert torch.equal(*losses)
-    for (name, p), (their_name, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
-        assert name == their_name
-        assert torch.equal(p.grad, q.grad), name
-    ours.eval()
-    torch.manual_seed(0)
-    acted = not torch.equal(ours(**batch).loss, losses[0])
-    assert acted == (task == "causal_lm")  # the token classifier's dropout is hidden_dropout's 0.0
+    loss = assert_training_step_equal(ours, theirs, batch)
+    assert dropout_acted(ours, batch, loss) == (task == "causal_lm")  # the token classifier's dropout is hidden_dropout's 0.0
 
 
 # ---- generation ------------------------------------------------------------------------------------------------------
@@ -223,14 +191,9 @@ def test_training_with_dropouts_equals_transformers(fields, task, impl):
 @torch.inference_mode()
 def test_generate_equals_transformers_with_left_padding(fields, settings):
     """Past StarCoder2's window of 4 (the cache keeps the last 3 tokens per layer) and StableLM's partial RoPE."""
-    ours, theirs = _pair(make_checkpoint(fields, "causal_lm"), impl="sdpa")
-    ids, mask = _left_padded(ours.config.vocab_size)
-    torch.manual_seed(7)
-    reference = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0,
-                                eos_token_id=2, **settings)
-    torch.manual_seed(7)
-    assert torch.equal(generate_ids(ours, ids, mask, max_new_tokens=8, pad_token_id=0, eos_token_id=2, **settings),
-                       reference)
+    ours, theirs = model_pair(make_checkpoint(fields, "causal_lm"), impl="sdpa")
+    ids, mask = left_padded(ours.config.vocab_size, low=3)
+    assert_generate_equal(ours, theirs, ids, mask, **settings)
 
 
 # ---- the tokenizer and LoRA ------------------------------------------------------------------------------------------
