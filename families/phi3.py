@@ -61,18 +61,14 @@ class Phi3Config(MistralConfig):
         return int(self.attention_head_dim * self._partial_factor)
 
     def rope(self, key: str | None = None) -> Rope:
-        """Phi3Config.convert_rope_params_to_dict: the old type names ``su`` and ``yarn`` become ``longrope``
-        after ``standardize_rope_params``, which moved the top-level original_max_position_embeddings into the
-        dict for ``yarn`` but not for ``su``: an ``su`` dict without its own is refused (transformers' longrope
-        validation raises a KeyError on it). The top-level field (default 4096) is the one used, whatever the dict
-        says (standardize_rope_params' Phi3 exception)."""
+        """Phi3Config.convert_rope_params_to_dict: the old type names ``su`` and ``yarn`` become ``longrope``. The
+        top-level original_max_position_embeddings (default 4096) is the one used, whatever the dict says
+        (standardize_rope_params' Phi3 exception), also for an ``su`` dict without one of its own: transformers
+        5.25 renames before standardizing, so the top-level field fills it (5.24 standardized first and failed
+        with a KeyError)."""
         scaling, parameters = self.rope_scaling, self.rope_parameters
         given = scaling or parameters
         if isinstance(given, dict) and given.get("rope_type", given.get("type")) in ("su", "yarn"):
-            source = "rope_scaling" if scaling else "rope_parameters"
-            if given.get("rope_type", given.get("type")) == "su" and "original_max_position_embeddings" not in given:
-                raise ConfigError(f"config field {source} (type 'su', read as longrope) lacks "
-                                  "original_max_position_embeddings (transformers 5.24 requires it there)")
             given = {**given, "rope_type": "longrope"}
             scaling, parameters = (given, parameters) if scaling else (scaling, given)
         return Rope.resolve(parameters, scaling, self.rope_theta, self.default_theta, self.max_position_embeddings,

@@ -209,6 +209,25 @@ def test_older_spellings_read_as_transformers_reads_them(tmp_path, kind, nested_
         assert result.exact, (kind, name, result.diffs)
 
 
+def test_su_without_its_own_old_max_reads_as_longrope(tmp_path):
+    """An ``su`` dict without original_max_position_embeddings: transformers 5.25 renames su to longrope before
+    standardizing, so the top-level field fills it; 5.24 failed on it (KeyError). Ours reads it as 5.25 does:
+    equal to transformers' reading of the same file where it loads it, and always to its reading of the same dict
+    spelled longrope."""
+    su = _edit_config(_source(), tmp_path, "su", _to_rope_scaling("su", None))
+    spelled = _edit_config(_source(), tmp_path, "longrope", _to_rope_scaling("longrope", None))
+    ours = load_model(su, "causal_lm", dtype=torch.float32, attn_implementation="sdpa").eval()
+    references = [reference_model(spelled, "causal_lm", "sdpa")]
+    if not _transformers_refuses(su):
+        references.append(reference_model(su, "causal_lm", "sdpa"))
+    with torch.inference_mode():
+        for lengths in ((6, 3), (12, 5)):  # short of original_max_position_embeddings, and past it
+            batch = _batch(lengths)
+            got = ours(**batch, use_cache=False).logits
+            for theirs in references:
+                assert torch.equal(got, theirs(**batch, use_cache=False).logits), lengths
+
+
 def _prompt(lengths=(5, 3)) -> tuple[torch.Tensor, torch.Tensor]:
     batch = _batch(lengths, left=True, seed=3)
     return batch["input_ids"], batch["attention_mask"]
@@ -327,7 +346,6 @@ BAD = [
     ("old-max-one", lambda d: d.update(original_max_position_embeddings=1), "original_max_position_embeddings"),
     ("old-max-a-float", lambda d: d.update(original_max_position_embeddings=8.0), "original_max_position_embeddings"),
     ("old-max-a-string", lambda d: d.update(original_max_position_embeddings="8"), "original_max_position_embeddings"),
-    ("su-without-its-old-max", _to_rope_scaling("su", None), "original_max_position_embeddings"),
     ("rope-type-dynamic", _set_rope(rope_type="dynamic", factor=2.0), "rope_type"),
 ]
 
