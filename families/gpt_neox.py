@@ -23,7 +23,6 @@ from torch import nn
 
 from flodl_hf.config import Activation, BaseConfig
 from flodl_hf.decoder import KVCache, Rope, _number
-from flodl_hf.errors import ConfigError
 from flodl_hf.heads import TokenClassifier
 from flodl_hf.heads.causal_lm import ModelForCausalLM
 from flodl_hf.layers import LazyBuffers, activation
@@ -32,7 +31,8 @@ from flodl_hf.outputs import BaseModelOutputWithPast, CausalLMOutput, SequenceCl
 from flodl_hf.registry import register
 
 from .gpt2 import GPT2ForQuestionAnswering, GPT2ForTokenClassification
-from .llama import FULL, DecoderForSequenceClassification, Llama, LlamaAttention, LlamaModel
+from .llama import (FULL, DecoderForSequenceClassification, Llama, LlamaAttention, LlamaModel,
+                    check_heads_from_hidden)
 
 
 @dataclass
@@ -72,11 +72,7 @@ class GPTNeoXConfig(BaseConfig):
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "GPTNeoXConfig":
         config = super().from_dict(data)
-        head_dim = data.get("head_dim")
-        if head_dim is not None and head_dim != config.attention_head_dim:
-            # transformers' rotary module reads config.head_dim, its attention hidden_size // num_attention_heads
-            raise ConfigError(f"config field head_dim={head_dim!r}: GPT-NeoX's heads are hidden_size // "
-                              f"num_attention_heads = {config.attention_head_dim}")
+        check_heads_from_hidden(data, config, "GPT-NeoX")
         return config
 
     # what LLaMA's shared parts read

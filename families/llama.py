@@ -394,6 +394,15 @@ def last_token_index(input_ids: torch.Tensor | None, pad_token_id: int | None, b
     return (indices * non_pad).argmax(-1)
 
 
+def check_heads_from_hidden(data: dict, config: Any, family: str) -> None:
+    """For a family whose heads are always hidden_size // num_attention_heads (GPT-NeoX, StableLM): a config.json
+    ``head_dim`` that differs is a ConfigError (transformers' rotary module would read it, its attention not)."""
+    head_dim = data.get("head_dim")
+    if head_dim is not None and head_dim != config.attention_head_dim:
+        raise ConfigError(f"config field head_dim={head_dim!r}: {family}'s heads are hidden_size // "
+                          f"num_attention_heads = {config.attention_head_dim}")
+
+
 def token_dropout(config: Any) -> float:
     """GenericForTokenClassification's (and GPT2ForTokenClassification's) dropout: classifier_dropout, else
     hidden_dropout, else 0.1."""

@@ -23,7 +23,7 @@ from flodl_hf.modeling import HeadPart
 from flodl_hf.outputs import BaseModelOutputWithPast
 from flodl_hf.registry import register
 
-from .llama import Llama, LlamaAttention, LlamaConfig, LlamaModel, ScoreHead
+from .llama import Llama, LlamaAttention, LlamaConfig, LlamaModel, ScoreHead, check_heads_from_hidden
 
 
 @dataclass
@@ -58,11 +58,7 @@ class StableLmConfig(LlamaConfig):
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "StableLmConfig":
         config = super().from_dict(data)
-        head_dim = data.get("head_dim")
-        if head_dim is not None and head_dim != config.attention_head_dim:
-            # transformers' rotary module would read config.head_dim, its attention hidden_size // heads
-            raise ConfigError(f"config field head_dim={head_dim!r}: StableLM's heads are hidden_size // "
-                              f"num_attention_heads = {config.attention_head_dim}")
+        check_heads_from_hidden(data, config, "StableLM")
         return config
 
     norm_eps = property(lambda self: self.layer_norm_eps)
