@@ -104,3 +104,39 @@ def assert_generate_equal(ours, theirs, ids: torch.Tensor, mask: torch.Tensor, *
     reference = theirs.generate(input_ids=ids, attention_mask=mask, **settings)
     torch.manual_seed(7)
     assert torch.equal(generate_ids(ours, ids, mask, **settings), reference)
+
+
+def transformers_loaded(source, task: str):
+    """transformers' model of ``source`` for ``task`` (sdpa, float32, eval) and its loading info (missing,
+    unexpected and mismatched keys)."""
+    from flodl_hf.parity import REFERENCE_CLASSES as classes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, info = getattr(quiet_transformers(), classes[task]).from_pretrained(
+            str(source), output_loading_info=True, attn_implementation="sdpa", dtype=torch.float32)
+    return model.eval(), info
+
+
+def assert_same_output(ours, theirs, task: str) -> None:
+    """On the parity batch of ``task``: the logits (causal_lm) or the last hidden state (base) torch.equal."""
+    from flodl_hf.parity import make_batch
+    batch = make_batch(ours.config, task)
+    key = "logits" if task == "causal_lm" else "last_hidden_state"
+    assert torch.equal(getattr(ours(**batch), key), getattr(theirs(**batch), key))
+
+
+def export_as_save_pretrained(source, out: Path) -> tuple[set[str], object]:
+    """Export ``source`` (a causal LM) to ``out``: the written keys equal those transformers' save_pretrained
+    writes for the same checkpoint, and verify-export passes at diff 0. Returns the keys and the export result."""
+    from safetensors.torch import load_file
+    from flodl_hf.export import export
+    from flodl_hf.verify import verify_export
+    result = export(source, out / "ours")
+    written = set(load_file(str(result.out / "model.safetensors")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quiet_transformers().AutoModelForCausalLM.from_pretrained(str(source)).save_pretrained(str(out / "theirs"))
+    assert written == set(load_file(str(out / "theirs" / "model.safetensors")))
+    report = verify_export(result.out)
+    assert report.ok and report.max_abs_diff == 0.0, report.format_table()
+    return written, result

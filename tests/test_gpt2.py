@@ -17,13 +17,13 @@ from safetensors.torch import load_file, save_file
 from flodl_hf import AutoTokenizer
 from flodl_hf.auto import AutoConfig, load_model
 from flodl_hf.errors import ConfigError, InputError
-from flodl_hf.export import export
 from flodl_hf.generate import generate_ids
-from flodl_hf.parity import REFERENCE_CLASSES, make_batch, quiet_transformers
-from flodl_hf.verify import verify_export
+from flodl_hf.parity import make_batch, quiet_transformers
 
 from cases import CASES
-from helpers import assert_generate_equal, left_padded, make_checkpoint, model_pair, one_thread  # noqa: F401  (fixture)
+from helpers import (  # noqa: F401  (one_thread: a fixture)
+    assert_generate_equal, assert_same_output, export_as_save_pretrained, left_padded, make_checkpoint,
+    model_pair, one_thread, transformers_loaded)
 from test_tokenizer import assert_same, compare
 from test_tokenizer_dirs import PAIRS, SAMPLES, _done, _write_config, byte_level_bpe, saved_dir
 
@@ -78,35 +78,17 @@ def test_hub_checkpoint_without_prefix_and_with_old_buffers_loads_as_transformer
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # strict: an unexpected key fails, a missing one would be a warning
         ours = load_model(source, task, dtype=torch.float32).eval()
-    transformers = quiet_transformers()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        theirs, info = getattr(transformers, REFERENCE_CLASSES[task]).from_pretrained(
-            str(source), output_loading_info=True, attn_implementation="sdpa", dtype=torch.float32)
+    theirs, info = transformers_loaded(source, task)
     # transformers: nothing missing; attn.bias ignored (_keys_to_ignore_on_load_unexpected), masked_bias reported as
     # unexpected and dropped too (its pattern is "attn.bias")
     assert not info["missing_keys"] and not info["mismatched_keys"], info
     assert all(k.endswith(".attn.masked_bias") for k in info["unexpected_keys"]), info
-    theirs.eval()
-    batch = make_batch(ours.config, task)
-    a, b = ours(**batch), theirs(**batch)
-    key = "logits" if task == "causal_lm" else "last_hidden_state"
-    assert torch.equal(getattr(a, key), getattr(b, key))
+    assert_same_output(ours, theirs, task)
 
 
 def test_export_of_a_hub_checkpoint_writes_transformers_keys(tmp_path):
-    source = _hub_style(tmp_path)
-    result = export(source, tmp_path / "out")
-    written = set(load_file(str(result.out / "model.safetensors")))
-    transformers = quiet_transformers()
-    saved = tmp_path / "theirs"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        transformers.AutoModelForCausalLM.from_pretrained(str(source)).save_pretrained(str(saved))
-    assert written == set(load_file(str(saved / "model.safetensors")))
+    written, _ = export_as_save_pretrained(_hub_style(tmp_path), tmp_path)
     assert all(k.startswith("transformer.") and not k.endswith((".attn.bias", "masked_bias")) for k in written)
-    report = verify_export(result.out)
-    assert report.ok and report.max_abs_diff == 0.0, report.format_table()
 
 
 # ---- config ----------------------------------------------------------------------------------------------------

@@ -20,12 +20,12 @@ from safetensors.torch import load_file, save_file
 from flodl_hf import AutoTokenizer
 from flodl_hf.auto import AutoConfig, load_model
 from flodl_hf.errors import ConfigError, InputError
-from flodl_hf.export import export
-from flodl_hf.parity import REFERENCE_CLASSES, check_parity, make_batch, quiet_transformers
-from flodl_hf.verify import verify_export
+from flodl_hf.parity import check_parity, make_batch, quiet_transformers
 
 from cases import CASES
-from helpers import assert_generate_equal, assert_training_step_equal, dropout_acted, left_padded, make_checkpoint, model_pair, one_thread  # noqa: F401  (fixture)
+from helpers import (  # noqa: F401  (one_thread: a fixture)
+    assert_generate_equal, assert_same_output, assert_training_step_equal, dropout_acted,
+    export_as_save_pretrained, left_padded, make_checkpoint, model_pair, one_thread, transformers_loaded)
 from test_tokenizer import assert_same, compare
 from test_tokenizer_dirs import PAIRS, SAMPLES, _done, _write_config, byte_level_bpe, saved_dir
 
@@ -153,37 +153,19 @@ def test_hub_checkpoint_loads_as_transformers(tmp_path, task, lm_head_key):
         ours = load_model(source, task, dtype=torch.float32).eval()
     # the buffers go without a word; the bare backbone leaves the head unused, and says so
     assert [str(w.message).rpartition(": ")[2] for w in caught] == ([] if task == "causal_lm" else ["lm_head.weight"])
-    transformers = quiet_transformers()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        theirs, info = getattr(transformers, REFERENCE_CLASSES[task]).from_pretrained(
-            str(source), output_loading_info=True, attn_implementation="sdpa", dtype=torch.float32)
+    theirs, info = transformers_loaded(source, task)
     assert not info["missing_keys"] and not info["mismatched_keys"], info
     assert all(k.endswith(("embed_out.weight", "lm_head.weight")) for k in info["unexpected_keys"]), info
-    theirs.eval()
     assert ours.config.rotary_dim == 6
-    batch = make_batch(ours.config, task)
-    a, b = ours(**batch), theirs(**batch)
-    key = "logits" if task == "causal_lm" else "last_hidden_state"
-    assert torch.equal(getattr(a, key), getattr(b, key))
+    assert_same_output(ours, theirs, task)
 
 
 def test_export_of_a_hub_checkpoint_writes_transformers_keys(tmp_path):
-    source = _hub_style(tmp_path)
-    result = export(source, tmp_path / "out")
-    written = set(load_file(str(result.out / "model.safetensors")))
-    transformers = quiet_transformers()
-    saved = tmp_path / "theirs"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        transformers.AutoModelForCausalLM.from_pretrained(str(source)).save_pretrained(str(saved))
-    assert written == set(load_file(str(saved / "model.safetensors")))
+    written, result = export_as_save_pretrained(_hub_style(tmp_path), tmp_path)
     assert "embed_out.weight" in written and not any(k.endswith(("attention.bias", "masked_bias", "inv_freq"))
                                                      for k in written)
     config = json.loads((result.out / "config.json").read_text())
     assert config["rotary_pct"] == 0.25 and "rope_parameters" not in config  # the source's spelling, as it came
-    report = verify_export(result.out)
-    assert report.ok and report.max_abs_diff == 0.0, report.format_table()
 
 
 # ---- training with every dropout on -------------------------------------------------------------------------------

@@ -23,7 +23,9 @@ from flodl_hf.parity import make_batch, quiet_transformers
 from flodl_hf.verify import verify_export
 
 from cases import CASES
-from helpers import assert_generate_equal, assert_training_step_equal, dropout_acted, left_padded, make_checkpoint, model_pair, one_thread  # noqa: F401  (fixture)
+from helpers import (  # noqa: F401  (one_thread: a fixture)
+    assert_generate_equal, assert_training_step_equal, dropout_acted, left_padded, make_checkpoint, model_pair,
+    one_thread)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -23,7 +23,9 @@ from flodl_hf.parity import check_parity, make_batch, quiet_transformers
 from flodl_hf.registry import get_family
 
 from cases import CASES
-from helpers import assert_generate_equal, assert_training_step_equal, dropout_acted, left_padded, make_checkpoint, model_pair, one_thread  # noqa: F401  (fixture)
+from helpers import (  # noqa: F401  (one_thread: a fixture)
+    assert_generate_equal, assert_training_step_equal, dropout_acted, left_padded, make_checkpoint, model_pair,
+    one_thread)
 from test_lora import TARGETS, test_peft_round_trip_and_training_step as peft_round_trip
 from test_tokenizer import compare
 from test_tokenizer_dirs import PAIRS, SAMPLES, _done, _write_config, byte_level_bpe, saved_dir
