@@ -24,8 +24,7 @@ from cases import CASES
 from helpers import (  # noqa: F401  (one_thread: a fixture)
     assert_generate_equal, assert_same_output, export_as_save_pretrained, left_padded, make_checkpoint,
     model_pair, one_thread, transformers_loaded)
-from test_tokenizer import assert_same, compare
-from test_tokenizer_dirs import PAIRS, SAMPLES, _done, _write_config, byte_level_bpe, saved_dir
+from test_tokenizer_dirs import _done, assert_byte_level_tokenizer_equal, _write_config, byte_level_bpe, saved_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -170,20 +169,9 @@ def test_tokenizer_equals_transformers(name):
     ref = transformers.AutoTokenizer.from_pretrained(str(directory))
     ours = AutoTokenizer.from_pretrained(directory)
     assert type(ref).__name__ == "GPT2Tokenizer" and ours.settings.class_name == "GPT2Tokenizer"
-    for attr in ("model_input_names", "padding_side", "all_special_tokens", "vocab_size", "bos_token_id",
-                 "eos_token_id", "unk_token_id", "pad_token_id"):
-        assert getattr(ours, attr) == getattr(ref, attr), attr
-    assert ours.get_vocab() == ref.get_vocab()
-    extra = dict(return_offsets_mapping=True, return_special_tokens_mask=True)
-    for kwargs in (dict(padding=True), dict(padding=True, padding_side="left"), dict(truncation=True, max_length=6),
-                   dict(add_special_tokens=False, padding=True)):
-        compare(ours, ref, f"{name} {kwargs}", SAMPLES, **kwargs, **extra)
-    questions, contexts = map(list, zip(*PAIRS))
-    compare(ours, ref, f"{name} pairs", questions, contexts, padding=True, **extra)
-    for text in SAMPLES:
-        assert_same(ours(text, return_tensors=None, **extra), ref(text, **extra), f"{name} {text!r}")
-        ids = ref(text)["input_ids"]
-        assert ours.decode(ids) == ref.decode(ids)
+    assert_byte_level_tokenizer_equal(ours, ref, name, (
+        dict(padding=True), dict(padding=True, padding_side="left"), dict(truncation=True, max_length=6),
+        dict(add_special_tokens=False, padding=True)))
 
 
 def test_generate_texts_equal_the_text_generation_pipeline(tmp_path):

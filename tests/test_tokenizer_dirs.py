@@ -309,3 +309,22 @@ def test_model_max_length_as_transformers_writes_it_still_loads(tmp_path):
     for i, value in enumerate([512, VERY_LARGE_INTEGER, 1e30, 512.0]):
         ours = AutoTokenizer.from_pretrained(_edited_bert(tmp_path / str(i), {"model_max_length": value}))
         assert ours.model_max_length == int(value)
+
+
+def assert_byte_level_tokenizer_equal(ours, ref, name: str, variants: tuple[dict, ...]) -> None:
+    """A byte-level BPE tokenizer of a decoder against transformers': its settings, vocabulary, every call variant
+    (with offsets and special-token masks) on SAMPLES, pairs, single texts and decode."""
+    from test_tokenizer import assert_same, compare
+    for attr in ("model_input_names", "padding_side", "all_special_tokens", "vocab_size", "bos_token_id",
+                 "eos_token_id", "unk_token_id", "pad_token_id"):
+        assert getattr(ours, attr) == getattr(ref, attr), attr
+    assert ours.get_vocab() == ref.get_vocab()
+    extra = dict(return_offsets_mapping=True, return_special_tokens_mask=True)
+    for kwargs in variants:
+        compare(ours, ref, f"{name} {kwargs}", SAMPLES, **kwargs, **extra)
+    questions, contexts = map(list, zip(*PAIRS))
+    compare(ours, ref, f"{name} pairs", questions, contexts, padding=True, **extra)
+    for text in SAMPLES:
+        assert_same(ours(text, return_tensors=None, **extra), ref(text, **extra), f"{name} {text!r}")
+        ids = ref(text)["input_ids"]
+        assert ours.decode(ids) == ref.decode(ids)
