@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 
-from flodl_hf.decoder import ROPE_TYPES, Rope
+from flodl_hf.decoder import Rope
 from flodl_hf.errors import ConfigError
 from flodl_hf.registry import register
 
@@ -26,7 +26,6 @@ from .llama import FULL, SLIDING, LlamaAttention, LlamaConfig
 @dataclass
 class Gemma3TextConfig(Gemma2Config):
     model_type: ClassVar[str] = "gemma3_text"
-    rope_types: ClassVar[tuple[str, ...]] = (*ROPE_TYPES, "linear")
     default_theta: ClassVar[float] = 1_000_000.0  # Gemma3TextConfig.default_theta["global"]
     default_local_theta: ClassVar[float] = 10_000.0  # and ["local"]
 
@@ -76,6 +75,9 @@ class Gemma3TextConfig(Gemma2Config):
         else:
             theta = self.default_local_theta if self.rope_local_base_freq is None else self.rope_local_base_freq
         params.setdefault("rope_theta", theta)
+        # _compute_yarn_parameters reads truncate from config.rope_parameters itself, which holds only the layer
+        # types' dicts here: a nested truncate is never read, and yarn truncates
+        params.pop("truncate", None)
         return Rope.resolve(params, None, None, self.default_theta, self.max_position_embeddings,
                             self.raw.get("original_max_position_embeddings"), self.rope_types)
 

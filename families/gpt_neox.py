@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from flodl_hf.config import Activation, BaseConfig
-from flodl_hf.decoder import KVCache, Rope, _number
+from flodl_hf.decoder import ROPE_TYPES, KVCache, Rope, _number
 from flodl_hf.heads import TokenClassifier
 from flodl_hf.heads.causal_lm import ModelForCausalLM
 from flodl_hf.layers import LazyBuffers, activation
@@ -39,7 +39,7 @@ from .llama import (FULL, DecoderForSequenceClassification, Llama, LlamaAttentio
 class GPTNeoXConfig(BaseConfig):
     model_type: ClassVar[str] = "gpt_neox"
     enum_fields: ClassVar[dict[str, type]] = {"hidden_act": Activation}
-    rope_types: ClassVar[tuple[str, ...]] = ("default", "linear", "llama3")
+    rope_types: ClassVar[tuple[str, ...]] = ROPE_TYPES
 
     vocab_size: int = 50432
     hidden_size: int = 6144

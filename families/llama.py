@@ -307,21 +307,44 @@ class LlamaModel(Backbone):
 
     def rotary(self, key: str | None, position_ids: torch.Tensor,
                hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) of RoPE ``key``, as LlamaRotaryEmbedding.forward. A longrope (in a family whose
-        ``rope_types`` take it: Phi3) turns with its long frequencies when ``max(position_ids) + 1`` passes
-        original_max_position_embeddings, its short ones otherwise, as ``longrope_frequency_update`` (the long
-        ones land in the short ones' buffer, so they take its dtype), and scales cos and sin by its attention
-        factor."""
-        inv_freq = self.inverse_frequencies(key, hidden.device)
-        if "longrope" not in self.config.rope_types:
-            return rotary_cos_sin(inv_freq, position_ids, hidden.dtype)
+        """(cos, sin) of RoPE ``key``, as LlamaRotaryEmbedding.forward, in the hidden states' dtype."""
+        inv_freq, scaling = self.rope_frequencies(key, position_ids, hidden.device)
+        return rotary_cos_sin(inv_freq, position_ids, hidden.dtype, scaling)
+
+    def rope_frequencies(self, key: str | None, position_ids: torch.Tensor,
+                         device: torch.device) -> tuple[torch.Tensor, float]:
+        """The inverse frequencies RoPE ``key`` turns with in this forward, and what scales cos and sin, as
+        ``dynamic_rope_update`` leaves them before LlamaRotaryEmbedding.forward:
+        - longrope (a family whose ``rope_types`` take it: Phi3): the long frequencies when ``max(position_ids) + 1``
+          passes original_max_position_embeddings, the short ones otherwise (``longrope_frequency_update``: the long
+          ones land in the short ones' buffer, so they take its dtype);
+        - dynamic: frequencies recomputed when a forward is longer than any before it (and kept for shorter ones),
+          back to the first ones when a forward is shorter than max_position_embeddings again
+          (``dynamic_frequency_update``: state that lives with the model, across forwards and generate calls)."""
+        inv_freq = self.inverse_frequencies(key, device)
         rope = self.config.rope(key)
         if rope.rope_type == "longrope":
-            long = rope.inverse_frequencies(self.config.rotary_dim, hidden.device, long=True)
+            long = rope.inverse_frequencies(self.config.rotary_dim, device, long=True)
             seq_len = torch.max(position_ids) + 1
             inv_freq = torch.where(seq_len > rope.original_max_position_embeddings, long.to(inv_freq.dtype),
-                                   inv_freq.to(hidden.device))
-        return rotary_cos_sin(inv_freq, position_ids, hidden.dtype, rope.attention_scaling)
+                                   inv_freq.to(device))
+        elif rope.rope_type == "dynamic":
+            inv_freq = self._dynamic_frequencies(key, rope, position_ids, inv_freq, device)
+        return inv_freq, rope.attention_scaling
+
+    def _dynamic_frequencies(self, key: str | None, rope: Rope, position_ids: torch.Tensor,
+                             start: torch.Tensor, device: torch.device) -> torch.Tensor:
+        state = self.__dict__.setdefault("_dynamic_rope", {})  # key -> (longest length seen, its frequencies)
+        original = rope.original_max_position_embeddings
+        cached, inv_freq = state.get(key, (original, start))
+        seq_len = torch.max(position_ids) + 1
+        if seq_len > cached:  # growth
+            inv_freq = rope.inverse_frequencies(self.config.rotary_dim, device, seq_len=seq_len)
+            state[key] = (seq_len, inv_freq)
+        if seq_len < original and cached > original:  # reset
+            state[key] = (original, start)
+            inv_freq = start
+        return inv_freq
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: Any = None,

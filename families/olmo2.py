@@ -93,7 +93,8 @@ class Olmo2Model(LlamaModel):
     def rotary(self, key: str | None, position_ids: torch.Tensor,
                hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Olmo2RotaryEmbedding.forward: cos and sin are not cast to the hidden states' dtype
-        return rotary_cos_sin(self.inverse_frequencies(key, hidden.device), position_ids, torch.float32)
+        inv_freq, scaling = self.rope_frequencies(key, position_ids, hidden.device)
+        return rotary_cos_sin(inv_freq, position_ids, torch.float32, scaling)
 
 
 @register

@@ -29,7 +29,6 @@ from .llama import Llama, LlamaAttention, LlamaConfig, LlamaModel, ScoreHead, ch
 @dataclass
 class StableLmConfig(LlamaConfig):
     model_type: ClassVar[str] = "stablelm"
-    rope_types: ClassVar[tuple[str, ...]] = ("default", "linear", "llama3")
 
     vocab_size: int = 50304
     intermediate_size: int = 6912

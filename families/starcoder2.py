@@ -24,7 +24,6 @@ from .llama import Llama, LlamaAttention, LlamaConfig, LlamaModel
 @dataclass
 class Starcoder2Config(LlamaConfig):
     model_type: ClassVar[str] = "starcoder2"
-    rope_types: ClassVar[tuple[str, ...]] = ("default", "linear", "llama3")
 
     vocab_size: int = 49152
     hidden_size: int = 3072

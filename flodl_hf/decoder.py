@@ -62,7 +62,8 @@ def _number(value: Any, field: str, keep_int: bool = False) -> float:
 
 # ---- RoPE -------------------------------------------------------------------------------------------
 
-ROPE_TYPES = ("default", "llama3")
+# what transformers' ROPE_INIT_FUNCTIONS compute for every LlamaRotaryEmbedding-style module (longrope: Phi3 only)
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
 def _factors(value: Any, field: str) -> tuple[float, ...]:
@@ -76,8 +77,10 @@ def _factors(value: Any, field: str) -> tuple[float, ...]:
 
 @dataclass(frozen=True)
 class Rope:
-    """A resolved RoPE: type, theta, and the scaling fields (linear: factor; llama3: all but the longrope ones;
-    longrope: factor, original_max_position_embeddings, short_factor, long_factor, attention_factor; None for
+    """A resolved RoPE: type, theta, and the scaling fields (linear: factor; llama3: factor, the two frequency
+    factors and original_max_position_embeddings; longrope: factor, original_max_position_embeddings, short_factor,
+    long_factor, attention_factor; yarn: factor, original_max_position_embeddings, attention_factor, beta_fast,
+    beta_slow, truncate; dynamic: factor, and max_position_embeddings as original_max_position_embeddings; None for
     default)."""
 
     rope_type: str
@@ -89,11 +92,14 @@ class Rope:
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
     attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    truncate: bool = True
 
     @property
     def attention_scaling(self) -> float:
-        """What multiplies cos and sin (the rotary modules' ``attention_scaling``): longrope's attention factor,
-        1.0 for the other types here."""
+        """What multiplies cos and sin (the rotary modules' ``attention_scaling``): longrope's and yarn's attention
+        factor, 1.0 for the other types."""
         return 1.0 if self.attention_factor is None else self.attention_factor
 
     @classmethod
@@ -130,12 +136,15 @@ class Rope:
             theta = float(default_theta)
         if rope_type == "default":
             return cls("default", theta)
-        if rope_type == "linear":  # a family opts in through supported (Gemma3's global RoPE)
+        if rope_type in ("linear", "dynamic"):
             if "factor" not in params:
-                raise ConfigError(f"config field {source} (linear) lacks factor")
-            return cls("linear", theta, _number(params["factor"], f"{source}.factor"))
-        required = ("short_factor", "long_factor") if rope_type == "longrope" else \
-            ("factor", "low_freq_factor", "high_freq_factor")
+                raise ConfigError(f"config field {source} ({rope_type}) lacks factor")
+            # _compute_dynamic_ntk_parameters scales against max_position_embeddings, the length it starts from
+            return cls(rope_type, theta, _number(params["factor"], f"{source}.factor"),
+                       original_max_position_embeddings=None if rope_type == "linear" else
+                       _number(max_position_embeddings, "max_position_embeddings", True))
+        required = {"longrope": ("short_factor", "long_factor"), "yarn": ("factor",)}.get(
+            rope_type, ("factor", "low_freq_factor", "high_freq_factor"))
         missing = [k for k in required if k not in params]
         if missing:
             raise ConfigError(f"config field {source} ({rope_type}) lacks {', '.join(missing)}")
@@ -148,6 +157,8 @@ class Rope:
             old = _number(max_position_embeddings, "max_position_embeddings", True)
         if rope_type == "longrope":
             return cls._longrope(params, source, theta, max_position_embeddings, old)
+        if rope_type == "yarn":
+            return cls._yarn(params, source, theta, max_position_embeddings, old)
         return cls("llama3", theta, _number(params["factor"], f"{source}.factor"),
                    _number(params["low_freq_factor"], f"{source}.low_freq_factor"),
                    _number(params["high_freq_factor"], f"{source}.high_freq_factor"), old)
@@ -178,12 +189,48 @@ class Rope:
         return cls("longrope", theta, factor, original_max_position_embeddings=old, short_factor=short,
                    long_factor=long, attention_factor=attention)
 
-    def inverse_frequencies(self, head_dim: int, device: torch.device | None = None,
-                            long: bool = False) -> torch.Tensor:
+    @classmethod
+    def _yarn(cls, params: dict, source: str, theta: float, max_position_embeddings: int, old: float) -> "Rope":
+        """_compute_yarn_parameters' scalars: the factor (None: the ratio of the two lengths), the attention factor
+        (given, else YaRN's mscale ratio when both mscale and mscale_all_dim are set and non-zero, else its mscale of
+        the factor), beta_fast / beta_slow (None or 0: 32 / 1) and truncate, in Python floats."""
+        factor = params["factor"]
+        if factor is None:
+            if old == 0:
+                raise ConfigError("config field original_max_position_embeddings=0: yarn divides "
+                                  "max_position_embeddings by it")
+            factor = _number(max_position_embeddings, "max_position_embeddings") / old
+        else:
+            factor = _number(factor, f"{source}.factor")
+        given = {name: params.get(name) for name in ("attention_factor", "mscale", "mscale_all_dim", "beta_fast",
+                                                     "beta_slow")}
+        given = {name: None if value is None else _number(value, f"{source}.{name}") for name, value in given.items()}
+        attention = given["attention_factor"]
+        if attention is None:
+            if given["mscale"] and given["mscale_all_dim"]:
+                attention = float(_yarn_mscale(factor, given["mscale"]) / _yarn_mscale(factor, given["mscale_all_dim"]))
+            else:
+                attention = _yarn_mscale(factor)
+        truncate = params.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise ConfigError(f"config field {source}.truncate={truncate!r}: expected true or false")
+        if old <= 0:
+            raise ConfigError(f"config field original_max_position_embeddings={old!r}: yarn takes the log of "
+                              "a length over it")
+        return cls("yarn", theta, factor, original_max_position_embeddings=old, attention_factor=attention,
+                   beta_fast=given["beta_fast"] or 32, beta_slow=given["beta_slow"] or 1, truncate=truncate)
+
+    def inverse_frequencies(self, head_dim: int, device: torch.device | None = None, long: bool = False,
+                            seq_len: torch.Tensor | None = None) -> torch.Tensor:
         """The inverse frequencies of ``head_dim`` rotated dimensions; longrope's long ones with ``long`` (its short
-        ones otherwise, which transformers' rotary module holds in ``inv_freq`` / ``original_inv_freq``)."""
+        ones otherwise, which transformers' rotary module holds in ``inv_freq`` / ``original_inv_freq``); dynamic's
+        for a forward ``seq_len`` long (``max(position_ids) + 1``; None: max_position_embeddings, its start)."""
         # modeling_rope_utils: compute_default_rope_parameters / _compute_llama3_parameters /
-        # _compute_longrope_parameters, in their order
+        # _compute_longrope_parameters / _compute_yarn_parameters / _compute_dynamic_ntk_parameters, in their order
+        if self.rope_type == "yarn":
+            return self._yarn_inverse_frequencies(head_dim, device)
+        if self.rope_type == "dynamic":
+            return self._dynamic_inverse_frequencies(head_dim, device, seq_len)
         if self.rope_type == "longrope":
             ext_factors = torch.tensor(self.long_factor if long else self.short_factor, dtype=torch.float32,
                                        device=device)
@@ -205,6 +252,44 @@ class Rope:
         smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, inv_freq_llama)
+
+    def _yarn_inverse_frequencies(self, dim: int, device: torch.device | None) -> torch.Tensor:
+        """_compute_yarn_parameters: interpolated (/ factor) and extrapolated frequencies blended by a linear ramp
+        between the correction dimensions of beta_fast and beta_slow rotations (floored and ceiled with truncate)."""
+        base, old = self.theta, self.original_max_position_embeddings
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        pos_freqs = base ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
+        extrapolation = 1.0 / pos_freqs
+        interpolation = 1.0 / (self.factor * pos_freqs)
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        extrapolation_factor = 1 - ramp.to(device=device, dtype=torch.float)
+        return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+    def _dynamic_inverse_frequencies(self, dim: int, device: torch.device | None,
+                                     seq_len: torch.Tensor | None) -> torch.Tensor:
+        """_compute_dynamic_ntk_parameters: theta raised for a sequence past max_position_embeddings, in Python
+        floats at the start and in float32 tensors for a forward's length, as transformers computes each."""
+        start = self.original_max_position_embeddings
+        if seq_len is None:
+            seq_len = start
+        else:
+            seq_len = torch.maximum(seq_len, torch.tensor(start, dtype=seq_len.dtype, device=seq_len.device))
+        base = self.theta * ((self.factor * seq_len / start) - (self.factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """yarn_get_mscale: ``0.1 * mscale * log(scale) + 1``, 1.0 for a scale up to 1."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def rotary_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype,

@@ -89,7 +89,7 @@ def test_scaled_and_oddly_spelled_ropes_run_as_transformers(name):
 
 @pytest.mark.parametrize("bad,field", [
     (dict(head_dim=32), "head_dim"),  # transformers' RoPE would read it, its attention not
-    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "rope_type"),
+    (dict(rope_parameters={"rope_type": "proportional", "factor": 2.0}), "rope_type"),
     (dict(rotary_pct="half"), "rotary_pct"),
     (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": None}), "partial_rotary_factor"),
     (dict(hidden_dropout=1.5), "hidden_dropout"),

@@ -113,7 +113,7 @@ def test_stablelm_scaled_ropes_run_as_transformers(name):
     (dict(head_dim=32), "head_dim"),  # transformers' RoPE would read it, its attention not
     (dict(partial_rotary_factor=0.3), "partial_rotary_factor"),  # 7 dimensions: transformers fails at the forward
     (dict(partial_rotary_factor=None), "partial_rotary_factor"),
-    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "rope_type"),
+    (dict(rope_parameters={"rope_type": "proportional", "factor": 2.0}), "rope_type"),
     (dict(hidden_dropout=1.5), "hidden_dropout"),
     (dict(num_key_value_heads=3), "num_key_value_heads"),
 ])
