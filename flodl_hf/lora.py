@@ -113,7 +113,7 @@ _PLAIN_INITS = ("gaussian", "orthogonal", "eva", "lora_ga")
 _TASK_DEFAULT: Any = object()   # add_lora's task_type default: PEFT's task type for the model's task
 
 # adapter_config.json fields whose non-default values change the computation and are not implemented.
-_UNSUPPORTED_FIELDS = {"lora_bias": False, "layer_replication": None,
+_UNSUPPORTED_FIELDS = {"layer_replication": None,
                        "target_parameters": None, "trainable_token_indices": None,
                        "use_qalora": False, "alora_invocation_tokens": None, "arrow_config": None,
                        "use_bdlora": None, "velora_config": None, "monteclora_config": None, "kasa_config": None}
@@ -148,6 +148,7 @@ class LoraConfig:
     layers_to_transform: list[int] | int | None = None
     layers_pattern: list[str] | str | None = None
     use_dora: bool = False                 # DoRA: a trainable magnitude per output row (PEFT's use_dora)
+    lora_bias: bool = False                # a trainable bias on lora_B (PEFT's lora_bias)
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or self.r <= 0:
@@ -214,7 +215,7 @@ class LoraLinear(nn.Linear):
     """A linear layer with a LoRA adapter; ``weight`` and ``bias`` stay the same Parameters, under the same keys."""
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float, use_rslora: bool,
-                 use_dora: bool = False) -> None:
+                 use_dora: bool = False, lora_bias: bool = False) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = self.features(base)
         self.weight = base.weight
@@ -225,9 +226,11 @@ class LoraLinear(nn.Linear):
         device, dtype = base.weight.device, base.weight.dtype
         # PEFT's LoraLayer.update_layer + reset_lora_parameters, RNG draws included.
         self.lora_A = nn.Linear(self.in_features, r, bias=False)
-        self.lora_B = nn.Linear(r, self.out_features, bias=False)
+        self.lora_B = nn.Linear(r, self.out_features, bias=lora_bias)  # its own init draws, as PEFT's
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
+        if lora_bias:
+            nn.init.zeros_(self.lora_B.bias)
         if base.weight.is_floating_point():
             # _move_adapter_to_device_of_base_layer: to the base's device and dtype; then cast_adapter_dtype
             # (autocast_adapter_dtype=True): a half / bfloat16 / float8 adapter back up to float32, so the
@@ -282,9 +285,15 @@ class LoraLinear(nn.Linear):
     @torch.no_grad()
     def merge(self) -> None:
         """W += delta, in place (PEFT's unsafe merge, the default of ``merge_and_unload``); DoRA's
-        (``DoraLinearVariant.merge_unsafe``): W = magnitude / ||W + delta||_row * (W + delta)."""
+        (``DoraLinearVariant.merge_unsafe``): W = magnitude / ||W + delta||_row * (W + delta); with ``lora_bias``,
+        b += lora_B.bias * scaling."""
         if self.merged:
             return
+        if self.lora_B.bias is not None:
+            if self.bias is None:  # PEFT: "Impossible to merge LoRA with `lora_bias=True` ..." (a RuntimeError)
+                raise AdapterError(f"{type(self).__name__} with lora_bias=True on a layer without a bias: its lora_B "
+                                   "bias has nowhere to merge into; keep the adapter unmerged")
+            self.bias.data += self.lora_B.bias * self.scaling
         if self.use_dora:
             delta = self.delta_weight()
             self._merged_norm = self._weight_norm(self.weight, delta, scaling=1).detach()
@@ -304,6 +313,8 @@ class LoraLinear(nn.Linear):
             self._merged_norm = None
         else:
             self.weight.data -= self.delta_weight().to(self.weight.dtype)
+        if self.lora_B.bias is not None:
+            self.bias.data -= self.lora_B.bias * self.scaling
         self.merged = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -346,6 +357,7 @@ class LoraLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         dora = ", use_dora=True" if self.use_dora else ""
+        dora += ", lora_bias=True" if self.lora_B.bias is not None else ""
         return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling}{dora}, merged={self.merged}"
 
 
@@ -356,8 +368,9 @@ class LoraConv1D(LoraLinear):
     linear layer, the delta ``transpose(B @ A) * scaling`` to merge into the (in, out) weight."""
 
     def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float, use_rslora: bool,
-                 use_dora: bool = False) -> None:
-        super().__init__(base, r, alpha, dropout, use_rslora)  # DoRA on a Conv1D is refused by add_lora
+                 use_dora: bool = False, lora_bias: bool = False) -> None:
+        # DoRA on a Conv1D is refused by add_lora
+        super().__init__(base, r, alpha, dropout, use_rslora, lora_bias=lora_bias)
         object.__setattr__(self, "_base", base)  # not registered: unloading puts it back
 
     @staticmethod
@@ -479,7 +492,8 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
              use_rslora: bool = False, bias: str = "none", task_type: str | None = _TASK_DEFAULT,
              rank_pattern: dict[str, int] | None = None, alpha_pattern: dict[str, float] | None = None,
              exclude_modules: Iterable[str] | str | None = None, layers_to_transform: Iterable[int] | int | None = None,
-             layers_pattern: Iterable[str] | str | None = None, use_dora: bool = False) -> nn.Module:
+             layers_pattern: Iterable[str] | str | None = None, use_dora: bool = False,
+             lora_bias: bool = False) -> nn.Module:
     """Put LoRA adapters on ``model``'s linear layers named by ``target_modules`` (PEFT's rules), in place.
 
     Every base parameter is frozen; the adapters, ``modules_to_save`` (plus PEFT's head for the task type:
@@ -489,8 +503,8 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     adds no head. A module to save that shares a weight with another module (a tied LM head) gets its own copy,
     as PEFT's wrapper does. ``exclude_modules``, ``layers_to_transform`` / ``layers_pattern``, ``rank_pattern`` and
     ``alpha_pattern`` are PEFT's ``LoraConfig`` fields, with PEFT's matching rules; ``use_dora`` is PEFT's DoRA (a
-    trainable magnitude per output row of each adapted layer). Returns the model, which carries
-    ``model.lora_config``.
+    trainable magnitude per output row of each adapted layer), ``lora_bias`` PEFT's trainable bias on each
+    ``lora_B`` (merged into the base layer's bias). Returns the model, which carries ``model.lora_config``.
     """
     if is_lora(model):
         raise AdapterError(f"{type(model).__name__} already has LoRA adapters (one adapter per model)")
@@ -526,7 +540,7 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
                      rank_pattern={} if rank_pattern is None else listed(rank_pattern),
                      alpha_pattern={} if alpha_pattern is None else listed(alpha_pattern),
                      exclude_modules=listed(exclude_modules), layers_to_transform=listed(layers_to_transform),
-                     layers_pattern=listed(layers_pattern), use_dora=use_dora)
+                     layers_pattern=listed(layers_pattern), use_dora=use_dora, lora_bias=lora_bias)
 
     chosen: list[str] = []
     tied: list[str] = []
@@ -570,12 +584,14 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     for name in chosen:  # named_modules() order: transformers' order, so PEFT's RNG draws
         base = _module(model, name)
         _replace_module(model, name, _lora_class(base)(base, *cfg.rank_and_alpha(name), float(dropout), use_rslora,
-                                                       use_dora))
+                                                       use_dora, lora_bias))
     cfg.targeted = chosen
     for name, module in model.named_modules():
         if isinstance(module, LoraLinear):
             module.lora_A.weight.requires_grad_(True)
             module.lora_B.weight.requires_grad_(True)
+            if module.lora_B.bias is not None:
+                module.lora_B.bias.requires_grad_(True)
             if module.use_dora:
                 module.lora_magnitude_vector.requires_grad_(True)
             if bias == "lora_only" and module.bias is not None:
@@ -643,7 +659,7 @@ def _to_hf(model: nn.Module, key: str) -> str:
     adapted layer's own bias sits under ``base_layer.`` in PEFT's model, and so in its file."""
     key_map = model.family.key_map() if hasattr(model, "family") else None
     hf = key_map.to_hf if key_map is not None else (lambda k: k)
-    for part in (".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector", ".bias"):
+    for part in (".lora_A.weight", ".lora_B.weight", ".lora_B.bias", ".lora_magnitude_vector", ".bias"):
         if key.endswith(part):  # the module's own weight key goes through the family's table
             module = key[: -len(part)]
             path = hf(module + ".weight")[: -len(".weight")]
@@ -676,7 +692,7 @@ def peft_config_dict(model: nn.Module, base: str | None = None) -> dict[str, Any
         "layers_to_transform": cfg.layers_to_transform, "layers_pattern": cfg.layers_pattern,
         "rank_pattern": cfg.rank_pattern, "alpha_pattern": cfg.alpha_pattern,
         "exclude_modules": sorted(excluded) if isinstance(excluded, list) else excluded,  # a set in PEFT
-        "use_dora": cfg.use_dora, "lora_bias": False,
+        "use_dora": cfg.use_dora, "lora_bias": cfg.lora_bias,
     }
     if task_type is None and hasattr(model, "architecture"):
         # what PEFT writes for a model without a task type: the class, so our reader knows the head
@@ -758,7 +774,7 @@ def _is_patterns(v: Any, ok: Any) -> bool:
     return isinstance(v, dict) and all(isinstance(k, str) and ok(x) for k, x in v.items())
 
 
-# PEFT's selection fields and use_dora, optional everywhere (older trainer checkpoints lack them):
+# PEFT's selection fields, use_dora and lora_bias, optional everywhere (older trainer checkpoints lack them):
 # (field, default, check, what is expected).
 _OPTIONAL_FIELDS: tuple[tuple[str, Any, Any, str], ...] = (
     ("rank_pattern", {}, lambda v: _is_patterns(v, lambda x: _is_int(x) and x > 0),
@@ -771,6 +787,7 @@ _OPTIONAL_FIELDS: tuple[tuple[str, Any, Any, str], ...] = (
     ("layers_pattern", None, lambda v: v is None or isinstance(v, str) or _is_names(v),
      "a layer-list name (e.g. 'layers'), a list of them, or null"),
     ("use_dora", False, lambda v: isinstance(v, bool), "JSON true or false"),
+    ("lora_bias", False, lambda v: isinstance(v, bool), "JSON true or false"),
 )
 
 
@@ -838,6 +855,9 @@ def _optional_problem(values: dict[str, Any], targets: Any) -> str | None:
         if isinstance(targets, str) and values[name] is not None:
             return (f"field {name!r} is {_show(values[name])}, but target_modules is a string (a regular "
                     f"expression): PEFT refuses {name} with it; expected null")
+    if values["lora_bias"] and values["use_dora"]:  # LoraConfig.__post_init__'s ValueError
+        return ("fields 'lora_bias' and 'use_dora' are both true, which PEFT refuses (no lora_B bias with DoRA); "
+                "expected one of them false")
     if values["layers_pattern"] and values["layers_to_transform"] is None:
         return (f"field 'layers_pattern' is {_show(values['layers_pattern'])} without layers_to_transform, which PEFT "
                 "refuses; expected layers_to_transform too, or layers_pattern null")
@@ -925,6 +945,9 @@ def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
                                       f"{', '.join(map(repr, _PLAIN_INITS))} (PEFT's path_initial_model_for_weight_"
                                       "conversion saves a PiSSA/OLoRA/CorDA adapter as plain LoRA)")
     settings = lora_settings(data, str(path))
+    if settings["lora_bias"] and not isinstance(init, bool):  # LoraConfig.__post_init__'s ValueError
+        raise AdapterError(f"{path}: lora_bias=true with init_lora_weights={_show(init)}, which PEFT refuses (a lora_B "
+                           "bias only with init_lora_weights true or false); expected init_lora_weights true")
     odd = [f"{k} -> {r}" for k, r in settings["rank_pattern"].items() if r % 2]
     if init == "orthogonal" and (settings["r"] % 2 or odd):
         # peft.tuners.lora.layer.LoraLayer.orthogonal_init reruns at every load and splits a QR basis in halves
@@ -1116,7 +1139,7 @@ def load_trainer_state(model: nn.Module, state: dict[str, Any], where: str) -> N
 
 def _settings(cfg: dict[str, Any]) -> str:
     return ", ".join(f"{k}={cfg[k]!r}" for k in ("r", "lora_alpha", "lora_dropout", "target_modules",
-                                                  "modules_to_save", "use_rslora", "bias", "use_dora") if k in cfg)
+                                                  "modules_to_save", "use_rslora", "bias", "use_dora", "lora_bias") if k in cfg)
 
 
 def model_from_checkpoint(data: dict[str, Any], path: str | os.PathLike) -> nn.Module:

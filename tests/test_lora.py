@@ -282,8 +282,8 @@ def test_bad_adapters_get_typed_errors(tmp_path):
     config_path.write_text(json.dumps({**good, "peft_type": "IA3"}))
     with pytest.raises(UnsupportedAdapterError, match="IA3.*LORA"):
         load_model(source, task, adapter=out)
-    config_path.write_text(json.dumps({**good, "lora_bias": True}))
-    with pytest.raises(UnsupportedAdapterError, match="lora_bias"):
+    config_path.write_text(json.dumps({**good, "layer_replication": [[0, 1]]}))
+    with pytest.raises(UnsupportedAdapterError, match="layer_replication"):
         load_model(source, task, adapter=out)
     # target_modules that match nothing
     config_path.write_text(json.dumps({**good, "target_modules": ["q_lin"]}))

@@ -418,36 +418,47 @@ def test_selection_fields_survive_a_trainer_checkpoint(tmp_path):
     assert lora.lora_settings(settings, "x", defaults=False)["rank_pattern"] == {}
 
 
-# ---- 9. DoRA (use_dora) ------------------------------------------------------------------------------------
+# ---- 9. DoRA (use_dora) and lora_bias ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("case_id,cfg", [
-    pytest.param(BERT, dict(target_modules=["query", "value", "output.dense"], lora_dropout=0.0), id="bert"),
-    pytest.param(BERT, dict(target_modules=["query", "value"], lora_dropout=0.2, rank_pattern={"value": 2}),
-                 id="bert-dropout"),
-    pytest.param(LLAMA_TIED, dict(target_modules=["q_proj", "o_proj", "up_proj"], lora_dropout=0.0), id="llama"),
+    pytest.param(BERT, dict(target_modules=["query", "value", "output.dense"], lora_dropout=0.0, use_dora=True),
+                 id="dora-bert"),
+    pytest.param(BERT, dict(target_modules=["query", "value"], lora_dropout=0.2, rank_pattern={"value": 2},
+                            use_dora=True), id="dora-bert-dropout"),
+    pytest.param(LLAMA_TIED, dict(target_modules=["q_proj", "o_proj", "up_proj"], lora_dropout=0.0, use_dora=True),
+                 id="dora-llama"),
+    pytest.param(BERT, dict(target_modules=["query", "value", "output.dense"], lora_dropout=0.2, lora_bias=True),
+                 id="lora_bias-bert-dropout"),
+    pytest.param(LLAMA_TIED, dict(target_modules=["q_proj", "o_proj"], lora_dropout=0.0, lora_bias=True),
+                 id="lora_bias-llama"),  # this case's q_proj and o_proj have biases (attention_bias)
+    pytest.param("gpt2-hd24-causal_lm", dict(target_modules=["c_attn", "c_proj"], lora_dropout=0.0, lora_bias=True),
+                 id="lora_bias-gpt2-conv1d"),
 ])
-def test_dora_both_ways_training_step_and_merge(case_id, cfg, tmp_path):
-    """PEFT's DoRA adapter: our init (the magnitude, A with the same seed), outputs in eval and, with the same
-    seed, the loss and every adapter gradient in train mode (dropout recomputes the base product), our save back
-    to PEFT's keys and bits and PEFT's reload, and the merged weights, all torch.equal to peft."""
-    cfg = {"r": 4, "lora_alpha": 8, "use_dora": True, **cfg}
+def test_lora_variant_both_ways_training_step_and_merge(case_id, cfg, tmp_path):
+    """PEFT's DoRA and lora_bias adapters: our init (A with the same seed; DoRA's magnitude; lora_B's zero bias
+    after its own init draws), outputs in eval and, with the same seed, the loss and every adapter gradient in train
+    mode (DoRA: dropout recomputes the base product), our save back to PEFT's keys and bits and PEFT's reload, and
+    the merged weights and biases, all torch.equal to peft."""
+    variant = "use_dora" if cfg.get("use_dora") else "lora_bias"
+    marker = ".lora_magnitude_vector" if variant == "use_dora" else ".lora_B.bias"
+    cfg = {"r": 4, "lora_alpha": 8, **cfg}
     source, task = _source(case_id)
     torch.manual_seed(0)
     fresh = load_model(source, task)
     torch.manual_seed(0)
     lora.add_lora(fresh, r=4, alpha=8, dropout=cfg["lora_dropout"], target_modules=cfg["target_modules"],
-                  rank_pattern=cfg.get("rank_pattern"), use_dora=True)
+                  rank_pattern=cfg.get("rank_pattern"), **{variant: True})
     theirs = _peft_adapter(case_id, tmp_path / "peft", **cfg)  # seeds 0 before get_peft_model, then perturbs
     torch.manual_seed(0)
     reference = peft.get_peft_model(reference_model(source, task, "eager"),
                                     peft.LoraConfig(**cfg, task_type=lora.PEFT_TASK_TYPES.get(task, "CAUSAL_LM")))
     init = {_key(n): p for n, p in reference.named_parameters() if "lora_" in n}
     mine = {n: p for n, p in fresh.named_parameters() if "lora_" in n}
-    assert init.keys() == mine.keys() and any("lora_magnitude_vector" in k for k in mine)
+    assert init.keys() == mine.keys() and any(k.endswith(marker) for k in mine)
     assert all(torch.equal(mine[k], init[k]) for k in mine), [k for k in mine if not torch.equal(mine[k], init[k])]
     ours, out = _both_ways(case_id, tmp_path, theirs, tmp_path / "peft")
-    assert json.loads((out / lora.ADAPTER_CONFIG).read_text())["use_dora"] is True
-    assert any(k.endswith(".lora_magnitude_vector") for k in load_file(str(out / lora.ADAPTER_WEIGHTS)))
+    assert json.loads((out / lora.ADAPTER_CONFIG).read_text())[variant] is True
+    assert any(k.endswith(marker) for k in load_file(str(out / lora.ADAPTER_WEIGHTS)))
     # a training step: loss and every trainable gradient
     batch = make_batch(ours.config, task)
     labels = batch["input_ids"] if task == "causal_lm" else torch.tensor([0, 1])
@@ -471,6 +482,59 @@ def test_dora_both_ways_training_step_and_merge(case_id, cfg, tmp_path):
     hf = dict(merged_theirs.state_dict())
     for key, tensor in merged_ours.state_dict().items():
         assert torch.equal(tensor, hf[key]), key
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({"lora_bias": "yes"}, "'lora_bias'.*JSON true or false"),
+    ({"lora_bias": True, "use_dora": True}, "'lora_bias' and 'use_dora' are both true"),
+    ({"lora_bias": True, "init_lora_weights": "gaussian"}, "lora_bias=true with init_lora_weights='gaussian'"),
+])
+def test_bad_lora_bias_settings_are_typed_where_peft_refuses_them(change, expected, tmp_path):
+    """What PEFT's LoraConfig refuses with lora_bias, refused in adapter_config.json (naming the file) and, for the
+    DoRA pair, by add_lora; PEFT itself raises on the last two."""
+    _peft_adapter(BERT, tmp_path / "peft", target_modules=["query"], r=4, lora_bias=True)
+    _edit_config(tmp_path / "peft", **change)
+    with pytest.raises(AdapterError, match=expected) as info:
+        _ours(BERT, tmp_path / "peft")
+    assert str(tmp_path / "peft") in str(info.value)
+    if len(change) == 2 and "use_dora" in change:
+        with pytest.raises(ValueError, match="lora_bias"):
+            peft.LoraConfig(target_modules=["query"], **change)
+        source, task = _source(BERT)
+        with pytest.raises(AdapterError, match="both true"):
+            lora.add_lora(load_model(source, task), target_modules=["query"], **change)
+
+
+def test_lora_bias_on_a_layer_without_bias_cannot_merge_and_survives_a_checkpoint(tmp_path):
+    """A trainer checkpoint records lora_bias and export --checkpoint --adapter writes an adapter PEFT reloads equal
+    (an entry written before the field reads as false); a lora_B bias on a bias-free layer cannot merge, typed
+    (PEFT: a RuntimeError)."""
+    from flodl_hf import checkpoint_schema
+    source, task = _source(LLAMA_TIED)
+    model = lora.add_lora(load_model(source, task), r=4, alpha=8, target_modules=["q_proj", "gate_proj"],
+                          lora_bias=True)
+    _perturb(model)
+    entry = lora.trainer_entry(model)
+    assert entry["config"]["lora_bias"] is True
+    data = {**checkpoint_schema.header(), "model": lora.trainer_model_state(model), "config": model.config.to_dict(),
+            "lora": entry}
+    path = tmp_path / "step-1.pt"
+    torch.save(data, str(path))
+    out = lora.export_adapter(path, tmp_path / "adapter")
+    assert json.loads((out / lora.ADAPTER_CONFIG).read_text())["lora_bias"] is True
+    back = _peft_reload(LLAMA_TIED, out)
+    model.eval().set_attn_implementation("eager")
+    batch = make_batch(model.config, task)
+    with torch.no_grad():
+        _equal(model(**batch), back(**batch))
+    older = {**entry, "config": {k: v for k, v in entry["config"].items() if k != "lora_bias"}}
+    assert lora.lora_settings(lora.checkpoint_entry({**data, "lora": older}, path)["config"], "x",
+                              defaults=False)["lora_bias"] is False
+    fields = next(f for c, _, f in CASES if c == LLAMA_TIED)
+    bare = lora.add_lora(load_model(make_checkpoint({**fields, "mlp_bias": False}, task), task), r=4,
+                         target_modules=["gate_proj"], lora_bias=True)
+    with pytest.raises(AdapterError, match="lora_bias=True on a layer without a bias"):
+        lora.merge_and_unload(bare)
 
 
 # ---- 10. target_modules="all-linear" ----------------------------------------------------------------------
