@@ -81,7 +81,11 @@ class BertEmbeddings(nn.Module):
             token_type_ids = torch.zeros(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)
         embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids)
         embeddings = embeddings + self.position_embeddings(position_ids)
-        return self.dropout(self.LayerNorm(embeddings))
+        return self.dropout(self.normalize(embeddings))
+
+    def normalize(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """The LayerNorm over the summed embeddings (XLM-RoBERTa-XL has none: its layers norm first)."""
+        return self.LayerNorm(embeddings)
 
 
 class BertSelfAttention(nn.Module):

@@ -15,7 +15,8 @@ Mistral and Qwen2 (families/mistral.py, families/qwen2.py) are this file with ot
 and windows; Qwen3, Phi3, Gemma, Gemma2, Gemma3, GPT-2, OLMo 2 and Granite replace parts through the backbone's
 hooks (``attention_class`` with its ``make_projections`` / ``project``, ``rotate``, ``attend``, ``project_out``,
 ``scaling`` / ``softcap`` and ``paths``, ``layer_class``, ``make_mlp``, ``norm_class``, ``embedding_class``, ``embed``
-(handed the positions and token types), ``rotary_embeddings`` (None: no RoPE) / ``rotary``) and the config's
+(handed the positions and token types), ``default_positions`` (OPT: counted along the mask),
+``rotary_embeddings`` (None: no RoPE) / ``rotary``) and the config's
 (``biases``, ``layer_kinds``, ``window``, ``rotary_dim``, ``rope_types``, ``rope_key`` / ``rope(key)``: a RoPE per
 layer kind).
 """
@@ -246,10 +247,15 @@ class LlamaModel(Backbone):
     def __init__(self, config: LlamaConfig, add_pooling_layer: bool = False) -> None:
         super().__init__(config)
         self.embed_tokens = self.embedding_class(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(self.layer_class(config, self.attention_class(config, i), self.make_mlp(config),
+        self.layers = nn.ModuleList(self.layer_class(config, self.attention_class(config, i), self.layer_mlp(config, i),
                                                      self.norm_class) for i in range(config.num_hidden_layers))
         self.norm = self.norm_class(config.hidden_size, eps=config.norm_eps)
         self.inverse_frequencies = LazyBuffers(self._make_inverse_frequencies, self.rope_keys())
+
+    @classmethod
+    def layer_mlp(cls, config: LlamaConfig, layer_idx: int) -> nn.Module:
+        """Layer ``layer_idx``'s MLP: ``make_mlp``'s in every layer (Qwen2-MoE: sparse or dense by layer)."""
+        return cls.make_mlp(config)
 
     @classmethod
     def make_mlp(cls, config: LlamaConfig) -> nn.Module:
@@ -365,12 +371,16 @@ class LlamaModel(Backbone):
         if position_ids is None:  # LlamaModel.forward: the cache's length on, before this step updates it
             inputs = input_ids if input_ids is not None else inputs_embeds
             past = cache.get_seq_length() if cache is not None else 0
-            position_ids = (torch.arange(inputs.shape[1], device=inputs.device) + past).unsqueeze(0)
+            position_ids = self.default_positions(inputs, attention_mask, past)
         hidden = self.embed(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
                             inputs_embeds=inputs_embeds)
         hidden = self.encode(hidden, attention_mask, position_ids, cache)
         return BaseModelOutputWithPast(last_hidden_state=hidden, cache=cache if use_cache else None)
 
+    def default_positions(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None,
+                          past: int) -> torch.Tensor:
+        """The positions of a step given none: the cache's length on (OPT: counted along the attention mask)."""
+        return (torch.arange(inputs.shape[1], device=inputs.device) + past).unsqueeze(0)
 
     def _check_inputs(self, input_ids: Any, attention_mask: Any, inputs_embeds: Any, cache: KVCache | None) -> None:
         """The shared input checks on this step's tokens; the mask must cover the cached tokens and these."""

@@ -8,7 +8,10 @@ does not is declared once per family, in its :class:`KeyMap`:
 - renames: invertible ``(hf, native)`` patterns, ``{}`` standing for one key segment; load
   maps hf -> native, export native -> hf, from the same table;
 - legacy spellings: old names a checkpoint may still use (TF-era ``LayerNorm.gamma`` /
-  ``beta``), mapped one way on load; an export writes today's names, as transformers does.
+  ``beta``), mapped one way on load; an export writes today's names, as transformers does;
+- merges (:class:`Merge`): several file tensors held as one module tensor (Mixtral's experts,
+  stacked and concatenated as transformers' conversion mapping does); load merges, export splits,
+  from the same declaration. Empty for every family without one, where nothing changes.
 
 Loading (``flodl_hf.modeling.load_weights``), export and verify-export all go through this
 module; nothing else maps a key.
@@ -17,6 +20,7 @@ module; nothing else maps a key.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -39,13 +43,79 @@ def has_pooler(keys: Iterable[str]) -> bool:
     return any(POOLER_KEY.search(k) for k in keys)
 
 
+@dataclass(frozen=True)
+class Merge:
+    """One module tensor made of several file tensors, as transformers' ``WeightConverter`` with
+    ``MergeModulelist(dim=0)`` then ``Concatenate(dim)`` (conversion_mapping.py), and its reverse on save.
+
+    ``native`` is the module key's suffix; ``parts`` are the file keys' suffixes, in concatenation order, the same
+    key stem before each (``model.layers.3.``: any prefix, so a task model's and a bare backbone's files both
+    match). In a part, ``{}`` stands for an index (an expert): each part's tensors are stacked along dim 0 in index
+    order (every index from 0, the same for every part), then the parts concatenated along ``dim`` (equal sizes, so
+    export splits them evenly). A part without ``{}`` is one tensor; a single one is a suffix rename."""
+
+    native: str
+    parts: tuple[str, ...]
+    dim: int = 0
+
+    def __post_init__(self) -> None:
+        if len({"{}" in part for part in self.parts}) != 1:
+            raise ValueError(f"Merge {self.native!r}: every part has the index '{{}}', or none has")
+
+    @property
+    def indexed(self) -> bool:
+        return "{}" in self.parts[0]
+
+    def match_part(self, key: str) -> tuple[int, str, int | None] | None:
+        """(part number, key stem, index) of a file key that is one of the parts, else None."""
+        for number, part in enumerate(self.parts):
+            found = re.match(r"^(.*\.)?" + re.escape(part).replace(r"\{\}", r"(\d+)") + "$", key)
+            if found:
+                return number, found.group(1) or "", int(found.group(2)) if self.indexed else None
+        return None
+
+    def stem(self, key: str) -> str | None:
+        """The key stem of a module key ending in ``native``, else None."""
+        found = re.match(r"^(.*\.)?" + re.escape(self.native) + "$", key)
+        return (found.group(1) or "") if found else None
+
+    def join(self, stem: str, parts: list[dict[int | None, torch.Tensor]]) -> torch.Tensor:
+        """The module tensor from each part's tensors by index; a missing one is a CheckpointFormatError naming it."""
+        indices = sorted(set().union(*parts)) if self.indexed else [None]
+        expected = list(range(len(indices))) if self.indexed else [None]
+        missing = [stem + part.replace("{}", str(i)) for part, got in zip(self.parts, parts)
+                   for i in expected if i not in got]
+        if missing or indices != expected:
+            raise CheckpointFormatError(f"checkpoint: {stem + self.native} is made of {', '.join(self.parts)} "
+                                        f"for every index from 0; missing: {', '.join(missing) or 'index 0'}")
+        try:
+            stacked = [torch.stack([got[i] for i in expected]) if self.indexed else got[None] for got in parts]
+            return torch.cat(stacked, dim=self.dim) if len(stacked) > 1 else stacked[0]
+        except RuntimeError as exc:  # parts of different shapes
+            raise CheckpointFormatError(f"checkpoint: the tensors of {stem + self.native} ({', '.join(self.parts)}) "
+                                        f"do not stack: {exc}") from None
+
+    def split(self, stem: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The file tensors of a module tensor: the parts split evenly along ``dim``, then unstacked by index."""
+        pieces = tensor.chunk(len(self.parts), dim=self.dim) if len(self.parts) > 1 else (tensor,)
+        out: dict[str, torch.Tensor] = {}
+        for part, piece in zip(self.parts, pieces, strict=True):
+            if self.indexed:
+                out.update({stem + part.replace("{}", str(i)): t for i, t in enumerate(piece.unbind(0))})
+            else:
+                out[stem + part] = piece
+        return out
+
+
 class KeyMap:
     """One family's key table: backbone prefix, invertible renames, one-way legacy suffixes, and regexes of keys
     a checkpoint may carry that are skipped on load (besides IGNORED_KEY)."""
 
     def __init__(self, prefix: str, renames: tuple[tuple[str, str], ...] = (),
-                 legacy: tuple[tuple[str, str], ...] = (), ignored: tuple[str, ...] = ()) -> None:
+                 legacy: tuple[tuple[str, str], ...] = (), ignored: tuple[str, ...] = (),
+                 merges: tuple[Merge, ...] = ()) -> None:
         self.prefix = prefix
+        self.merges = tuple(merges)
         self.renames = tuple(renames)
         self.legacy = tuple(legacy)
         self.ignored = tuple(ignored)
@@ -66,7 +136,11 @@ class KeyMap:
         return key
 
     def to_native(self, key: str) -> str:
-        """A checkpoint key (today's or a legacy spelling) -> the module key."""
+        """A checkpoint key (today's or a legacy spelling) -> the module key (a merge's part: the merged key)."""
+        for merge in self.merges:
+            hit = merge.match_part(key)
+            if hit is not None:
+                return hit[1] + merge.native
         for old, new in self.legacy:
             if key.endswith(old):
                 key = key[: -len(old)] + new
@@ -74,8 +148,42 @@ class KeyMap:
         return self._apply(self._fwd, key)
 
     def to_hf(self, key: str) -> str:
-        """A module key -> the key transformers writes."""
+        """A module key -> the key transformers writes (a merge of several file tensors keeps its own name here:
+        ``to_hf_state`` writes its parts)."""
+        for merge in self.merges:
+            stem = merge.stem(key)
+            if stem is not None and len(merge.parts) == 1 and not merge.indexed:
+                return stem + merge.parts[0]
         return self._apply(self._rev, key)
+
+    def to_hf_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Module tensors -> the tensors transformers' save_pretrained writes, merged ones split into their parts."""
+        out: dict[str, torch.Tensor] = {}
+        for key, tensor in state.items():
+            merge, stem = next(((m, s) for m in self.merges if (s := m.stem(key)) is not None), (None, None))
+            if merge is None:
+                out[self.to_hf(key)] = tensor
+            else:
+                out.update(merge.split(stem, tensor))
+        return out
+
+    def merge(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A file's tensors with each merge's parts joined into its module tensor (the rest as they are)."""
+        if not self.merges:
+            return tensors
+        out: dict[str, torch.Tensor] = {}
+        groups: dict[tuple[int, str], list[dict[int | None, torch.Tensor]]] = {}
+        for key, tensor in tensors.items():
+            hit = next(((n, h) for n, m in enumerate(self.merges) if isinstance(key, str)
+                        and (h := m.match_part(key)) is not None), None)
+            if hit is None:
+                out[key] = tensor
+                continue
+            n, (part, stem, index) = hit
+            groups.setdefault((n, stem), [{} for _ in self.merges[n].parts])[part][index] = tensor
+        for (n, stem), parts in groups.items():
+            out[stem + self.merges[n].native] = self.merges[n].join(stem, parts)
+        return out
 
     def normalise(self, tensors: dict[str, torch.Tensor], shapes: dict[str, torch.Size],
                   aliases: dict[str, str], under_prefix: bool,
@@ -86,7 +194,7 @@ class KeyMap:
         given): transformers 5 keeps such a file tensor and unties the pair, so we do too."""
         known = set(shapes) | set(aliases)
         state: dict[str, torch.Tensor] = {}
-        for key, tensor in tensors.items():
+        for key, tensor in self.merge(tensors).items():  # no-op without merges
             if not isinstance(key, str):
                 raise CheckpointFormatError(f"state_dict key {key!r} is a {type(key).__name__}, not a tensor name (str)")
             if not isinstance(tensor, torch.Tensor):
@@ -143,7 +251,7 @@ def normalise(model: nn.Module, tensors: dict[str, torch.Tensor], shapes: dict[s
         shapes, aliases = expected(model)
     key_map = model.family.key_map()
     if model.base_model_prefix and model.base_model_prefix != key_map.prefix:  # a task model's own mount point
-        key_map = KeyMap(model.base_model_prefix, key_map.renames, key_map.legacy, key_map.ignored)
+        key_map = KeyMap(model.base_model_prefix, key_map.renames, key_map.legacy, key_map.ignored, key_map.merges)
     return key_map.normalise(tensors, shapes, aliases, bool(model.base_model_prefix), untied)
 
 

@@ -69,7 +69,7 @@ BIAS_MODES = ("none", "all", "lora_only")
 # PEFT's default LoRA targets for the model types registered here, as
 # peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING holds them (peft 0.21);
 # a model type PEFT has no default for (camembert, distilbert, albert, mpnet, modernbert, phi3, olmo2, granite,
-# starcoder2)
+# starcoder2, olmo, cohere)
 # needs target_modules, in PEFT as here.
 PEFT_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "bert": ("query", "value"),
@@ -80,6 +80,7 @@ PEFT_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "deberta": ("in_proj",),
     "llama": ("q_proj", "v_proj"),
     "mistral": ("q_proj", "v_proj"),
+    "mixtral": ("q_proj", "v_proj"),
     "qwen2": ("q_proj", "v_proj"),
     "qwen3": ("q_proj", "v_proj"),
     "gemma": ("q_proj", "v_proj"),
@@ -89,6 +90,8 @@ PEFT_DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "gpt2": ("c_attn",),
     "gpt_neox": ("query_key_value",),
     "gptj": ("q_proj", "v_proj"),
+    "opt": ("q_proj", "v_proj"),
+    "phi": ("q_proj", "v_proj", "fc1", "fc2"),
 }
 
 # PEFT's task classes (PeftModelForSequenceClassification ...) add these to modules_to_save.
@@ -458,7 +461,15 @@ def _tied_to_embeddings(model: nn.Module, module: nn.Module) -> bool:
 def all_linear_targets(model: nn.Module, task_type: str | None) -> list[str]:
     """PEFT's ``target_modules="all-linear"`` (``_maybe_include_all_linear_layers``): the full names of every linear
     layer but the output embeddings (the LM decoder), or, without those and for ``SEQ_CLS``, the classification
-    head (``score`` or ``classifier``, the first the model has); sorted (a set in PEFT)."""
+    head (``score`` or ``classifier``, the first the model has); sorted (a set in PEFT). A model with a module
+    whose parameters PEFT adapts other than as linear layers (``peft_all_linear_refused``: Mixtral's MoE block, whose
+    router and stacked experts PEFT 0.21 targets through its transformers-5 conversion) is refused, typed."""
+    refused = [n for n, m in model.named_modules() if getattr(m, "peft_all_linear_refused", False)]
+    if refused:  # no-op for a model without such modules
+        raise UnsupportedAdapterError(f"target_modules='all-linear': PEFT also adapts the router and stacked experts "
+                                      f"of {refused[0]} ({type(_module(model, refused[0])).__name__}; not linear "
+                                      "layers), which flodl-hf does not; name the linear layers to adapt (e.g. "
+                                      "q_proj, v_proj)")
     names = {n for n, m in model.named_modules() if _lora_class(m) is not None}  # nn.Linear and Conv1D, as PEFT
     get = getattr(model, "get_output_embeddings", None)
     output = get() if callable(get) else None

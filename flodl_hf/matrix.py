@@ -38,6 +38,9 @@ TINY = {
     "num_hidden_layers": 2, "n_layers": 2, "vocab_size": 128, "max_position_embeddings": 64,
     "num_key_value_heads": 2,  # decoders' grouped KV heads (Mistral's default 8, Qwen2's 32)
     "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,  # GPT-2's names
+    "ffn_dim": 64,  # OPT's MLP width
+    "num_local_experts": 4, "num_experts": 4,  # Mixtral's, Qwen2-MoE's experts (8, 60 by default)
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,  # Qwen2-MoE's expert widths
 }
 
 
@@ -139,10 +142,11 @@ class MatrixResult:
 
     def format_table(self) -> str:
         width = 13
+        first = max([14, *(len(mt) + 2 for mt in self.model_types)])  # roberta-prelayernorm: 20 characters
         lines = ["verify-matrix: export then verify-export per cell (status, max abs diff of outputs)",
-                 f"{'model_type':14}" + "".join(f"{h:{width}}" for h in self.heads)]
+                 f"{'model_type':{first}}" + "".join(f"{h:{width}}" for h in self.heads)]
         for mt in self.model_types:
-            row = f"{mt:14}"
+            row = f"{mt:{first}}"
             for head in self.heads:
                 c = self.cell(mt, head)
                 if c is None:

@@ -166,8 +166,8 @@ class PreTrainedModel(nn.Module):
         save_pretrained writes them."""
         key_map = self.family.key_map()
         _, aliases = tied_keys(self)
-        return {key_map.to_hf(name): tensor.detach() for name, tensor in self.state_dict(keep_vars=True).items()
-                if name not in aliases}
+        return key_map.to_hf_state({name: tensor.detach() for name, tensor in self.state_dict(keep_vars=True).items()
+                                    if name not in aliases})  # to_hf per key, and merged tensors split (keys.Merge)
 
     def save_pretrained(self, directory: str | Path, max_shard_size: int | str = "5GB") -> Path:
         """Write ``config.json`` and ``model.safetensors`` (sharded above ``max_shard_size``)."""

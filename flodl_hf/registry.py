@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from .config import BaseConfig
-    from .keys import KeyMap
+    from .keys import KeyMap, Merge
     from .modeling import HeadPart, PreTrainedModel
 
 # The core task names (the task registry, flodl_hf.task_registry, holds every task and its facts).
@@ -42,6 +42,8 @@ class Family:
     legacy_suffixes: ClassVar[tuple[tuple[str, str], ...]] = ()
     # Regexes of checkpoint keys skipped on load, as transformers' _keys_to_ignore_on_load_unexpected (old buffers).
     ignored_keys: ClassVar[tuple[str, ...]] = ()
+    # Module tensors made of several file tensors (keys.Merge: Mixtral's stacked experts); empty: none.
+    key_merges: ClassVar[tuple["Merge", ...]] = ()
     # Attention paths transformers has for this family, declared once (DeBERTa has only its own, "eager").
     # Parity runs each; a model asked for a path its family lacks runs the first one.
     attn_implementations: ClassVar[tuple[str, ...]] = ("sdpa", "eager")
@@ -95,7 +97,7 @@ class Family:
     def key_map(cls) -> "KeyMap":
         """How this family's checkpoint keys map to module keys (prefix, renames, legacy spellings, keys skipped)."""
         from .keys import KeyMap
-        return KeyMap(cls.prefix, cls.key_renames, cls.legacy_suffixes, cls.ignored_keys)
+        return KeyMap(cls.prefix, cls.key_renames, cls.legacy_suffixes, cls.ignored_keys, cls.key_merges)
 
     # ---- head parts: defaults shared by the BERT lineage; families override what differs ----
     @classmethod

@@ -56,6 +56,8 @@ CLASS_FOR_MODEL_TYPE = {
     "roberta": "RobertaTokenizer",
     "camembert": "CamembertTokenizer",
     "xlm-roberta": "XLMRobertaTokenizer",
+    "roberta-prelayernorm": "RobertaTokenizer",
+    "xlm-roberta-xl": "TokenizersBackend",  # as AutoTokenizer maps it in 5.25 (tokenizer.json as written)
     "albert": "AlbertTokenizer",
     "deberta-v2": "DebertaV2Tokenizer",
     "deberta": "DebertaTokenizer",
@@ -70,11 +72,17 @@ CLASS_FOR_MODEL_TYPE = {
     "gemma3_text": "GemmaTokenizer",
     "olmo2": "TokenizersBackend",
     "granite": "TokenizersBackend",
+    "mixtral": "TokenizersBackend",
+    "qwen2_moe": "Qwen2Tokenizer",
     "stablelm": "TokenizersBackend",
     "starcoder2": "GPT2Tokenizer",  # byte-level BPE, no recipe: transformers builds it
     "gpt2": "GPT2Tokenizer",  # byte-level BPE, no recipe: transformers builds it (its post-processor from add_bos_token)
     "gpt_neox": "GPTNeoXTokenizer",  # byte-level BPE (tokenizer.json), no recipe: transformers builds it
     "gptj": "GPT2Tokenizer",  # as AutoTokenizer maps gptj: GPT-2's byte-level BPE
+    "opt": "GPT2Tokenizer",  # as AutoTokenizer maps opt: GPT-2's byte-level BPE
+    "phi": "GPT2Tokenizer",  # as AutoTokenizer maps phi: GPT-2's byte-level BPE
+    "olmo": "GPTNeoXTokenizer",  # as AutoTokenizer maps olmo: byte-level BPE, no recipe: transformers builds it
+    "cohere": "CohereTokenizer",  # byte-level BPE (tokenizer.json), no recipe: transformers builds it
 }
 
 

@@ -31,7 +31,11 @@ MODELS = [("llama-hd24-bias-tied-llama3", "causal_lm"), ("qwen2-hd24-sliding", "
           ("gpt2-hd24", "causal_lm"), ("gpt_neox-hd24", "causal_lm"),
           ("olmo2-hd24-qknorm-postnorm", "causal_lm"), ("olmo2-hd24-qknorm-postnorm", "seqcls"),
           ("granite-hd24-multipliers", "causal_lm"), ("starcoder2-hd24-bias-window4", "causal_lm"),
-          ("stablelm-hd24-qknorm-parallel", "causal_lm"), ("gptj-hd24", "causal_lm"), ("gptj-hd24-fullrot-tied", "seqcls")]
+          ("stablelm-hd24-qknorm-parallel", "causal_lm"), ("gptj-hd24", "causal_lm"), ("gptj-hd24-fullrot-tied", "seqcls"),
+          ("opt-hd24-postln-project", "causal_lm"), ("mixtral-hd24-6experts-top3-window4", "causal_lm"),
+          ("qwen2_moe-hd24-4experts-norm-dense1", "causal_lm"),
+          ("phi-hd24-qknorm", "causal_lm"), ("olmo-hd24-clip-bias", "causal_lm"),
+          ("cohere-hd24-qknorm-bias", "causal_lm")]
 CASTS = {
     "bfloat16": lambda m: m.bfloat16(),
     "half": lambda m: m.half(),

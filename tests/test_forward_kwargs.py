@@ -53,6 +53,7 @@ HIDDEN_CASES = [
     ("modernbert-bias-mean-hd24", "base", "sdpa"), ("modernbert-bias-mean-hd24", "mlm", "sdpa"),
     ("distilbert-sinusoidal-hd24", "qa", "sdpa"), ("electra-proj-hd24", "tokcls", "sdpa"),
     ("albert-groups-hd24", "base", "sdpa"), ("mpnet-hd24", "base", "eager"),
+    ("roberta-prelayernorm-hd24", "mlm", "eager"), ("xlm-roberta-xl-hd24", "base", "sdpa"),
     # the decoders, through the same contract hook (use_cache=False: the tuple then holds no cache object)
     ("llama-hd24-bias-tied-llama3", "causal_lm", "sdpa"), ("mistral-hd24-window4", "causal_lm", "eager"),
     ("qwen2-hd24-sliding", "causal_lm", "sdpa"), ("qwen3-hd24-qknorm-sliding", "causal_lm", "eager"),
@@ -63,6 +64,11 @@ HIDDEN_CASES = [
     ("olmo2-hd24-qknorm-postnorm", "causal_lm", "eager"), ("granite-hd24-multipliers", "causal_lm", "sdpa"),
     ("starcoder2-hd24-bias-window4", "causal_lm", "eager"), ("stablelm-hd24-qknorm-parallel", "tokcls", "sdpa"),
     ("gptj-hd24", "causal_lm", "eager"), ("gptj-hd24", "qa", "sdpa"),
+    ("opt-hd24-postln-project", "causal_lm", "eager"), ("opt-hd24", "qa", "sdpa"),
+    ("mixtral-hd24-4experts-top2", "causal_lm", "sdpa"), ("mixtral-hd24-4experts-top2", "tokcls", "eager"),
+    ("qwen2_moe-hd24-4experts-norm-dense1", "causal_lm", "eager"), ("qwen2_moe-hd24-4experts-norm-dense1", "qa", "sdpa"),
+    ("phi-hd24-qknorm", "causal_lm", "eager"), ("olmo-hd24-clip-bias", "causal_lm", "sdpa"),
+    ("cohere-hd24-qknorm-bias", "causal_lm", "eager"),
 ]
 
 

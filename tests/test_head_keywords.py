@@ -36,7 +36,9 @@ DECODERS = {"llama": "llama-hd24-bias-tied-llama3", "mistral": "mistral-hd24-win
             "gemma3_text": "gemma3_text-hd24-qknorm-2rope", "gpt2": "gpt2-hd24",
             "gpt_neox": "gpt_neox-hd24", "olmo2": "olmo2-hd24-qknorm-postnorm", "granite": "granite-hd24-multipliers",
             "starcoder2": "starcoder2-hd24-bias-window4", "stablelm": "stablelm-hd24-qknorm-parallel",
-            "gptj": "gptj-hd24"}
+            "gptj": "gptj-hd24", "opt": "opt-hd24", "mixtral": "mixtral-hd24-4experts-top2",
+            "qwen2_moe": "qwen2_moe-hd24-4experts-norm-dense1",
+            "phi": "phi-hd24-qknorm", "olmo": "olmo-hd24-clip-bias", "cohere": "cohere-hd24-qknorm-bias"}
 DECODER_TASKS = ("base", "causal_lm", "seqcls", "tokcls", "qa")
 
 

@@ -30,6 +30,8 @@ TARGETS: dict[str, tuple[list[str], list[str]]] = {
     "roberta": (["query", "value"], ["query", "key", "value", "intermediate.dense", "output.dense"]),
     "camembert": (["query", "value"], ["query", "key", "value", "intermediate.dense", "output.dense"]),
     "xlm-roberta": (["query", "value"], ["query", "key", "value", "intermediate.dense", "output.dense"]),
+    "roberta-prelayernorm": (["query", "value"], ["query", "key", "value", "intermediate.dense", "output.dense"]),
+    "xlm-roberta-xl": (["query", "value"], ["query", "key", "value", "intermediate.dense", "output.dense"]),
     "electra": (["query", "value"], ["query", "key", "value", "intermediate.dense", "output.dense"]),
     "albert": (["query", "value"], ["query", "key", "value", "ffn", "ffn_output"]),
     "distilbert": (["q_lin", "v_lin"], ["q_lin", "k_lin", "v_lin", "lin1", "lin2"]),
@@ -40,12 +42,16 @@ TARGETS: dict[str, tuple[list[str], list[str]]] = {
     "modernbert": (["Wqkv"], ["Wqkv", "Wo", "Wi"]),
     **{decoder: (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
        for decoder in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite",
-                       "stablelm")},
+                       "stablelm", "olmo", "cohere")},
     "starcoder2": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"]),
+    "mixtral": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"]),  # experts: 3-D, not linear
+    "qwen2_moe": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
     "phi3": (["qkv_proj"], ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
     "gpt2": (["c_attn"], ["c_attn", "c_proj", "c_fc"]),  # Conv1D layers: PEFT's fan_in_fan_out
     "gpt_neox": (["query_key_value"], ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
     "gptj": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"]),
+    "opt": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]),
+    "phi": (["q_proj", "v_proj", "fc1", "fc2"], ["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"]),
 }
 TASKS = ("seqcls", "mlm")
 

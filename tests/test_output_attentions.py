@@ -54,6 +54,7 @@ def _assert_same(a, b, where: str) -> None:
 CASES_BY_FAMILY = [
     ("bert-768", "base"), ("bert-hd24", "mc"), ("roberta-hd24", "seqcls"), ("camembert-hd24", "tokcls"),
     ("xlm-roberta-hd24", "qa"), ("distilbert-sinusoidal-hd24", "qa"), ("albert-groups-hd24", "base"),
+    ("roberta-prelayernorm-hd24", "mc"), ("xlm-roberta-xl-hd24", "tokcls"),
     ("deberta-v3-768", "seqcls"), ("deberta-v2xl-conv", "mlm"), ("deberta1-768", "seqcls"),
     ("deberta1-p2c-nonlegacy", "mlm"), ("electra-proj-hd24", "pretraining"),
     ("modernbert-bias-mean-hd24", "mlm"), ("mpnet-hd24", "base"),
@@ -64,7 +65,9 @@ CASES_BY_FAMILY = [
     ("gpt_neox-hd24", "qa"), ("gpt_neox-hd24-sequential", "causal_lm"),
     ("olmo2-hd24-qknorm-postnorm", "seqcls"), ("granite-hd24-multipliers", "causal_lm"),
     ("starcoder2-hd24-bias-window4", "seqcls"), ("stablelm-hd24-qknorm-parallel", "causal_lm"),
-    ("gptj-hd24", "qa"), ("gptj-hd24-fullrot-tied", "causal_lm"),
+    ("gptj-hd24", "qa"), ("gptj-hd24-fullrot-tied", "causal_lm"), ("opt-hd24-postln-project", "qa"),
+    ("mixtral-hd24-4experts-top2", "causal_lm"), ("qwen2_moe-hd24-4experts-norm-dense1", "tokcls"),
+    ("phi-hd24-qknorm", "tokcls"), ("olmo-hd24-clip-bias", "seqcls"), ("cohere-hd24-qknorm-bias", "causal_lm"),
 ]
 
 

@@ -29,7 +29,8 @@ FIELDS = {case_id: fields for case_id, _task, fields in CASES}
 VARIANTS = {"bert": "bert-hd24", "albert": "albert-groups-hd24", "roberta": "roberta-hd24",
             "camembert": "camembert-hd24", "xlm-roberta": "xlm-roberta-hd24", "mpnet": "mpnet-hd24",
             "distilbert": "distilbert-sinusoidal-hd24", "modernbert": "modernbert-bias-mean-hd24",
-            "electra": "electra-proj-hd24", "deberta-v2": "deberta-v3-hd24", "deberta": "deberta1-hd24"}
+            "electra": "electra-proj-hd24", "deberta-v2": "deberta-v3-hd24", "deberta": "deberta1-hd24",
+            "roberta-prelayernorm": "roberta-prelayernorm-hd24", "xlm-roberta-xl": "xlm-roberta-xl-hd24"}
 TASKS = ("base", "seqcls", "tokcls", "qa", "mlm", "mc")
 PAIRS = [(model_type, task) for model_type in VARIANTS for task in TASKS if get_family(model_type).supports(task)]
 IDS = [f"{model_type}-{task}" for model_type, task in PAIRS]

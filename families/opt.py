@@ -1,0 +1,324 @@
+"""OPT (``model_type: opt``: facebook/opt-125m ... opt-66b): LLaMA's decoder (families/llama.py: its masks, KV cache,
+attention paths and heads) with learned absolute positions counted along the attention mask (``embed_positions``:
+a table of ``max_position_embeddings + 2`` rows read at ``position + 2``; a padded token sits at -1, so row 1), no
+RoPE, LayerNorm before each branch (``do_layer_norm_before``, with a ``final_layer_norm`` closing the stack) or after
+each residual add (opt-350m: post-LN, no final norm), q scaled by ``head_dim ** -0.5`` after ``q_proj`` (the
+attention then runs at scale 1), ``q_proj k_proj v_proj out_proj`` and the ReLU ``fc1``/``fc2`` MLP, all with
+``enable_bias``, LayerNorms without parameters when ``layer_norm_elementwise_affine`` is false, ``dropout`` after each
+branch (none on the embeddings), ``attention_dropout``, ``layerdrop`` (a layer skipped in training), and a
+``word_embed_proj_dim`` narrower than the layers (opt-350m: ``project_in`` after the token embeddings,
+``project_out`` after the stack; the heads read the projected width). The backbone is ``decoder.`` under ``model.``;
+``lm_head`` is tied to ``embed_tokens``. Heads: causal_lm, seqcls and qa (transformers has no other).
+
+Mirrors ``transformers.models.opt.modeling_opt`` (5.25); config names and defaults as ``OPTConfig``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flodl_hf.config import Activation, BaseConfig
+from flodl_hf.decoder import KVCache
+from flodl_hf.errors import ConfigError
+from flodl_hf.heads import SpanClassifier
+from flodl_hf.heads.causal_lm import LMHead, ModelForCausalLM
+from flodl_hf.layers import activation
+from flodl_hf.modeling import Backbone, HeadPart
+from flodl_hf.outputs import (BaseModelOutputWithPast, CausalLMOutput, QuestionAnsweringModelOutput,
+                              SequenceClassifierOutputWithPast)
+from flodl_hf.registry import register
+
+from .llama import (FULL, DecoderForQuestionAnswering, DecoderForSequenceClassification, Llama, LlamaAttention,
+                    LlamaModel, ScoreHead)
+
+
+@dataclass
+class OPTConfig(BaseConfig):
+    model_type: ClassVar[str] = "opt"
+    enum_fields: ClassVar[dict[str, type]] = {"activation_function": Activation}
+
+    vocab_size: int = 50272
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    ffn_dim: int = 3072
+    max_position_embeddings: int = 2048
+    do_layer_norm_before: bool = True
+    _remove_final_layer_norm: bool = False
+    word_embed_proj_dim: int | None = None  # None: hidden_size (OPTConfig.__post_init__), read as embed_dim
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    num_attention_heads: int = 12
+    activation_function: Activation = Activation.RELU
+    layerdrop: float = 0.0
+    init_std: float = 0.02
+    use_cache: bool = True
+    pad_token_id: int | None = 1
+    bos_token_id: int | None = 2
+    eos_token_id: int | list[int] | None = 2
+    enable_bias: bool = True
+    layer_norm_elementwise_affine: bool = True
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("ffn_dim", "word_embed_proj_dim"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"config (opt): field {name}={value} must be > 0")
+        if not (isinstance(self.layerdrop, (int, float)) and math.isfinite(self.layerdrop)
+                and 0.0 <= self.layerdrop <= 1.0):
+            raise ConfigError(f"config (opt): field layerdrop={self.layerdrop!r} is a probability: it must lie in "
+                              "[0, 1]")
+
+    @property
+    def embed_dim(self) -> int:
+        """The token embeddings' and the heads' width: ``word_embed_proj_dim``, else ``hidden_size``."""
+        return self.word_embed_proj_dim if self.word_embed_proj_dim is not None else self.hidden_size
+
+    # what LLaMA's shared parts read
+    kv_heads = property(lambda self: self.num_attention_heads)
+    attention_head_dim = property(lambda self: self.hidden_size // self.num_attention_heads)
+
+    def layer_kinds(self) -> list[str]:
+        return [FULL] * self.num_hidden_layers
+
+    def window(self, kind: str) -> int | None:
+        return None
+
+    def rope_key(self, kind: str) -> str | None:
+        return None
+
+
+def layer_norm(config: OPTConfig) -> nn.LayerNorm:
+    """OPT's LayerNorms: torch's default epsilon, parameters unless ``layer_norm_elementwise_affine`` is false."""
+    return nn.LayerNorm(config.hidden_size, elementwise_affine=config.layer_norm_elementwise_affine)
+
+
+class OPTAttention(LlamaAttention):
+    """``k_proj v_proj q_proj out_proj`` (transformers' order), q times ``head_dim ** -0.5`` right after ``q_proj``,
+    the attention at scale 1 (OPTAttention.forward hands ``scaling=1.0`` to the attention interface)."""
+
+    def __init__(self, config: OPTConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.q_scaling = self.head_dim ** -0.5
+        self.scaling = 1.0
+
+    def make_projections(self, config: OPTConfig, heads: int, kv: int) -> None:
+        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.enable_bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.enable_bias)
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.enable_bias)
+        self.out_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=config.enable_bias)
+
+    def project_heads(self, hidden_states: torch.Tensor,
+                      shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # OPTAttention.forward: q_proj(h) * scaling, before the per-head view
+        q = self.q_proj(hidden_states) * self.q_scaling
+        return q.view(shape), self.k_proj(hidden_states).view(shape), self.v_proj(hidden_states).view(shape)
+
+    def project_out(self, attn_output: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(attn_output)
+
+
+class OPTDecoderLayer(nn.Module):
+    """OPTDecoderLayer: its modules in its order; LayerNorm before each branch (``do_layer_norm_before``) or after
+    each residual add; ``dropout`` on each branch; the MLP on the tokens flattened to (B * S, hidden), as
+    transformers runs it; with ``layerdrop`` in training, the whole layer skipped at a ``torch.rand([])`` draw below
+    it (OPTDecoder.forward draws it before each layer, so the draws come in the same order)."""
+
+    def __init__(self, config: OPTConfig, self_attn: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.do_layer_norm_before = config.do_layer_norm_before
+        self.dropout = config.dropout
+        self.layerdrop = config.layerdrop
+        self.activation_fn = activation(config.activation_function)
+        self.self_attn_layer_norm = layer_norm(config)
+        self.fc1 = nn.Linear(config.hidden_size, config.ffn_dim, bias=config.enable_bias)
+        self.fc2 = nn.Linear(config.ffn_dim, config.hidden_size, bias=config.enable_bias)
+        self.final_layer_norm = layer_norm(config)
+
+    def forward(self, hidden_states: torch.Tensor, rope: None, mask: torch.Tensor | None,
+                cache: KVCache | None) -> torch.Tensor:
+        if self.training and self.layerdrop > 0.0 and torch.rand([]) < self.layerdrop:
+            return hidden_states
+        pre = self.do_layer_norm_before
+        residual = hidden_states
+        attn = self.self_attn(self.self_attn_layer_norm(hidden_states) if pre else hidden_states, rope, mask, cache)
+        hidden_states = residual + F.dropout(attn, p=self.dropout, training=self.training)
+        if not pre:
+            hidden_states = self.self_attn_layer_norm(hidden_states)
+        # OPTDecoderLayer.forward: the MLP on (B * S, hidden), the residual added there, then viewed back
+        shape = hidden_states.shape
+        residual = hidden_states = hidden_states.reshape(-1, hidden_states.size(-1))
+        if pre:
+            hidden_states = self.final_layer_norm(hidden_states)
+        hidden_states = self.fc2(self.activation_fn(self.fc1(hidden_states)))
+        hidden_states = (residual + F.dropout(hidden_states, p=self.dropout, training=self.training)).view(shape)
+        return hidden_states if pre else self.final_layer_norm(hidden_states)
+
+
+class OPTLearnedPositionalEmbedding(nn.Embedding):
+    """The position table, ``max_position_embeddings + 2`` rows, read at ``position_ids + 2``."""
+
+    offset = 2
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings + self.offset, embedding_dim)
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(position_ids + self.offset)
+
+
+class OPTDecoder(nn.Module):
+    """OPTDecoder's modules, in its order: ``embed_tokens``, ``embed_positions``, ``project_out``, ``project_in``
+    (both only with a ``word_embed_proj_dim`` other than ``hidden_size``), ``final_layer_norm`` (pre-LN only, unless
+    ``_remove_final_layer_norm``), ``layers``."""
+
+    def __init__(self, config: OPTConfig, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.embed_dim, config.pad_token_id)
+        self.embed_positions = OPTLearnedPositionalEmbedding(config.max_position_embeddings, config.hidden_size)
+        projected = config.embed_dim != config.hidden_size
+        self.project_out = nn.Linear(config.hidden_size, config.embed_dim, bias=False) if projected else None
+        self.project_in = nn.Linear(config.embed_dim, config.hidden_size, bias=False) if projected else None
+        self.final_layer_norm = (layer_norm(config) if config.do_layer_norm_before
+                                 and not config._remove_final_layer_norm else None)
+        self.layers = nn.ModuleList(layers)
+
+    def close(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """After the layers: ``final_layer_norm``, then ``project_out``, each where there is one."""
+        if self.final_layer_norm is not None:
+            hidden_states = self.final_layer_norm(hidden_states)
+        return hidden_states if self.project_out is None else self.project_out(hidden_states)
+
+
+class OPTModel(LlamaModel):
+    """``decoder`` (OPTModel's one child); LLaMA's forward, masks and cache, positions from the attention mask."""
+
+    attention_class = OPTAttention
+    layer_class = OPTDecoderLayer
+    norm_class = nn.LayerNorm
+
+    def __init__(self, config: OPTConfig, add_pooling_layer: bool = False) -> None:
+        Backbone.__init__(self, config)  # OPTModel.__init__'s modules, not LLaMA's
+        self.decoder = OPTDecoder(config, [self.layer_class(config, self.attention_class(config, i))
+                                           for i in range(config.num_hidden_layers)])
+
+    # LLaMA's encode runs self.layers and closes with self.norm
+    layers = property(lambda self: self.decoder.layers)
+    norm = property(lambda self: self.decoder.close)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.decoder.embed_tokens
+
+    def rotary_embeddings(self, keys: list[str | None], position_ids: torch.Tensor,
+                          hidden: torch.Tensor) -> dict[str | None, None]:
+        return {None: None}
+
+    def default_positions(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None,
+                          past: int) -> torch.Tensor:
+        # OPTDecoder.forward: cumsum of the mask (all ones over the past and this step without one), times the mask,
+        # minus 1 (a padded token: -1), this step's columns
+        if attention_mask is None:
+            attention_mask = torch.ones(inputs.shape[0], past + inputs.shape[1], device=inputs.device)
+        positions = torch.cumsum(attention_mask, dim=1)
+        return (positions * attention_mask - 1).long()[:, past:]
+
+    def embed(self, input_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        # OPTDecoder.forward: project_in(embed_tokens(ids)) + embed_positions(positions); no dropout
+        decoder = self.decoder
+        if inputs_embeds is None:
+            inputs_embeds = decoder.embed_tokens(input_ids)
+        positions = decoder.embed_positions(position_ids)
+        if decoder.project_in is not None:
+            inputs_embeds = decoder.project_in(inputs_embeds)
+        return inputs_embeds + positions.to(inputs_embeds.device)
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                cache: Any = None, inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
+                position_ids: torch.Tensor | None = None, *, token_type_ids: torch.Tensor | None = None,
+                past_key_values: Any = None) -> BaseModelOutputWithPast:
+        """OPTModel.forward's positional order (cache third, position_ids last); LLaMA's forward."""
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                               token_type_ids=token_type_ids, past_key_values=past_key_values)
+
+
+# ---- task models: transformers' OPT positional orders over LLaMA's heads -------------------------------------
+
+class OPTForCausalLM(ModelForCausalLM):
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                cache: Any = None, inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                use_cache: bool | None = None, position_ids: torch.Tensor | None = None,
+                logits_to_keep: int | torch.Tensor = 0, *, token_type_ids: torch.Tensor | None = None,
+                past_key_values: Any = None, cache_position: Any = None, shift_labels: torch.Tensor | None = None,
+                num_items_in_batch: torch.Tensor | int | None = None) -> CausalLMOutput:
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               cache=cache, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                               logits_to_keep=logits_to_keep, token_type_ids=token_type_ids,
+                               past_key_values=past_key_values, cache_position=cache_position,
+                               shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
+
+
+class OPTForSequenceClassification(DecoderForSequenceClassification):
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                cache: Any = None, inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                use_cache: bool | None = None, position_ids: torch.Tensor | None = None, *,
+                token_type_ids: torch.Tensor | None = None, past_key_values: Any = None,
+                num_items_in_batch: torch.Tensor | int | None = None) -> SequenceClassifierOutputWithPast:
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               cache=cache, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                               token_type_ids=token_type_ids, past_key_values=past_key_values,
+                               num_items_in_batch=num_items_in_batch)
+
+
+class OPTForQuestionAnswering(DecoderForQuestionAnswering):
+    """The backbone under ``model.`` (OPTForQuestionAnswering's), not LLaMA's QA ``transformer.``."""
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                cache: Any = None, inputs_embeds: torch.Tensor | None = None,
+                start_positions: torch.Tensor | None = None, end_positions: torch.Tensor | None = None,
+                use_cache: bool | None = None, position_ids: torch.Tensor | None = None, *,
+                token_type_ids: torch.Tensor | None = None, past_key_values: Any = None,
+                num_items_in_batch: torch.Tensor | int | None = None) -> QuestionAnsweringModelOutput:
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               cache=cache, inputs_embeds=inputs_embeds, start_positions=start_positions,
+                               end_positions=end_positions, use_cache=use_cache, token_type_ids=token_type_ids,
+                               past_key_values=past_key_values, num_items_in_batch=num_items_in_batch)
+
+
+@register
+class OPT(Llama):
+    model_type = "opt"
+    arch = "OPT"
+    prefix = "model"
+    config_class = OPTConfig
+    backbone_class = OPTModel
+    tasks = ("base", "causal_lm", "seqcls", "qa")  # transformers has no OPTForTokenClassification
+    task_models = {"causal_lm": OPTForCausalLM, "seqcls": OPTForSequenceClassification, "qa": OPTForQuestionAnswering}
+    # only OPTForCausalLM's loss is self.loss_function(..., **kwargs); its QA head computes its own
+    num_items_tasks = frozenset({"causal_lm"})
+
+    @classmethod
+    def max_sequence_length(cls, config: OPTConfig) -> int | None:
+        return config.max_position_embeddings  # the embed_positions table, less its offset
+
+    # the heads read the projected width (word_embed_proj_dim)
+    @classmethod
+    def causal_lm_head(cls, config: OPTConfig) -> HeadPart:
+        return LMHead(config.embed_dim, config.vocab_size)
+
+    @classmethod
+    def sequence_head(cls, config: OPTConfig) -> HeadPart:
+        return ScoreHead(config.embed_dim, config.num_labels, bias=False)
+
+    @classmethod
+    def span_head(cls, config: OPTConfig) -> HeadPart:
+        return SpanClassifier(config.embed_dim, 2)
