@@ -22,7 +22,6 @@ from flodl_hf.registry import register
 
 from .gptj import rotate_every_two
 from .llama import Llama, LlamaAttention, LlamaConfig, LlamaModel
-from .phi import PhiModel
 
 
 @dataclass
@@ -115,7 +114,6 @@ class CohereModel(LlamaModel):
     attention_class = CohereAttention
     layer_class = CohereDecoderLayer
     norm_class = CohereLayerNorm
-    forward = PhiModel.forward  # CohereModel.forward returns a cache given, whatever use_cache says
 
     def rotary(self, key: str | None, position_ids: torch.Tensor,
                hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ from .llama import Llama, LlamaConfig, LlamaModel
 @dataclass
 class GemmaConfig(LlamaConfig):
     model_type: ClassVar[str] = "gemma"
+    returns_given_cache: ClassVar[bool] = False  # as its transformers *Model.forward
 
     vocab_size: int = 256000
     hidden_size: int = 3072

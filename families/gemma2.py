@@ -30,6 +30,7 @@ from .llama import FULL, SLIDING, LlamaAttention, LlamaConfig, LlamaDecoderLayer
 @dataclass
 class Gemma2Config(GemmaConfig):
     model_type: ClassVar[str] = "gemma2"
+    returns_given_cache: ClassVar[bool] = True  # as its transformers *Model.forward
     enum_fields: ClassVar[dict[str, type]] = {"hidden_act": Activation, "hidden_activation": Activation}
 
     hidden_size: int = 2304

@@ -46,6 +46,7 @@ class GPT2StyleConfig(BaseConfig):
     full (no windows, no RoPE keys); checked at load, naming the model type and the field."""
 
     enum_fields: ClassVar[dict[str, type]] = {"activation_function": Activation}
+    returns_given_cache: ClassVar[bool] = False  # as its transformers *Model.forward
 
     vocab_size: int = 50257
     n_positions: int = 1024

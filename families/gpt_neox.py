@@ -40,6 +40,7 @@ class GPTNeoXConfig(BaseConfig):
     model_type: ClassVar[str] = "gpt_neox"
     enum_fields: ClassVar[dict[str, type]] = {"hidden_act": Activation}
     rope_types: ClassVar[tuple[str, ...]] = ROPE_TYPES
+    returns_given_cache: ClassVar[bool] = True  # as its transformers *Model.forward
 
     vocab_size: int = 50432
     hidden_size: int = 6144

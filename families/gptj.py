@@ -38,6 +38,7 @@ from .llama import Llama, LlamaAttention, LlamaModel
 @dataclass
 class GPTJConfig(GPT2StyleConfig):
     model_type: ClassVar[str] = "gptj"
+    returns_given_cache: ClassVar[bool] = True  # as its transformers *Model.forward
 
     vocab_size: int = 50400
     n_positions: int = 2048

@@ -51,6 +51,9 @@ class LlamaConfig(BaseConfig):
     enum_fields: ClassVar[dict[str, type]] = {"hidden_act": Activation}
     default_theta: ClassVar[float] = 10_000.0
     rope_types: ClassVar[tuple[str, ...]] = ROPE_TYPES  # the RoPE types the family takes (Rope.resolve)
+    # whether the backbone returns a cache it was given when use_cache is False (LlamaModel.forward returns
+    # past_key_values whatever use_cache says; Mistral's, Qwen2's, Gemma's ... return it only with use_cache)
+    returns_given_cache: ClassVar[bool] = True
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -364,6 +367,8 @@ class LlamaModel(Backbone):
         if token_type_ids is not None and "token_type_ids" not in self.input_names:
             raise InputError(f"{type(self).__name__} has no token types: pass no token_type_ids")
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.config.returns_given_cache and (cache is not None or past_key_values is not None):
+            use_cache = True  # a given cache is updated and returned (config.returns_given_cache)
         cache = as_cache(cache, self.cache_windows(), past_key_values)
         self._check_inputs(input_ids, attention_mask, inputs_embeds, cache)
         if use_cache and cache is None:

@@ -16,6 +16,7 @@ from .llama import DecoderForQuestionAnswering, Llama, LlamaConfig
 @dataclass
 class MistralConfig(LlamaConfig):
     model_type: ClassVar[str] = "mistral"
+    returns_given_cache: ClassVar[bool] = False  # as its transformers *Model.forward
 
     intermediate_size: int = 14336
     num_key_value_heads: int | None = 8

@@ -42,6 +42,7 @@ from .mistral import Mistral, MistralConfig
 @dataclass
 class MixtralConfig(MistralConfig):
     model_type: ClassVar[str] = "mixtral"
+    returns_given_cache: ClassVar[bool] = True  # as its transformers *Model.forward
     default_theta: ClassVar[float] = 1_000_000.0
 
     rms_norm_eps: float = 1e-5

@@ -21,7 +21,6 @@ from flodl_hf.registry import register
 
 from .llama import Llama, LlamaAttention, LlamaConfig, LlamaModel
 from .olmo2 import Olmo2Attention, Olmo2Model
-from .phi import PhiModel
 
 OLMO_LAYER_NORM_EPS = 1e-5  # OlmoLayerNorm's, whatever the config says (OlmoConfig has no epsilon field)
 
@@ -77,7 +76,6 @@ class OlmoModel(LlamaModel):
     attention_class = OlmoAttention
     norm_class = OlmoLayerNorm
     rotary = Olmo2Model.rotary  # OlmoRotaryEmbedding.forward: cos and sin left in float32
-    forward = PhiModel.forward  # OlmoModel.forward returns a cache given, whatever use_cache says
 
 
 @register

@@ -41,6 +41,7 @@ from .llama import (FULL, DecoderForQuestionAnswering, DecoderForSequenceClassif
 class OPTConfig(BaseConfig):
     model_type: ClassVar[str] = "opt"
     enum_fields: ClassVar[dict[str, type]] = {"activation_function": Activation}
+    returns_given_cache: ClassVar[bool] = True  # as its transformers *Model.forward
 
     vocab_size: int = 50272
     hidden_size: int = 768

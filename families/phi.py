@@ -12,7 +12,7 @@ runs it, except with ``qk_layernorm`` (its norms are hidden / heads wide: transf
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -22,7 +22,6 @@ from flodl_hf.decoder import KVCache
 from flodl_hf.errors import ConfigError
 from flodl_hf.layers import LazyBuffers, activation
 from flodl_hf.modeling import Backbone, HeadPart
-from flodl_hf.outputs import BaseModelOutputWithPast
 from flodl_hf.registry import register
 
 from .gptj import GPTJLMHead
@@ -151,18 +150,6 @@ class PhiModel(LlamaModel):
               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         # PhiModel.forward: embed_dropout on the embeddings, looked up or given
         return self.embed_dropout(super().embed(input_ids, token_type_ids, position_ids, inputs_embeds))
-
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, cache: Any = None,
-                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None, *,
-                token_type_ids: torch.Tensor | None = None, past_key_values: Any = None) -> BaseModelOutputWithPast:
-        """LLaMA's forward; a cache given is returned (updated) whatever ``use_cache`` says, as PhiModel.forward
-        returns ``cache`` (OLMo's and Cohere's share this forward)."""
-        if cache is not None or past_key_values is not None:
-            use_cache = True
-        return LlamaModel.forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache,
-                                  token_type_ids=token_type_ids, past_key_values=past_key_values)
-
 
 @register
 class Phi(Llama):

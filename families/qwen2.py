@@ -16,6 +16,7 @@ from .llama import FULL, SLIDING, Llama, LlamaConfig
 @dataclass
 class Qwen2Config(LlamaConfig):
     model_type: ClassVar[str] = "qwen2"
+    returns_given_cache: ClassVar[bool] = False  # as its transformers *Model.forward
 
     vocab_size: int = 151936
     intermediate_size: int = 22016

@@ -20,7 +20,6 @@ from torch import nn
 from flodl_hf.decoder import KVCache, _number
 from flodl_hf.errors import ConfigError
 from flodl_hf.modeling import HeadPart
-from flodl_hf.outputs import BaseModelOutputWithPast
 from flodl_hf.registry import register
 
 from .llama import Llama, LlamaAttention, LlamaConfig, LlamaModel, ScoreHead, check_heads_from_hidden
@@ -144,18 +143,6 @@ class StableLmModel(LlamaModel):
 
     def hidden_state_modules(self) -> list[nn.Module]:
         return list(self.layers)  # the layers (the per-head norms' lists are not innermost-list layers)
-
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, cache: Any = None,
-                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None, *,
-                token_type_ids: torch.Tensor | None = None, past_key_values: Any = None) -> BaseModelOutputWithPast:
-        """LLaMA's forward; a cache given is returned (updated) whatever ``use_cache`` says, as StableLmModel.forward
-        returns ``cache`` (LLaMA's only with ``use_cache``)."""
-        if cache is not None or past_key_values is not None:
-            use_cache = True
-        return super().forward(input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache,
-                               token_type_ids=token_type_ids, past_key_values=past_key_values)
-
 
 @register
 class StableLm(Llama):

@@ -24,6 +24,7 @@ from .llama import Llama, LlamaAttention, LlamaConfig, LlamaModel
 @dataclass
 class Starcoder2Config(LlamaConfig):
     model_type: ClassVar[str] = "starcoder2"
+    returns_given_cache: ClassVar[bool] = False  # as its transformers *Model.forward
 
     vocab_size: int = 49152
     hidden_size: int = 3072

@@ -453,3 +453,25 @@ def test_gemma2_asked_for_sdpa_runs_its_eager_path():
     with torch.inference_mode():
         assert torch.equal(ours(input_ids=ids, attention_mask=mask).logits,
                            theirs(input_ids=ids, attention_mask=mask).logits)
+
+
+@pytest.mark.parametrize("model_type", list(SMALL))
+def test_a_given_cache_with_use_cache_false_is_returned_as_transformers_returns_it(model_type):
+    """A cached step with ``use_cache=False``: LLaMA, Gemma2/3, GPT-NeoX, OLMo 1/2, Granite, StableLM, GPT-J, OPT,
+    Mixtral, Phi and Cohere return the given cache, updated; Mistral, Qwen2/3, Phi-3, Gemma, GPT-2, StarCoder2 and
+    Qwen2-MoE return none (``config.returns_given_cache``, as each transformers ``*Model.forward``). The logits and
+    the returned cache's length equal transformers'."""
+    _, ours, theirs = _pair(SMALL[model_type], "eager")
+    ids = torch.randint(2, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        first_ours = ours(input_ids=ids[:, :4], attention_mask=mask[:, :4], use_cache=True)
+        first_theirs = theirs(input_ids=ids[:, :4], attention_mask=mask[:, :4], use_cache=True)
+        step_ours = ours(input_ids=ids[:, 4:], attention_mask=mask, cache=first_ours.cache, use_cache=False)
+        step_theirs = theirs(input_ids=ids[:, 4:], attention_mask=mask, past_key_values=first_theirs.past_key_values,
+                             use_cache=False)
+    assert torch.equal(step_ours.logits, step_theirs.logits)
+    returned = step_theirs.past_key_values
+    assert (step_ours.cache is None) == (returned is None)
+    if returned is not None:
+        assert step_ours.cache.get_seq_length() == returned.get_seq_length() == 6
