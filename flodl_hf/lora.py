@@ -63,6 +63,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 BASE_STAMP = "flodl_hf_base.json"   # our side file: the task and the base's weight sha256 (PEFT ignores it)
 PEFT_PREFIX = "base_model.model."
 ALL_LINEAR = "all-linear"   # PEFT's INCLUDE_LINEAR_LAYERS_SHORTHAND
+MIN_TARGET_MODULES_FOR_OPTIMIZATION = 20   # peft.utils.constants: longer target lists are condensed
 SUPPORTED_PEFT_TYPES = ("LORA",)
 BIAS_MODES = ("none", "all", "lora_only")
 
@@ -482,6 +483,34 @@ def all_linear_targets(model: nn.Module, task_type: str | None) -> list[str]:
     return sorted(names)
 
 
+def minimal_targets(model: nn.Module, targets: list[str] | str) -> list[str] | str:
+    """``BaseTuner.inject_adapter``'s condensing of a target list of 20 names or more: the shortest module-name
+    suffixes (``_find_minimal_target_modules``, its order) that still match every target and no other module,
+    sorted, where that is a shorter list; the targets as given otherwise. They select the same modules; the
+    condensed list is what PEFT keeps in its config and writes to adapter_config.json."""
+    if isinstance(targets, str) or len(targets) < MIN_TARGET_MODULES_FOR_OPTIMIZATION:
+        return targets
+    names = [name for name, _ in model.named_modules()]
+    wanted = set(targets)
+    ends = tuple("." + t for t in wanted)
+    others = [n for n in names if n not in wanted and not n.endswith(ends)]
+
+    def suffixes(name: str) -> list[str]:  # the shortest first
+        parts = name.split(".")
+        return [".".join(parts[i:]) for i in range(len(parts))][::-1]
+
+    taken = {s for n in others for s in suffixes(n)}
+    required: set[str] = set()
+    for name, options in sorted(((t, suffixes(t)) for t in wanted), key=lambda item: item[1]):
+        for suffix in options:
+            if suffix in required or suffix in taken:
+                continue
+            if not any(name.endswith("." + r) for r in required):
+                required.add(suffix)
+                break
+    return sorted(required) if required and len(required) < len(wanted) else targets
+
+
 def default_targets(model_type: str) -> list[str]:
     """PEFT's default ``target_modules`` for a model type; a typed error where PEFT has none."""
     if model_type not in PEFT_DEFAULT_TARGETS:
@@ -530,6 +559,7 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
         task_type = PEFT_TASK_TYPES.get(task)
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         targets = all_linear_targets(model, task_type)
+    targets = minimal_targets(model, targets)
     to_save = None
     if modules_to_save is not None:
         to_save = []

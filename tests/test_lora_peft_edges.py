@@ -576,6 +576,32 @@ def test_all_linear_expands_to_peft_s_modules(case_id, task, fields):
         assert sorted(lora.lora_layers(ours)) == adapted and ours.lora_config.target_modules == expected
 
 
+@pytest.mark.parametrize("given", ["all-linear", "full names"])
+def test_twenty_targets_or_more_are_condensed_as_peft_condenses_them(given, tmp_path):
+    """A target list of 20 names or more (all-linear on a 3-layer LLaMA: 21 layers, or the same 21 full names):
+    PEFT's inject_adapter keeps the shortest suffixes that tell them apart; ours records the same list, adapts the
+    same layers, writes it to adapter_config.json, and both sides reload the file onto those layers."""
+    fields = {**next(f for c, _, f in CASES if c == LLAMA_TIED), "num_hidden_layers": 3}
+    source = make_checkpoint(fields, "causal_lm")
+    full = sorted(n for n, m in load_model(source, "causal_lm").named_modules()
+                  if isinstance(m, torch.nn.Linear) and n != "lm_head")
+    assert len(full) >= lora.MIN_TARGET_MODULES_FOR_OPTIMIZATION
+    targets = "all-linear" if given == "all-linear" else full
+    theirs = peft.get_peft_model(reference_model(source, "causal_lm", "eager"),
+                                 peft.LoraConfig(r=2, target_modules=targets, task_type="CAUSAL_LM"))
+    expected = sorted(theirs.peft_config["default"].target_modules)
+    assert len(expected) < len(full)  # PEFT condensed them
+    ours = lora.add_lora(load_model(source, "causal_lm"), r=2, target_modules=targets)
+    assert ours.lora_config.target_modules == expected
+    adapted = sorted(_key(n)[:-len(".lora_A.weight")] for n, _ in theirs.named_parameters() if "lora_A" in n)
+    assert sorted(lora.lora_layers(ours)) == adapted == full
+    out = lora.save_adapter(ours, tmp_path / "ours")
+    assert sorted(json.loads((out / lora.ADAPTER_CONFIG).read_text())["target_modules"]) == expected
+    back = peft.PeftModel.from_pretrained(reference_model(source, "causal_lm", "eager"), str(out))
+    assert sorted(_key(n)[:-len(".lora_A.weight")] for n, _ in back.named_parameters() if "lora_A" in n) == full
+    assert sorted(lora.lora_layers(load_model(source, "causal_lm", adapter=str(out)))) == full
+
+
 def test_all_linear_adapter_both_ways(tmp_path):
     theirs = _peft_adapter(LLAMA_TIED, tmp_path / "peft", target_modules="all-linear", r=4)
     ours, out = _both_ways(LLAMA_TIED, tmp_path, theirs, tmp_path / "peft")
