@@ -73,6 +73,21 @@ class Embeddings(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.dim)
         self.LayerNorm = nn.LayerNorm(config.dim, eps=EPS)
         self.dropout = nn.Dropout(config.dropout)
+        self.sinusoidal = config.sinusoidal_pos_embds
+
+    @torch.no_grad()
+    def init_fresh_weights(self, std: float) -> None:
+        """DistilBertPreTrainedModel._init_weights: with sinusoidal_pos_embds, the position table is
+        create_sinusoidal_embeddings' (pos / 10000 ** (2 (j // 2) / dim) in float64, sin on even columns, cos on
+        odd ones, cast to float32)."""
+        if not self.sinusoidal:
+            return
+        table = self.position_embeddings.weight
+        n_pos, dim = table.shape
+        j = torch.arange(dim, dtype=torch.float64)
+        angles = torch.arange(n_pos, dtype=torch.float64)[:, None] / torch.pow(10000.0, 2 * (j // 2) / dim)
+        table[:, 0::2] = torch.sin(angles[:, 0::2]).to(table.dtype)
+        table[:, 1::2] = torch.cos(angles[:, 1::2]).to(table.dtype)
 
     def forward(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
                 position_ids: torch.Tensor | None) -> torch.Tensor:

@@ -54,6 +54,8 @@ class GemmaConfig(LlamaConfig):
 class GemmaRMSNorm(nn.Module):
     """GemmaRMSNorm: the norm in float32, times ``1 + weight`` in float32, then back to the input dtype."""
 
+    fresh_init = {"weight": "zeros"}  # GemmaPreTrainedModel._init_weights: zeros, 1-centred by (1 + weight)
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps

@@ -107,6 +107,8 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
 class MixtralTopKRouter(nn.Module):
     """``weight`` (experts, hidden): the logits, and each token's top-k experts with their renormalised weights."""
 
+    fresh_init = {"weight": "normal"}  # MixtralPreTrainedModel._init_weights: normal(initializer_range)
+
     def __init__(self, config: MixtralConfig) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
@@ -124,6 +126,8 @@ class MixtralTopKRouter(nn.Module):
 class MixtralExperts(nn.Module):
     """Every expert's SwiGLU, stacked: ``gate_up_proj`` (experts, 2 x intermediate, hidden), ``down_proj``
     (experts, hidden, intermediate)."""
+
+    fresh_init = {"gate_up_proj": "normal", "down_proj": "normal"}  # MixtralPreTrainedModel._init_weights
 
     def __init__(self, config: MixtralConfig, intermediate_size: int) -> None:
         super().__init__()

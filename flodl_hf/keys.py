@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointFormatError
-from .layers import Conv1D
+from .layers import Conv1D, fresh_rule, init_fresh_parameter
 
 # Keys HF checkpoints carry that are not weights (buffers HF recomputes).
 IGNORED_KEY = re.compile(r"(^|\.)(position_ids|token_type_ids)$")
@@ -261,7 +261,7 @@ def init_fresh(owner: nn.Module, name: str, std: float) -> None:
     with torch.no_grad():
         if isinstance(owner, nn.LayerNorm):
             tensor.fill_(1.0 if name == "weight" else 0.0)
-        elif isinstance(owner, (nn.Linear, nn.Embedding, Conv1D)) and name == "weight":
-            tensor.normal_(mean=0.0, std=std)
-        else:
-            tensor.zero_()
+        elif isinstance(owner, (nn.Linear, nn.Conv1d, nn.Embedding, Conv1D)):
+            init_fresh_parameter(tensor, "normal" if name == "weight" else "zeros", std)
+        else:  # a module's own parameters: norms at one, Mixtral's experts drawn, ... (layers.fresh_rule)
+            init_fresh_parameter(tensor, fresh_rule(owner, name), std)

@@ -232,6 +232,27 @@ class Conv1D(nn.Module):
         return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
 
 
+def fresh_rule(module: nn.Module, name: str) -> str:
+    """How transformers' ``_init_weights`` starts a module's own parameter ``name`` (not one of nn.Linear's,
+    nn.Embedding's, nn.LayerNorm's): "normal", "ones" or "zeros". A module's ``fresh_init`` ({name: rule}) says
+    where its family's ``_init_weights`` differs (Mixtral's router and stacked experts: normal; Gemma's (1 + w)
+    RMSNorm: zeros); otherwise, as ``PreTrainedModel._init_weights``, a module whose class name holds "LayerNorm"
+    or "RMSNorm" starts its weight at one and its bias at zero, and any other bare parameter (an LM head's output
+    bias) at zero."""
+    rule = getattr(module, "fresh_init", {}).get(name)
+    if rule is not None:
+        return rule
+    norm = "LayerNorm" in type(module).__name__ or "RMSNorm" in type(module).__name__
+    return "ones" if norm and name == "weight" else "zeros"
+
+
+def init_fresh_parameter(tensor: torch.Tensor, rule: str, std: float) -> None:
+    if rule == "normal":
+        tensor.normal_(mean=0.0, std=std)
+    else:
+        tensor.fill_(1.0 if rule == "ones" else 0.0)
+
+
 @torch.no_grad()
 def init_weights(module: nn.Module, std: float) -> None:
     """transformers' default ``_init_weights`` for fresh (not loaded) modules."""
@@ -250,10 +271,12 @@ def init_weights(module: nn.Module, std: float) -> None:
                 sub.weight.fill_(1.0)
             if sub.bias is not None:
                 sub.bias.zero_()
-        for name, param in sub.named_parameters(recurse=False):
-            # bare parameters (e.g. an LM head's output bias) start at zero
-            if not isinstance(sub, (nn.Linear, nn.Conv1d, Conv1D, nn.Embedding, nn.LayerNorm)):
-                param.zero_()
+        if not isinstance(sub, (nn.Linear, nn.Conv1d, Conv1D, nn.Embedding, nn.LayerNorm)):
+            for name, param in sub.named_parameters(recurse=False):
+                init_fresh_parameter(param, fresh_rule(sub, name), std)
+    for sub in module.modules():  # a family's own _init_weights step, after the defaults (DistilBERT's sinusoids)
+        if hasattr(sub, "init_fresh_weights"):
+            sub.init_fresh_weights(std)
 
 
 # ---- computing a per-token head on some rows only -----------------------------------------------------
