@@ -61,8 +61,9 @@ class MixtralConfig(MistralConfig):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MixtralConfig":
-        # MixtralConfig.attribute_map: a config.json's num_experts sets num_local_experts (the field's own name wins)
-        if "num_experts" in data and "num_local_experts" not in data:
+        # MixtralConfig.attribute_map: a config.json's num_experts sets num_local_experts (and wins over it, as the
+        # alias set after the dataclass fields in transformers)
+        if "num_experts" in data:
             config = super().from_dict({**data, "num_local_experts": data["num_experts"]})
             config.raw = copy.deepcopy(dict(data))  # written back as it came
             return config

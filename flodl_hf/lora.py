@@ -483,6 +483,13 @@ def all_linear_targets(model: nn.Module, task_type: str | None) -> list[str]:
     return sorted(names)
 
 
+def _peft_moe_targets(model: nn.Module) -> set[str]:
+    """The target names PEFT 0.21 moves onto an MoE's router and stacked experts (its transformers-5 conversion,
+    ``_MOE_TARGET_MODULE_MAPPING``), from the modules' ``peft_moe_targets`` (Qwen3-MoE's and OLMoE's blocks);
+    empty for every other model."""
+    return {t for m in model.modules() for t in getattr(m, "peft_moe_targets", ())}
+
+
 def minimal_targets(model: nn.Module, targets: list[str] | str) -> list[str] | str:
     """``BaseTuner.inject_adapter``'s condensing of a target list of 20 names or more: the shortest module-name
     suffixes (``_find_minimal_target_modules``, its order) that still match every target and no other module,
@@ -559,6 +566,12 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
         task_type = PEFT_TASK_TYPES.get(task)
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         targets = all_linear_targets(model, task_type)
+    moved = [t for t in ([targets] if isinstance(targets, str) else targets)
+             if t.rsplit(".", 1)[-1] in _peft_moe_targets(model)]  # none for a model without peft_moe_targets
+    if moved:
+        raise UnsupportedAdapterError(f"target_modules {moved!r}: PEFT 0.21 adapts this model's router and stacked "
+                                      "experts for these names (its transformers-5 MoE conversion; not linear layers), "
+                                      "which flodl-hf does not; name the attention projections only")
     targets = minimal_targets(model, targets)
     to_save = None
     if modules_to_save is not None:

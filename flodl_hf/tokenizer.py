@@ -74,6 +74,8 @@ CLASS_FOR_MODEL_TYPE = {
     "granite": "TokenizersBackend",
     "mixtral": "TokenizersBackend",
     "qwen2_moe": "Qwen2Tokenizer",
+    "qwen3_moe": "Qwen2Tokenizer",
+    "olmoe": "GPTNeoXTokenizer",  # as AutoTokenizer maps olmoe: byte-level BPE, no recipe: transformers builds it
     "stablelm": "TokenizersBackend",
     "starcoder2": "GPT2Tokenizer",  # byte-level BPE, no recipe: transformers builds it
     "gpt2": "GPT2Tokenizer",  # byte-level BPE, no recipe: transformers builds it (its post-processor from add_bos_token)

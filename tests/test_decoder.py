@@ -5,7 +5,8 @@ stopping, the LLaMA tokenizers (a SentencePiece model and a BPE-with-byte-fallba
 
 Right padding, every head and the losses are in the shared tables (tests/cases/llama.py, mistral.py,
 qwen2.py, qwen3.py, phi3.py, gemma.py, gemma2.py, gemma3_text.py, gpt2.py, gpt_neox.py, olmo2.py, granite.py,
-gptj.py, starcoder2.py, stablelm.py, phi.py, olmo.py, cohere.py, opt.py, mixtral.py, qwen2_moe.py
+gptj.py, starcoder2.py, stablelm.py, phi.py, olmo.py, cohere.py, opt.py, mixtral.py, qwen2_moe.py,
+qwen3_moe.py, olmoe.py
 through test_parity.py, test_losses.py, test_export.py).
 """
 
@@ -35,6 +36,7 @@ SMALL = {"llama": "llama-hd24-bias-tied-llama3", "mistral": "mistral-hd24-window
          "starcoder2": "starcoder2-hd24-bias-window4", "stablelm": "stablelm-hd24-qknorm-parallel",
          "gptj": "gptj-hd24", "opt": "opt-hd24", "mixtral": "mixtral-hd24-6experts-top3-window4",
          "qwen2_moe": "qwen2_moe-hd24-6experts-top3-step2-window4",
+         "qwen3_moe": "qwen3_moe-hd24-6experts-top3-step2-window4", "olmoe": "olmoe-hd24-6experts-top3-clip",
          "phi": "phi-hd24-qknorm", "olmo": "olmo-hd24-clip-bias", "cohere": "cohere-hd24-qknorm-bias"}
 
 
@@ -73,6 +75,9 @@ CELLS = [("llama-1024-gqa", "sdpa"), ("llama-1024-gqa", "eager"), (SMALL["llama"
          ("gptj-hd24-fullrot-tied", "sdpa"), (SMALL["opt"], "sdpa"), ("opt-hd24-postln-project", "eager"),
          ("opt-768-1layer", "sdpa"), (SMALL["mixtral"], "sdpa"), ("mixtral-hd24-4experts-top2", "eager"),
          (SMALL["qwen2_moe"], "eager"), ("qwen2_moe-hd24-4experts-norm-dense1", "sdpa"),
+         (SMALL["qwen3_moe"], "sdpa"), ("qwen3_moe-hd24-4experts-norm-bias-dense1", "eager"),
+         ("qwen3_moe-768-1layer", "sdpa"), (SMALL["olmoe"], "eager"), ("olmoe-hd24-4experts-norm-bias", "sdpa"),
+         ("olmoe-768-1layer", "eager"),
          (SMALL["phi"], "sdpa"), ("phi-hd24-plain-tied", "eager"), (SMALL["olmo"], "eager"),
          ("olmo-768-1layer", "sdpa"), (SMALL["cohere"], "sdpa"), ("cohere-hd24-plain-untied", "eager")]
 
@@ -197,6 +202,7 @@ def test_past_key_values_in_as_per_layer_tuples_and_logits_to_keep():
                                           (SMALL["gptj"], "sdpa"), ("gptj-hd24-fullrot-tied", "eager"),
                                           (SMALL["opt"], "eager"), ("opt-hd24-postln-project", "sdpa"),
                                           (SMALL["mixtral"], "eager"), (SMALL["qwen2_moe"], "sdpa"), (SMALL["phi"], "eager"),
+                                          (SMALL["qwen3_moe"], "eager"), (SMALL["olmoe"], "sdpa"),
                                           (SMALL["olmo"], "sdpa"), (SMALL["cohere"], "eager")])
 def test_greedy_generate_equals_transformers_and_stops_at_eos(variant, impl):
     _, ours, theirs = _pair(variant, impl)

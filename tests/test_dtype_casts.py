@@ -34,6 +34,7 @@ MODELS = [("llama-hd24-bias-tied-llama3", "causal_lm"), ("qwen2-hd24-sliding", "
           ("stablelm-hd24-qknorm-parallel", "causal_lm"), ("gptj-hd24", "causal_lm"), ("gptj-hd24-fullrot-tied", "seqcls"),
           ("opt-hd24-postln-project", "causal_lm"), ("mixtral-hd24-6experts-top3-window4", "causal_lm"),
           ("qwen2_moe-hd24-4experts-norm-dense1", "causal_lm"),
+          ("qwen3_moe-hd24-4experts-norm-bias-dense1", "causal_lm"), ("olmoe-hd24-6experts-top3-clip", "causal_lm"),
           ("phi-hd24-qknorm", "causal_lm"), ("olmo-hd24-clip-bias", "causal_lm"),
           ("cohere-hd24-qknorm-bias", "causal_lm")]
 CASTS = {

@@ -67,6 +67,9 @@ HIDDEN_CASES = [
     ("opt-hd24-postln-project", "causal_lm", "eager"), ("opt-hd24", "qa", "sdpa"),
     ("mixtral-hd24-4experts-top2", "causal_lm", "sdpa"), ("mixtral-hd24-4experts-top2", "tokcls", "eager"),
     ("qwen2_moe-hd24-4experts-norm-dense1", "causal_lm", "eager"), ("qwen2_moe-hd24-4experts-norm-dense1", "qa", "sdpa"),
+    ("qwen3_moe-hd24-4experts-norm-bias-dense1", "causal_lm", "sdpa"),
+    ("qwen3_moe-hd24-4experts-norm-bias-dense1", "tokcls", "eager"),
+    ("olmoe-hd24-6experts-top3-clip", "causal_lm", "eager"), ("olmoe-hd24-4experts-norm-bias", "causal_lm", "sdpa"),
     ("phi-hd24-qknorm", "causal_lm", "eager"), ("olmo-hd24-clip-bias", "causal_lm", "sdpa"),
     ("cohere-hd24-qknorm-bias", "causal_lm", "eager"),
 ]

@@ -38,6 +38,7 @@ DECODERS = {"llama": "llama-hd24-bias-tied-llama3", "mistral": "mistral-hd24-win
             "starcoder2": "starcoder2-hd24-bias-window4", "stablelm": "stablelm-hd24-qknorm-parallel",
             "gptj": "gptj-hd24", "opt": "opt-hd24", "mixtral": "mixtral-hd24-4experts-top2",
             "qwen2_moe": "qwen2_moe-hd24-4experts-norm-dense1",
+            "qwen3_moe": "qwen3_moe-hd24-4experts-norm-bias-dense1", "olmoe": "olmoe-hd24-4experts-norm-bias",
             "phi": "phi-hd24-qknorm", "olmo": "olmo-hd24-clip-bias", "cohere": "cohere-hd24-qknorm-bias"}
 DECODER_TASKS = ("base", "causal_lm", "seqcls", "tokcls", "qa")
 

@@ -46,6 +46,9 @@ TARGETS: dict[str, tuple[list[str], list[str]]] = {
     "starcoder2": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"]),
     "mixtral": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"]),  # experts: 3-D, not linear
     "qwen2_moe": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    # PEFT moves gate/up/down_proj onto the stacked experts of these two (refused: tests/test_moe.py)
+    "qwen3_moe": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "olmoe": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"]),
     "phi3": (["qkv_proj"], ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
     "gpt2": (["c_attn"], ["c_attn", "c_proj", "c_fc"]),  # Conv1D layers: PEFT's fan_in_fan_out
     "gpt_neox": (["query_key_value"], ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),

@@ -1,5 +1,5 @@
-"""The mixture-of-experts decoders' own checks against transformers 5.25 in the same run (Mixtral, Qwen2-MoE): the
-config defaults; the router's logits, weights and picks per sparse layer torch.equal to transformers', every expert
+"""The mixture-of-experts decoders' own checks against transformers 5.25 in the same run (Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE): the config defaults and the experts' count under either config.json name; the router's logits, weights and picks per sparse layer torch.equal to transformers', every expert
 picked by some token and the tokens' picks differing; the file layout (the hub's and save_pretrained's per-expert keys,
 merged on load and split on export by the family's ``key_merges``; the module layout loads too; a missing expert is a
 typed error); Qwen2-MoE's sliding layers from its own rule when a config.json has no ``layer_types``; sampled
@@ -8,7 +8,7 @@ the shared expert's and the dense layers' too); a training step with Mixtral's r
 the routing that the parity tables would catch; ``output_router_logits`` (the router logits, the aux
 loss, the loss with it, a training step on it); the options refused. The forwards on both attention paths, every head,
 the losses, caches, dtype casts, gradients and export round trips are in the shared tables (tests/cases/mixtral.py,
-tests/cases/qwen2_moe.py)."""
+tests/cases/qwen2_moe.py, tests/cases/qwen3_moe.py, tests/cases/olmoe.py)."""
 
 from __future__ import annotations
 
@@ -37,13 +37,20 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TOP2, TOP3, WIDE = "mixtral-hd24-4experts-top2", "mixtral-hd24-6experts-top3-window4", "mixtral-1024-4experts"
 QTOP2, QTOP3, QWIDE = ("qwen2_moe-hd24-4experts-norm-dense1", "qwen2_moe-hd24-6experts-top3-step2-window4",
                        "qwen2_moe-1024-4experts")
+Q3TOP2, Q3TOP3, Q3WIDE = ("qwen3_moe-hd24-4experts-norm-bias-dense1", "qwen3_moe-hd24-6experts-top3-step2-window4",
+                          "qwen3_moe-768-1layer")
+OTOP2, OTOP3, OWIDE = "olmoe-hd24-4experts-norm-bias", "olmoe-hd24-6experts-top3-clip", "olmoe-768-1layer"
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # per family: its top-2 and top-3 variants (layer 0 sparse in the first, layer 1 in the second), the file key of
 # an expert's up projection and of a router
 FAMILIES = {"mixtral": (TOP2, TOP3, "model.layers.{layer}.block_sparse_moe.experts.{expert}.w3.weight",
                         "model.layers.{layer}.block_sparse_moe.gate.weight"),
             "qwen2_moe": (QTOP2, QTOP3, "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",
-                          "model.layers.{layer}.mlp.gate.weight")}
+                          "model.layers.{layer}.mlp.gate.weight"),
+            "qwen3_moe": (Q3TOP2, Q3TOP3, "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",
+                          "model.layers.{layer}.mlp.gate.weight"),
+            "olmoe": (OTOP2, OTOP3, "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight",
+                      "model.layers.{layer}.mlp.gate.weight")}
 
 
 def _fields(variant: str, task: str = "causal_lm") -> dict:
@@ -76,11 +83,11 @@ def test_config_defaults_are_transformers(model_type):
     names = [f.name for f in dataclass_fields(ours) if f.name not in skip and hasattr(theirs, f.name)]
     assert {"num_experts_per_tok", "rms_norm_eps", "num_key_value_heads", "output_router_logits"} <= set(names)
     for name in names:
-        value = getattr(ours, name)
+        value = ours.kv_heads if name == "num_key_value_heads" else getattr(ours, name)  # OlmoeConfig fills it in
         assert getattr(value, "value", value) == getattr(theirs, name), name
     assert ours.rope().theta == theirs.rope_parameters["rope_theta"] and ours.num_experts == theirs.num_experts
     assert ours.layer_kinds() == list(getattr(theirs, "layer_types", None) or ours.layer_kinds())
-    assert ours.window("sliding_attention") == (theirs.sliding_window or None)
+    assert ours.window("sliding_attention") == (getattr(theirs, "sliding_window", None) or None)
 
 
 def _router_outputs(layers, gate_of) -> list:
@@ -93,7 +100,8 @@ def _sparse(layers) -> list:
     return [layer for layer in layers if hasattr(layer.mlp, "gate")]
 
 
-@pytest.mark.parametrize("variant", [TOP2, TOP3, WIDE, QTOP2, QTOP3, QWIDE])
+@pytest.mark.parametrize("variant", [TOP2, TOP3, WIDE, QTOP2, QTOP3, QWIDE, Q3TOP2, Q3TOP3, Q3WIDE, OTOP2, OTOP3,
+                                     OWIDE])
 def test_router_equals_transformers_and_every_expert_is_picked(variant):
     """Per sparse layer, the router's logits, weights and picks torch.equal transformers'; every expert is picked by
     some token of the parity batch and the tokens' picks differ (so every expert's rows are compared)."""
@@ -190,7 +198,35 @@ def test_qwen2_moe_sliding_layers_without_layer_types(tmp_path):
     assert torch.equal(_logits(ours, batch), _logits(theirs, batch))
 
 
-@pytest.mark.parametrize("variant", [TOP3, QTOP2])
+ALIASES = [(TOP2, "num_local_experts", "num_experts"), (Q3TOP2, "num_local_experts", "num_experts"),
+           (OTOP2, "num_experts", "num_local_experts")]
+
+
+@pytest.mark.parametrize("variant,written,alias", ALIASES, ids=[a[0] for a in ALIASES])
+def test_the_experts_count_under_its_other_name(variant, written, alias, tmp_path):
+    """The experts' count under the config's attribute_map alias (the Qwen3-MoE hub files' ``num_experts``,
+    save_pretrained's ``num_local_experts``; OLMoE's the other way round): the same model as transformers' on the same
+    directory; with both names given, the one that is not a transformers config field wins, as there (set after
+    the fields): Mixtral's ``num_experts``, Qwen3-MoE's and OLMoE's ``num_local_experts``."""
+    root = tmp_path / "alias"
+    shutil.copytree(make_checkpoint(_fields(variant), "causal_lm"), root)
+    config = json.loads((root / "config.json").read_text())
+    config[alias] = config.pop(written)
+    (root / "config.json").write_text(json.dumps(config))
+    ours = load_model(root, "causal_lm").eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = reference_model(root, "causal_lm", "sdpa")
+    assert ours.config.num_experts == theirs.config.num_experts == 4
+    batch = make_batch(ours.config, "causal_lm")
+    assert torch.equal(_logits(ours, batch), _logits(theirs, batch))
+    config.update(num_experts=7, num_local_experts=5)
+    both = get_family(config["model_type"]).config_class.from_dict(config)
+    winner = config["num_experts" if variant == TOP2 else "num_local_experts"]
+    assert both.num_experts == quiet_transformers().AutoConfig.for_model(**config).num_experts == winner
+
+
+@pytest.mark.parametrize("variant", [TOP3, QTOP2, Q3TOP3, OTOP3])
 def test_model_generate_sampled_equals_transformers(variant):
     _, ours, theirs = _pair(variant, "sdpa")
     ids, mask = _left_padded(ours.config.vocab_size)
@@ -205,13 +241,36 @@ def test_model_generate_sampled_equals_transformers(variant):
 
 
 @pytest.mark.parametrize("variant,targets", [(TOP2, ATTENTION),
-                                             (QTOP2, ATTENTION + ["gate_proj", "up_proj", "down_proj"])])
+                                             (QTOP2, ATTENTION + ["gate_proj", "up_proj", "down_proj"]),
+                                             (Q3TOP2, ATTENTION), (OTOP2, ATTENTION)])
 def test_lora_on_the_causal_lm_both_ways_with_peft(variant, targets, tmp_path):
     """test_lora's round trip (PEFT's adapter in, a training step, ours out to PEFT, merged) on the causal LM: Mixtral's
     attention projections (its all-linear, with which PEFT adapts the router and the stacked experts, is refused:
     tests/test_lora_peft_edges.py), Qwen2-MoE's and its shared expert's and dense layer's SwiGLU."""
     from test_lora import test_peft_round_trip_and_training_step as peft_round_trip
     peft_round_trip("causal_lm", _fields(variant), targets, 8, True, tmp_path)
+
+
+@pytest.mark.parametrize("variant", [Q3TOP2, OTOP2])
+def test_lora_on_what_peft_moves_onto_the_experts_is_refused(variant):
+    """PEFT 0.21's transformers-5 MoE conversion (Qwen3-MoE and OLMoE map to Qwen2-MoE's) turns the targets
+    gate_proj/up_proj/down_proj into the stacked experts' parameters (not the dense layers' linear layers of the
+    same names), and adapts the router and the experts under all-linear: flodl-hf refuses both."""
+    import peft
+    from flodl_hf import lora
+    from flodl_hf.errors import UnsupportedAdapterError
+    source = make_checkpoint(_fields(variant), "causal_lm")
+    targets = ["q_proj", "gate_proj", "up_proj", "down_proj"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = peft.get_peft_model(reference_model(source, "causal_lm", "eager"),
+                                     peft.LoraConfig(r=2, target_modules=targets))
+    adapted = [n for n, _ in theirs.named_parameters() if "lora_A" in n]
+    assert any(".experts." in n for n in adapted) and not any("_proj.lora_A" in n and ".mlp." in n for n in adapted)
+    with pytest.raises(UnsupportedAdapterError, match="stacked experts"):
+        lora.add_lora(load_model(source, "causal_lm"), r=2, target_modules=targets)
+    with pytest.raises(UnsupportedAdapterError, match="all-linear.*not linear layers"):
+        lora.add_lora(load_model(source, "causal_lm"), r=2, target_modules="all-linear")
 
 
 def _router_batch(config, masked: bool) -> dict:
@@ -222,7 +281,7 @@ def _router_batch(config, masked: bool) -> dict:
     return {**batch, "labels": labels, "use_cache": False}
 
 
-@pytest.mark.parametrize("variant", [TOP3, QTOP2])
+@pytest.mark.parametrize("variant", [TOP3, QTOP2, Q3TOP3, OTOP2])
 @pytest.mark.parametrize("masked", [True, False], ids=["mask", "no-mask"])
 def test_router_logits_and_aux_loss_equal_transformers(variant, masked):
     """``output_router_logits=True``: each sparse layer's router logits, the aux loss (load_balancing_loss_func, over
@@ -310,7 +369,9 @@ def _ungated_shared_expert(self, hidden_states):
 
 
 MUTATIONS = [(TOP3, "no-renormalisation"), (TOP3, "eager-experts-loop"), (TOP3, "top-k-minus-one"),
-             (QTOP3, "eager-experts-loop"), (QTOP2, "norm-topk-prob-ignored"), (QTOP2, "shared-expert-ungated")]
+             (QTOP3, "eager-experts-loop"), (QTOP2, "norm-topk-prob-ignored"), (QTOP2, "shared-expert-ungated"),
+             (Q3TOP2, "norm-topk-prob-ignored"), (Q3TOP3, "window-ignored"), (OTOP2, "norm-topk-prob-ignored"),
+             (OTOP3, "clip-qkv-ignored")]
 
 
 @pytest.mark.parametrize("variant,mutation", MUTATIONS, ids=[f"{v}-{m}" for v, m in MUTATIONS])
@@ -333,6 +394,10 @@ def test_routing_mutations_leave_transformers(variant, mutation, monkeypatch):
     elif mutation == "norm-topk-prob-ignored":
         for block in blocks:
             block.gate.norm_topk_prob = False
+    elif mutation == "window-ignored":  # Qwen3-MoE's window on every layer
+        monkeypatch.setattr(type(ours.config), "layer_kinds", lambda self: ["full_attention"] * self.num_hidden_layers)
+    elif mutation == "clip-qkv-ignored":  # OLMoE's clamp of the normed q, k and v
+        ours.config.clip_qkv = None
     else:
         from flodl_hf.families import qwen2_moe
         monkeypatch.setattr(qwen2_moe.Qwen2MoeSparseMoeBlock, "forward", _ungated_shared_expert)
@@ -341,7 +406,10 @@ def test_routing_mutations_leave_transformers(variant, mutation, monkeypatch):
 
 REFUSED = {"mixtral": [("num_experts_per_tok", 5), ("num_local_experts", 0), ("router_jitter_noise", -0.1)],
            "qwen2_moe": [("num_experts_per_tok", 5), ("num_experts", 0), ("decoder_sparse_step", 0),
-                         ("layer_types", ["sliding_attention", "full_attention"])]}
+                         ("layer_types", ["sliding_attention", "full_attention"])],
+           "qwen3_moe": [("num_experts_per_tok", 5), ("num_local_experts", 0), ("decoder_sparse_step", 0),
+                         ("layer_types", ["full_attention", "full_attention"])],
+           "olmoe": [("num_experts_per_tok", 5), ("num_experts", 0), ("clip_qkv", 0.0), ("head_dim", 32)]}
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
@@ -354,7 +422,8 @@ def test_bad_options_and_other_experts_implementations_are_refused(model_type):
     with pytest.raises(InputError, match="experts_implementation"):
         load_model(source, "causal_lm", experts_implementation="eager")
     # MixtralForCausalLM.forward's positional order: output_router_logits before logits_to_keep
-    causal_lm = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[model_type]
+    causal_lm = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}[model_type]
     theirs = list(inspect.signature(getattr(quiet_transformers(), causal_lm).forward).parameters)[1:10]
     assert list(inspect.signature(type(ours).forward).parameters)[1:10] == theirs
     assert json.loads((source / "config.json").read_text())["num_experts_per_tok"] == 2

@@ -67,6 +67,7 @@ CASES_BY_FAMILY = [
     ("starcoder2-hd24-bias-window4", "seqcls"), ("stablelm-hd24-qknorm-parallel", "causal_lm"),
     ("gptj-hd24", "qa"), ("gptj-hd24-fullrot-tied", "causal_lm"), ("opt-hd24-postln-project", "qa"),
     ("mixtral-hd24-4experts-top2", "causal_lm"), ("qwen2_moe-hd24-4experts-norm-dense1", "tokcls"),
+    ("qwen3_moe-hd24-4experts-norm-bias-dense1", "qa"), ("olmoe-hd24-6experts-top3-clip", "causal_lm"),
     ("phi-hd24-qknorm", "tokcls"), ("olmo-hd24-clip-bias", "seqcls"), ("cohere-hd24-qknorm-bias", "causal_lm"),
 ]
 
