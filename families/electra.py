@@ -25,6 +25,7 @@ from flodl_hf.config import Activation
 from flodl_hf.errors import ConfigError
 from flodl_hf.families.bert import Bert, BertConfig, BertEmbeddings, BertModel
 from flodl_hf.families.roberta import RobertaClassificationHead, RobertaSequenceHead
+from flodl_hf.heads.multiple_choice import SequenceSummary
 from flodl_hf.layers import activation
 from flodl_hf.modeling import HeadPart, TaskModel, mount_last
 from flodl_hf.outputs import ModelOutput
@@ -94,37 +95,12 @@ class ElectraSequenceHead(RobertaSequenceHead):
     head_class = ElectraClassificationHead
 
 
-class ElectraSequenceSummary(nn.Module):
-    """``ElectraSequenceSummary``: pick a vector (first, last, mean or cls_index), first dropout,
-    projection, activation, last dropout."""
-
-    def __init__(self, config: ElectraConfig) -> None:
-        super().__init__()
-        self.summary_type = config.summary_type
-        self.summary: nn.Module = nn.Identity()
-        if config.summary_use_proj:
-            out = config.num_labels if config.summary_proj_to_labels and config.num_labels > 0 else config.hidden_size
-            self.summary = nn.Linear(config.hidden_size, out)
-        self.activation = activation(config.summary_activation) if config.summary_activation else (lambda x: x)
-        self.first_dropout = nn.Dropout(config.summary_first_dropout)
-        self.last_dropout = nn.Dropout(config.summary_last_dropout)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.summary_type == "first":
-            output = hidden_states[:, 0]
-        elif self.summary_type == "mean":
-            output = hidden_states.mean(dim=1)
-        else:  # "last", and "cls_index" without an index (the multiple-choice model passes none): the last token
-            output = hidden_states[:, -1]
-        return self.last_dropout(self.activation(self.summary(self.first_dropout(output))))
-
-
 class ElectraChoiceHead(HeadPart):
     """Mounts ``sequence_summary`` and ``classifier`` (hidden -> 1) at the root."""
 
     def __init__(self, config: ElectraConfig) -> None:
         super().__init__()
-        self.sequence_summary = ElectraSequenceSummary(config)
+        self.sequence_summary = SequenceSummary(config, config.num_labels)  # ElectraSequenceSummary
         self.classifier = nn.Linear(config.hidden_size, 1)
 
     def forward(self, hidden_states: torch.Tensor, pooler_output: torch.Tensor | None = None,

@@ -4,8 +4,9 @@ through ``wte`` and ``drop``), no RoPE, LayerNorm (``ln_1``, ``ln_2``, ``ln_f``)
 (weights stored (in, out), ``torch.addmm``): q, k and v split from one ``c_attn``, ``c_proj`` with its residual
 dropout, the ``c_fc`` / ``c_proj`` MLP with ``activation_function``. The backbone sits under ``transformer.``
 (``h.N``); hub checkpoints store it without the prefix and may carry the old ``attn.bias`` / ``attn.masked_bias``
-mask buffers, which are skipped as transformers skips them. ``add_cross_attention`` is refused; the
-``GPT2DoubleHeadsModel`` is not implemented.
+mask buffers, which are skipped as transformers skips them. ``add_cross_attention`` is refused. ``double_heads``
+(``GPT2DoubleHeadsModel``) is a task this family adds: the tied LM head plus ``multiple_choice_head`` (the shared
+``SequenceSummary``, its ``summary_*`` fields read from the config) on inputs (batch, choices, seq).
 
 Mirrors ``transformers.models.gpt2.modeling_gpt2`` (5.24); config names as ``GPT2Config`` (``n_embd``, ``n_layer``,
 ``n_head``, ``n_positions``, ``n_inner``; the ``attribute_map`` names are read and answered too)."""
@@ -25,16 +26,19 @@ from flodl_hf.config import Activation, BaseConfig
 from flodl_hf.errors import ConfigError, InputError
 from flodl_hf.heads import TokenClassifier
 from flodl_hf.heads.causal_lm import ModelForCausalLM
+from flodl_hf.heads.multiple_choice import SequenceSummary
 from flodl_hf.layers import Conv1D, activation, record_attention
-from flodl_hf.modeling import Backbone, HeadPart
-from flodl_hf.outputs import (BaseModelOutputWithPast, CausalLMOutput, QuestionAnsweringModelOutput,
+from flodl_hf.modeling import Backbone, HeadPart, TaskModel, record_last_hidden_state
+from flodl_hf.outputs import (BaseModelOutputWithPast, CausalLMOutput, ModelOutput, QuestionAnsweringModelOutput,
                               SequenceClassifierOutputWithPast, TokenClassifierOutput)
 from flodl_hf.registry import register
+from flodl_hf.task_registry import Task, register_task
 
 from .llama import (DecoderForQuestionAnswering, DecoderForSequenceClassification, DecoderForTokenClassification, FULL,
                     Llama, LlamaAttention, LlamaModel, token_dropout)
 
 # GPT2Config.attribute_map: the generic names, read from a config.json and answered as properties
+SUMMARY_TYPES = ("cls_index", "first", "last", "mean")  # GPT2SequenceSummary's, but "attn" (not implemented there)
 ATTRIBUTE_MAP = {"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
                  "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}
 
@@ -119,9 +123,27 @@ class GPT2Config(GPT2StyleConfig):
     scale_attn_by_inverse_layer_idx: bool = False
     reorder_and_upcast_attn: bool = False
     add_cross_attention: bool = False
+    # GPT2DoubleHeadsModel's multiple_choice_head (GPT2SequenceSummary); summary_last_dropout is not a GPT2Config
+    # field, read where a config.json has it, as transformers' hasattr does
+    summary_type: str = "cls_index"
+    summary_use_proj: bool = True
+    summary_activation: str | None = None
+    summary_proj_to_labels: bool = True
+    summary_first_dropout: float = 0.1
+    summary_last_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.summary_type not in SUMMARY_TYPES:
+            raise ConfigError(f"config (gpt2): field summary_type={self.summary_type!r} is not supported "
+                              f"(known: {', '.join(SUMMARY_TYPES)})")
+        if self.summary_activation is not None:
+            Activation.parse(self.summary_activation, "summary_activation")
+        for name in ("summary_first_dropout", "summary_last_dropout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ConfigError(f"config (gpt2): field {name}={value!r} is a dropout probability: "
+                                  "it must lie in [0, 1]")
         if self.add_cross_attention:
             raise ConfigError("config field add_cross_attention=true (GPT-2 as a decoder with cross-attention) "
                               "is not supported")
@@ -336,6 +358,95 @@ class GPT2ForQuestionAnswering(DecoderForQuestionAnswering):
                                past_key_values=past_key_values, num_items_in_batch=num_items_in_batch)
 
 
+# ---- the double-heads task: GPT2DoubleHeadsModel ----------------------------------------------------------------
+
+@dataclass
+class DoubleHeadsModelOutput(ModelOutput):
+    """``GPT2DoubleHeadsModelOutput``: the LM loss (``labels``), the choice loss (``mc_labels``), the LM logits
+    (batch, choices, seq, vocab), one score per choice (batch, choices), the cache."""
+
+    loss: torch.Tensor | None = None
+    mc_loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    mc_logits: torch.Tensor | None = None
+    cache: Any = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+class DoubleHeads(HeadPart):
+    """Mounts ``lm_head`` (bias-free, tied to ``wte``) and ``multiple_choice_head`` (GPT2SequenceSummary, built
+    after ``config.num_labels = 1``, as GPT2DoubleHeadsModel.__init__ sets it) at the root."""
+
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.multiple_choice_head = SequenceSummary(config, num_labels=1)
+
+    def output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def forward(self, hidden_states: torch.Tensor,
+                mc_token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # GPT2DoubleHeadsModel.forward: lm_head, then the summary at mc_token_ids, squeezed
+        return self.lm_head(hidden_states), self.multiple_choice_head(hidden_states, mc_token_ids).squeeze(-1)
+
+
+def shifted_lm_loss(model: TaskModel, logits: torch.Tensor, labels: torch.Tensor,
+                    num_items_in_batch: Any = None) -> torch.Tensor:
+    """GPT2DoubleHeadsModel.forward's LM loss: CrossEntropyLoss (mean, -100 ignored) of ``logits[..., :-1, :]``
+    against ``labels[..., 1:]`` (not ForCausalLMLoss: no padding, no float cast, no ``num_items_in_batch``)."""
+    labels = labels.to(logits.device)
+    shift_logits = logits[..., :-1, :].contiguous()
+    return F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), labels[..., 1:].contiguous().view(-1))
+
+
+def _rows(t: torch.Tensor | None, keep: int) -> torch.Tensor | None:
+    return None if t is None else t.reshape(-1, *t.shape[t.dim() - keep:])
+
+
+class GPT2DoubleHeadsModel(TaskModel):
+    """The LM and a multiple-choice score from one pass: the choices are flattened into the batch (as GPT2Model
+    views its inputs), the last hidden state viewed back to (batch, choices, seq, hidden)."""
+
+    task = "double_heads"
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head.output_embeddings()
+
+    def forward(self, input_ids: torch.Tensor | None = None, cache: Any = None,
+                attention_mask: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                mc_token_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                mc_labels: torch.Tensor | None = None, use_cache: bool | None = None, *,
+                past_key_values: Any = None,
+                num_items_in_batch: torch.Tensor | int | None = None) -> DoubleHeadsModelOutput:
+        """``num_items_in_batch`` is taken and ignored, as transformers' CrossEntropyLoss here ignores it."""
+        shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
+        out = self.run_backbone(input_ids=_rows(input_ids, 1), attention_mask=_rows(attention_mask, 1),
+                                token_type_ids=_rows(token_type_ids, 1), position_ids=_rows(position_ids, 1),
+                                inputs_embeds=_rows(inputs_embeds, 2), cache=cache, past_key_values=past_key_values,
+                                use_cache=use_cache)
+        hidden = out.last_hidden_state
+        hidden = hidden.view(-1, *shape[1:], hidden.shape[-1])  # GPT2Model.forward's output_shape
+        record_last_hidden_state(hidden)  # output_hidden_states: transformers' last one is this view
+        logits, mc_logits = self.head(hidden, mc_token_ids)
+        mc_loss = loss = None
+        if mc_labels is not None:  # CrossEntropyLoss over the choices
+            mc_loss = F.cross_entropy(mc_logits.view(-1, mc_logits.size(-1)), mc_labels.view(-1))
+        if labels is not None:
+            loss = self.compute_loss(logits, labels=labels, num_items_in_batch=num_items_in_batch)
+        return DoubleHeadsModelOutput(loss=loss, mc_loss=mc_loss, logits=logits, mc_logits=mc_logits,
+                                      cache=out.cache)
+
+
+# transformers has no Auto class for it: its own class is the reference (parity, export, verify)
+DOUBLE_HEADS = register_task(Task(
+    "double_heads", "DoubleHeadsModel", "GPT2DoubleHeadsModel", "", DoubleHeadsModelOutput, "double_heads_head",
+    "flodl_hf.families.gpt2:GPT2DoubleHeadsModel", shifted_lm_loss, core=False,
+    classes=(("gpt2", "GPT2DoubleHeadsModel"),)))
+
+
 @register
 class GPT2(Llama):
     model_type = "gpt2"
@@ -345,6 +456,7 @@ class GPT2(Llama):
     backbone_class = GPT2Model
     # the old causal-mask buffers some checkpoints carry (transformers' _keys_to_ignore_on_load_unexpected)
     ignored_keys = (r"(^|\.)(attn|crossattention)\.(bias|masked_bias)$",)
+    tasks = (*Llama.tasks, DOUBLE_HEADS.name)
     task_models = {"causal_lm": GPT2LMHeadModel, "seqcls": GPT2ForSequenceClassification,
                    "tokcls": GPT2ForTokenClassification, "qa": GPT2ForQuestionAnswering}
     # only GPT2LMHeadModel's loss is self.loss_function(..., **kwargs); its QA head computes its own
@@ -359,6 +471,10 @@ class GPT2(Llama):
     @classmethod
     def max_sequence_length(cls, config: GPT2Config) -> int | None:
         return config.n_positions  # the wpe table
+
+    @classmethod
+    def double_heads_head(cls, config: GPT2Config) -> HeadPart:
+        return DoubleHeads(config)
 
     @classmethod
     def token_head(cls, config: GPT2Config) -> HeadPart:

@@ -91,7 +91,9 @@ def generate_checkpoint(fields: dict[str, Any], task: str, out: Path, seed: int 
     fields = copy.deepcopy(dict(fields))  # transformers' configs fill nested RoPE dicts in place: keep the caller's
     config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
-    model = getattr(transformers, get_task(task).auto_class).from_config(config)
+    reference = getattr(transformers, get_task(task).auto_class)
+    # a task without an Auto class names transformers' own class (GPT2DoubleHeadsModel): built as an Auto class would
+    model = (reference.from_config if hasattr(reference, "from_config") else reference._from_config)(config)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * perturb)

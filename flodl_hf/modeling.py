@@ -323,6 +323,14 @@ def _record_backbone_output(module: nn.Module, args: tuple, output: object) -> N
         record["last"] = getattr(output, "last_hidden_state", None)
 
 
+def record_last_hidden_state(hidden: torch.Tensor) -> None:
+    """The last hidden state as a task model reshaped it (GPT-2's double heads: (B, choices, S, H), as transformers'
+    GPT2Model views it); a no-op when nothing records, and for every task model that does not call it."""
+    record = _RECORDING.get()
+    if record is not None:
+        record["last"] = hidden
+
+
 def _call_recording_hidden_states(model: "PreTrainedModel", call, args: tuple, kwargs: dict):
     """``call(*args, **kwargs)``, its output given ``hidden_states``. The recording hooks are installed once,
     on first use, and record only inside this context, so a model never asked for hidden states runs no hook."""

@@ -59,7 +59,7 @@ def make_batch(config: BaseConfig, task: str, lengths: tuple[int, ...] = (13, 8)
         for row, n in enumerate(lengths):
             types[row, n // 2:n] = 1
         batch["token_type_ids"] = types
-    if task == "mc":
+    if task in ("mc", "double_heads"):  # (B, S) -> (B, choices, S); GPT-2's double heads take choices too
         batch = {k: torch.stack([v.roll(c, dims=0) for c in range(num_choices)], dim=1) for k, v in batch.items()}
     return batch
 

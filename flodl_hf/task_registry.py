@@ -50,6 +50,8 @@ class Task:
     model: str | None = None       # "package.module:Class" of the default task model (None: the backbone)
     loss: Loss | None = None
     core: bool = True              # False: added by a family; only families declaring it have the cell
+    # (model_type, class name) pairs for a task transformers has no Auto mapping for (GPT2DoubleHeadsModel)
+    classes: tuple[tuple[str, str], ...] = ()
 
     def model_class(self) -> type["PreTrainedModel"]:
         """The default task model (imported lazily: the heads import the model contract)."""
@@ -188,7 +190,8 @@ CORE_TASKS = tuple(_TASKS)
 def hf_mapping(task: str) -> dict[str, str]:
     """transformers' model_type -> class name mapping for ``task`` ({} where transformers has none)."""
     from transformers.models.auto import modeling_auto
-    return getattr(modeling_auto, get_task(task).hf_mapping, {})
+    spec = get_task(task)
+    return dict(spec.classes) if spec.classes else getattr(modeling_auto, spec.hf_mapping, {})
 
 
 class TaskField(Mapping):

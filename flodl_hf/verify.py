@@ -202,7 +202,7 @@ def _inputs(directory: Path, config: BaseConfig, task: str, prompts: list[str] |
     if vocab is not None and int(batch["input_ids"].max()) >= vocab:
         raise InputError(f"{directory}: the tokenizer gives ids up to {int(batch['input_ids'].max())}, beyond "
                          f"the model's vocab_size={vocab}; the tokenizer does not belong to this model")
-    if task == "mc":  # (B, S) -> (B, 2 choices, S), as parity.make_batch builds it
+    if task in ("mc", "double_heads"):  # (B, S) -> (B, 2 choices, S), as parity.make_batch builds it
         batch = {k: torch.stack([v.roll(c, dims=0) for c in range(2)], dim=1) for k, v in batch.items()}
     lengths = "/".join(str(int(n)) for n in enc["attention_mask"].sum(-1))
     return batch, f"{len(texts)} prompt(s) through DIR's tokenizer, padded ({lengths} tokens)", tokenizer

@@ -1,7 +1,8 @@
 """GPT-2's own checks against transformers (and its tokenizer) in the same run: the Conv1D layout and op, a hub-style
 checkpoint (keys without ``transformer.``, the old ``attn.bias`` / ``attn.masked_bias`` buffers) loading and
 exporting as transformers', the config's names, generation (beam search and sampling; greedy with left padding is in
-tests/test_decoder.py) and the byte-level BPE tokenizer. The forwards, heads, losses, caches, export round trips and
+tests/test_decoder.py), the byte-level BPE tokenizer, and GPT2DoubleHeadsModel (the double_heads task: its summary
+options, both losses and gradients in train mode, records, loading by architectures, LoRA against PEFT). The forwards, heads, losses, caches, export round trips and
 LoRA are in the shared tables (tests/cases/gpt2.py)."""
 
 from __future__ import annotations
@@ -210,3 +211,166 @@ def test_a_fresh_model_initialises_its_conv1d_layers_as_transformers(tmp_path):
                 assert not mine.any() and not p.any(), name
             else:
                 assert abs(mine.std().item() - p.std().item()) < 0.2 * p.std().item(), name
+
+
+# ---- GPT2DoubleHeadsModel (the double_heads task) --------------------------------------------------------------
+
+DOUBLE = FIELDS["gpt2-hd24-double_heads"]
+# the summary options GPT2SequenceSummary reads; the default projects to one score (num_labels forced to 1)
+SUMMARIES = {
+    "default": {},
+    "real-width": FIELDS["gpt2-768-1layer-double_heads"],  # n_embd 768, 12 heads x 64, the default summary
+    "no-proj": dict(summary_use_proj=False),
+    "proj-hidden-tanh": dict(summary_proj_to_labels=False, summary_activation="tanh"),
+    "mean-gelu-dropouts": dict(summary_type="mean", summary_activation="gelu", summary_first_dropout=0.3,
+                               summary_last_dropout=0.2),
+}
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("summary", list(SUMMARIES))
+def test_double_heads_train_step_equals_transformers(summary, impl):
+    """In train mode (every dropout on, the same seed): logits, mc_logits, the LM loss and the choice loss
+    torch.equal to transformers' GPT2DoubleHeadsModel, with mc_token_ids (each choice's last real token) and without
+    (the last position), and the gradients of loss + mc_loss equal."""
+    from flodl_hf.parity import reference_model
+    fields = {**DOUBLE, **SUMMARIES[summary]} if summary != "real-width" else SUMMARIES[summary]
+    source = make_checkpoint(fields, "double_heads")
+    ours = load_model(source, "double_heads", dtype=torch.float32, attn_implementation=impl).train()
+    theirs = reference_model(source, "double_heads", impl).train()
+    batch = make_batch(ours.config, "double_heads", num_choices=3)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    gen = torch.Generator().manual_seed(1)
+    scores = fields.get("summary_use_proj", True) and fields.get("summary_proj_to_labels", True)
+    # mc_logits are (B, choices), or (B, choices, hidden) without the projection to one score: view(-1, last)
+    mc_labels = (torch.randint(0, 3, (2,), generator=gen) if scores
+                 else torch.randint(0, fields["n_embd"], (2, 3), generator=gen))
+    labels = ids.masked_fill(mask == 0, -100)
+    theirs_params = dict(theirs.named_parameters())
+    for mc_token_ids in (mask.sum(-1) - 1, None):
+        outs = []
+        for model in (ours, theirs):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(0)
+            out = model(**batch, mc_token_ids=mc_token_ids, labels=labels, mc_labels=mc_labels)
+            (out.loss + out.mc_loss).backward()
+            outs.append(out)
+        mine, ref = outs
+        assert mine.mc_logits.shape == ref.mc_logits.shape
+        if "summary_type" not in fields:  # cls_index; "mean" (over dim 1: the choices, as transformers') is (B, S)
+            assert mine.mc_logits.shape == ((2, 3) if scores else (2, 3, fields["n_embd"]))
+        for name in ("logits", "mc_logits", "loss", "mc_loss"):
+            assert torch.equal(getattr(mine, name), getattr(ref, name)), name
+        assert (mine.cache is None) == (ref.cache is None)
+        compared = 0
+        for name, param in ours.named_parameters():
+            other = theirs_params[name].grad
+            assert (param.grad is None) == (other is None), name
+            if param.grad is not None:
+                assert torch.equal(param.grad, other), f"{name}: {(param.grad - other).abs().max().item()}"
+                compared += 1
+        assert compared > 10 and (not SUMMARIES[summary].get("summary_use_proj", True)
+                                  or ours.multiple_choice_head.summary.weight.grad is not None)
+
+
+@torch.inference_mode()
+def test_double_heads_records_as_transformers():
+    """The record's fields in transformers' order; with output_hidden_states / output_attentions the states (the
+    last one viewed to (batch, choices, seq, hidden), as GPT2Model views it) and weights equal; the cache (the
+    choices flattened into the batch) holds transformers' keys and values; none with use_cache=False."""
+    from flodl_hf.parity import reference_model
+    source = make_checkpoint(DOUBLE, "double_heads")
+    ours = load_model(source, "double_heads", dtype=torch.float32, attn_implementation="eager")
+    theirs = reference_model(source, "double_heads", "eager")
+    batch = make_batch(ours.config, "double_heads")
+    a = ours(**batch, output_hidden_states=True, output_attentions=True)
+    b = theirs(**batch, output_hidden_states=True, output_attentions=True)
+    assert list(a.keys()) == list(b.keys()) == ["logits", "mc_logits", "cache", "hidden_states", "attentions"]
+    for name in ("hidden_states", "attentions"):
+        mine, ref = getattr(a, name), getattr(b, name)
+        assert len(mine) == len(ref) and all(torch.equal(x, y) for x, y in zip(mine, ref)), name
+    for i, layer in enumerate(b.cache.layers):
+        assert torch.equal(a.cache.keys[i], layer.keys) and torch.equal(a.cache.values[i], layer.values)
+    assert list(ours(**batch, use_cache=False).keys()) == list(theirs(**batch, use_cache=False).keys())
+
+
+def test_double_heads_architecture_picks_the_task(tmp_path):
+    """A config.json whose architectures names GPT2DoubleHeadsModel loads as the double_heads task (auto), through
+    the Auto class the registry makes for it, and exports under that name."""
+    from flodl_hf.auto import auto_classes
+    from flodl_hf.export import architecture_name
+    source = make_checkpoint(DOUBLE, "double_heads")
+    assert json.loads((source / "config.json").read_text())["architectures"] == ["GPT2DoubleHeadsModel"]
+    model = load_model(source)
+    assert model.task == "double_heads" and type(model).__name__ == "GPT2DoubleHeadsModel"
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied
+    assert auto_classes()["double_heads"].from_pretrained(source).task == "double_heads"
+    assert architecture_name("gpt2", "double_heads") == "GPT2DoubleHeadsModel"
+
+
+@pytest.mark.parametrize("field,value", [("summary_type", "attn"), ("summary_activation", "swishy"),
+                                         ("summary_first_dropout", 1.5), ("summary_last_dropout", -0.1)])
+def test_double_heads_bad_summary_options_are_refused_naming_the_field(field, value):
+    with pytest.raises(ConfigError, match=field):
+        AutoConfig.for_model("gpt2", **{field: value})
+
+
+def test_double_heads_positional_order_is_transformers():
+    """GPT2DoubleHeadsModel.forward's positional parameters (input_ids, cache, ..., mc_token_ids, labels, mc_labels,
+    use_cache), ours the same; past_key_values and num_items_in_batch keyword-only."""
+    import inspect
+
+    from transformers import GPT2DoubleHeadsModel as Theirs
+
+    from flodl_hf.families.gpt2 import GPT2DoubleHeadsModel as Ours
+
+    def positional(cls):
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+        return [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+
+    assert positional(Ours) == positional(Theirs)
+
+
+def test_double_heads_lora_equals_peft(tmp_path):
+    """PEFT's adapter (c_attn, c_fc; multiple_choice_head saved whole) loads here: outputs equal, a training step's
+    LM + choice loss gradients equal; ours saved loads back into PEFT with the same outputs."""
+    import peft
+
+    from flodl_hf import lora
+    from flodl_hf.parity import reference_model
+    warnings.simplefilter("ignore")
+    source = make_checkpoint(DOUBLE, "double_heads")
+    batch = make_batch(AutoConfig.from_pretrained(source), "double_heads")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"],
+                             modules_to_save=["multiple_choice_head"])
+    torch.manual_seed(11)
+    theirs = peft.get_peft_model(reference_model(source, "double_heads", "eager"), config)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(1)
+        for name, p in theirs.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    theirs.save_pretrained(str(tmp_path / "from-peft"))
+    ours = load_model(source, "double_heads", adapter=tmp_path / "from-peft", attn_implementation="eager")
+    labelled = {**batch, "labels": batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100),
+                "mc_labels": torch.tensor([1, 0])}
+    ours.train(), theirs.train()
+    outs = []
+    for model in (ours, theirs):
+        torch.manual_seed(5)
+        out = model(**labelled)
+        (out.loss + out.mc_loss).backward()
+        outs.append(out)
+    for name in ("logits", "mc_logits", "loss", "mc_loss"):
+        assert torch.equal(getattr(outs[0], name), getattr(outs[1], name)), name
+    name_of = lambda n: n.removeprefix("base_model.model.").replace(".default", "").replace(  # noqa: E731
+        ".modules_to_save", "").replace(".base_layer", "")
+    grads = {name_of(n): p.grad for n, p in theirs.named_parameters() if p.requires_grad}
+    mine = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    assert set(mine) == set(grads) and any("multiple_choice_head" in n for n in mine)
+    assert all(torch.equal(g, grads[n]) for n, g in mine.items())
+    out = lora.save_adapter(ours.eval(), tmp_path / "to-peft")
+    back = peft.PeftModel.from_pretrained(reference_model(source, "double_heads", "eager"), str(out)).eval()
+    with torch.no_grad():
+        a, b = ours(**batch), back(**batch)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.mc_logits, b.mc_logits)

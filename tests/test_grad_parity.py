@@ -46,11 +46,11 @@ def _batch(config, task: str, padding: str) -> dict[str, torch.Tensor]:
     batch = make_batch(config, task, lengths=(13, 13) if padding == "none" else (13, 8))
     ids, mask = batch["input_ids"], batch["attention_mask"]
     if padding == "left":
-        order = torch.argsort(mask, dim=1, stable=True)  # the pad positions first, each row's tokens in order
-        ids, mask = ids.gather(1, order), mask.gather(1, order)
+        order = torch.argsort(mask, dim=-1, stable=True)  # the pad positions first, each row's tokens in order
+        ids, mask = ids.gather(-1, order), mask.gather(-1, order)
     batch = {"input_ids": ids} if padding == "none" else {"input_ids": ids, "attention_mask": mask}
     gen = torch.Generator().manual_seed(1)
-    if task == "causal_lm":
+    if task in ("causal_lm", "double_heads"):  # GPT-2's double heads: (B, choices, S), the LM loss is out.loss
         batch["labels"] = ids.masked_fill(mask == 0, -100)
     elif task == "seqcls":
         batch["labels"] = torch.randint(0, config.num_labels, (ids.shape[0],), generator=gen)

@@ -37,6 +37,8 @@ def _labels(task: str, config, batch, variant: str) -> dict[str, torch.Tensor]:
         return {"labels": torch.tensor([1, 0])}
     if task == "causal_lm":  # the ids themselves, pads ignored; the loss shifts them (token t predicts t + 1)
         return {"labels": ids.masked_fill(batch["attention_mask"] == 0, -100)}
+    if task == "double_heads":  # GPT-2's: the LM labels (shifted inside) and one right choice per row
+        return {"labels": ids.masked_fill(batch["attention_mask"] == 0, -100), "mc_labels": torch.tensor([1, 0])}
     if task == "pretraining":  # replaced (1) or original (0) per token; BCE over the active ones
         return {"labels": torch.randint(0, 2, ids.shape, generator=gen)}
     raise AssertionError(task)
