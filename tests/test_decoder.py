@@ -26,7 +26,7 @@ from flodl_hf.parity import check_parity, quiet_transformers, reference_model
 from flodl_hf.samples import sample_path
 
 from cases import CASES
-from helpers import make_checkpoint
+from helpers import left_padded, make_checkpoint
 
 SMALL = {"llama": "llama-hd24-bias-tied-llama3", "mistral": "mistral-hd24-window4", "qwen2": "qwen2-hd24-sliding",
          "qwen3": "qwen3-hd24-qknorm-sliding", "phi3": "phi3-hd24-partial-window4",
@@ -45,13 +45,7 @@ def _fields(variant: str) -> dict:
 
 
 def _left_padded(vocab: int, lengths=(9, 6, 3), seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.randint(3, vocab, (len(lengths), width), generator=gen)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        mask[row, width - n:] = 1
-    return ids.masked_fill(mask == 0, 0), mask
+    return left_padded(vocab, lengths, seed, low=3)
 
 
 def _pair(variant: str, impl: str):
@@ -465,19 +459,23 @@ def test_gemma2_asked_for_sdpa_runs_its_eager_path():
 def test_a_given_cache_with_use_cache_false_is_returned_as_transformers_returns_it(model_type):
     """A cached step with ``use_cache=False``: LLaMA, Gemma2/3, GPT-NeoX, OLMo 1/2, Granite, StableLM, GPT-J, OPT,
     Mixtral, Phi and Cohere return the given cache, updated; Mistral, Qwen2/3, Phi-3, Gemma, GPT-2, StarCoder2 and
-    Qwen2-MoE return none (``config.returns_given_cache``, as each transformers ``*Model.forward``). The logits and
-    the returned cache's length equal transformers'."""
+    Qwen2-MoE return none (``config.returns_given_cache``, as each transformers ``*Model.forward``). On a left-padded
+    batch: the logits, and the returned cache's length, keys and values equal transformers'; with no cache given,
+    none comes back."""
     _, ours, theirs = _pair(SMALL[model_type], "eager")
-    ids = torch.randint(2, 100, (2, 6), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
+    ids, mask = _left_padded(ours.config.vocab_size, lengths=(6, 4, 3))
     with torch.no_grad():
         first_ours = ours(input_ids=ids[:, :4], attention_mask=mask[:, :4], use_cache=True)
         first_theirs = theirs(input_ids=ids[:, :4], attention_mask=mask[:, :4], use_cache=True)
         step_ours = ours(input_ids=ids[:, 4:], attention_mask=mask, cache=first_ours.cache, use_cache=False)
         step_theirs = theirs(input_ids=ids[:, 4:], attention_mask=mask, past_key_values=first_theirs.past_key_values,
                              use_cache=False)
+        assert ours(input_ids=ids, attention_mask=mask, use_cache=False).cache is None
     assert torch.equal(step_ours.logits, step_theirs.logits)
     returned = step_theirs.past_key_values
     assert (step_ours.cache is None) == (returned is None)
     if returned is not None:
         assert step_ours.cache.get_seq_length() == returned.get_seq_length() == 6
+        for layer, theirs_layer in enumerate(returned.layers):
+            assert torch.equal(step_ours.cache.keys[layer], theirs_layer.keys), layer
+            assert torch.equal(step_ours.cache.values[layer], theirs_layer.values), layer

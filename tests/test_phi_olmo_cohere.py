@@ -1,11 +1,12 @@
 """Phi's, OLMo's and Cohere's own checks against transformers 5.25 in the same run: the config defaults, Phi's RoPE
 fields as PhiConfig reads them (the partial factor and theta in the dict or at the top level), what each config
 refuses, each family-specific option shown to change the logits (so the parity tables would catch its loss), Cohere's
-interleaved cos and sin, a given cache returned without ``use_cache``, training with every dropout on, a Hub-style
+interleaved cos and sin, training with every dropout on, a Hub-style
 Phi checkpoint (top-level RoPE fields) loaded and exported as ``save_pretrained`` writes it (a tied head keeps its
 bias), generation with beams and sampling, LoRA both ways with PEFT on the causal LM, and the tokenizer class read
 from the model type. The forwards on both paths, every head, the losses, caches, greedy generation with left padding,
-dtype casts, gradients and export round trips are in the shared tables (tests/cases/phi.py, olmo.py, cohere.py)."""
+dtype casts, gradients and export round trips are in the shared tables (tests/cases/phi.py, olmo.py, cohere.py);
+a given cache returned without ``use_cache`` is in tests/test_decoder.py, for every decoder."""
 
 from __future__ import annotations
 
@@ -162,25 +163,6 @@ def test_each_option_changes_the_logits(fields, name, off):
         plain = load_model(source, "causal_lm", dtype=torch.float32, attn_implementation="eager", **{name: off}).eval()
     assert getattr(plain.config, name) == off
     assert not torch.equal(plain(**batch).logits, reference), name
-
-
-@pytest.mark.parametrize("fields", [PHI, OLMO, COHERE], ids=["phi", "olmo", "cohere"])
-@torch.inference_mode()
-def test_a_given_cache_is_returned_without_use_cache(fields):
-    """PhiModel, OlmoModel and CohereModel return ``cache`` whatever ``use_cache`` says: a step on a cache with
-    use_cache=False gives it back updated, with transformers' keys and values; with no cache given there is none."""
-    ours, theirs = model_pair(make_checkpoint(fields, "causal_lm"))
-    ids, mask = left_padded(ours.config.vocab_size, low=3)
-    first = dict(input_ids=ids[:, :6], attention_mask=mask[:, :6], use_cache=True)
-    a, b = ours(**first), theirs(**first)
-    step = dict(input_ids=ids[:, 6:], attention_mask=mask, use_cache=False)
-    a, b = ours(**step, cache=a.cache), theirs(**step, cache=b.cache)
-    assert torch.equal(a.logits, b.logits)
-    assert a.cache is not None and a.cache.get_seq_length() == b.cache.get_seq_length() == ids.shape[1]
-    for layer in range(ours.config.num_hidden_layers):
-        assert torch.equal(a.cache.keys[layer], b.cache.layers[layer].keys)
-        assert torch.equal(a.cache.values[layer], b.cache.layers[layer].values)
-    assert ours(**step | dict(input_ids=ids, attention_mask=mask)).cache is None
 
 
 # ---- training with every dropout on ----------------------------------------------------------------------------------

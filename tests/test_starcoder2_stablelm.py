@@ -141,24 +141,6 @@ def test_stablelm_per_head_norms_act_and_are_transformers():
     assert torch.equal(after, theirs(**batch).logits)
 
 
-@torch.inference_mode()
-def test_stablelm_returns_a_given_cache_without_use_cache():
-    """StableLmModel.forward returns ``cache`` whatever ``use_cache`` says: a step on a cache with use_cache=False
-    gives it back updated, with transformers' keys and values; with no cache given there is none."""
-    ours, theirs = model_pair(make_checkpoint(STABLELM, "causal_lm"))
-    ids, mask = left_padded(ours.config.vocab_size, low=3)
-    first = dict(input_ids=ids[:, :6], attention_mask=mask[:, :6], use_cache=True)
-    a, b = ours(**first), theirs(**first)
-    step = dict(input_ids=ids[:, 6:], attention_mask=mask, use_cache=False)
-    a, b = ours(**step, cache=a.cache), theirs(**step, cache=b.cache)
-    assert torch.equal(a.logits, b.logits)
-    assert a.cache is not None and a.cache.get_seq_length() == b.cache.get_seq_length() == ids.shape[1]
-    for layer in range(ours.config.num_hidden_layers):
-        assert torch.equal(a.cache.keys[layer], b.cache.layers[layer].keys)
-        assert torch.equal(a.cache.values[layer], b.cache.layers[layer].values)
-    assert ours(**step | dict(input_ids=ids, attention_mask=mask)).cache is None
-
-
 # ---- training with every dropout on ----------------------------------------------------------------------------------
 
 TRAINING = [
