@@ -27,7 +27,7 @@ from flodl_hf.errors import ConfigError, InputError
 from flodl_hf.heads import TokenClassifier
 from flodl_hf.heads.causal_lm import ModelForCausalLM
 from flodl_hf.heads.multiple_choice import SequenceSummary
-from flodl_hf.layers import Conv1D, activation, record_attention
+from flodl_hf.layers import Conv1D, Draw, activation, record_attention
 from flodl_hf.modeling import Backbone, HeadPart, TaskModel, record_last_hidden_state
 from flodl_hf.outputs import (BaseModelOutputWithPast, CausalLMOutput, ModelOutput, QuestionAnsweringModelOutput,
                               SequenceClassifierOutputWithPast, TokenClassifierOutput)
@@ -149,6 +149,12 @@ class GPT2Config(GPT2StyleConfig):
                               "is not supported")
 
 
+def residual_draw(config: GPT2Config) -> dict[str, Draw]:
+    """GPT2PreTrainedModel._init_weights: the attention's and the MLP's ``c_proj`` (the residual branches) drawn at
+    ``initializer_range / sqrt(2 n_layer)``."""
+    return {"weight": Draw(config.initializer_range / math.sqrt(2 * config.n_layer))}
+
+
 class GPT2Attention(LlamaAttention):
     """``c_attn`` split into q, k and v; no RoPE; ``c_proj`` then ``resid_dropout``; the scaling of
     ``scale_attn_weights`` / ``scale_attn_by_inverse_layer_idx``; on the eager path GPT-2's own recipe (softmax
@@ -165,6 +171,7 @@ class GPT2Attention(LlamaAttention):
     def make_projections(self, config: GPT2Config, heads: int, kv: int) -> None:
         self.c_attn = Conv1D(3 * config.n_embd, config.n_embd)
         self.c_proj = Conv1D(config.n_embd, config.n_embd)
+        self.c_proj.fresh_init = residual_draw(config)
         self.attn_dropout = nn.Dropout(config.attn_pdrop)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
 
@@ -200,6 +207,7 @@ class GPT2MLP(nn.Module):
         super().__init__()
         self.c_fc = Conv1D(intermediate_size, config.n_embd)
         self.c_proj = Conv1D(config.n_embd, intermediate_size)
+        self.c_proj.fresh_init = residual_draw(config)
         self.act = activation(config.activation_function)
         self.dropout = nn.Dropout(config.resid_pdrop)
 

@@ -15,6 +15,7 @@ the older ``global_attn_every_n_layers`` / ``global_rope_theta`` / ``local_rope_
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -23,7 +24,7 @@ from torch import nn
 
 from flodl_hf.config import Activation, BaseConfig
 from flodl_hf.errors import ConfigError
-from flodl_hf.layers import (PADDING, MaskSpec, LazyBuffers, activation, apply_rotary, attend, rope_cos_sin,
+from flodl_hf.layers import (PADDING, Draw, MaskSpec, LazyBuffers, activation, apply_rotary, attend, rope_cos_sin,
                              rope_inverse_frequencies)
 from flodl_hf.heads import (ModelForMaskedLM, ModelForMultipleChoice, ModelForQuestionAnswering,
                             ModelForSequenceClassification, ModelForTokenClassification)
@@ -66,6 +67,7 @@ class ModernBertConfig(BaseConfig):
     classifier_activation: Activation = Activation.GELU
     sparse_prediction: bool = False
     sparse_pred_ignore_index: int = -100
+    initializer_cutoff_factor: float | None = 2.0
     # the older spelling (still on the hub): read when layer_types / rope_parameters lack them
     global_attn_every_n_layers: int | None = None
     global_rope_theta: float | None = None
@@ -78,6 +80,10 @@ class ModernBertConfig(BaseConfig):
                               f"num_attention_heads={self.num_attention_heads}")
         if self.classifier_pooling not in POOLINGS:
             raise ConfigError(f"config: classifier_pooling={self.classifier_pooling!r}: expected cls or mean")
+        cutoff = self.initializer_cutoff_factor
+        if cutoff is not None and (isinstance(cutoff, bool) or not isinstance(cutoff, (int, float))
+                                   or not 0 < cutoff < math.inf):
+            raise ConfigError(f"config: initializer_cutoff_factor={cutoff!r} must be a positive number or null")
         kinds = self.layer_kinds()
         if len(kinds) != self.num_hidden_layers or set(kinds) - {FULL, SLIDING}:
             raise ConfigError(f"config: layer_types={self.layer_types!r} must list {self.num_hidden_layers} "
@@ -87,6 +93,16 @@ class ModernBertConfig(BaseConfig):
             if rope_type != "default":
                 raise ConfigError(f"config: rope_parameters[{kind!r}].rope_type={rope_type!r} is not supported "
                                   "(only 'default')")
+
+    def fresh_draw(self, kind: str) -> dict[str, Draw]:
+        """ModernBertPreTrainedModel._init_weights: a fresh weight drawn truncated at ``initializer_cutoff_factor``
+        (3 when null) standard deviations, with the spread of its kind: "in" (``Wqkv``, ``Wi``, the embeddings)
+        ``initializer_range``, "out" (``Wo``, the prediction head's ``dense``, the decoder) ``initializer_range /
+        sqrt(2 num_hidden_layers)``, "final_out" (the classifiers) ``hidden_size ** -0.5``."""
+        std = {"in": self.initializer_range, "out": self.initializer_range / math.sqrt(2.0 * self.num_hidden_layers),
+               "final_out": self.hidden_size ** -0.5}[kind]
+        cutoff = 3.0 if self.initializer_cutoff_factor is None else float(self.initializer_cutoff_factor)
+        return {"weight": Draw(std, cutoff)}
 
     @property
     def head_dim(self) -> int:
@@ -121,6 +137,7 @@ class ModernBertEmbeddings(nn.Module):
     def __init__(self, config: ModernBertConfig) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.tok_embeddings.fresh_init = config.fresh_draw("in")
         self.norm = _norm(config)
         self.drop = nn.Dropout(config.embedding_dropout)
 
@@ -137,6 +154,7 @@ class ModernBertAttention(nn.Module):
         self.head_dim = config.head_dim
         self.Wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.attention_bias)
         self.Wo = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
+        self.Wqkv.fresh_init, self.Wo.fresh_init = config.fresh_draw("in"), config.fresh_draw("out")
         self.out_drop = nn.Dropout(config.attention_dropout)
 
     def forward(self, hidden_states: torch.Tensor, mask: torch.Tensor | None,
@@ -159,6 +177,7 @@ class ModernBertMLP(nn.Module):
         self.act = activation(config.hidden_activation)
         self.drop = nn.Dropout(config.mlp_dropout)
         self.Wo = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.Wi.fresh_init, self.Wo.fresh_init = config.fresh_draw("in"), config.fresh_draw("out")
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # ModernBertMLP.forward
@@ -237,6 +256,7 @@ class ModernBertPredictionHead(nn.Module):
     def __init__(self, config: ModernBertConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=config.classifier_bias)
+        self.dense.fresh_init = config.fresh_draw("out")
         self.act = activation(config.classifier_activation)
         self.norm = _norm(config)
 
@@ -266,6 +286,7 @@ class ModernBertClassifier(HeadPart):
         self.head = ModernBertPredictionHead(config)
         self.drop = nn.Dropout(config.classifier_dropout or 0.0)
         self.classifier = nn.Linear(config.hidden_size, outputs)
+        self.classifier.fresh_init = config.fresh_draw("final_out")
 
     def forward(self, hidden_states: torch.Tensor, pooler_output: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -281,6 +302,7 @@ class ModernBertMLMHead(HeadPart):
         super().__init__()
         self.head = ModernBertPredictionHead(config)
         self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=config.decoder_bias)
+        self.decoder.fresh_init = config.fresh_draw("out")  # tied: the embeddings' draw stands (layers.init_weights)
 
     def output_embeddings(self) -> nn.Module:
         return self.decoder

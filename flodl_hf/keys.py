@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointFormatError
-from .layers import Conv1D, fresh_rule, init_fresh_parameter
+from .layers import init_fresh_module_parameter
 
 # Keys HF checkpoints carry that are not weights (buffers HF recomputes).
 IGNORED_KEY = re.compile(r"(^|\.)(position_ids|token_type_ids)$")
@@ -256,12 +256,7 @@ def normalise(model: nn.Module, tensors: dict[str, torch.Tensor], shapes: dict[s
 
 
 def init_fresh(owner: nn.Module, name: str, std: float) -> None:
-    """Initialise one parameter that the checkpoint lacks, as transformers' ``_init_weights`` does."""
-    tensor = getattr(owner, name)
+    """Initialise one parameter that the checkpoint lacks, as transformers' ``_init_weights`` does
+    (``layers.fresh_rule``: the defaults, or the module's own ``fresh_init``)."""
     with torch.no_grad():
-        if isinstance(owner, nn.LayerNorm):
-            tensor.fill_(1.0 if name == "weight" else 0.0)
-        elif isinstance(owner, (nn.Linear, nn.Conv1d, nn.Embedding, Conv1D)):
-            init_fresh_parameter(tensor, "normal" if name == "weight" else "zeros", std)
-        else:  # a module's own parameters: norms at one, Mixtral's experts drawn, ... (layers.fresh_rule)
-            init_fresh_parameter(tensor, fresh_rule(owner, name), std)
+        init_fresh_module_parameter(owner, name, std)

@@ -232,48 +232,70 @@ class Conv1D(nn.Module):
         return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
 
 
-def fresh_rule(module: nn.Module, name: str) -> str:
-    """How transformers' ``_init_weights`` starts a module's own parameter ``name`` (not one of nn.Linear's,
-    nn.Embedding's, nn.LayerNorm's): "normal", "ones" or "zeros". A module's ``fresh_init`` ({name: rule}) says
-    where its family's ``_init_weights`` differs (Mixtral's router and stacked experts: normal; Gemma's (1 + w)
-    RMSNorm: zeros); otherwise, as ``PreTrainedModel._init_weights``, a module whose class name holds "LayerNorm"
+@dataclass(frozen=True)
+class Draw:
+    """A ``fresh_init`` rule for a weight its family's ``_init_weights`` draws with a spread of its own: normal(0,
+    ``std``), truncated at ``cutoff`` x ``std`` either side where ``cutoff`` is given (``trunc_normal_``). GPT-2's
+    residual projections (``initializer_range / sqrt(2 n_layer)``), ModernBERT's truncated normals per layer kind.
+    A drawn embedding table keeps no zero padding row (the family's draw comes after the default's)."""
+
+    std: float
+    cutoff: float | None = None
+
+
+def fresh_rule(module: nn.Module, name: str) -> "str | Draw":
+    """How transformers' ``_init_weights`` starts a module's parameter ``name``: "normal" (at
+    ``initializer_range``), "ones", "zeros", or a ``Draw``. A module's ``fresh_init`` ({name: rule}) says where its
+    family's ``_init_weights`` differs from the default (Mixtral's router and stacked experts: normal; Gemma's
+    (1 + w) RMSNorm: zeros; GPT-2's ``c_proj`` and ModernBERT's layers: a ``Draw``); otherwise nn.Linear's,
+    nn.Conv1d's, Conv1D's and nn.Embedding's weights are drawn and their biases zero, nn.LayerNorm's weight is one
+    and bias zero, and, as ``PreTrainedModel._init_weights``, any other module whose class name holds "LayerNorm"
     or "RMSNorm" starts its weight at one and its bias at zero, and any other bare parameter (an LM head's output
     bias) at zero."""
     rule = getattr(module, "fresh_init", {}).get(name)
     if rule is not None:
         return rule
-    norm = "LayerNorm" in type(module).__name__ or "RMSNorm" in type(module).__name__
+    if isinstance(module, (nn.Linear, nn.Conv1d, Conv1D, nn.Embedding)):
+        return "normal" if name == "weight" else "zeros"
+    norm = isinstance(module, nn.LayerNorm) or "LayerNorm" in type(module).__name__ or "RMSNorm" in type(module).__name__
     return "ones" if norm and name == "weight" else "zeros"
 
 
-def init_fresh_parameter(tensor: torch.Tensor, rule: str, std: float) -> None:
-    if rule == "normal":
+def init_fresh_parameter(tensor: torch.Tensor, rule: "str | Draw", std: float) -> None:
+    if isinstance(rule, Draw):
+        if rule.cutoff is None:
+            tensor.normal_(mean=0.0, std=rule.std)
+        else:
+            nn.init.trunc_normal_(tensor, mean=0.0, std=rule.std, a=-rule.cutoff * rule.std,
+                                  b=rule.cutoff * rule.std)
+    elif rule == "normal":
         tensor.normal_(mean=0.0, std=std)
     else:
         tensor.fill_(1.0 if rule == "ones" else 0.0)
 
 
+def init_fresh_module_parameter(module: nn.Module, name: str, std: float) -> None:
+    """One parameter of ``module`` as transformers' ``_init_weights`` starts it (``fresh_rule``); an embedding's
+    padding row at zero after the default draw, as ``nn.Embedding``'s."""
+    tensor = getattr(module, name)
+    rule = fresh_rule(module, name)
+    init_fresh_parameter(tensor, rule, std)
+    if rule == "normal" and isinstance(module, nn.Embedding) and module.padding_idx is not None:
+        tensor[module.padding_idx].zero_()
+
+
 @torch.no_grad()
 def init_weights(module: nn.Module, std: float) -> None:
-    """transformers' default ``_init_weights`` for fresh (not loaded) modules."""
-    for sub in module.modules():
-        # Conv1d: DeBERTa-v2's ConvLayer; Conv1D: GPT-2's projections (GPT2PreTrainedModel._init_weights)
-        if isinstance(sub, (nn.Linear, nn.Conv1d, Conv1D)):
-            sub.weight.normal_(mean=0.0, std=std)
-            if sub.bias is not None:
-                sub.bias.zero_()
-        elif isinstance(sub, nn.Embedding):
-            sub.weight.normal_(mean=0.0, std=std)
-            if sub.padding_idx is not None:
-                sub.weight[sub.padding_idx].zero_()
-        elif isinstance(sub, nn.LayerNorm):
-            if sub.weight is not None:
-                sub.weight.fill_(1.0)
-            if sub.bias is not None:
-                sub.bias.zero_()
-        if not isinstance(sub, (nn.Linear, nn.Conv1d, Conv1D, nn.Embedding, nn.LayerNorm)):
-            for name, param in sub.named_parameters(recurse=False):
-                init_fresh_parameter(param, fresh_rule(sub, name), std)
+    """transformers' ``_init_weights`` for fresh (not loaded) modules. A parameter shared by two modules (an LM
+    head's decoder tied to the input embeddings) is started once, by the embedding holding it (transformers marks
+    a parameter initialised and skips it after), so a tied table keeps its padding row at zero and ModernBERT's
+    its embedding draw, whichever module a task model registers first."""
+    done: set[int] = set()
+    for sub in sorted(module.modules(), key=lambda m: not isinstance(m, nn.Embedding)):  # stable: embeddings first
+        for name, param in sub.named_parameters(recurse=False):
+            if id(param) not in done:
+                done.add(id(param))
+                init_fresh_module_parameter(sub, name, std)
     for sub in module.modules():  # a family's own _init_weights step, after the defaults (DistilBERT's sinusoids)
         if hasattr(sub, "init_fresh_weights"):
             sub.init_fresh_weights(std)

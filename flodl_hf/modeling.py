@@ -602,6 +602,19 @@ class TaskModel(PreTrainedModel):
         if decoder is not None and config.tie_word_embeddings:
             decoder.weight = self.backbone.get_input_embeddings().weight
 
+    def get_submodule(self, target: str) -> nn.Module:
+        """``nn.Module.get_submodule`` through the registered children only: the unregistered ``self.head`` (the
+        head part) would otherwise shadow a child transformers names ``head`` (ModernBERT's prediction head), and
+        a checkpoint's key under it (a fresh ``head.dense.weight``) would reach the part. ``get_parameter`` reads
+        this too."""
+        module: nn.Module = self
+        for item in target.split(".") if target else ():
+            child = module._modules.get(item)
+            if child is None:
+                raise AttributeError(f"{type(module).__name__} has no submodule `{item}` (in {target!r})")
+            module = child
+        return module
+
     @property
     def spec(self) -> "Task":
         """This task's entry in the task registry."""
