@@ -26,8 +26,7 @@ from flodl_hf.decoder import ROPE_TYPES, KVCache, Rope, _number
 from flodl_hf.heads import TokenClassifier
 from flodl_hf.heads.causal_lm import ModelForCausalLM
 from flodl_hf.layers import LazyBuffers, activation
-from flodl_hf.modeling import Backbone, HeadPart
-from flodl_hf.outputs import BaseModelOutputWithPast, CausalLMOutput, SequenceClassifierOutputWithPast
+from flodl_hf.modeling import Backbone, HeadPart, positional_order
 from flodl_hf.registry import register
 
 from .gpt2 import GPT2ForQuestionAnswering, GPT2ForTokenClassification
@@ -166,6 +165,8 @@ class GPTNeoXLayer(nn.Module):
         return self.post_mlp_dropout(self.mlp(self.post_attention_layernorm(attn))) + attn
 
 
+# GPTNeoXModel.forward's positional order (inputs_embeds before cache)
+@positional_order("input_ids", "attention_mask", "position_ids", "inputs_embeds", "cache", "use_cache")
 class GPTNeoXModel(LlamaModel):
     """``embed_in``, ``emb_dropout``, ``layers``, ``final_layer_norm``; LLaMA's forward, RoPE, masks and cache."""
 
@@ -196,42 +197,18 @@ class GPTNeoXModel(LlamaModel):
               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.emb_dropout(self.embed_in(input_ids) if inputs_embeds is None else inputs_embeds)
 
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                cache: Any = None, use_cache: bool | None = None, *, token_type_ids: torch.Tensor | None = None,
-                past_key_values: Any = None) -> BaseModelOutputWithPast:
-        """GPTNeoXModel.forward's positional order (inputs_embeds before cache); LLaMA's forward."""
-        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                               token_type_ids=token_type_ids, past_key_values=past_key_values)
-
 
 # ---- task models: transformers' GPT-NeoX positional orders over LLaMA's (and GPT-2's) heads -------------------
 
+@positional_order("input_ids", "attention_mask", "position_ids", "inputs_embeds", "cache", "labels", "use_cache",
+                  "logits_to_keep")
 class GPTNeoXForCausalLM(ModelForCausalLM):
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                cache: Any = None, labels: torch.Tensor | None = None, use_cache: bool | None = None,
-                logits_to_keep: int | torch.Tensor = 0, *, token_type_ids: torch.Tensor | None = None,
-                past_key_values: Any = None, cache_position: Any = None, shift_labels: torch.Tensor | None = None,
-                num_items_in_batch: torch.Tensor | int | None = None) -> CausalLMOutput:
-        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               cache=cache, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-                               logits_to_keep=logits_to_keep, token_type_ids=token_type_ids,
-                               past_key_values=past_key_values, cache_position=cache_position,
-                               shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
+    pass
 
 
+@positional_order("input_ids", "attention_mask", "position_ids", "inputs_embeds", "cache", "labels", "use_cache")
 class GPTNeoXForSequenceClassification(DecoderForSequenceClassification):
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                cache: Any = None, labels: torch.Tensor | None = None, use_cache: bool | None = None, *,
-                token_type_ids: torch.Tensor | None = None, past_key_values: Any = None,
-                num_items_in_batch: torch.Tensor | int | None = None) -> SequenceClassifierOutputWithPast:
-        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               cache=cache, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-                               token_type_ids=token_type_ids, past_key_values=past_key_values,
-                               num_items_in_batch=num_items_in_batch)
+    pass
 
 
 class GPTNeoXForTokenClassification(GPT2ForTokenClassification):

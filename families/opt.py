@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +28,7 @@ from flodl_hf.errors import ConfigError
 from flodl_hf.heads import SpanClassifier
 from flodl_hf.heads.causal_lm import LMHead, ModelForCausalLM
 from flodl_hf.layers import activation
-from flodl_hf.modeling import Backbone, HeadPart
-from flodl_hf.outputs import (BaseModelOutputWithPast, CausalLMOutput, QuestionAnsweringModelOutput,
-                              SequenceClassifierOutputWithPast)
+from flodl_hf.modeling import Backbone, HeadPart, positional_order
 from flodl_hf.registry import register
 
 from .llama import (FULL, DecoderForQuestionAnswering, DecoderForSequenceClassification, Llama, LlamaAttention,
@@ -198,6 +196,8 @@ class OPTDecoder(nn.Module):
         return hidden_states if self.project_out is None else self.project_out(hidden_states)
 
 
+# OPTModel.forward's positional order (cache third, position_ids last)
+@positional_order("input_ids", "attention_mask", "cache", "inputs_embeds", "use_cache", "position_ids")
 class OPTModel(LlamaModel):
     """``decoder`` (OPTModel's one child); LLaMA's forward, masks and cache, positions from the attention mask."""
 
@@ -242,57 +242,24 @@ class OPTModel(LlamaModel):
             inputs_embeds = decoder.project_in(inputs_embeds)
         return inputs_embeds + positions.to(inputs_embeds.device)
 
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                cache: Any = None, inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
-                position_ids: torch.Tensor | None = None, *, token_type_ids: torch.Tensor | None = None,
-                past_key_values: Any = None) -> BaseModelOutputWithPast:
-        """OPTModel.forward's positional order (cache third, position_ids last); LLaMA's forward."""
-        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                               token_type_ids=token_type_ids, past_key_values=past_key_values)
-
 
 # ---- task models: transformers' OPT positional orders over LLaMA's heads -------------------------------------
 
+@positional_order("input_ids", "attention_mask", "cache", "inputs_embeds", "labels", "use_cache", "position_ids",
+                  "logits_to_keep")
 class OPTForCausalLM(ModelForCausalLM):
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                cache: Any = None, inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                use_cache: bool | None = None, position_ids: torch.Tensor | None = None,
-                logits_to_keep: int | torch.Tensor = 0, *, token_type_ids: torch.Tensor | None = None,
-                past_key_values: Any = None, cache_position: Any = None, shift_labels: torch.Tensor | None = None,
-                num_items_in_batch: torch.Tensor | int | None = None) -> CausalLMOutput:
-        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               cache=cache, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-                               logits_to_keep=logits_to_keep, token_type_ids=token_type_ids,
-                               past_key_values=past_key_values, cache_position=cache_position,
-                               shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
+    pass
 
 
+@positional_order("input_ids", "attention_mask", "cache", "inputs_embeds", "labels", "use_cache", "position_ids")
 class OPTForSequenceClassification(DecoderForSequenceClassification):
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                cache: Any = None, inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                use_cache: bool | None = None, position_ids: torch.Tensor | None = None, *,
-                token_type_ids: torch.Tensor | None = None, past_key_values: Any = None,
-                num_items_in_batch: torch.Tensor | int | None = None) -> SequenceClassifierOutputWithPast:
-        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               cache=cache, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-                               token_type_ids=token_type_ids, past_key_values=past_key_values,
-                               num_items_in_batch=num_items_in_batch)
+    pass
 
 
+@positional_order("input_ids", "attention_mask", "cache", "inputs_embeds", "start_positions", "end_positions",
+                  "use_cache", "position_ids")
 class OPTForQuestionAnswering(DecoderForQuestionAnswering):
     """The backbone under ``model.`` (OPTForQuestionAnswering's), not LLaMA's QA ``transformer.``."""
-
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                cache: Any = None, inputs_embeds: torch.Tensor | None = None,
-                start_positions: torch.Tensor | None = None, end_positions: torch.Tensor | None = None,
-                use_cache: bool | None = None, position_ids: torch.Tensor | None = None, *,
-                token_type_ids: torch.Tensor | None = None, past_key_values: Any = None,
-                num_items_in_batch: torch.Tensor | int | None = None) -> QuestionAnsweringModelOutput:
-        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               cache=cache, inputs_embeds=inputs_embeds, start_positions=start_positions,
-                               end_positions=end_positions, use_cache=use_cache, token_type_ids=token_type_ids,
-                               past_key_values=past_key_values, num_items_in_batch=num_items_in_batch)
 
 
 @register
