@@ -30,7 +30,10 @@ adapter and one that PEFT wrote loads here:
   field's value in an adapter_config.json changes nothing);
 - PEFT's ``exclude_modules``, ``layers_to_transform`` / ``layers_pattern``, ``rank_pattern`` /
   ``alpha_pattern`` (:meth:`LoraConfig.selects`, :meth:`LoraConfig.rank_and_alpha`) and DoRA (``use_dora``:
-  a trainable ``lora_magnitude_vector`` per layer, ``DoraLinearVariant``'s forward and merge op for op).
+  a trainable ``lora_magnitude_vector`` per layer, ``DoraLinearVariant``'s forward and merge op for op);
+- PEFT's ``trainable_token_indices`` (:class:`TrainableTokensEmbedding`, PEFT's ``TrainableTokensWrapper``):
+  the listed embedding rows trained as a delta (``<embedding>.token_adapter.trainable_tokens_delta`` in the
+  file), an output layer tied to the input embeddings following them (:class:`TiedTrainableTokensLinear`).
 
 Out: :func:`save_adapter` (a LoRA model) and :func:`export_adapter` (a trainer checkpoint) write
 ``adapter_config.json`` and ``adapter_model.safetensors`` under PEFT's keys
@@ -57,6 +60,7 @@ from torch import nn
 
 from .errors import (AdapterBaseMismatchError, AdapterError, CheckpointFormatError, UnsupportedAdapterError,
                      WeightsMismatchError)
+from .layers import LazyBuffers, cast_lazy_buffers
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -118,7 +122,7 @@ _TASK_DEFAULT: Any = object()   # add_lora's task_type default: PEFT's task type
 
 # adapter_config.json fields whose non-default values change the computation and are not implemented.
 _UNSUPPORTED_FIELDS = {"layer_replication": None,
-                       "target_parameters": None, "trainable_token_indices": None,
+                       "target_parameters": None,
                        "use_qalora": False, "alora_invocation_tokens": None, "arrow_config": None,
                        "use_bdlora": None, "velora_config": None, "monteclora_config": None, "kasa_config": None}
 
@@ -153,6 +157,8 @@ class LoraConfig:
     layers_pattern: list[str] | str | None = None
     use_dora: bool = False                 # DoRA: a trainable magnitude per output row (PEFT's use_dora)
     lora_bias: bool = False                # a trainable bias on lora_B (PEFT's lora_bias)
+    # PEFT's trainable_token_indices: ids of the input embeddings' rows to train, or {module name: ids}
+    trainable_token_indices: list[int] | dict[str, list[int]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or self.r <= 0:
@@ -393,6 +399,124 @@ class LoraConv1D(LoraLinear):
         return super().delta_weight().T  # transpose(B @ A, fan_in_fan_out) * scaling: the same bits
 
 
+class TrainableTokensEmbedding(nn.Embedding):
+    """PEFT's ``trainable_token_indices`` on an embedding (``TrainableTokensWrapper`` around a
+    ``TrainableTokensLayer``): the base ``weight`` stays the same frozen Parameter under its key; the listed rows
+    are a trainable ``trainable_tokens_delta`` ``[n, dim]``, initialised to those rows (PEFT's
+    ``init_weights=True``), and the forward looks tokens up in the base weight with those rows replaced
+    (``W.index_copy(0, ids, delta)``, ``get_merged_weights``), so only the listed rows get gradients. The
+    originals are kept (not saved) for ``unmerge``. On a half / bfloat16 / float8 base the delta is float32, as
+    PEFT's ``cast_adapter_dtype`` leaves it, and cast to the weight's dtype in the forward. A scaled embedding
+    (Gemma's, whose ``embed_scale`` multiplies the lookup) keeps its scale: PEFT's ``_get_embed_scale``, the
+    lookup times the scale cast to the result's dtype, as transformers' ``*ScaledWordEmbedding.forward``."""
+
+    def __init__(self, base: nn.Embedding, token_indices: list[int]) -> None:
+        nn.Module.__init__(self)
+        object.__setattr__(self, "_base", base)  # not registered: unloading puts it back
+        scale = getattr(base, "embed_scale", None)
+        object.__setattr__(self, "_scale", scale if isinstance(scale, LazyBuffers) else None)
+        self.num_embeddings, self.embedding_dim = base.num_embeddings, base.embedding_dim
+        self.padding_idx, self.max_norm, self.norm_type = base.padding_idx, base.max_norm, base.norm_type
+        self.scale_grad_by_freq, self.sparse = base.scale_grad_by_freq, base.sparse
+        self.weight = base.weight
+        self.token_indices = list(token_indices)
+        rows = self.weight.detach()[self.token_indices].clone()   # TrainableTokensLayer.update_layer
+        if rows.is_floating_point() and rows.dtype in _UPCAST_DTYPES:
+            rows = rows.float()
+        self.trainable_tokens_delta = nn.Parameter(rows.clone())
+        self.register_buffer("trainable_tokens_original", rows, persistent=False)
+        self.merged = False
+
+    def _index(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor(self.token_indices, device=device)
+
+    def merged_weight(self) -> torch.Tensor:
+        """``TrainableTokensLayer.get_merged_weights``: the base weight with the listed rows replaced by the delta."""
+        w = self.weight
+        return w.index_copy(0, self._index(w.device), self.trainable_tokens_delta.to(w))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # TrainableTokensLayer.forward_adapters: merged, the base layer as it is; else F.embedding on the merged weight
+        weight = self.weight if self.merged else self.merged_weight()
+        result = F.embedding(x, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+                             self.sparse)
+        if self._scale is not None:
+            result = result * self._scale(None, weight.device).to(result.dtype)
+        return result
+
+    def _apply(self, fn, recurse: bool = True):
+        if self._scale is not None:  # the scale follows casts, as the scaled embedding's own _apply has it do
+            cast_lazy_buffers(self._base, fn)
+        return super()._apply(fn, recurse)
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """``TrainableTokensLayer.merge``: the listed rows of the base weight become the delta's values."""
+        if not self.merged:
+            self.weight.data = self.weight.data.index_copy(0, self._index(self.weight.device),
+                                                           self.trainable_tokens_delta.to(self.weight))
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """``TrainableTokensLayer.unmerge``: the original rows written back."""
+        if self.merged:
+            self.weight.data.index_copy_(0, self._index(self.weight.device),
+                                         self.trainable_tokens_original.to(self.weight))
+            self.merged = False
+
+    def unloaded(self) -> nn.Module:
+        """The embedding it wraps again, holding this one's (merged) weight."""
+        self._base.weight = self.weight
+        return self._base
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, trainable_token_indices={self.token_indices}, merged={self.merged}"
+
+
+class TiedTrainableTokensLinear(nn.Linear):
+    """An output layer tied to a :class:`TrainableTokensEmbedding` (the same weight: a tied ``lm_head``, BERT's MLM
+    ``decoder``): PEFT wraps it too, in a ``TrainableTokensWrapper`` whose layer follows the embedding's
+    (``tied_adapter``: the same delta, nothing of its own saved). Its forward is PEFT's for a wrapped
+    ``nn.Linear``: ``F.linear(x, merged weight)`` with no bias, so a tied decoder with a bias (BERT's MLM
+    ``decoder``) loses it while unmerged, as in PEFT; merged, the base layer runs as it is (bias included)."""
+
+    def __init__(self, base: nn.Linear, source: TrainableTokensEmbedding) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        object.__setattr__(self, "_source", source)  # not registered: its delta is saved once, by the embedding
+        object.__setattr__(self, "_base", base)  # not registered: unloading puts it back
+        self.merged = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged:
+            return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self._source.merged_weight())  # TrainableTokensLayer.forward_adapters, nn.Linear branch
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        # PEFT merges the tied layer too: the same rows into the same (shared) weight
+        if not self.merged:
+            source = self._source
+            self.weight.data = self.weight.data.index_copy(0, source._index(self.weight.device),
+                                                           source.trainable_tokens_delta.to(self.weight))
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if self.merged:
+            source = self._source
+            self.weight.data.index_copy_(0, source._index(self.weight.device),
+                                         source.trainable_tokens_original.to(self.weight))
+            self.merged = False
+
+    def unloaded(self) -> nn.Module:
+        """The layer it wraps again, holding this one's (merged) weight and its bias."""
+        self._base.weight, self._base.bias = self.weight, self.bias
+        return self._base
+
+
 def _lora_class(module: nn.Module) -> type[LoraLinear] | None:
     """The LoRA layer for a module: a linear layer, a ``fan_in_fan_out`` (Conv1D) layer, or None."""
     if getattr(module, "fan_in_fan_out", False) is True:
@@ -534,13 +658,92 @@ def lora_layers(model: nn.Module) -> dict[str, LoraLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
 
 
+def _hf_module_name(model: nn.Module, name: str) -> str:
+    """A module's name in transformers' model (the family's key table; the same name for most families)."""
+    key_map = model.family.key_map() if hasattr(model, "family") else None
+    return key_map.to_hf(name + ".weight")[: -len(".weight")] if key_map is not None else name
+
+
+def token_targets(model: nn.Module, value: Any, saved: list[str], where: str = "add_lora",
+                  error: type[Exception] = AdapterError) -> tuple[dict[str, list[int]], list[str]]:
+    """PEFT's ``trainable_token_indices`` on ``model`` (``set_additional_trainable_modules``): ``(targets, tied)``,
+    the embeddings to wrap (our module name -> token ids) and the output layers tied to the input embeddings
+    that follow them. A list targets the input embeddings (``get_input_embeddings()``); an object maps a module
+    name to ids, matching every module whose transformers name ends with the key (``_set_trainable``'s
+    ``endswith``). When the input embeddings are wrapped, every linear layer sharing their weight (a tied
+    ``lm_head``, BERT's MLM ``decoder``: PEFT's ``_get_module_names_tied_with_embedding``) is wrapped as tied.
+    Ids out of a module's vocabulary, a module that is not a plain ``nn.Embedding`` (an output layer named in
+    the object, Gemma's scaled embedding), or one that is (in) a module to save are errors naming the field."""
+    if value is None:
+        return {}, []
+    field_name = "trainable_token_indices"
+    modules = dict(model.named_modules())
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    if isinstance(value, dict):
+        targets: dict[str, list[int]] = {}
+        for key, ids in value.items():
+            found = [n for n in modules if n and _hf_module_name(model, n).endswith(key)]
+            if not found:
+                names = sorted(_hf_module_name(model, n) for n, m in modules.items() if isinstance(m, nn.Embedding))
+                raise error(f"{where}: {field_name} -> {key!r} matches no module of {type(model).__name__}; its "
+                            f"embeddings are {', '.join(names)}")
+            for name in found:
+                if name in targets:
+                    raise error(f"{where}: {field_name} names module {name} twice (by {key!r} and another key); "
+                                "expected one key per module")
+                targets[name] = list(ids)
+    else:
+        if embedding is None:
+            raise UnsupportedAdapterError(f"{where}: {field_name} as a list needs the model's input embeddings, and "
+                                          f"{type(model).__name__} has no get_input_embeddings()")
+        targets = {next(n for n, m in modules.items() if m is embedding): list(value)}
+    for name, ids in targets.items():
+        module = modules[name]
+        scaled = isinstance(module, nn.Embedding) and isinstance(getattr(module, "embed_scale", None), LazyBuffers)
+        if type(module) is not nn.Embedding and not scaled:
+            raise UnsupportedAdapterError(
+                f"{where}: {field_name} targets {name} ({type(module).__name__}); flodl-hf trains token rows of "
+                "nn.Embedding layers (and Gemma's scaled embeddings) only (an output layer tied to the input "
+                "embeddings follows them: give the input embeddings' ids)")
+        out_of_range = [i for i in ids if i >= module.num_embeddings]
+        if out_of_range:
+            raise error(f"{where}: {field_name} holds token ids {out_of_range} out of the vocabulary of {name} "
+                        f"({module.num_embeddings} rows); expected ids in [0, {module.num_embeddings})")
+        inside = [s for s in saved if name == s or name.startswith(s + ".")]
+        if inside:
+            raise error(f"{where}: {field_name} targets {name}, which is a module to save ({inside[0]}): PEFT trains "
+                        "it either fully (modules_to_save) or by rows (trainable_token_indices), not both")
+    tied: list[str] = []
+    if embedding is not None and any(modules[n] is embedding for n in targets):
+        tied = [n for n, m in modules.items() if m is not embedding and isinstance(m, nn.Linear)
+                and getattr(m, "weight", None) is embedding.weight]
+        shared = [n for n, m in modules.items() if n in saved and any(p is embedding.weight for p in m.parameters())]
+        if shared:
+            raise UnsupportedAdapterError(f"{where}: {field_name} with {shared[0]} in modules_to_save, which shares "
+                                          "the input embeddings' weight: not supported (train the tied matrix either "
+                                          "by rows or fully)")
+        bad = [n for n in tied if type(modules[n]) is not nn.Linear]
+        if bad:
+            raise UnsupportedAdapterError(f"{where}: {field_name}: {bad[0]} ({type(modules[bad[0]]).__name__}) is tied "
+                                          "to the input embeddings, and flodl-hf follows a tied plain nn.Linear only")
+    return targets, tied
+
+
+def token_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The trainable-token layers (:class:`TrainableTokensEmbedding`, :class:`TiedTrainableTokensLinear`)."""
+    kinds = (TrainableTokensEmbedding, TiedTrainableTokensLinear)
+    return {n: m for n, m in model.named_modules() if isinstance(m, kinds)}
+
+
 def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.0,
              target_modules: Iterable[str] | str | None = None, modules_to_save: Iterable[str] | None = None,
              use_rslora: bool = False, bias: str = "none", task_type: str | None = _TASK_DEFAULT,
              rank_pattern: dict[str, int] | None = None, alpha_pattern: dict[str, float] | None = None,
              exclude_modules: Iterable[str] | str | None = None, layers_to_transform: Iterable[int] | int | None = None,
              layers_pattern: Iterable[str] | str | None = None, use_dora: bool = False,
-             lora_bias: bool = False) -> nn.Module:
+             lora_bias: bool = False,
+             trainable_token_indices: Iterable[int] | dict[str, Iterable[int]] | None = None) -> nn.Module:
     """Put LoRA adapters on ``model``'s linear layers named by ``target_modules`` (PEFT's rules), in place.
 
     Every base parameter is frozen; the adapters, ``modules_to_save`` (plus PEFT's head for the task type:
@@ -551,7 +754,10 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     as PEFT's wrapper does. ``exclude_modules``, ``layers_to_transform`` / ``layers_pattern``, ``rank_pattern`` and
     ``alpha_pattern`` are PEFT's ``LoraConfig`` fields, with PEFT's matching rules; ``use_dora`` is PEFT's DoRA (a
     trainable magnitude per output row of each adapted layer), ``lora_bias`` PEFT's trainable bias on each
-    ``lora_B`` (merged into the base layer's bias). Returns the model, which carries ``model.lora_config``.
+    ``lora_B`` (merged into the base layer's bias). ``trainable_token_indices`` is PEFT's: a list of token ids
+    trains those rows of the input embeddings (:class:`TrainableTokensEmbedding`; a tied output layer follows
+    them, :class:`TiedTrainableTokensLinear`), an object ``{module name: ids}`` those of the named embeddings
+    (:func:`token_targets`). Returns the model, which carries ``model.lora_config``.
     """
     if is_lora(model):
         raise AdapterError(f"{type(model).__name__} already has LoRA adapters (one adapter per model)")
@@ -589,12 +795,18 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
         if isinstance(value, dict):
             return dict(value)
         return value if value is None or isinstance(value, (str, int)) else list(value)
+    tokens = trainable_token_indices
+    if isinstance(tokens, dict):
+        tokens = {k: listed(v) for k, v in tokens.items()}
+    elif tokens is not None and not isinstance(tokens, (str, int)):
+        tokens = list(tokens)
     cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=float(dropout), target_modules=targets,
                      modules_to_save=to_save, use_rslora=use_rslora, bias=bias, task=task, task_type=task_type,
                      rank_pattern={} if rank_pattern is None else listed(rank_pattern),
                      alpha_pattern={} if alpha_pattern is None else listed(alpha_pattern),
                      exclude_modules=listed(exclude_modules), layers_to_transform=listed(layers_to_transform),
-                     layers_pattern=listed(layers_pattern), use_dora=use_dora, lora_bias=lora_bias)
+                     layers_pattern=listed(layers_pattern), use_dora=use_dora, lora_bias=lora_bias,
+                     trainable_token_indices=tokens)
 
     chosen: list[str] = []
     tied: list[str] = []
@@ -632,6 +844,7 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
         raise AdapterError(f"target_modules {_show(targets)} matches {', '.join(clash)}, which is also a module to "
                            f"save ({', '.join(to_save or [])}, by its name's end), and PEFT cannot both adapt and save "
                            "one module; leave it out of target_modules (exclude_modules=) or of modules_to_save")
+    token_modules, tied_to_tokens = token_targets(model, tokens, saved)
     for p in model.parameters():
         p.requires_grad_(False)
     _untie(model, saved)
@@ -657,6 +870,14 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
         for name, p in model.named_parameters():
             if "bias" in name:
                 p.requires_grad_(True)
+    # set_additional_trainable_modules, after the adapters and the modules to save: the embeddings' rows, then the
+    # output layers tied to them (TrainableTokensWrapper with tied_adapter)
+    for name, ids in token_modules.items():
+        _replace_module(model, name, TrainableTokensEmbedding(_module(model, name), ids))
+    if tied_to_tokens:
+        source = model.get_input_embeddings()
+        for name in tied_to_tokens:
+            _replace_module(model, name, TiedTrainableTokensLinear(_module(model, name), source))
     model.lora_config = cfg
     if not hasattr(model, "lora_base"):
         model.lora_base = base_reference(model)
@@ -674,14 +895,14 @@ def save_module_names(model: nn.Module, modules_to_save: list[str]) -> list[str]
 
 def merge(model: nn.Module) -> nn.Module:
     """Add every adapter's delta into its base weight (outputs then come from the base path alone)."""
-    for layer in lora_layers(model).values():
+    for layer in [*lora_layers(model).values(), *token_layers(model).values()]:
         layer.merge()
     return model
 
 
 def unmerge(model: nn.Module) -> nn.Module:
     """Subtract the deltas again (PEFT's ``unmerge_adapter``; float rounding may leave ulps)."""
-    for layer in lora_layers(model).values():
+    for layer in [*lora_layers(model).values(), *token_layers(model).values()]:
         layer.unmerge()
     return model
 
@@ -689,7 +910,7 @@ def unmerge(model: nn.Module) -> nn.Module:
 def merge_and_unload(model: nn.Module) -> nn.Module:
     """Merge, then put plain ``nn.Linear`` layers back: the model is an ordinary one again, keys unchanged."""
     merge(model)
-    for name, layer in lora_layers(model).items():
+    for name, layer in {**lora_layers(model), **token_layers(model)}.items():
         _replace_module(model, name, layer.unloaded())
     for p in model.parameters():
         p.requires_grad_(True)
@@ -713,6 +934,9 @@ def _to_hf(model: nn.Module, key: str) -> str:
     adapted layer's own bias sits under ``base_layer.`` in PEFT's model, and so in its file."""
     key_map = model.family.key_map() if hasattr(model, "family") else None
     hf = key_map.to_hf if key_map is not None else (lambda k: k)
+    if key.endswith(".trainable_tokens_delta"):  # TrainableTokensWrapper.adapter_state_dict's key
+        module = key[: -len(".trainable_tokens_delta")]
+        return hf(module + ".weight")[: -len(".weight")] + ".token_adapter.trainable_tokens_delta"
     for part in (".lora_A.weight", ".lora_B.weight", ".lora_B.bias", ".lora_magnitude_vector", ".bias"):
         if key.endswith(part):  # the module's own weight key goes through the family's table
             module = key[: -len(part)]
@@ -747,6 +971,7 @@ def peft_config_dict(model: nn.Module, base: str | None = None) -> dict[str, Any
         "rank_pattern": cfg.rank_pattern, "alpha_pattern": cfg.alpha_pattern,
         "exclude_modules": sorted(excluded) if isinstance(excluded, list) else excluded,  # a set in PEFT
         "use_dora": cfg.use_dora, "lora_bias": cfg.lora_bias,
+        "trainable_token_indices": cfg.trainable_token_indices,   # as given: a list, or module name -> list
     }
     if task_type is None and hasattr(model, "architecture"):
         # what PEFT writes for a model without a task type: the class, so our reader knows the head
@@ -824,6 +1049,10 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(map(_is_int, v))
+
+
 def _is_patterns(v: Any, ok: Any) -> bool:
     return isinstance(v, dict) and all(isinstance(k, str) and ok(x) for k, x in v.items())
 
@@ -842,6 +1071,9 @@ _OPTIONAL_FIELDS: tuple[tuple[str, Any, Any, str], ...] = (
      "a layer-list name (e.g. 'layers'), a list of them, or null"),
     ("use_dora", False, lambda v: isinstance(v, bool), "JSON true or false"),
     ("lora_bias", False, lambda v: isinstance(v, bool), "JSON true or false"),
+    ("trainable_token_indices", None, lambda v: v is None or _is_ids(v) or (isinstance(v, dict) and all(
+        isinstance(k, str) and _is_ids(x) for k, x in v.items())),
+     "a list of token ids (the input embeddings' rows), an object of module name -> list of token ids, or null"),
 )
 
 
@@ -912,6 +1144,20 @@ def _optional_problem(values: dict[str, Any], targets: Any) -> str | None:
     if values["lora_bias"] and values["use_dora"]:  # LoraConfig.__post_init__'s ValueError
         return ("fields 'lora_bias' and 'use_dora' are both true, which PEFT refuses (no lora_B bias with DoRA); "
                 "expected one of them false")
+    tokens = values["trainable_token_indices"]
+    for key, ids in (tokens.items() if isinstance(tokens, dict) else [(None, tokens)] if tokens is not None else []):
+        where = "field 'trainable_token_indices'" + (f" -> {key!r}" if key is not None else "")
+        if not ids:
+            return f"{where} is an empty list; expected at least one token id (or null for no trainable tokens)"
+        bad = [i for i in ids if i < 0]
+        if bad:
+            return f"{where} holds negative token ids {bad}; expected ids in [0, vocabulary size)"
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        if twice:
+            return (f"{where} lists token ids {twice} more than once (the rows would be written twice, in an "
+                    "unspecified order); expected each id once")
+    if isinstance(tokens, dict) and not tokens:
+        return "field 'trainable_token_indices' is an empty object; expected module name -> token ids, or null"
     if values["layers_pattern"] and values["layers_to_transform"] is None:
         return (f"field 'layers_pattern' is {_show(values['layers_pattern'])} without layers_to_transform, which PEFT "
                 "refuses; expected layers_to_transform too, or layers_pattern null")
@@ -1104,6 +1350,8 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
     except (SafetensorError, OSError, ValueError) as exc:
         raise AdapterError(f"{weights}: not a readable safetensors file ({exc}); {ADAPTER_WEIGHTS} must be what "
                            "PeftModel.save_pretrained writes") from exc
+    # token ids checked against this model's embeddings first, so the error names the file
+    token_targets(model, settings["trainable_token_indices"], [], str(directory / ADAPTER_CONFIG))
     # PeftModel.from_pretrained: the config's modules_to_save, plus the head its task_type's class adds
     _add_lora_from(model, settings, task_type)
     ours = {}
