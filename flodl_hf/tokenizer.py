@@ -58,6 +58,8 @@ CLASS_FOR_MODEL_TYPE = {
     "xlm-roberta": "XLMRobertaTokenizer",
     "roberta-prelayernorm": "RobertaTokenizer",
     "xlm-roberta-xl": "TokenizersBackend",  # as AutoTokenizer maps it in 5.25 (tokenizer.json as written)
+    "nomic_bert": "BertTokenizer",
+    "gte": "XLMRobertaTokenizer",
     "albert": "AlbertTokenizer",
     "deberta-v2": "DebertaV2Tokenizer",
     "deberta": "DebertaTokenizer",
@@ -71,6 +73,8 @@ CLASS_FOR_MODEL_TYPE = {
     "gemma2": "GemmaTokenizer",
     "gemma3_text": "GemmaTokenizer",
     "olmo2": "TokenizersBackend",
+    "olmo3": "TokenizersBackend",
+    "ministral": "TokenizersBackend",
     "granite": "TokenizersBackend",
     "mixtral": "TokenizersBackend",
     "qwen2_moe": "Qwen2Tokenizer",

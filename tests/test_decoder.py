@@ -37,7 +37,9 @@ SMALL = {"llama": "llama-hd24-bias-tied-llama3", "mistral": "mistral-hd24-window
          "gptj": "gptj-hd24", "opt": "opt-hd24", "mixtral": "mixtral-hd24-6experts-top3-window4",
          "qwen2_moe": "qwen2_moe-hd24-6experts-top3-step2-window4",
          "qwen3_moe": "qwen3_moe-hd24-6experts-top3-step2-window4", "olmoe": "olmoe-hd24-6experts-top3-clip",
-         "phi": "phi-hd24-qknorm", "olmo": "olmo-hd24-clip-bias", "cohere": "cohere-hd24-qknorm-bias"}
+         "phi": "phi-hd24-qknorm", "olmo": "olmo-hd24-clip-bias", "cohere": "cohere-hd24-qknorm-bias",
+         "smollm3": "smollm3-hd24-nope-sliding-bias", "olmo3": "olmo3-hd24-sliding-2rope",
+         "ministral": "ministral-hd24-window4-layertypes"}
 
 
 def _fields(variant: str) -> dict:
@@ -73,7 +75,8 @@ CELLS = [("llama-1024-gqa", "sdpa"), ("llama-1024-gqa", "eager"), (SMALL["llama"
          ("qwen3_moe-768-1layer", "sdpa"), (SMALL["olmoe"], "eager"), ("olmoe-hd24-4experts-norm-bias", "sdpa"),
          ("olmoe-768-1layer", "eager"),
          (SMALL["phi"], "sdpa"), ("phi-hd24-plain-tied", "eager"), (SMALL["olmo"], "eager"),
-         ("olmo-768-1layer", "sdpa"), (SMALL["cohere"], "sdpa"), ("cohere-hd24-plain-untied", "eager")]
+         ("olmo-768-1layer", "sdpa"), (SMALL["cohere"], "sdpa"), ("cohere-hd24-plain-untied", "eager"),
+         (SMALL["smollm3"], "sdpa"), (SMALL["olmo3"], "eager"), (SMALL["ministral"], "sdpa")]
 
 
 @pytest.mark.parametrize("variant,impl", CELLS, ids=[f"{v}-{i}" for v, i in CELLS])
@@ -197,7 +200,9 @@ def test_past_key_values_in_as_per_layer_tuples_and_logits_to_keep():
                                           (SMALL["opt"], "eager"), ("opt-hd24-postln-project", "sdpa"),
                                           (SMALL["mixtral"], "eager"), (SMALL["qwen2_moe"], "sdpa"), (SMALL["phi"], "eager"),
                                           (SMALL["qwen3_moe"], "eager"), (SMALL["olmoe"], "sdpa"),
-                                          (SMALL["olmo"], "sdpa"), (SMALL["cohere"], "eager")])
+                                          (SMALL["olmo"], "sdpa"), (SMALL["cohere"], "eager"),
+                                          (SMALL["smollm3"], "eager"), (SMALL["olmo3"], "sdpa"),
+                                          (SMALL["ministral"], "eager")])
 def test_greedy_generate_equals_transformers_and_stops_at_eos(variant, impl):
     _, ours, theirs = _pair(variant, impl)
     ids, mask = _left_padded(ours.config.vocab_size)

@@ -36,7 +36,8 @@ MODELS = [("llama-hd24-bias-tied-llama3", "causal_lm"), ("qwen2-hd24-sliding", "
           ("qwen2_moe-hd24-4experts-norm-dense1", "causal_lm"),
           ("qwen3_moe-hd24-4experts-norm-bias-dense1", "causal_lm"), ("olmoe-hd24-6experts-top3-clip", "causal_lm"),
           ("phi-hd24-qknorm", "causal_lm"), ("olmo-hd24-clip-bias", "causal_lm"),
-          ("cohere-hd24-qknorm-bias", "causal_lm")]
+          ("cohere-hd24-qknorm-bias", "causal_lm"),
+          ("smollm3-hd24-nope-sliding-bias", "causal_lm"), ("olmo3-hd24-sliding-2rope", "causal_lm")]
 CASTS = {
     "bfloat16": lambda m: m.bfloat16(),
     "half": lambda m: m.half(),

@@ -72,6 +72,8 @@ HIDDEN_CASES = [
     ("olmoe-hd24-6experts-top3-clip", "causal_lm", "eager"), ("olmoe-hd24-4experts-norm-bias", "causal_lm", "sdpa"),
     ("phi-hd24-qknorm", "causal_lm", "eager"), ("olmo-hd24-clip-bias", "causal_lm", "sdpa"),
     ("cohere-hd24-qknorm-bias", "causal_lm", "eager"),
+    ("smollm3-hd24-nope-sliding-bias", "causal_lm", "sdpa"), ("olmo3-hd24-sliding-2rope", "causal_lm", "eager"),
+    ("ministral-hd24-window4-layertypes", "qa", "sdpa"),
 ]
 
 

@@ -39,7 +39,9 @@ DECODERS = {"llama": "llama-hd24-bias-tied-llama3", "mistral": "mistral-hd24-win
             "gptj": "gptj-hd24", "opt": "opt-hd24", "mixtral": "mixtral-hd24-4experts-top2",
             "qwen2_moe": "qwen2_moe-hd24-4experts-norm-dense1",
             "qwen3_moe": "qwen3_moe-hd24-4experts-norm-bias-dense1", "olmoe": "olmoe-hd24-4experts-norm-bias",
-            "phi": "phi-hd24-qknorm", "olmo": "olmo-hd24-clip-bias", "cohere": "cohere-hd24-qknorm-bias"}
+            "phi": "phi-hd24-qknorm", "olmo": "olmo-hd24-clip-bias", "cohere": "cohere-hd24-qknorm-bias",
+            "smollm3": "smollm3-hd24-nope-sliding-bias", "olmo3": "olmo3-hd24-sliding-2rope",
+            "ministral": "ministral-hd24-window4-layertypes"}
 DECODER_TASKS = ("base", "causal_lm", "seqcls", "tokcls", "qa")
 
 

@@ -42,7 +42,7 @@ TARGETS: dict[str, tuple[list[str], list[str]]] = {
     "modernbert": (["Wqkv"], ["Wqkv", "Wo", "Wi"]),
     **{decoder: (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
        for decoder in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite",
-                       "stablelm", "olmo", "cohere")},
+                       "stablelm", "olmo", "cohere", "smollm3", "olmo3", "ministral")},
     "starcoder2": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"]),
     "mixtral": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"]),  # experts: 3-D, not linear
     "qwen2_moe": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
@@ -55,6 +55,8 @@ TARGETS: dict[str, tuple[list[str], list[str]]] = {
     "gptj": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"]),
     "opt": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]),
     "phi": (["q_proj", "v_proj", "fc1", "fc2"], ["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"]),
+    "nomic_bert": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "gte": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
 }
 TASKS = ("seqcls", "mlm")
 

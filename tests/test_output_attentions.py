@@ -69,6 +69,8 @@ CASES_BY_FAMILY = [
     ("mixtral-hd24-4experts-top2", "causal_lm"), ("qwen2_moe-hd24-4experts-norm-dense1", "tokcls"),
     ("qwen3_moe-hd24-4experts-norm-bias-dense1", "qa"), ("olmoe-hd24-6experts-top3-clip", "causal_lm"),
     ("phi-hd24-qknorm", "tokcls"), ("olmo-hd24-clip-bias", "seqcls"), ("cohere-hd24-qknorm-bias", "causal_lm"),
+    ("smollm3-hd24-nope-sliding-bias", "tokcls"), ("olmo3-hd24-sliding-2rope", "seqcls"),
+    ("ministral-hd24-window4-layertypes", "causal_lm"),
 ]
 
 

@@ -40,6 +40,7 @@ FAMILIES = {"llama": "llama-hd24-bias-tied-llama3", "mistral": "mistral-hd24-win
             "gpt_neox": "gpt_neox-hd24", "olmo2": "olmo2-hd24-qknorm-postnorm",
             "granite": "granite-hd24-multipliers", "starcoder2": "starcoder2-hd24-bias-window4",
             "stablelm": "stablelm-hd24-qknorm-parallel",
+            "smollm3": "smollm3-hd24-nope-sliding-bias", "ministral": "ministral-hd24-window4-layertypes",
             "llama-768": "llama-1024-gqa"}
 
 YARN = {
