@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -63,16 +63,24 @@ class MixtralConfig(MistralConfig):
     def from_dict(cls, data: dict[str, Any]) -> "MixtralConfig":
         # MixtralConfig.attribute_map: a config.json's num_experts sets num_local_experts (and wins over it, as the
         # alias set after the dataclass fields in transformers)
-        if "num_experts" in data:
-            config = super().from_dict({**data, "num_local_experts": data["num_experts"]})
-            config.raw = copy.deepcopy(dict(data))  # written back as it came
-            return config
-        return super().from_dict(data)
+        return alias_from_dict(super().from_dict, data, "num_experts", "num_local_experts", alias_wins=True)
 
     @property
     def num_experts(self) -> int:
         """MixtralConfig.attribute_map's name for ``num_local_experts``."""
         return self.num_local_experts
+
+
+def alias_from_dict(parent_from_dict: Callable[[dict[str, Any]], Any], data: dict[str, Any], alias: str, field: str,
+                    alias_wins: bool) -> Any:
+    """A config.json's ``attribute_map`` name ``alias`` read into the dataclass field ``field``: where both are given,
+    the alias wins when transformers sets it after the fields (``alias_wins``), else the field; the config is written
+    back as it came (``raw``)."""
+    if alias in data and (alias_wins or field not in data):
+        config = parent_from_dict({**data, field: data[alias]})
+        config.raw = copy.deepcopy(dict(data))
+        return config
+    return parent_from_dict(data)
 
 
 def check_routing(config: Any, experts_field: str) -> None:

@@ -16,7 +16,6 @@ Mirrors ``transformers.models.olmoe.modeling_olmoe`` (5.25), on Mixtral's and Qw
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -29,7 +28,7 @@ from flodl_hf.errors import ConfigError
 from flodl_hf.registry import register
 
 from .llama import Llama, LlamaAttention, LlamaConfig
-from .mixtral import MixtralForCausalLM, MixtralModel, check_routing
+from .mixtral import MixtralForCausalLM, MixtralModel, alias_from_dict, check_routing
 from .qwen2_moe import Qwen2Moe
 from .qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -71,11 +70,7 @@ class OlmoeConfig(LlamaConfig):
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "OlmoeConfig":
         # OlmoeConfig.attribute_map: a config.json's num_local_experts sets num_experts (and wins over it)
-        if "num_local_experts" in data:
-            config = super().from_dict({**data, "num_experts": data["num_local_experts"]})
-            config.raw = copy.deepcopy(dict(data))  # written back as it came
-            return config
-        return super().from_dict(data)
+        return alias_from_dict(super().from_dict, data, "num_local_experts", "num_experts", alias_wins=True)
 
     def biases(self) -> tuple[bool, bool, bool]:
         return self.attention_bias, self.attention_bias, False  # OlmoeAttention / OlmoeExperts

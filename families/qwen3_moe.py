@@ -18,7 +18,6 @@ causal_lm, seqcls, tokcls, qa."""
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -31,7 +30,7 @@ from flodl_hf.layers import activation
 from flodl_hf.registry import register
 
 from .llama import FULL, SLIDING
-from .mixtral import MixtralExperts, MixtralForCausalLM, MixtralModel, check_routing
+from .mixtral import MixtralExperts, MixtralForCausalLM, MixtralModel, alias_from_dict, check_routing
 from .qwen2_moe import Qwen2Moe, Qwen2MoeConfig, Qwen2MoeTopKRouter
 from .qwen3 import Qwen3, Qwen3Attention, Qwen3Config
 
@@ -67,11 +66,7 @@ class Qwen3MoeConfig(Qwen3Config):
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Qwen3MoeConfig":
         # Qwen3MoeConfig.attribute_map: a config.json's num_experts sets num_local_experts (which wins over it)
-        if "num_experts" in data and "num_local_experts" not in data:
-            config = super().from_dict({**data, "num_local_experts": data["num_experts"]})
-            config.raw = copy.deepcopy(dict(data))  # written back as it came
-            return config
-        return super().from_dict(data)
+        return alias_from_dict(super().from_dict, data, "num_experts", "num_local_experts", alias_wins=False)
 
     @property
     def num_experts(self) -> int:
