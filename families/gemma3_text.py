@@ -11,7 +11,7 @@ multimodal ``gemma3`` (vision tower) is another model_type and is not registered
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 
 from flodl_hf.decoder import Rope
@@ -21,6 +21,31 @@ from flodl_hf.registry import register
 from .gemma import GemmaRMSNorm
 from .gemma2 import Gemma2, Gemma2Attention, Gemma2Config, Gemma2Model
 from .llama import FULL, SLIDING, LlamaAttention, LlamaConfig
+
+
+def rope_per_kind(config: Any, key: str | None, theta: Callable[[str], float]) -> Rope:
+    """A RoPE per layer kind from ``rope_parameters`` keyed by kind (Gemma 3's and OLMo 3's
+    ``convert_rope_params_to_dict``): a missing kind is default RoPE, ``rope_scaling`` updates the full layers'
+    dict, a theta missing there is ``theta(kind)``. transformers' ``_compute_yarn_parameters`` reads ``truncate``
+    from ``config.rope_parameters`` itself, which holds only the kinds' dicts: a nested truncate is never read, and
+    yarn truncates. A flat or malformed dict is a ConfigError naming the field."""
+    kind = key or FULL
+    given = config.rope_parameters
+    if given is not None and not (isinstance(given, dict) and set(given) <= {FULL, SLIDING}):
+        raise ConfigError(f"config field rope_parameters={given!r}: expected one object per layer type "
+                          f"({FULL}, {SLIDING})")
+    params: Any = (given or {}).get(kind) or {"rope_type": "default"}
+    if not isinstance(params, dict):
+        raise ConfigError(f"config field rope_parameters.{kind}={params!r}: expected an object")
+    params = dict(params)
+    if kind == FULL and config.rope_scaling is not None:
+        if not isinstance(config.rope_scaling, dict):
+            raise ConfigError(f"config field rope_scaling={config.rope_scaling!r}: expected an object")
+        params.update(config.rope_scaling)
+    params.setdefault("rope_theta", theta(kind))
+    params.pop("truncate", None)
+    return Rope.resolve(params, None, None, config.default_theta, config.max_position_embeddings,
+                        config.raw.get("original_max_position_embeddings"), config.rope_types)
 
 
 @dataclass
@@ -57,29 +82,12 @@ class Gemma3TextConfig(Gemma2Config):
         """Gemma3TextConfig.convert_rope_params_to_dict: a dict per layer type (a missing one is default RoPE);
         ``rope_scaling`` updates the full layers' dict; a theta missing there is ``rope_theta`` (full) or
         ``rope_local_base_freq`` (sliding), else the defaults."""
-        kind = key or FULL
-        given = self.rope_parameters
-        if given is not None and not (isinstance(given, dict) and set(given) <= {FULL, SLIDING}):
-            raise ConfigError(f"config field rope_parameters={given!r}: expected one object per layer type "
-                              f"({FULL}, {SLIDING})")
-        params: Any = (given or {}).get(kind) or {"rope_type": "default"}
-        if not isinstance(params, dict):
-            raise ConfigError(f"config field rope_parameters.{kind}={params!r}: expected an object")
-        params = dict(params)
-        if kind == FULL and self.rope_scaling is not None:
-            if not isinstance(self.rope_scaling, dict):
-                raise ConfigError(f"config field rope_scaling={self.rope_scaling!r}: expected an object")
-            params.update(self.rope_scaling)
+        return rope_per_kind(self, key, self._kind_theta)
+
+    def _kind_theta(self, kind: str) -> float:
         if kind == FULL:
-            theta = self.default_theta if self.rope_theta is None else self.rope_theta
-        else:
-            theta = self.default_local_theta if self.rope_local_base_freq is None else self.rope_local_base_freq
-        params.setdefault("rope_theta", theta)
-        # _compute_yarn_parameters reads truncate from config.rope_parameters itself, which holds only the layer
-        # types' dicts here: a nested truncate is never read, and yarn truncates
-        params.pop("truncate", None)
-        return Rope.resolve(params, None, None, self.default_theta, self.max_position_embeddings,
-                            self.raw.get("original_max_position_embeddings"), self.rope_types)
+            return self.default_theta if self.rope_theta is None else self.rope_theta
+        return self.default_local_theta if self.rope_local_base_freq is None else self.rope_local_base_freq
 
 
 class Gemma3Attention(Gemma2Attention):

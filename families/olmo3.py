@@ -19,13 +19,14 @@ Everything else is families/olmo2.py and families/llama.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from flodl_hf.decoder import Rope
 from flodl_hf.errors import ConfigError
 from flodl_hf.registry import register
 
 from .llama import FULL, SLIDING
+from .gemma3_text import rope_per_kind
 from .olmo2 import Olmo2, Olmo2Config, Olmo2Model
 
 
@@ -56,26 +57,10 @@ class Olmo3Config(Olmo2Config):
         return kind
 
     def rope(self, key: str | None = None) -> Rope:
-        kind = key or FULL
-        given = self.rope_parameters
-        if given is not None and not (isinstance(given, dict) and set(given) <= {FULL, SLIDING}):
-            raise ConfigError(f"config field rope_parameters={given!r}: expected one object per layer type "
-                              f"({FULL}, {SLIDING})")
-        params: Any = (given or {}).get(kind) or {"rope_type": "default"}
-        if not isinstance(params, dict):
-            raise ConfigError(f"config field rope_parameters.{kind}={params!r}: expected an object")
-        params = dict(params)
-        if kind == FULL and self.rope_scaling is not None:
-            if not isinstance(self.rope_scaling, dict):
-                raise ConfigError(f"config field rope_scaling={self.rope_scaling!r}: expected an object")
-            params.update(self.rope_scaling)
-        theta = self.rope_theta if kind == FULL and self.rope_theta is not None else self.default_theta
-        params.setdefault("rope_theta", theta)
-        # _compute_yarn_parameters reads truncate from config.rope_parameters itself, which holds only the layer
-        # kinds' dicts here: a nested truncate is never read, and yarn truncates
-        params.pop("truncate", None)
-        return Rope.resolve(params, None, None, self.default_theta, self.max_position_embeddings,
-                            self.raw.get("original_max_position_embeddings"), self.rope_types)
+        # Olmo3Config.convert_rope_params_to_dict, as Gemma 3's: a missing theta is rope_theta on the full layers
+        # only (it is popped before the sliding layers read it), else the default
+        return rope_per_kind(self, key, lambda kind: self.rope_theta if kind == FULL and self.rope_theta is not None
+                             else self.default_theta)
 
 
 class Olmo3Model(Olmo2Model):
