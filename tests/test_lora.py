@@ -120,8 +120,28 @@ def _peft_trainable(model):
 
 def _peft_name(name: str) -> str:
     """A PeftModel parameter name -> our key (adapter name and wrappers dropped)."""
-    name = name.removeprefix("base_model.model.").replace(".default", "")
+    name = name.removeprefix("base_model.model.").replace(".default", "").replace(".token_adapter.", ".")
     return name.replace(".modules_to_save", "").replace(".base_layer", "")
+
+
+def assert_step_equal_to_peft(ours, theirs, task: str, batch: dict) -> None:
+    """One training step of ours and PEFT's model from the same weights, batch and seed: the loss and every
+    trainable parameter's gradient torch.equal (our names, PEFT's mapped by ``_peft_name``); a frozen one gets
+    none. Leaves both in train mode with their gradients."""
+    ours.train(), theirs.train()
+    labelled = {**batch, **_labels(task, ours.config, batch, "single")}
+    torch.manual_seed(5)
+    loss_ours = ours(**labelled).loss
+    torch.manual_seed(5)
+    loss_theirs = theirs(**labelled).loss
+    assert torch.equal(loss_ours, loss_theirs), (loss_ours.item(), loss_theirs.item())
+    loss_ours.backward(), loss_theirs.backward()
+    grads = {_peft_name(n): p.grad for n, p in _peft_trainable(theirs)}
+    for name, p in ours.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p.grad, grads[name]), f"{name}: {(p.grad - grads[name]).abs().max().item()}"
+        else:
+            assert p.grad is None, name
 
 
 def _equal_fields(ours, theirs) -> None:
@@ -159,20 +179,7 @@ def test_peft_round_trip_and_training_step(task, fields, targets, r, rslora, tmp
         _equal_fields(ours(**batch), theirs(**batch))
 
     # One training step from the same weights, batch and seed: loss and every adapter gradient equal.
-    ours.train(), theirs.train()
-    labelled = {**batch, **_labels(task, ours.config, batch, "single")}
-    torch.manual_seed(5)
-    loss_ours = ours(**labelled).loss
-    torch.manual_seed(5)
-    loss_theirs = theirs(**labelled).loss
-    assert torch.equal(loss_ours, loss_theirs), (loss_ours.item(), loss_theirs.item())
-    loss_ours.backward(), loss_theirs.backward()
-    grads = {_peft_name(n): p.grad for n, p in _peft_trainable(theirs)}
-    for name, p in ours.named_parameters():
-        if p.requires_grad:
-            assert torch.equal(p.grad, grads[name]), f"{name}: {(p.grad - grads[name]).abs().max().item()}"
-        else:
-            assert p.grad is None, name
+    assert_step_equal_to_peft(ours, theirs, task, batch)
     with torch.no_grad():  # the step itself (SGD), so the adapter that goes out is not the one that came in
         for p in ours.parameters():
             if p.requires_grad:

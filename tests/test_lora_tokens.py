@@ -26,7 +26,7 @@ from flodl_hf.parity import make_batch, reference_model
 
 from cases import CASES
 from helpers import make_checkpoint, one_thread  # noqa: F401 (a fixture)
-from test_losses import _labels
+from test_lora import _peft_name, _peft_trainable, assert_step_equal_to_peft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -47,17 +47,6 @@ def _ids(batch: dict, vocab: int) -> list[int]:
     seen = batch["input_ids"][0, 1:3].tolist()
     assert vocab - 1 not in seen
     return [seen[1], seen[0], vocab - 1]
-
-
-def _peft_name(name: str) -> str:
-    """A PeftModel parameter name -> our key (adapter name and wrappers dropped)."""
-    name = name.removeprefix("base_model.model.").replace(".default", "")
-    name = name.replace(".token_adapter.", ".")
-    return name.replace(".modules_to_save", "").replace(".base_layer", "")
-
-
-def _peft_trainable(model):
-    return sorted(((n, p) for n, p in model.named_parameters() if p.requires_grad), key=lambda t: t[0])
 
 
 def _equal_logits(ours, theirs, batch) -> None:
@@ -119,20 +108,7 @@ def test_trainable_tokens_round_trip_with_peft(case_id, form, tmp_path):
     _equal_logits(ours, theirs, batch)
 
     # One training step: loss and every gradient equal (the delta's: its rows only); the embedding gets none.
-    ours.train(), theirs.train()
-    labelled = {**batch, **_labels(task, ours.config, batch, "single")}
-    torch.manual_seed(5)
-    loss_ours = ours(**labelled).loss
-    torch.manual_seed(5)
-    loss_theirs = theirs(**labelled).loss
-    assert torch.equal(loss_ours, loss_theirs), (loss_ours.item(), loss_theirs.item())
-    loss_ours.backward(), loss_theirs.backward()
-    grads = {_peft_name(n): p.grad for n, p in _peft_trainable(theirs)}
-    for name, p in ours.named_parameters():
-        if p.requires_grad:
-            assert torch.equal(p.grad, grads[name]), f"{name}: {(p.grad - grads[name]).abs().max().item()}"
-        else:
-            assert p.grad is None, name
+    assert_step_equal_to_peft(ours, theirs, task, batch)
     delta = dict(ours.named_parameters())[deltas[0]]
     assert (delta.grad[:2] != 0).any(dim=1).all(), "the rows in the batch get gradients"
     with torch.no_grad():
