@@ -23,7 +23,7 @@ import torch
 from . import io
 from .errors import CheckpointFormatError
 from .export import (WRITTEN_MARK, _version, atomic_directory, check_out, local_source, protected_paths,
-                     same_bytes)
+                     same_bytes, written_files_list)
 
 
 @dataclass
@@ -120,7 +120,9 @@ def convert(source: str | os.PathLike, out: str | os.PathLike, revision: str | N
             shutil.copyfile(path, tmp / rel)
             copied.append(str(rel))
         # convert copies config.json as it is, so its stamp (what --force may replace) is a file of its own
+        # with the list of files written (itself included): all that a later --force may replace
         (tmp / WRITTEN_MARK).write_text(json.dumps({"written_by": "flodl-hf convert", "version": _version(),
-                                                    "source": str(source)}) + "\n")
+                                                    "source": str(source),
+                                                    "files": written_files_list(tmp) + [WRITTEN_MARK]}) + "\n")
         weight_files = sorted(p.name for p in files) + ([io.SAFE_INDEX] if len(files) > 1 else [])
     return ConvertResult(out_path, weight_files, len(tensors), shared, copied)

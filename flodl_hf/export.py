@@ -110,8 +110,8 @@ def written_files(directory: Path) -> dict[str, str]:
     """sha256 of every file of an export (relative paths), config.json's over its fields without the
     stamp (which holds this record): what the export wrote, for verify-export to find any edit since."""
     found = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() or p.is_symlink()):
-        rel = path.relative_to(directory).as_posix()
+    for rel in written_files_list(directory):
+        path = directory / rel
         if rel == io.CONFIG_NAME:
             config = {k: v for k, v in json.loads(path.read_text(encoding="utf-8")).items() if k != STAMP_KEY}
             found[rel] = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
@@ -260,20 +260,42 @@ def recover_scratch(out: Path) -> list[str]:
     return done
 
 
-def written_by_us(path: Path) -> bool:
-    """An empty directory, or one carrying flodl-hf's stamp (config.json's ``flodl_hf`` or WRITTEN_MARK)."""
+def _json_file(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def recorded_files(path: Path) -> set[str] | None:
+    """The files (relative posix paths) flodl-hf recorded writing into the directory ``path``: an export's
+    stamp (config.json's ``flodl_hf.files_sha256``), convert's WRITTEN_MARK or an adapter's side file
+    (their ``files``). An empty directory records nothing and holds nothing; None where no record is found."""
     try:
         if not any(path.iterdir()):
-            return True
+            return set()
     except OSError:
-        return False
-    if (path / WRITTEN_MARK).is_file():
-        return True
-    try:
-        config = json.loads((path / io.CONFIG_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and isinstance(config.get(STAMP_KEY), dict)
+        return None
+    from .lora import BASE_STAMP
+    config = _json_file(path / io.CONFIG_NAME)
+    stamp = config.get(STAMP_KEY) if isinstance(config, dict) else None
+    records = [stamp.get("files_sha256") if isinstance(stamp, dict) else None]
+    for mark in (WRITTEN_MARK, BASE_STAMP):
+        data = _json_file(path / mark) if (path / mark).is_file() else None
+        records.append(data.get("files") if isinstance(data, dict) else None)
+    found = [r for r in records if isinstance(r, (dict, list)) and all(isinstance(x, str) for x in r)]
+    return set().union(*found) if found else None
+
+
+def foreign_files(path: Path, recorded: set[str]) -> list[str]:
+    """The files and links below ``path`` that are not in ``recorded``: what --force would otherwise delete."""
+    return sorted(rel for p in path.rglob("*") if (p.is_file() or p.is_symlink())
+                  and (rel := p.relative_to(path).as_posix()) not in recorded)
+
+
+def written_files_list(directory: Path) -> list[str]:
+    """The relative posix paths of every file below ``directory``: the record a writer leaves in its mark."""
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file() or p.is_symlink())
 
 
 Protected = tuple[Path, bool]  # (a path --out must keep clear of, also refuse --out inside it?)
@@ -330,10 +352,19 @@ def check_out(out: str | os.PathLike, force: bool, protect: list[Protected] | No
     if path.exists() and not force:
         raise OutputExistsError(f"--out {path} already exists: pass --force (force=True) to replace it, "
                                 "or choose another path (nothing was written)")
-    if path.exists() and not written_by_us(path):
-        raise OutputExistsError(f"--out {path} is a directory flodl-hf did not write (no '{STAMP_KEY}' stamp in its "
-                                "config.json): --force replaces only an empty directory or an earlier export or "
-                                "convert; choose another path (nothing was written or deleted)")
+    if path.exists():
+        recorded = recorded_files(path)
+        if recorded is None:
+            raise OutputExistsError(f"--out {path} is a directory flodl-hf did not write (no '{STAMP_KEY}' stamp "
+                                    "with its list of files in its config.json, nor a convert or adapter record): "
+                                    "--force replaces only an empty directory or an earlier export, convert or "
+                                    "adapter; choose another path (nothing was written or deleted)")
+        foreign = foreign_files(path, recorded)
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise OutputExistsError(f"--out {path} holds files flodl-hf did not write: {shown}. --force replaces "
+                                    "only what an earlier export, convert or adapter wrote: move them out or choose "
+                                    "another path (nothing was written or deleted)")
     return path
 
 

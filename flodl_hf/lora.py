@@ -996,7 +996,7 @@ def save_adapter(model: nn.Module, out: str | os.PathLike, force: bool = False,
                  protect: list[tuple[Path, bool]] | None = None) -> Path:
     """Write ``model``'s adapter as a PEFT adapter directory (atomically). ``out`` may not be, contain or lie
     inside the base model the adapter depends on, nor any path in ``protect``."""
-    from .export import atomic_directory, check_out
+    from .export import atomic_directory, check_out, written_files_list
     ref = getattr(model, "lora_base", None) or {}
     base = str(base) if base is not None else ref.get("source")
     protect = list(protect or []) + _base_protect(ref.get("source"), base, getattr(model, "source_root", None))
@@ -1004,7 +1004,9 @@ def save_adapter(model: nn.Module, out: str | os.PathLike, force: bool = False,
     with atomic_directory(out_path, force, protect) as tmp:
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(peft_config_dict(model, base), indent=2, sort_keys=True) + "\n")
         _save_file(peft_state(model), tmp)
-        (tmp / BASE_STAMP).write_text(json.dumps({"task": model.lora_config.task, "base": ref or None},
+        # with the list of files written (itself included): all that a later --force may replace
+        (tmp / BASE_STAMP).write_text(json.dumps({"task": model.lora_config.task, "base": ref or None,
+                                                  "files": written_files_list(tmp) + [BASE_STAMP]},
                                                  indent=2, sort_keys=True) + "\n")
     return out_path
 

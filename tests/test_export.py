@@ -293,12 +293,20 @@ e.export({str(src)!r}, {str(out)!r})
 
 
 def test_force_replaces(tmp_path):
-    """--force replaces an empty directory or an earlier export; a directory of the user's is refused."""
+    """--force replaces an empty directory or an earlier export, edits to its files included; a file added
+    to it, or a directory of the user's, is refused and left as it was."""
     (tmp_path / "out").mkdir()
     result = export(_tiny("seqcls"), tmp_path / "out", force=True)
-    (result.out / "stale.txt").write_text("x")
+    (result.out / "model.safetensors").write_text("edited")  # a file the export wrote: --force may replace it
+    (result.out / "notes").mkdir()
+    (result.out / "notes" / "mine.txt").write_text("x")  # a file the export did not write
+    before = sorted(p.relative_to(result.out).as_posix() for p in result.out.rglob("*"))
+    with pytest.raises(OutputExistsError, match=r"did not write: notes/mine\.txt"):
+        export(_tiny("qa"), tmp_path / "out", force=True)
+    assert sorted(p.relative_to(result.out).as_posix() for p in result.out.rglob("*")) == before
+    shutil.rmtree(result.out / "notes")
     result = export(_tiny("qa"), tmp_path / "out", force=True)
-    assert not (result.out / "stale.txt").exists() and verify_export(result.out).ok
+    assert (result.out / "model.safetensors").read_bytes() != b"edited" and verify_export(result.out).ok
     assert _no_scratch(tmp_path)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("x")

@@ -207,3 +207,35 @@ def test_convert_of_a_file_copies_only_hf_files(tmp_path):
     result = convert(folder / "pytorch_model.bin", tmp_path / "out")
     assert sorted(result.copied) == ["config.json", "vocab.txt"]
     assert not (tmp_path / "out" / "my_passwords.txt").exists()
+
+
+# ---- 9: --force replaces only the files an earlier write recorded ---------------------------------------------------
+
+def _tree(path: Path) -> list[str]:
+    return sorted(p.relative_to(path).as_posix() for p in path.rglob("*"))
+
+
+@pytest.mark.parametrize("writer", ["convert", "adapter"])
+def test_force_rewrites_its_own_directory_but_never_a_file_added_to_it(tmp_path, writer):
+    """convert and an adapter export record the files they wrote: --force writes the directory again,
+    and refuses (naming the file, leaving everything as it was) once a file of the user's is added."""
+    if writer == "convert":
+        folder = tmp_path / "bin"
+        folder.mkdir()
+        shutil.copy(_tiny("seqcls") / "config.json", folder)
+        state = quiet_transformers().BertForSequenceClassification.from_pretrained(str(_tiny("seqcls"))).state_dict()
+        torch.save(state, folder / "pytorch_model.bin")
+        write = lambda: convert(folder, tmp_path / "out", force=True)  # noqa: E731
+    else:
+        _, ckpt = _lora_checkpoint(tmp_path, str)
+        write = lambda: lora.export_adapter(ckpt, tmp_path / "out", force=True)  # noqa: E731
+    write()
+    first = _tree(tmp_path / "out")
+    write()  # an earlier write of its own is replaced
+    assert _tree(tmp_path / "out") == first and _no_scratch(tmp_path)
+    (tmp_path / "out" / "sub").mkdir()
+    (tmp_path / "out" / "sub" / "mine.txt").write_text("x")
+    before = tree_hash(tmp_path / "out")
+    with pytest.raises(OutputExistsError, match=r"did not write: sub/mine\.txt"):
+        write()
+    assert tree_hash(tmp_path / "out") == before and _no_scratch(tmp_path)
