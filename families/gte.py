@@ -26,8 +26,9 @@ from torch import nn
 
 from flodl_hf.config import Activation
 from flodl_hf.decoder import SwiGLU
-from flodl_hf.families.nomic_bert import FileLayout, NomicBert, NomicBertConfig, NomicBertModel
+from flodl_hf.families.nomic_bert import NomicBert, NomicBertConfig, NomicBertModel
 from flodl_hf.families.roberta import RobertaLMHead, RobertaMLMHead
+from flodl_hf.keys import FileLayout
 from flodl_hf.layers import activation
 from flodl_hf.modeling import HeadPart
 from flodl_hf.registry import register
@@ -94,7 +95,7 @@ class Gte(NomicBert):
     prefix = "gte"
     config_class = GteConfig
     backbone_class = GteModel
-    file_layout: ClassVar[FileLayout] = FileLayout(
+    file_layout = FileLayout(
         renames=(("encoder.layer", "layers"), ("attention.o_proj", "self_attn.o_proj"),
                  ("attn_ln", "post_attention_layernorm"), ("mlp_ln", "post_mlp_layernorm"),
                  ("lm_head.norm", "lm_head.layer_norm")),

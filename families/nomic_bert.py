@@ -14,13 +14,12 @@ Mirrors ``transformers.models.nomic_bert.modeling_nomic_bert`` (5.25), whose par
 
 Files are written in the original layout: transformers' conversion mapping (``conversion_mapping.py``: the
 ``nomic_bert`` entry) renames ``emb_ln``, ``encoder.layers``, ``attn.out_proj``, ``fc11 fc12 fc2``, ``norm1 norm2``
-and splits the fused ``attn.Wqkv`` at load, and its save_pretrained writes them back. ``FileLayout`` declares that once
-and ``LayoutKeyMap`` applies it both ways (GTE, families/gte.py, builds on this file with its own layout).
+and splits the fused ``attn.Wqkv`` at load, and its save_pretrained writes them back: ``NomicBert.file_layout``
+(keys.FileLayout) declares that, the key map applies it both ways (GTE, families/gte.py, declares its own).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -29,101 +28,13 @@ from torch import nn
 
 from flodl_hf.config import Activation, BaseConfig
 from flodl_hf.decoder import ROPE_TYPES, Rope, SwiGLU
-from flodl_hf.errors import CheckpointFormatError, ConfigError
+from flodl_hf.errors import ConfigError
 from flodl_hf.families.bert import BertLMPredictionHead, BertMLMHead, BertPooler, BertPredictionHeadTransform
 from flodl_hf.families.llama import LlamaAttention, LlamaModel
-from flodl_hf.keys import KeyMap
+from flodl_hf.keys import FileLayout
 from flodl_hf.layers import LazyBuffers, activation, attend
 from flodl_hf.modeling import Backbone, HeadPart, PreTrainedModel
 from flodl_hf.registry import Family, register
-
-
-# ---- the file layout --------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class FileLayout:
-    """How transformers' conversion mapping lays a family's tensors out in its files. ``renames``: (file, module)
-    dotted fragments (WeightRenaming), applied at key-segment boundaries in order on load, in reverse order on save;
-    ``fused``: a file fragment and the module fragments it holds, concatenated along dim 0 (WeightConverter with
-    ``Chunk(dim=0)``: split on load, concatenated on save), for ``weight`` and ``bias``; ``strip_prefix``: a leading
-    segment dropped on load (PrefixChange(prefix_to_remove=...); a model saved from scratch does not add it back)."""
-
-    renames: tuple[tuple[str, str], ...] = ()
-    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    strip_prefix: str | None = None
-
-
-def _swap(key: str, old: str, new: str) -> str:
-    return re.sub(rf"(^|\.){re.escape(old)}(?=\.|$)", lambda m: m.group(1) + new, key)
-
-
-def _leaf(key: str, fragment: str) -> tuple[str, str] | None:
-    """(stem, leaf) of ``stem + fragment + "." + leaf`` with leaf ``weight`` or ``bias``, else None."""
-    found = re.match(rf"^(.*\.)?{re.escape(fragment)}\.(weight|bias)$", key)
-    return (found.group(1) or "", found.group(2)) if found else None
-
-
-class LayoutKeyMap(KeyMap):
-    """A KeyMap whose files are in another layout than its modules (``FileLayout``): ``merge`` (load) turns a file's
-    tensors into module tensors, ``to_hf_state`` (export) turns them back, as transformers' load and save_pretrained
-    do. Per key, module names are transformers' module names (``to_hf`` / ``to_native`` keep them), which are the
-    names PEFT's adapters use. A file already in the module layout loads as it is."""
-
-    def __init__(self, prefix: str, layout: FileLayout, ignored: tuple[str, ...] = (),
-                 legacy: tuple[tuple[str, str], ...] = ()) -> None:
-        super().__init__(prefix, legacy=legacy, ignored=ignored)
-        self.layout = layout
-
-    def merge(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        strip = self.layout.strip_prefix
-        for key, tensor in tensors.items():
-            if not isinstance(key, str):
-                out[key] = tensor
-                continue
-            source = key
-            if strip and key.startswith(strip + "."):
-                key = key[len(strip) + 1:]
-            for old, new in self.layout.renames:
-                key = _swap(key, old, new)
-            for fragment, parts in self.layout.fused:
-                hit = _leaf(key, fragment)
-                if hit is None:
-                    continue
-                if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or tensor.shape[0] % len(parts):
-                    shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-                    raise CheckpointFormatError(f"checkpoint: {source} ({shape}) holds {', '.join(parts)} "
-                                                f"concatenated along dim 0: its first size must divide by {len(parts)}")
-                for part, piece in zip(parts, tensor.chunk(len(parts), dim=0), strict=True):
-                    out[hit[0] + part + "." + hit[1]] = piece.clone()  # a tensor of its own, as a parameter is
-                break
-            else:
-                out[key] = tensor
-        return out
-
-    def to_hf_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        groups: dict[tuple[int, str, str], dict[int, torch.Tensor]] = {}
-        plain: dict[str, torch.Tensor] = {}
-        for key, tensor in state.items():
-            hit = next(((n, i, found) for n, (_, parts) in enumerate(self.layout.fused)
-                        for i, part in enumerate(parts) if (found := _leaf(key, part)) is not None), None)
-            if hit is None:
-                plain[key] = tensor
-            else:
-                n, i, (stem, leaf) = hit
-                groups.setdefault((n, stem, leaf), {})[i] = tensor
-        for (n, stem, leaf), pieces in groups.items():
-            fragment, parts = self.layout.fused[n]
-            if len(pieces) == len(parts):
-                plain[stem + fragment + "." + leaf] = torch.cat([pieces[i] for i in range(len(parts))], dim=0)
-            else:  # not every part (never in a whole model): each under its own name
-                plain.update({stem + parts[i] + "." + leaf: t for i, t in pieces.items()})
-        out: dict[str, torch.Tensor] = {}
-        for key, tensor in plain.items():
-            for old, new in reversed(self.layout.renames):
-                key = _swap(key, new, old)
-            out[key] = tensor
-        return out
 
 
 # ---- config ----------------------------------------------------------------------------------------------
@@ -353,15 +264,11 @@ class NomicBert(Family):
     # transformers' "legacy" renaming, which its loader applies to every model (after the layout's renames here,
     # so emb_ln.gamma loads too, as in transformers)
     legacy_suffixes = (("LayerNorm.gamma", "LayerNorm.weight"), ("LayerNorm.beta", "LayerNorm.bias"))
-    file_layout: ClassVar[FileLayout] = FileLayout(
+    file_layout = FileLayout(
         renames=(("encoder.layers", "layers"), ("emb_ln", "embeddings.LayerNorm"),
                  ("attn.out_proj", "self_attn.o_proj"), ("fc11", "up_proj"), ("fc12", "gate_proj"), ("fc2", "down_proj"),
                  ("norm1", "post_attention_layernorm"), ("norm2", "post_mlp_layernorm")),
         fused=(("attn.Wqkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),))
-
-    @classmethod
-    def key_map(cls) -> KeyMap:
-        return LayoutKeyMap(cls.prefix, cls.file_layout, cls.ignored_keys, cls.legacy_suffixes)
 
     @classmethod
     def build(cls, config: BaseConfig, task: str = "base", add_pooling_layer: bool = True) -> PreTrainedModel:

@@ -11,7 +11,11 @@ does not is declared once per family, in its :class:`KeyMap`:
   ``beta``), mapped one way on load; an export writes today's names, as transformers does;
 - merges (:class:`Merge`): several file tensors held as one module tensor (Mixtral's experts,
   stacked and concatenated as transformers' conversion mapping does); load merges, export splits,
-  from the same declaration. Empty for every family without one, where nothing changes.
+  from the same declaration. Empty for every family without one, where nothing changes;
+- a file layout (:class:`FileLayout`): files whose keys follow another tree than the modules'
+  (Nomic BERT's and GTE's, as transformers' conversion mapping renames and splits them on load):
+  load turns a file into the module layout before anything else, export turns it back last.
+  None for every family whose files are in the module layout.
 
 Loading (``flodl_hf.modeling.load_weights``), export and verify-export all go through this
 module; nothing else maps a key.
@@ -107,14 +111,102 @@ class Merge:
         return out
 
 
+def _swap(key: str, old: str, new: str) -> str:
+    """``key`` with the dotted fragment ``old`` replaced by ``new`` wherever it stands between key segments."""
+    return re.sub(rf"(^|\.){re.escape(old)}(?=\.|$)", lambda m: m.group(1) + new, key)
+
+
+def _leaf(key: str, fragment: str) -> tuple[str, str] | None:
+    """(stem, leaf) of ``stem + fragment + "." + leaf`` with leaf ``weight`` or ``bias``, else None."""
+    found = re.match(rf"^(.*\.)?{re.escape(fragment)}\.(weight|bias)$", key)
+    return (found.group(1) or "", found.group(2)) if found else None
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """How a family's files lay its tensors out when that is not its module tree, as transformers' conversion
+    mapping (conversion_mapping.py) declares it: the file layout ``save_pretrained`` writes back, mapped to and
+    from the module layout (transformers' module names, which ours are). Declared by data (``Family.file_layout``);
+    ``KeyMap.merge`` applies ``load`` first, ``KeyMap.to_hf_state`` applies ``save`` last.
+
+    ``renames``: (file, module) dotted fragments (WeightRenaming), each replaced at key-segment boundaries wherever
+    it stands, in order on load and in reverse order on save. ``fused``: a file fragment and the module fragments
+    it holds, concatenated along dim 0 (WeightConverter with ``Chunk(dim=0)``: split evenly on load, concatenated
+    on save), for ``weight`` and ``bias``. ``strip_prefix``: a leading key segment dropped on load
+    (PrefixChange(prefix_to_remove=...)); save does not add it back, as a model saved from scratch does not.
+    A file already in the module layout loads as it is."""
+
+    renames: tuple[tuple[str, str], ...] = ()
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    strip_prefix: str | None = None
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A file's tensors in the module layout; a fused tensor whose first size does not divide by its parts is a
+        CheckpointFormatError naming its file key."""
+        out: dict[str, torch.Tensor] = {}
+        strip = self.strip_prefix
+        for key, tensor in tensors.items():
+            if not isinstance(key, str):  # KeyMap.normalise names it
+                out[key] = tensor
+                continue
+            source = key
+            if strip and key.startswith(strip + "."):
+                key = key[len(strip) + 1:]
+            for old, new in self.renames:
+                key = _swap(key, old, new)
+            for fragment, parts in self.fused:
+                hit = _leaf(key, fragment)
+                if hit is None:
+                    continue
+                if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or tensor.shape[0] % len(parts):
+                    shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                    raise CheckpointFormatError(f"checkpoint: {source} ({shape}) holds {', '.join(parts)} "
+                                                f"concatenated along dim 0: its first size must divide by {len(parts)}")
+                for part, piece in zip(parts, tensor.chunk(len(parts), dim=0), strict=True):
+                    out[hit[0] + part + "." + hit[1]] = piece.clone()  # a tensor of its own, as a parameter is
+                break
+            else:
+                out[key] = tensor
+        return out
+
+    def save(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Tensors in the module layout -> the file layout: each fused group concatenated (a group lacking a part,
+        never a whole model's, keeps each part under its own name), then the renames reversed."""
+        groups: dict[tuple[int, str, str], dict[int, torch.Tensor]] = {}
+        plain: dict[str, torch.Tensor] = {}
+        for key, tensor in state.items():
+            hit = next(((n, i, found) for n, (_, parts) in enumerate(self.fused)
+                        for i, part in enumerate(parts) if (found := _leaf(key, part)) is not None), None)
+            if hit is None:
+                plain[key] = tensor
+            else:
+                n, i, (stem, leaf) = hit
+                groups.setdefault((n, stem, leaf), {})[i] = tensor
+        for (n, stem, leaf), pieces in groups.items():
+            fragment, parts = self.fused[n]
+            if len(pieces) == len(parts):
+                plain[stem + fragment + "." + leaf] = torch.cat([pieces[i] for i in range(len(parts))], dim=0)
+            else:
+                plain.update({stem + parts[i] + "." + leaf: t for i, t in pieces.items()})
+        out: dict[str, torch.Tensor] = {}
+        for key, tensor in plain.items():
+            for old, new in reversed(self.renames):
+                key = _swap(key, new, old)
+            out[key] = tensor
+        return out
+
+
 class KeyMap:
-    """One family's key table: backbone prefix, invertible renames, one-way legacy suffixes, and regexes of keys
-    a checkpoint may carry that are skipped on load (besides IGNORED_KEY)."""
+    """One family's key table: backbone prefix, invertible renames, one-way legacy suffixes, regexes of keys a
+    checkpoint may carry that are skipped on load (besides IGNORED_KEY), merges, and the file layout. Per key
+    (``to_native`` / ``to_hf``), names are transformers' module names, which PEFT's adapters use; the file layout
+    applies to whole files only (``merge``, ``to_hf_state``)."""
 
     def __init__(self, prefix: str, renames: tuple[tuple[str, str], ...] = (),
                  legacy: tuple[tuple[str, str], ...] = (), ignored: tuple[str, ...] = (),
-                 merges: tuple[Merge, ...] = ()) -> None:
+                 merges: tuple[Merge, ...] = (), layout: FileLayout | None = None) -> None:
         self.prefix = prefix
+        self.layout = layout
         self.merges = tuple(merges)
         self.renames = tuple(renames)
         self.legacy = tuple(legacy)
@@ -157,7 +249,8 @@ class KeyMap:
         return self._apply(self._rev, key)
 
     def to_hf_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Module tensors -> the tensors transformers' save_pretrained writes, merged ones split into their parts."""
+        """Module tensors -> the tensors transformers' save_pretrained writes, merged ones split into their parts,
+        then in the file layout."""
         out: dict[str, torch.Tensor] = {}
         for key, tensor in state.items():
             merge, stem = next(((m, s) for m in self.merges if (s := m.stem(key)) is not None), (None, None))
@@ -165,10 +258,13 @@ class KeyMap:
                 out[self.to_hf(key)] = tensor
             else:
                 out.update(merge.split(stem, tensor))
-        return out
+        return self.layout.save(out) if self.layout is not None else out
 
     def merge(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A file's tensors with each merge's parts joined into its module tensor (the rest as they are)."""
+        """A file's tensors in the module layout, with each merge's parts joined into its module tensor (the rest
+        as they are)."""
+        if self.layout is not None:
+            tensors = self.layout.load(tensors)
         if not self.merges:
             return tensors
         out: dict[str, torch.Tensor] = {}
@@ -194,7 +290,7 @@ class KeyMap:
         given): transformers 5 keeps such a file tensor and unties the pair, so we do too."""
         known = set(shapes) | set(aliases)
         state: dict[str, torch.Tensor] = {}
-        for key, tensor in self.merge(tensors).items():  # no-op without merges
+        for key, tensor in self.merge(tensors).items():  # no-op without merges or a file layout
             if not isinstance(key, str):
                 raise CheckpointFormatError(f"state_dict key {key!r} is a {type(key).__name__}, not a tensor name (str)")
             if not isinstance(tensor, torch.Tensor):
@@ -251,7 +347,8 @@ def normalise(model: nn.Module, tensors: dict[str, torch.Tensor], shapes: dict[s
         shapes, aliases = expected(model)
     key_map = model.family.key_map()
     if model.base_model_prefix and model.base_model_prefix != key_map.prefix:  # a task model's own mount point
-        key_map = KeyMap(model.base_model_prefix, key_map.renames, key_map.legacy, key_map.ignored, key_map.merges)
+        key_map = KeyMap(model.base_model_prefix, key_map.renames, key_map.legacy, key_map.ignored, key_map.merges,
+                         key_map.layout)
     return key_map.normalise(tensors, shapes, aliases, bool(model.base_model_prefix), untied)
 
 

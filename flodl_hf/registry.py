@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from .config import BaseConfig
-    from .keys import KeyMap, Merge
+    from .keys import FileLayout, KeyMap, Merge
     from .modeling import HeadPart, PreTrainedModel
 
 # The core task names (the task registry, flodl_hf.task_registry, holds every task and its facts).
@@ -44,6 +44,10 @@ class Family:
     ignored_keys: ClassVar[tuple[str, ...]] = ()
     # Module tensors made of several file tensors (keys.Merge: Mixtral's stacked experts); empty: none.
     key_merges: ClassVar[tuple["Merge", ...]] = ()
+    # How the files lay tensors out where that is not the module tree (keys.FileLayout: transformers' conversion
+    # mapping's renames, fused tensors split on load and joined on export, a leading prefix dropped); None: the files
+    # are in the module layout.
+    file_layout: ClassVar["FileLayout | None"] = None
     # Attention paths transformers has for this family, declared once (DeBERTa has only its own, "eager").
     # Parity runs each; a model asked for a path its family lacks runs the first one.
     attn_implementations: ClassVar[tuple[str, ...]] = ("sdpa", "eager")
@@ -95,9 +99,11 @@ class Family:
 
     @classmethod
     def key_map(cls) -> "KeyMap":
-        """How this family's checkpoint keys map to module keys (prefix, renames, legacy spellings, keys skipped)."""
+        """How this family's checkpoint keys map to module keys (prefix, renames, legacy spellings, keys skipped,
+        merges, file layout)."""
         from .keys import KeyMap
-        return KeyMap(cls.prefix, cls.key_renames, cls.legacy_suffixes, cls.ignored_keys, cls.key_merges)
+        return KeyMap(cls.prefix, cls.key_renames, cls.legacy_suffixes, cls.ignored_keys, cls.key_merges,
+                      cls.file_layout)
 
     # ---- head parts: defaults shared by the BERT lineage; families override what differs ----
     @classmethod

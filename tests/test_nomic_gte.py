@@ -27,7 +27,8 @@ from cases import CASES
 from flodl_hf.auto import load_model
 from flodl_hf.errors import CheckpointFormatError, ConfigError
 from flodl_hf.families.gte import Gte
-from flodl_hf.families.nomic_bert import FileLayout, NomicBertLayer
+from flodl_hf.families.nomic_bert import NomicBertLayer
+from flodl_hf.keys import FileLayout
 from flodl_hf.parity import check_parity, make_batch, quiet_transformers, reference_model
 from flodl_hf.registry import get_family
 from helpers import make_checkpoint, model_pair, one_thread  # noqa: F401  (fixture)
