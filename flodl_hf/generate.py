@@ -34,7 +34,6 @@ greedy prompts batched by left padding and sampled ones run one at a time in the
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ from typing import Any, Sequence
 
 import torch
 
+from . import io
 from .errors import ConfigError, InputError
 from .generation_processors import StopStrings, apply, logits_processors
 from .modeling import PLAIN_RECORD, config_sets_forward_defaults
@@ -198,15 +198,7 @@ def read_generation_config(root: str | Path | None) -> dict[str, Any] | None:
     if root is None:
         return None
     path = Path(root) / GENERATION_CONFIG
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: not a readable JSON file ({exc})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return io.read_json(path, GENERATION_CONFIG) if path.is_file() else None
 
 
 @dataclass(frozen=True)

@@ -61,21 +61,7 @@ def read_index(index_path: Path) -> dict[str, str]:
     """The ``weight_map`` of a shard index, checked: a JSON object whose ``weight_map`` maps string keys
     to shard file names that stay inside the checkpoint (no absolute path, no ``..``, no link out)."""
     from .validate import safe_member
-    try:
-        raw = Path(index_path).read_bytes()
-    except OSError as exc:
-        raise CheckpointFormatError(f"{index_path}: cannot read the shard index ({exc.strerror or exc})") from exc
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise CheckpointFormatError(f"{index_path}: the shard index is not UTF-8 text ({exc})") from exc
-    except json.JSONDecodeError as exc:
-        raise CheckpointFormatError(f"{index_path}: not a valid shard index (not JSON: {exc})") from exc
-    except RecursionError:
-        raise CheckpointFormatError(f"{index_path}: not a valid shard index (JSON nested too deeply)") from None
-    if not isinstance(data, dict):
-        raise CheckpointFormatError(f"{index_path}: not a valid shard index (a JSON {type(data).__name__}, "
-                                    "expected an object with a 'weight_map')")
+    data = read_json(index_path, "the shard index", CheckpointFormatError)
     if "weight_map" not in data:
         raise CheckpointFormatError(f"{index_path}: not a valid shard index (no 'weight_map')")
     weight_map = data["weight_map"]
@@ -180,25 +166,25 @@ def resolve(source: str | os.PathLike, revision: str | None = None, subfolder: s
     return Checkpoint(text, root, files, fmt, revision, wmap)
 
 
-def read_json(path: Path, what: str = "file") -> dict:
+def read_json(path: Path, what: str = "file", error: type[Exception] = ConfigError) -> dict:
     """A JSON object from ``path``; anything else (missing, a directory, unreadable, not UTF-8 JSON,
-    not an object) is a ConfigError naming the file."""
+    not an object) is ``error`` (a ConfigError, or a CheckpointFormatError for a shard index) naming the file."""
     try:
         data = json.loads(Path(path).read_bytes().decode("utf-8"))
     except FileNotFoundError as exc:
-        raise ConfigError(f"{path}: {what} not found") from exc
+        raise error(f"{path}: {what} not found") from exc
     except IsADirectoryError as exc:
-        raise ConfigError(f"{path}: {what} is a directory, not a file") from exc
+        raise error(f"{path}: {what} is a directory, not a file") from exc
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read {what} ({exc.strerror or exc})") from exc
+        raise error(f"{path}: cannot read {what} ({exc.strerror or exc})") from exc
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: {what} is not UTF-8 text ({exc})") from exc
+        raise error(f"{path}: {what} is not UTF-8 text ({exc})") from exc
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+        raise error(f"{path}: {what} is not valid JSON ({exc})") from exc
     except RecursionError:
-        raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
+        raise error(f"{path}: {what} is not valid JSON (nested too deeply)") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object, found a JSON {type(data).__name__}")
+        raise error(f"{path}: {what} must be a JSON object, found a JSON {type(data).__name__}")
     return data
 
 

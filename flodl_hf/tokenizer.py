@@ -36,6 +36,7 @@ import torch
 from tokenizers import AddedToken, Encoding, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from . import io
 from .chat import _chat_template_value, _conversations, _named_origin, _read_template_file, render_chat
 from .errors import ConfigError, FlodlHFError, InputError, SourceNotFoundError
 
@@ -758,19 +759,8 @@ def _as_tensor(key: str, value: list, kind: str) -> Any:
 # ---- loading -----------------------------------------------------------------------------------
 
 def _read_json(path: Path) -> dict:
-    if path.is_dir():
-        raise ConfigError(f"{path}: is a directory, not a JSON file")
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return data
+    """A tokenizer-side JSON object (io.read_json's checks), or {} where the file does not exist."""
+    return io.read_json(path, path.name) if path.exists() or path.is_dir() else {}
 
 
 def _token_text(value: Any) -> str | None:
@@ -795,7 +785,6 @@ def tokenizer_directory(source: str | os.PathLike, revision: str | None = None) 
         return path
     if path.is_file():
         return path.parent
-    from . import io
     return io.resolve(source, revision).root
 
 

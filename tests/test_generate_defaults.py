@@ -125,7 +125,7 @@ def test_generation_config_neutral_values_run_and_malformed_files_are_typed(tmp_
     generate_ids(ours, ids, mask, max_new_tokens=2)  # top_h matters only when sampling
     with pytest.raises(ConfigError, match=r"generation_config\.json: top_h="):
         generate_ids(ours, ids, mask, max_new_tokens=2, do_sample=True)
-    for bad, match in [("{not json", "not a readable JSON"), ("[1, 2]", "expected a JSON object"),
+    for bad, match in [("{not json", "not valid JSON"), ("[1, 2]", "must be a JSON object"),
                        (json.dumps({"eos_token_id": "2"}), "eos_token_id="),
                        (json.dumps({"top_k": -1}), "top_k="), (json.dumps({"do_sample": "yes"}), "do_sample=")]:
         (root / "generation_config.json").write_text(bad)
