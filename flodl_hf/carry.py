@@ -3,7 +3,8 @@
 An export rewrites the weights and ``config.json`` from our native modules. Every other file
 that a HuggingFace library reads to use the model is copied from the source, unchanged:
 
-- the model card (``README.md``) and licence files (``LICENSE*``, ``NOTICE``);
+- the model card (``README.md``) and licence files (``LICENSE*``, ``NOTICE``); a trainer checkpoint's export
+  writes a fine-tune's card of its own instead (:func:`fine_tune_card`), unless ``--like`` names one;
 - the sentence-transformers layout: ``modules.json``, each module folder it names (``1_Pooling/``,
   ``2_Dense/``...), whole and with its own weights (the export does not rewrite them), and
   ``config_sentence_transformers.json``, ``sentence_bert_config.json`` (older ``sentence_*_config.json``);
@@ -34,6 +35,7 @@ from . import io
 from .errors import CheckpointFormatError, ConfigError
 
 MODULES_NAME = "modules.json"
+CARD_NAME = "README.md"
 # Root files that describe the model (fnmatch patterns), taken from the description source.
 DESCRIPTION_NAMES = ("README.md", "LICENSE", "LICENSE.*", "NOTICE", MODULES_NAME, "config_sentence_transformers.json",
                      "sentence_*_config.json", "generation_config.json")
@@ -60,6 +62,7 @@ class CarryPlan:
     tokenizer_root: Path | None = None
     why: str = "the source"     # where description_root came from, for the note
     notes: list[str] = field(default_factory=list)
+    card: str | None = None     # a model card written in place of the source's (a fine-tune's, fine_tune_card)
 
     @property
     def names(self) -> list[str]:
@@ -76,6 +79,8 @@ class CarryPlan:
                 raise ConfigError(f"{item.root / MODULES_NAME}: the module folder of {item.name} would replace "
                                   "a file the export writes; rename the module folder") from None
             shutil.copyfile(source, target)
+        if self.card is not None:
+            (directory / CARD_NAME).write_text(self.card, encoding="utf-8")
         return self.names
 
     def note(self) -> str | None:
@@ -250,6 +255,52 @@ def plan(description_root: Path | None, tokenizer_root: Path | None, why: str = 
         unique.setdefault(item.name, item)
     result.files = list(unique.values())
     return result
+
+
+# ---- a fine-tune's own model card ----------------------------------------------------------------------
+
+def hub_id(root: Path | None) -> str | None:
+    """``org/name`` of a hub cache snapshot (``.../models--org--name/snapshots/REV``), else None."""
+    if root is None:
+        return None
+    real = Path(root).resolve()
+    repo = real.parent.parent.name if real.parent.name == "snapshots" else ""
+    return repo[len("models--"):].replace("--", "/") if repo.startswith("models--") else None
+
+
+def fine_tune_card(plan: CarryPlan, checkpoint: Path, data: dict, architecture: str, task: str) -> None:
+    """Write a fine-tune's model card instead of carrying the base model's: the base card describes the base
+    (its task, its evaluation, its intended use), not what the checkpoint was trained into. As transformers'
+    Trainer.create_model_card: the base's ``license`` and ``language`` kept, ``base_model`` named (a hub id,
+    where the base is a hub snapshot), ``library_name: transformers``. The base's card is read with
+    huggingface_hub's ModelCard (its YAML metadata); one without metadata gives none."""
+    from huggingface_hub import ModelCard, ModelCardData
+    if plan.description_root is None:
+        return
+    base_card = next((f for f in plan.files if f.name == CARD_NAME and f.kind == "description"), None)
+    base = Path(plan.description_root)
+    meta: dict = {}
+    if base_card is not None:
+        try:
+            meta = ModelCard(_checked_file(base_card.root, CARD_NAME).read_text(encoding="utf-8")).data.to_dict()
+        except (ValueError, UnicodeDecodeError, OSError) as exc:  # a card whose YAML does not parse
+            plan.notes.append(f"{base / CARD_NAME}: its metadata could not be read ({exc}); the card names no licence")
+        plan.files = [f for f in plan.files if f is not base_card]
+    repo = hub_id(base)
+    card_data = ModelCardData(base_model=repo, library_name="transformers", license=meta.get("license"),
+                              language=meta.get("language"), tags=["flodl-hf"])
+    named = f"[`{repo}`](https://huggingface.co/{repo})" if repo else f"`{base}`"
+    trained = ", ".join(f"{data[k]} {k}" for k in ("step", "epoch", "samples")
+                        if isinstance(data.get(k), int) and not isinstance(data.get(k), bool))
+    body = (f"# {architecture}\n\nThis model is a fine-tuned version of {named}, exported by flodl-hf from the "
+            f"trainer checkpoint `{checkpoint.name}`{f' ({trained})' if trained else ''}, as `{architecture}` "
+            f"(task `{task}`).\n\nThe base model's card describes the base model and is not copied here"
+            f"{'' if base_card is not None else ' (it has none)'}; its licence files are. More information "
+            "needed: the data it was trained on, its intended uses and its evaluation.\n")
+    plan.card = f"---\n{card_data.to_yaml()}\n---\n\n{body}"
+    plan.notes.append(f"{CARD_NAME} written for the fine-tune (base_model "
+                      f"{repo or base}{', licence ' + str(meta['license']) if meta.get('license') else ''}); the "
+                      f"base model's card is not copied: pass --like DIR (like=) to carry a card of your own")
 
 
 def recorded_source(checkpoint: Path) -> Path | None:

@@ -689,6 +689,8 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, head: str
     tok_given = tokenizer_root(tokenizer) if tokenizer is not None else None
     desc_root, tok_root, why = carry.checkpoint_roots(path, tok_given, carry.like_root(like) if like else None)
     carried = carry.plan(desc_root, tok_root, why)
+    if like is None:  # the base model's card describes the base, not this fine-tune
+        carry.fine_tune_card(carried, path, data, architecture_name(config.model_type, task), task)
     protect += [(r, True) for r in (desc_root, tok_root) if r is not None] + carried_paths(carried)
     check_out(out_path, force, protect)
     if cast is not None:

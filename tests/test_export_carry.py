@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 
 from flodl_hf import samples
 from flodl_hf.auto import load_model
@@ -286,9 +287,18 @@ def test_checkpoint_carries_from_its_recorded_source(tmp_path, st_source):
     result = export_checkpoint(ckpt, tmp_path / "out")
     assert any("the checkpoint's recorded source" in n for n in result.notes)
     ours, theirs = _files(result.out), _files(st_source)
-    assert {"README.md", "modules.json", "2_Dense/model.safetensors", "vocab.txt"} <= set(result.carried)
+    assert {"modules.json", "2_Dense/model.safetensors", "vocab.txt"} <= set(result.carried)
     assert all(ours[n] == theirs[n] for n in result.carried)
     assert not set(ours) & set(STRAY)
+    # the base's card describes the base: the fine-tune gets a card of its own, read back by huggingface_hub
+    assert "README.md" not in result.carried and ours["README.md"] != theirs["README.md"]
+    card = ModelCard.load(result.out / "README.md")
+    base = ModelCard.load(st_source / "README.md").data
+    assert base.license == "apache-2.0" and card.data.license == base.license
+    assert card.data.library_name == "transformers" and "flodl-hf" in card.data.tags
+    assert card.data.base_model is None and str(st_source) in card.text  # a local base: named in the text only
+    assert "fine-tuned version of" in card.text and "1 step" in card.text and ckpt.name in card.text
+    assert any("README.md written for the fine-tune" in n for n in result.notes)
     report = verify_export(result.out)
     assert report.ok, report.format_table()
     assert report.check(6).status == PASS and "embeddings not compared" in report.check(6).detail
@@ -312,6 +322,20 @@ def test_checkpoint_like_dir_and_no_source(tmp_path, st_source, capsys):
     result = export_checkpoint(bare, tmp_path / "bare")
     assert result.carried == [] and any("records no source" in n for n in result.notes)
     os.remove(bare)
+
+
+def test_checkpoint_of_a_hub_base_names_it_as_base_model(tmp_path):
+    """A base loaded from a hub cache snapshot is named by its repo id in the fine-tune's card; a base whose
+    card has no metadata gives a card without licence."""
+    snapshot = tmp_path / "hub" / "models--acme--tiny-bert" / "snapshots" / "0123abcd"
+    shutil.copytree(make_checkpoint(tiny_config("bert"), "base"), snapshot)
+    (snapshot / "README.md").write_text("# tiny\nno metadata here\n")
+    ckpt = _train_one_step(snapshot, tmp_path / "run")
+    result = export_checkpoint(ckpt, tmp_path / "out")
+    card = ModelCard.load(result.out / "README.md")
+    assert card.data.base_model == "acme/tiny-bert" and card.data.license is None
+    assert "https://huggingface.co/acme/tiny-bert" in card.text and "no metadata here" not in card.text
+    assert verify_export(result.out, source=None).check(7).status == PASS
 
 
 def test_sentencepiece_model_and_tokenizer_config_are_the_sources(tmp_path):
