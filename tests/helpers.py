@@ -43,19 +43,39 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def model_pair(source, task: str = "causal_lm", impl: str = "sdpa", dtype: torch.dtype = torch.float32):
+def model_pair(source, task: str = "causal_lm", impl: str = "sdpa", dtype: torch.dtype = torch.float32, **overrides):
     """Ours and transformers' model of ``source`` for ``task`` on attention path ``impl``, in ``dtype``, both in
-    eval mode (load warnings hidden)."""
+    eval mode (load warnings hidden); ``overrides`` (config fields) go to both loaders."""
     from flodl_hf.auto import load_model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ours = load_model(source, task, dtype=dtype, attn_implementation=impl).eval()
-        if dtype == torch.float32:
+        ours = load_model(source, task, dtype=dtype, attn_implementation=impl, **overrides).eval()
+        if dtype == torch.float32 and not overrides:
             theirs = reference_model(source, task, impl)
         else:
             theirs = getattr(quiet_transformers(), REFERENCE_CLASSES[task]).from_pretrained(
-                str(source), dtype=dtype, attn_implementation=impl).eval()
+                str(source), dtype=dtype, attn_implementation=impl, **overrides).eval()
     return ours, theirs
+
+
+def assert_config_defaults_equal(model_type: str, skip=(), present=(), ours_value=getattr):
+    """Our config class's defaults against transformers' config for ``model_type``: every field both have but
+    ``skip`` (those transformers fills in, compared by the caller) and the bookkeeping ones is equal (an enum by its
+    value; ``ours_value`` reads ours), ``present`` among them. Returns our config, transformers' and the names."""
+    from dataclasses import fields
+
+    from flodl_hf.registry import get_family
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = quiet_transformers().AutoConfig.for_model(model_type)
+    ours = get_family(model_type).config_class()
+    skip = {"raw", "attn_implementation", "id2label", "label2id", *skip}
+    names = [f.name for f in fields(ours) if f.name not in skip and hasattr(theirs, f.name)]
+    assert set(present) <= set(names)
+    for name in names:
+        value = ours_value(ours, name)
+        assert getattr(value, "value", value) == getattr(theirs, name), name
+    return ours, theirs, names
 
 
 def left_padded(vocab: int, lengths=(9, 6, 3), seed: int = 1, low: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,18 +89,25 @@ def left_padded(vocab: int, lengths=(9, 6, 3), seed: int = 1, low: int = 1) -> t
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def assert_training_step_equal(ours, theirs, batch: dict) -> torch.Tensor:
-    """One train-mode forward and backward of each model on ``batch`` from the same seed: the loss and every
-    parameter's gradient torch.equal, parameters paired in order (transformers' names through our key map).
-    Returns our loss."""
-    ours.train(), theirs.train()
+def seeded_backward(models, batch: dict) -> list[torch.Tensor]:
+    """One forward and backward of each model on ``batch``, its gradients set to None first and the seed set to 0
+    before the forward (so the dropouts draw the same masks on each); the losses, detached."""
     losses = []
-    for model in (ours, theirs):
+    for model in models:
         model.zero_grad(set_to_none=True)
         torch.manual_seed(0)
         out = model(**batch)
         out.loss.backward()
         losses.append(out.loss.detach())
+    return losses
+
+
+def assert_training_step_equal(ours, theirs, batch: dict) -> torch.Tensor:
+    """One train-mode forward and backward of each model on ``batch`` from the same seed: the loss and every
+    parameter's gradient torch.equal, parameters paired in order (transformers' names through our key map).
+    Returns our loss."""
+    ours.train(), theirs.train()
+    losses = seeded_backward((ours, theirs), batch)
     assert torch.equal(*losses), (losses[0].item(), losses[1].item())
     key_map = ours.family.key_map()
     for (name, p), (their_name, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
@@ -104,6 +131,19 @@ def assert_generate_equal(ours, theirs, ids: torch.Tensor, mask: torch.Tensor, *
     reference = theirs.generate(input_ids=ids, attention_mask=mask, **settings)
     torch.manual_seed(7)
     assert torch.equal(generate_ids(ours, ids, mask, **settings), reference)
+
+
+def assert_model_generate_equal(ours, theirs, ids: torch.Tensor, mask: torch.Tensor, **settings) -> None:
+    """``model.generate``, transformers' and ours, from the same seed give the same ids (pad 0, no eos, 8 new
+    tokens unless ``settings`` say otherwise)."""
+    settings = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 8, "eos_token_id": [], "pad_token_id": 0,
+                **settings}
+    torch.manual_seed(7)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = theirs.generate(**settings)
+    torch.manual_seed(7)
+    assert torch.equal(ours.generate(**settings), reference), settings
 
 
 def transformers_loaded(source, task: str):

@@ -21,18 +21,15 @@ from flodl_hf.errors import ConfigError, InputError
 from flodl_hf.generate import generate_ids
 from flodl_hf.parity import make_batch, quiet_transformers
 
-from cases import CASES
+from decoder_checks import assert_left_padded_generate_equal, case_fields, generate_settings
 from helpers import (  # noqa: F401  (one_thread: a fixture)
-    assert_generate_equal, assert_same_output, export_as_save_pretrained, left_padded, make_checkpoint,
-    model_pair, one_thread, transformers_loaded)
+    assert_same_output, export_as_save_pretrained, left_padded, make_checkpoint, model_pair, one_thread,
+    transformers_loaded)
 from test_tokenizer_dirs import _done, assert_byte_level_tokenizer_equal, _write_config, byte_level_bpe, saved_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FIELDS = {case_id: fields for case_id, _task, fields in CASES}
-SMALL = FIELDS["gpt2-hd24-causal_lm"]
-
-
+SMALL = case_fields("gpt2-hd24")
 
 
 # ---- Conv1D ----------------------------------------------------------------------------------------------------
@@ -124,17 +121,9 @@ def test_token_types_go_through_wte_and_cross_attention_inputs_are_refused():
 
 # ---- generation ------------------------------------------------------------------------------------------------
 
-
-
-@pytest.mark.parametrize("settings", [dict(num_beams=3, early_stopping=True),
-                                      dict(do_sample=True, top_k=20, temperature=0.7),
-                                      dict(repetition_penalty=1.3, no_repeat_ngram_size=2)],
-                         ids=["beams", "sampled", "penalties"])
-@torch.inference_mode()
+@generate_settings(penalties=dict(repetition_penalty=1.3, no_repeat_ngram_size=2))
 def test_generate_equals_transformers_with_left_padding(settings):
-    ours, theirs = model_pair(make_checkpoint(SMALL, "causal_lm"), impl="sdpa")
-    ids, mask = left_padded(ours.config.vocab_size)
-    assert_generate_equal(ours, theirs, ids, mask, **settings)
+    assert_left_padded_generate_equal(SMALL, "sdpa", settings)
 
 
 @torch.inference_mode()
@@ -215,11 +204,11 @@ def test_a_fresh_model_initialises_its_conv1d_layers_as_transformers(tmp_path):
 
 # ---- GPT2DoubleHeadsModel (the double_heads task) --------------------------------------------------------------
 
-DOUBLE = FIELDS["gpt2-hd24-double_heads"]
+DOUBLE = case_fields("gpt2-hd24", "double_heads")
 # the summary options GPT2SequenceSummary reads; the default projects to one score (num_labels forced to 1)
 SUMMARIES = {
     "default": {},
-    "real-width": FIELDS["gpt2-768-1layer-double_heads"],  # n_embd 768, 12 heads x 64, the default summary
+    "real-width": case_fields("gpt2-768-1layer", "double_heads"),  # n_embd 768, 12 heads x 64, the default summary
     "no-proj": dict(summary_use_proj=False),
     "proj-hidden-tanh": dict(summary_proj_to_labels=False, summary_activation="tanh"),
     "mean-gelu-dropouts": dict(summary_type="mean", summary_activation="gelu", summary_first_dropout=0.3,

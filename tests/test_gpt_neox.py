@@ -22,23 +22,19 @@ from flodl_hf.auto import AutoConfig, load_model
 from flodl_hf.errors import ConfigError, InputError
 from flodl_hf.parity import check_parity, make_batch, quiet_transformers
 
-from cases import CASES
+from decoder_checks import (assert_left_padded_generate_equal, assert_rotary_equal,
+                            assert_training_with_dropouts_equal, case_fields, generate_settings, with_top_level_rope)
 from helpers import (  # noqa: F401  (one_thread: a fixture)
-    assert_generate_equal, assert_same_output, assert_training_step_equal, dropout_acted,
-    export_as_save_pretrained, left_padded, make_checkpoint, model_pair, one_thread, transformers_loaded)
+    assert_same_output, export_as_save_pretrained, left_padded, make_checkpoint, model_pair, one_thread,
+    transformers_loaded)
 from test_tokenizer_dirs import _done, assert_byte_level_tokenizer_equal, _write_config, byte_level_bpe, saved_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FIELDS = {case_id: fields for case_id, _task, fields in CASES}
-SMALL = FIELDS["gpt_neox-hd24-causal_lm"]
-SEQUENTIAL = FIELDS["gpt_neox-hd24-sequential-causal_lm"]
+SMALL = case_fields("gpt_neox-hd24")
+SEQUENTIAL = case_fields("gpt_neox-hd24-sequential")
 _SIZES = dict(hidden_size=96, num_attention_heads=4, num_hidden_layers=1, intermediate_size=160, vocab_size=512,
               max_position_embeddings=64)
-
-
-
-
 
 
 # ---- RoPE: the fields as GPTNeoXConfig reads them ---------------------------------------------------------------
@@ -69,13 +65,7 @@ def test_rope_fields_turn_the_dimensions_transformers_turns(name):
     theirs = transformers.GPTNeoXConfig(**copy.deepcopy(fields))
     config = GPTNeoXConfig.from_dict({"model_type": "gpt_neox", **copy.deepcopy(fields)})
     assert config.rotary_dim == GPTNeoXAttention(theirs, 0).rotary_ndims
-    rotary = GPTNeoXRotaryEmbedding(theirs)
-    ours = GPTNeoXModel(config)
-    assert torch.equal(ours.inverse_frequencies(None, torch.device("cpu")), rotary.inv_freq)
-    positions = torch.arange(40).unsqueeze(0)
-    hidden = torch.zeros(1, 40, 96)
-    for a, b in zip(ours.rotary(None, positions, hidden), rotary(hidden, positions), strict=True):
-        assert torch.equal(a, b)
+    assert_rotary_equal(GPTNeoXModel(config), GPTNeoXRotaryEmbedding(theirs))
 
 
 @pytest.mark.parametrize("name", ["linear-scaling", "llama3", "top-level-ignored"])
@@ -123,14 +113,8 @@ def _hub_style(tmp_path, lm_head_key: str = "embed_out.weight"):
     """The causal LM as Pythia's repositories hold it: config.json with rotary_pct / rotary_emb_base (no
     rope_parameters), the head as ``embed_out.weight``, every layer's old ``attention.bias`` (the causal tril),
     ``attention.masked_bias`` and ``attention.rotary_emb.inv_freq`` buffers."""
-    source = make_checkpoint(SMALL, "causal_lm")
-    out = tmp_path / "hub-pythia"
-    shutil.copytree(source, out)
-    config = json.loads((source / "config.json").read_text())
-    rope = config.pop("rope_parameters")
-    config.update(rotary_pct=rope["partial_rotary_factor"], rotary_emb_base=rope["rope_theta"])
-    (out / "config.json").write_text(json.dumps(config))
-    state = load_file(str(source / "model.safetensors"))
+    out = with_top_level_rope(SMALL, tmp_path / "hub-pythia", "rotary_pct", "rotary_emb_base")
+    state = load_file(str(make_checkpoint(SMALL, "causal_lm") / "model.safetensors"))
     assert "embed_out.weight" in state  # what transformers' save_pretrained writes
     state[lm_head_key] = state.pop("embed_out.weight")
     n = SMALL["max_position_embeddings"]
@@ -174,25 +158,15 @@ def test_training_with_dropouts_equals_transformers(fields, impl):
     """hidden_dropout (embeddings, both branches) and attention_dropout on: the same seed draws the same masks in
     the same order on both sides, so the loss and every gradient (the tied embed_in's two contributions included)
     are torch.equal; a model whose branch dropouts drew in another order would not be."""
-    fields = {**fields, "hidden_dropout": 0.1, "attention_dropout": 0.1}
-    source = make_checkpoint(fields, "causal_lm")
-    ours, theirs = model_pair(source, "causal_lm", impl)
+    ours = assert_training_with_dropouts_equal({**fields, "hidden_dropout": 0.1, "attention_dropout": 0.1}, impl=impl)
     assert ours.config.tie_word_embeddings is fields.get("tie_word_embeddings", False)
-    ids, mask = left_padded(ours.config.vocab_size)
-    batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
-    loss = assert_training_step_equal(ours, theirs, batch)
-    assert dropout_acted(ours, batch, loss)
 
 
 # ---- generation -----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("settings", [dict(num_beams=3, early_stopping=True),
-                                      dict(do_sample=True, top_k=20, temperature=0.7)], ids=["beams", "sampled"])
-@torch.inference_mode()
+@generate_settings()
 def test_generate_equals_transformers_with_left_padding(settings):
-    ours, theirs = model_pair(make_checkpoint(SEQUENTIAL, "causal_lm"), impl="sdpa")
-    ids, mask = left_padded(ours.config.vocab_size)
-    assert_generate_equal(ours, theirs, ids, mask, **settings)
+    assert_left_padded_generate_equal(SEQUENTIAL, "sdpa", settings)
 
 
 @torch.inference_mode()

@@ -22,20 +22,14 @@ from flodl_hf.export import export
 from flodl_hf.parity import make_batch, quiet_transformers
 from flodl_hf.verify import verify_export
 
-from cases import CASES
-from helpers import (  # noqa: F401  (one_thread: a fixture)
-    assert_generate_equal, assert_training_step_equal, dropout_acted, left_padded, make_checkpoint, model_pair,
-    one_thread)
+from decoder_checks import (assert_left_padded_generate_equal, assert_training_with_dropouts_equal, case_fields,
+                            generate_settings)
+from helpers import left_padded, make_checkpoint, model_pair, one_thread  # noqa: F401  (one_thread: a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FIELDS = {case_id: fields for case_id, _task, fields in CASES}
-SMALL = FIELDS["gptj-hd24-causal_lm"]
-FULLROT = FIELDS["gptj-hd24-fullrot-tied-causal_lm"]
-
-
-
-
+SMALL = case_fields("gptj-hd24")
+FULLROT = case_fields("gptj-hd24-fullrot-tied")
 
 
 # ---- the rotation ---------------------------------------------------------------------------------------------
@@ -154,25 +148,15 @@ def test_training_with_dropouts_equals_transformers(fields, impl):
     """embd_pdrop, attn_pdrop and resid_pdrop (attention output and MLP) on: the same seed draws the same masks in
     the same order on both sides, so the loss and every gradient (the lm_head bias, a tied wte's two
     contributions) are torch.equal."""
-    fields = {**fields, "embd_pdrop": 0.1, "attn_pdrop": 0.1, "resid_pdrop": 0.1}
-    source = make_checkpoint(fields, "causal_lm")
-    ours, theirs = model_pair(source, "causal_lm", impl)
-    ours.train(), theirs.train()
-    ids, mask = left_padded(ours.config.vocab_size)
-    batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
-    loss = assert_training_step_equal(ours, theirs, batch)
-    assert dropout_acted(ours, batch, loss)
+    assert_training_with_dropouts_equal({**fields, "embd_pdrop": 0.1, "attn_pdrop": 0.1, "resid_pdrop": 0.1},
+                                        impl=impl)
 
 
 # ---- generation -------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("settings", [dict(num_beams=3, early_stopping=True),
-                                      dict(do_sample=True, top_k=20, temperature=0.7)], ids=["beams", "sampled"])
-@torch.inference_mode()
+@generate_settings()
 def test_generate_equals_transformers_with_left_padding(settings):
-    ours, theirs = model_pair(make_checkpoint(SMALL, "causal_lm"), impl="eager")
-    ids, mask = left_padded(ours.config.vocab_size)
-    assert_generate_equal(ours, theirs, ids, mask, **settings)
+    assert_left_padded_generate_equal(SMALL, "eager", settings)
 
 
 # ---- the tokenizer class and the LoRA default -------------------------------------------------------------------

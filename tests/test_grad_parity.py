@@ -21,7 +21,7 @@ from flodl_hf.parity import make_batch, reference_model
 from flodl_hf.registry import get_family
 
 from cases import CASES
-from helpers import make_checkpoint
+from helpers import make_checkpoint, seeded_backward
 
 PADDINGS = ("right", "left", "none")
 
@@ -79,14 +79,7 @@ def test_training_step_equals_transformers(task, fields, impl):
     pairs = [(name, p, q) for name, (_, p), (_, q) in zip(names, ours.named_parameters(), reference)]
 
     for padding in PADDINGS:
-        batch = _batch(ours.config, task, padding)
-        losses = []
-        for model in (ours, theirs):
-            model.zero_grad(set_to_none=True)
-            torch.manual_seed(0)
-            out = model(**batch)
-            out.loss.backward()
-            losses.append(out.loss.detach())
+        losses = seeded_backward((ours, theirs), _batch(ours.config, task, padding))
         assert torch.equal(*losses), f"{padding}: loss {losses[0].item()} != {losses[1].item()}"
         for name, mine, reference in pairs:
             assert (mine.grad is None) == (reference.grad is None), f"{padding}: {name} has a gradient on one side"

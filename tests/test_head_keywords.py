@@ -15,33 +15,19 @@
 from __future__ import annotations
 
 import inspect
-import warnings
 
 import pytest
 import torch
 
-from flodl_hf.auto import load_model
 from flodl_hf.errors import InputError
-from flodl_hf.parity import make_batch, quiet_transformers, reference_model
+from flodl_hf.parity import make_batch, quiet_transformers
 from flodl_hf.registry import get_family
 from flodl_hf.task_registry import get_task
 
-from cases import CASES
-from helpers import make_checkpoint
+from decoder_checks import NARROW as DECODERS, case_fields
+from helpers import make_checkpoint, model_pair
 from test_losses import _labels, _one_case_per_family_and_head
 
-DECODERS = {"llama": "llama-hd24-bias-tied-llama3", "mistral": "mistral-hd24-window4", "qwen2": "qwen2-hd24-sliding",
-            "qwen3": "qwen3-hd24-qknorm-sliding", "phi3": "phi3-hd24-partial-window4",
-            "gemma": "gemma-hd24-scaled-bias", "gemma2": "gemma2-hd24-softcap-sliding",
-            "gemma3_text": "gemma3_text-hd24-qknorm-2rope", "gpt2": "gpt2-hd24",
-            "gpt_neox": "gpt_neox-hd24", "olmo2": "olmo2-hd24-qknorm-postnorm", "granite": "granite-hd24-multipliers",
-            "starcoder2": "starcoder2-hd24-bias-window4", "stablelm": "stablelm-hd24-qknorm-parallel",
-            "gptj": "gptj-hd24", "opt": "opt-hd24", "mixtral": "mixtral-hd24-4experts-top2",
-            "qwen2_moe": "qwen2_moe-hd24-4experts-norm-dense1",
-            "qwen3_moe": "qwen3_moe-hd24-4experts-norm-bias-dense1", "olmoe": "olmoe-hd24-4experts-norm-bias",
-            "phi": "phi-hd24-qknorm", "olmo": "olmo-hd24-clip-bias", "cohere": "cohere-hd24-qknorm-bias",
-            "smollm3": "smollm3-hd24-nope-sliding-bias", "olmo3": "olmo3-hd24-sliding-2rope",
-            "ministral": "ministral-hd24-window4-layertypes"}
 DECODER_TASKS = ("base", "causal_lm", "seqcls", "tokcls", "qa")
 
 
@@ -54,16 +40,11 @@ def _decoder_pairs(tasks: tuple[str, ...] = DECODER_TASKS) -> list:
 def _load(fields: dict, task: str, impl: str = "eager"):
     impls = get_family(fields["model_type"]).attn_implementations
     impl = impl if impl in impls else impls[0]  # Gemma2: eager only (transformers refuses sdpa)
-    source = make_checkpoint(fields, task)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ours = load_model(source, task, dtype=torch.float32, attn_implementation=impl).eval()
-        theirs = reference_model(source, task, impl).eval()
-    return ours, theirs
+    return model_pair(make_checkpoint(fields, task), task, impl)
 
 
 def _decoder_fields(model_type: str, task: str) -> dict:
-    return next(f for case_id, t, f in CASES if case_id == f"{DECODERS[model_type]}-{task}")
+    return case_fields(DECODERS[model_type], task)
 
 
 # ---- num_items_in_batch ----------------------------------------------------------------------------------

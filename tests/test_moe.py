@@ -16,7 +16,6 @@ import inspect
 import json
 import shutil
 import warnings
-from dataclasses import fields as dataclass_fields
 
 import pytest
 import torch
@@ -27,9 +26,10 @@ from flodl_hf.errors import CheckpointFormatError, ConfigError, InputError
 from flodl_hf.parity import make_batch, quiet_transformers, reference_model
 from flodl_hf.registry import get_family
 
-from cases import CASES
-from helpers import (assert_training_step_equal, dropout_acted, export_as_save_pretrained, make_checkpoint,
-                     one_thread)  # noqa: F401  (fixture)
+from decoder_checks import case_fields
+from helpers import (assert_config_defaults_equal, assert_model_generate_equal,  # noqa: F401  (one_thread: a fixture)
+                     assert_training_step_equal, dropout_acted, export_as_save_pretrained, make_checkpoint, model_pair,
+                     one_thread)
 from test_decoder import _left_padded
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,18 +53,10 @@ FAMILIES = {"mixtral": (TOP2, TOP3, "model.layers.{layer}.block_sparse_moe.exper
                       "model.layers.{layer}.mlp.gate.weight")}
 
 
-def _fields(variant: str, task: str = "causal_lm") -> dict:
-    return next(f for case_id, t, f in CASES if case_id == f"{variant}-{task}")
-
-
-def _pair(variant: str, impl: str = "sdpa", task: str = "causal_lm", **overrides):
-    source = make_checkpoint(_fields(variant, task), task)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ours = load_model(source, task, dtype=torch.float32, attn_implementation=impl, **overrides).eval()
-        theirs = getattr(quiet_transformers(), "AutoModelForCausalLM").from_pretrained(
-            str(source), dtype=torch.float32, attn_implementation=impl, **overrides).eval()
-    return source, ours, theirs
+def _pair(variant: str, impl: str = "sdpa", **overrides):
+    """The causal LM's checkpoint of ``variant``, and ours and transformers' model of it."""
+    source = make_checkpoint(case_fields(variant), "causal_lm")
+    return (source, *model_pair(source, "causal_lm", impl, **overrides))
 
 
 def _logits(model, batch) -> torch.Tensor:
@@ -74,17 +66,13 @@ def _logits(model, batch) -> torch.Tensor:
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_config_defaults_are_transformers(model_type):
-    theirs = quiet_transformers().AutoConfig.for_model(model_type)
-    ours = get_family(model_type).config_class()
     # RoPE compared below; Qwen2MoeConfig rewrites sliding_window (0 without use_sliding_window), mlp_only_layers
-    # (None -> []) and layer_types (filled in): compared through what they decide
-    skip = {"raw", "attn_implementation", "id2label", "label2id", "rope_parameters", "rope_scaling", "rope_theta",
-            "sliding_window", "mlp_only_layers", "layer_types"}
-    names = [f.name for f in dataclass_fields(ours) if f.name not in skip and hasattr(theirs, f.name)]
-    assert {"num_experts_per_tok", "rms_norm_eps", "num_key_value_heads", "output_router_logits"} <= set(names)
-    for name in names:
-        value = ours.kv_heads if name == "num_key_value_heads" else getattr(ours, name)  # OlmoeConfig fills it in
-        assert getattr(value, "value", value) == getattr(theirs, name), name
+    # (None -> []) and layer_types (filled in): compared through what they decide; OlmoeConfig fills in the KV heads
+    ours, theirs, _ = assert_config_defaults_equal(
+        model_type, {"rope_parameters", "rope_scaling", "rope_theta", "sliding_window", "mlp_only_layers",
+                     "layer_types"},
+        {"num_experts_per_tok", "rms_norm_eps", "num_key_value_heads", "output_router_logits"},
+        lambda ours, name: ours.kv_heads if name == "num_key_value_heads" else getattr(ours, name))
     assert ours.rope().theta == theirs.rope_parameters["rope_theta"] and ours.num_experts == theirs.num_experts
     assert ours.layer_kinds() == list(getattr(theirs, "layer_types", None) or ours.layer_kinds())
     assert ours.window("sliding_attention") == (getattr(theirs, "sliding_window", None) or None)
@@ -129,7 +117,7 @@ def test_export_writes_save_pretrained_s_per_expert_keys(model_type, tmp_path):
     """Export: the keys transformers' save_pretrained writes (per expert), verify-export at diff 0, and our
     ``hf_state_dict`` torch.equal to transformers' file, tensor by tensor."""
     _, variant, expert_key, gate_key = FAMILIES[model_type]
-    source = make_checkpoint(_fields(variant), "causal_lm")
+    source = make_checkpoint(case_fields(variant), "causal_lm")
     written, _ = export_as_save_pretrained(source, tmp_path)
     assert expert_key.format(layer=1, expert=5) in written and gate_key.format(layer=1) in written
     assert not any("gate_up_proj" in k or k.endswith("experts.down_proj") for k in written)
@@ -185,7 +173,7 @@ def test_qwen2_moe_sliding_layers_without_layer_types(tmp_path):
     (with use_sliding_window, the even-indexed layers below max_window_layers; Qwen2's is the layers from it on)
     picks layer 0 of three, as transformers' config; the logits torch.equal transformers' on the same directory."""
     root = tmp_path / "no-layer-types"
-    shutil.copytree(make_checkpoint(_fields(QTOP3), "causal_lm"), root)
+    shutil.copytree(make_checkpoint(case_fields(QTOP3), "causal_lm"), root)
     config = json.loads((root / "config.json").read_text())
     assert config.pop("layer_types") == ["sliding_attention", "full_attention", "full_attention"]
     (root / "config.json").write_text(json.dumps(config))
@@ -209,7 +197,7 @@ def test_the_experts_count_under_its_other_name(variant, written, alias, tmp_pat
     directory; with both names given, the one that is not a transformers config field wins, as there (set after
     the fields): Mixtral's ``num_experts``, Qwen3-MoE's and OLMoE's ``num_local_experts``."""
     root = tmp_path / "alias"
-    shutil.copytree(make_checkpoint(_fields(variant), "causal_lm"), root)
+    shutil.copytree(make_checkpoint(case_fields(variant), "causal_lm"), root)
     config = json.loads((root / "config.json").read_text())
     config[alias] = config.pop(written)
     (root / "config.json").write_text(json.dumps(config))
@@ -231,13 +219,7 @@ def test_model_generate_sampled_equals_transformers(variant):
     _, ours, theirs = _pair(variant, "sdpa")
     ids, mask = _left_padded(ours.config.vocab_size)
     for kwargs in (dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9), dict(do_sample=False)):
-        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, eos_token_id=[], pad_token_id=0, **kwargs)
-        torch.manual_seed(7)
-        with torch.inference_mode(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            reference = theirs.generate(**kwargs)
-        torch.manual_seed(7)
-        assert torch.equal(ours.generate(**kwargs), reference), kwargs
+        assert_model_generate_equal(ours, theirs, ids, mask, **kwargs)
 
 
 @pytest.mark.parametrize("variant,targets", [(TOP2, ATTENTION),
@@ -248,7 +230,7 @@ def test_lora_on_the_causal_lm_both_ways_with_peft(variant, targets, tmp_path):
     attention projections (its all-linear, with which PEFT adapts the router and the stacked experts, is refused:
     tests/test_lora_peft_edges.py), Qwen2-MoE's and its shared expert's and dense layer's SwiGLU."""
     from test_lora import test_peft_round_trip_and_training_step as peft_round_trip
-    peft_round_trip("causal_lm", _fields(variant), targets, 8, True, tmp_path)
+    peft_round_trip("causal_lm", case_fields(variant), targets, 8, True, tmp_path)
 
 
 @pytest.mark.parametrize("variant", [Q3TOP2, OTOP2])
@@ -259,7 +241,7 @@ def test_lora_on_what_peft_moves_onto_the_experts_is_refused(variant):
     import peft
     from flodl_hf import lora
     from flodl_hf.errors import UnsupportedAdapterError
-    source = make_checkpoint(_fields(variant), "causal_lm")
+    source = make_checkpoint(case_fields(variant), "causal_lm")
     targets = ["q_proj", "gate_proj", "up_proj", "down_proj"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -312,7 +294,7 @@ def test_router_logits_and_aux_loss_equal_transformers(variant, masked):
 def test_router_logits_on_a_cached_step_is_a_typed_error():
     """Generating with ``output_router_logits`` in the config: the aux loss of a cached step has a mask wider than the
     step's tokens; transformers fails with a shape error, flodl-hf with an InputError saying what to pass."""
-    source = make_checkpoint(_fields(TOP2), "causal_lm")
+    source = make_checkpoint(case_fields(TOP2), "causal_lm")
     ids, mask = _left_padded(1000)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=2, eos_token_id=[], pad_token_id=0)
     with warnings.catch_warnings():
@@ -414,7 +396,7 @@ REFUSED = {"mixtral": [("num_experts_per_tok", 5), ("num_local_experts", 0), ("r
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_bad_options_and_other_experts_implementations_are_refused(model_type):
-    source = make_checkpoint(_fields(FAMILIES[model_type][0]), "causal_lm")
+    source = make_checkpoint(case_fields(FAMILIES[model_type][0]), "causal_lm")
     for field, value in REFUSED[model_type]:
         with pytest.raises(ConfigError, match=field):
             load_model(source, "causal_lm", **{field: value})

@@ -9,53 +9,29 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
-from dataclasses import fields as dataclass_fields
 
 import pytest
 import torch
 
 from flodl_hf.auto import load_model
 from flodl_hf.errors import AdapterError, ConfigError
-from flodl_hf.parity import make_batch, quiet_transformers, reference_model
-from flodl_hf.registry import get_family
+from flodl_hf.parity import make_batch
 
-from cases import CASES
-from helpers import make_checkpoint
+from decoder_checks import assert_tokenizer_class_from_the_model_type, byte_level_tokenizer_dir, case_fields, case_pair
+from helpers import assert_config_defaults_equal, assert_model_generate_equal, make_checkpoint
 from test_decoder import _left_padded
 from test_lora import TARGETS, test_peft_round_trip_and_training_step as peft_round_trip
-from test_tokenizer import compare
-from test_tokenizer_dirs import PAIRS, SAMPLES, byte_level_bpe, _done, _write_config, saved_dir
 
 OLMO2, GRANITE = "olmo2-hd24-qknorm-postnorm", "granite-hd24-multipliers"
 MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
 
 
-def _fields(variant: str, task: str = "causal_lm") -> dict:
-    return next(f for case_id, t, f in CASES if case_id == f"{variant}-{task}")
-
-
-def _pair(variant: str, impl: str = "sdpa", task: str = "causal_lm", **overrides):
-    source = make_checkpoint(_fields(variant, task), task)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ours = load_model(source, task, dtype=torch.float32, attn_implementation=impl, **overrides).eval()
-        theirs = reference_model(source, task, impl)
-    return ours, theirs
-
-
 @pytest.mark.parametrize("model_type", ["olmo2", "granite"])
 def test_config_defaults_are_transformers(model_type):
     """Every field both configs have, at its default (a config.json that leaves it out means the same)."""
-    theirs = quiet_transformers().AutoConfig.for_model(model_type)
-    ours = get_family(model_type).config_class()
-    skip = {"raw", "attn_implementation", "id2label", "label2id", "rope_parameters", "rope_scaling", "rope_theta",
-            "num_key_value_heads"}  # RoPE and the KV heads as transformers fills them in: compared below
-    names = [f.name for f in dataclass_fields(ours) if f.name not in skip and hasattr(theirs, f.name)]
-    assert {"vocab_size", "rms_norm_eps", "pad_token_id", "eos_token_id", "attention_bias"} <= set(names)
-    for name in names:
-        value = getattr(ours, name)
-        assert getattr(value, "value", value) == getattr(theirs, name), name
+    ours, theirs, names = assert_config_defaults_equal(  # RoPE and the KV heads as transformers fills them in: below
+        model_type, {"rope_parameters", "rope_scaling", "rope_theta", "num_key_value_heads"},
+        {"vocab_size", "rms_norm_eps", "pad_token_id", "eos_token_id", "attention_bias"})
     assert ours.kv_heads == theirs.num_key_value_heads
     assert ours.rope().theta == theirs.rope_parameters["rope_theta"]
     if model_type == "granite":
@@ -66,12 +42,12 @@ def test_config_defaults_are_transformers(model_type):
 def test_each_granite_multiplier_changes_the_logits(name):
     """With one multiplier set back to 1 on our side only, the logits leave transformers': the parity tables'
     Granite case would fail if that op were dropped."""
-    ours, theirs = _pair(GRANITE)
+    ours, theirs = case_pair(GRANITE)
     batch = {**make_batch(ours.config, "causal_lm"), "use_cache": False}
     with torch.inference_mode():
         reference = theirs(**batch).logits
         assert torch.equal(ours(**batch).logits, reference)
-        plain, _ = _pair(GRANITE, **{name: 1.0})
+        plain, _ = case_pair(GRANITE, **{name: 1.0})
         assert getattr(plain.config, name) == 1.0
         assert not torch.equal(plain(**batch).logits, reference), name
 
@@ -80,7 +56,7 @@ def test_each_granite_multiplier_changes_the_logits(name):
 def test_granite_scales_given_inputs_embeds(impl):
     """GraniteModel.forward multiplies ``inputs_embeds`` whether looked up or given; the hidden states start
     from the scaled ones."""
-    ours, theirs = _pair(GRANITE, impl)
+    ours, theirs = case_pair(GRANITE, impl)
     batch = make_batch(ours.config, "causal_lm")
     embeds = torch.randn(*batch["input_ids"].shape, ours.config.hidden_size, generator=torch.Generator().manual_seed(3))
     kwargs = dict(inputs_embeds=embeds, attention_mask=batch["attention_mask"], use_cache=False,
@@ -97,63 +73,35 @@ def test_granite_scales_given_inputs_embeds(impl):
 def test_model_generate_greedy_and_sampled_equal_transformers(variant, impl):
     """``model.generate`` on a left-padded batch: greedy, and sampled from the same seed (Granite's logits
     scaling and the temperature both reshape the distribution drawn from)."""
-    ours, theirs = _pair(variant, impl)
+    ours, theirs = case_pair(variant, impl)
     ids, mask = _left_padded(ours.config.vocab_size)
     settings = [dict(do_sample=False), dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9),
                 dict(do_sample=True, top_k=0)]
     for kwargs in settings:
-        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, eos_token_id=[], pad_token_id=0, **kwargs)
-        torch.manual_seed(7)
-        with torch.inference_mode(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            reference = theirs.generate(**kwargs)
-        torch.manual_seed(7)
-        assert torch.equal(ours.generate(**kwargs), reference), kwargs
+        assert_model_generate_equal(ours, theirs, ids, mask, **kwargs)
 
 
 @pytest.mark.parametrize("variant", [OLMO2, GRANITE])
 def test_lora_on_the_causal_lm_both_ways_with_peft(variant, tmp_path):
     """test_lora's round trip (PEFT's adapter in, a training step, ours out to PEFT, merged) on the causal LM, every
     projection targeted; test_lora's table runs OLMo 2's seqcls. Without target_modules both refuse, as PEFT."""
-    fields = _fields(variant)
+    fields = case_fields(variant)
     peft_round_trip("causal_lm", fields, TARGETS[fields["model_type"]][1], 8, True, tmp_path)
     from flodl_hf import lora
     with pytest.raises(AdapterError, match="target_modules"):
         lora.default_targets(fields["model_type"])
 
 
-def _tokenizer_dir(model_type: str, tmp_path):
-    """A byte-level BPE tokenizer.json whose tokenizer_config.json names no class: transformers picks it from
-    config.json's model_type (TOKENIZER_MAPPING_NAMES: TokenizersBackend for both)."""
-    plain, done = byte_level_bpe("olmo2-granite-vocab-merges", ["<|endoftext|>", "<|pad|>"])
-    if not done:
-        _write_config(plain, "gpt2", pad_token_id=None)
-        plain = _done(plain)
-    saved = saved_dir(plain, "olmo2-granite-saved", tokenizer_class=None, pad_token="<|pad|>")
-    root = tmp_path / model_type
-    shutil.copytree(saved, root)
-    _write_config(root, model_type, pad_token_id=1)
-    return root
-
-
 @pytest.mark.parametrize("model_type", ["olmo2", "granite"])
 def test_tokenizer_class_from_the_model_type(model_type, tmp_path):
-    from flodl_hf.tokenizer import AutoTokenizer
-    root = _tokenizer_dir(model_type, tmp_path)
-    assert "tokenizer_class" not in json.loads((root / "tokenizer_config.json").read_text())
-    ref = quiet_transformers().AutoTokenizer.from_pretrained(str(root))
-    ours = AutoTokenizer.from_pretrained(root)
-    assert type(ref).__name__ == "TokenizersBackend" == ours.settings.class_name
-    assert ours.get_vocab() == ref.get_vocab() and ours.pad_token_id == ref.pad_token_id
-    extra = dict(return_offsets_mapping=True, return_special_tokens_mask=True)
-    compare(ours, ref, model_type, SAMPLES, padding=True, **extra)
-    questions, contexts = map(list, zip(*PAIRS))
-    compare(ours, ref, f"{model_type} pairs", questions, contexts, padding=True, **extra)
+    """TOKENIZER_MAPPING_NAMES: TokenizersBackend for both."""
+    root = byte_level_tokenizer_dir("olmo2-granite", model_type, tmp_path)
+    assert_tokenizer_class_from_the_model_type(root, model_type, "TokenizersBackend")
 
 
 def test_granite_refuses_a_zero_logits_scaling(tmp_path):
     root = tmp_path / "granite"
-    shutil.copytree(make_checkpoint(_fields(GRANITE), "causal_lm"), root)
+    shutil.copytree(make_checkpoint(case_fields(GRANITE), "causal_lm"), root)
     config = json.loads((root / "config.json").read_text())
     (root / "config.json").write_text(json.dumps({**config, "logits_scaling": 0}))
     with pytest.raises(ConfigError, match="logits_scaling"):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import fields as dataclass_fields
 
 import pytest
 import torch
@@ -27,32 +26,26 @@ from flodl_hf.errors import ConfigError
 from flodl_hf.parity import make_batch, quiet_transformers
 from flodl_hf.registry import get_family
 
-from cases import CASES
+from decoder_checks import (assert_left_padded_generate_equal, assert_tokenizer_class_from_the_model_type,
+                            assert_training_with_dropouts_equal, case_fields)
 from helpers import (  # noqa: F401  (one_thread: a fixture)
-    assert_generate_equal, assert_training_step_equal, dropout_acted, left_padded, make_checkpoint, model_pair,
-    one_thread, transformers_loaded)
+    assert_config_defaults_equal, assert_training_step_equal, dropout_acted, left_padded, make_checkpoint,
+    model_pair, one_thread, transformers_loaded)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FIELDS = {case_id: fields for case_id, _task, fields in CASES}
-PRE = FIELDS["opt-hd24-causal_lm"]
-POST = FIELDS["opt-hd24-postln-project-causal_lm"]
-BARE = FIELDS["opt-hd24-nobias-noaffine-causal_lm"]
+PRE = case_fields("opt-hd24")
+POST = case_fields("opt-hd24-postln-project")
+BARE = case_fields("opt-hd24-nobias-noaffine")
 
 
 # ---- the config -----------------------------------------------------------------------------------------------
 
 def test_config_defaults_are_transformers():
     """Every field both configs have, at its default; ``word_embed_proj_dim`` as transformers fills it in."""
-    theirs = quiet_transformers().AutoConfig.for_model("opt")
-    ours = get_family("opt").config_class()
-    skip = {"raw", "attn_implementation", "id2label", "label2id", "word_embed_proj_dim"}
-    names = [f.name for f in dataclass_fields(ours) if f.name not in skip and hasattr(theirs, f.name)]
-    assert {"ffn_dim", "do_layer_norm_before", "_remove_final_layer_norm", "enable_bias", "layerdrop",
-            "layer_norm_elementwise_affine", "activation_function", "pad_token_id", "dropout"} <= set(names)
-    for name in names:
-        value = getattr(ours, name)
-        assert getattr(value, "value", value) == getattr(theirs, name), name
+    ours, theirs, _ = assert_config_defaults_equal("opt", {"word_embed_proj_dim"}, {
+        "ffn_dim", "do_layer_norm_before", "_remove_final_layer_norm", "enable_bias", "layerdrop",
+        "layer_norm_elementwise_affine", "activation_function", "pad_token_id", "dropout"})
     assert ours.word_embed_proj_dim is None and ours.embed_dim == theirs.word_embed_proj_dim == 768
 
 
@@ -167,28 +160,15 @@ def test_training_with_dropouts_and_layerdrop_equals_transformers(fields, impl):
     """``dropout`` (each branch), ``attention_dropout`` and ``layerdrop`` (a ``torch.rand([])`` before each layer):
     the same seed draws the same masks and skips in the same order on both sides, so the loss and every gradient
     are torch.equal."""
-    fields = {**fields, "dropout": 0.1, "attention_dropout": 0.1, "layerdrop": 0.4}
-    ours, theirs = model_pair(make_checkpoint(fields, "causal_lm"), "causal_lm", impl)
-    ids, mask = left_padded(ours.config.vocab_size, low=3)
-    batch = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
-    loss = assert_training_step_equal(ours, theirs, batch)
-    assert dropout_acted(ours, batch, loss)
+    assert_training_with_dropouts_equal({**fields, "dropout": 0.1, "attention_dropout": 0.1, "layerdrop": 0.4},
+                                        impl=impl, low=3)
 
 
 @pytest.mark.parametrize("fields,settings", [(POST, dict(num_beams=3, early_stopping=True)),
                                              (BARE, dict(do_sample=True, top_k=20, temperature=0.7))],
                          ids=["post-ln-beams", "bare-sampled"])
-@torch.inference_mode()
 def test_generate_equals_transformers_with_left_padding(fields, settings):
-    ours, theirs = model_pair(make_checkpoint(fields, "causal_lm"), impl="sdpa")
-    ids, mask = left_padded(ours.config.vocab_size, low=3)
-    assert_generate_equal(ours, theirs, ids, mask, **settings)
-    torch.manual_seed(7)
-    reference = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0,
-                                eos_token_id=2, **settings)
-    torch.manual_seed(7)
-    assert torch.equal(ours.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0,
-                                     eos_token_id=2, **settings), reference)
+    assert_left_padded_generate_equal(fields, "sdpa", settings, low=3, model_generate=True)
 
 
 # ---- LoRA, the tokenizer ----------------------------------------------------------------------------------------
@@ -231,14 +211,8 @@ ENCODERS = {"roberta-prelayernorm": "roberta-prelayernorm-hd24", "xlm-roberta-xl
 
 @pytest.mark.parametrize("model_type", list(ENCODERS))
 def test_encoder_config_defaults_are_transformers(model_type):
-    theirs = quiet_transformers().AutoConfig.for_model(model_type)
-    ours = get_family(model_type).config_class()
-    names = [f.name for f in dataclass_fields(ours)
-             if f.name not in {"raw", "attn_implementation", "id2label", "label2id"} and hasattr(theirs, f.name)]
-    assert {"vocab_size", "hidden_size", "layer_norm_eps", "max_position_embeddings", "pad_token_id"} <= set(names)
-    for name in names:
-        value = getattr(ours, name)
-        assert getattr(value, "value", value) == getattr(theirs, name), name
+    assert_config_defaults_equal(
+        model_type, present={"vocab_size", "hidden_size", "layer_norm_eps", "max_position_embeddings", "pad_token_id"})
 
 
 @pytest.mark.parametrize("model_type", list(ENCODERS))
@@ -247,7 +221,7 @@ def test_encoder_config_defaults_are_transformers(model_type):
 def test_encoder_inputs_embeds_equal_transformers(model_type, impl):
     """Given embeddings (positions then sequential from padding_idx + 1): the masked LM's logits and the hidden
     states, the last one after the final LayerNorm, torch.equal."""
-    ours, theirs = model_pair(make_checkpoint(FIELDS[f"{ENCODERS[model_type]}-mlm"], "mlm"), "mlm", impl)
+    ours, theirs = model_pair(make_checkpoint(case_fields(ENCODERS[model_type], "mlm"), "mlm"), "mlm", impl)
     batch = make_batch(ours.config, "mlm")
     embeds = ours.get_input_embeddings()(batch.pop("input_ids"))
     a = ours(inputs_embeds=embeds, output_hidden_states=True, **batch)
@@ -261,7 +235,7 @@ def test_encoder_inputs_embeds_equal_transformers(model_type, impl):
 def test_encoder_training_with_dropouts_equals_transformers(model_type, task):
     """hidden_dropout_prob (embeddings, each branch where transformers has it) and attention dropout on: the same
     seed draws the same masks in the same order, so the loss and every gradient are torch.equal."""
-    fields = {**FIELDS[f"{ENCODERS[model_type]}-{task}"], "hidden_dropout_prob": 0.1,
+    fields = {**case_fields(ENCODERS[model_type], task), "hidden_dropout_prob": 0.1,
               "attention_probs_dropout_prob": 0.1}
     ours, theirs = model_pair(make_checkpoint(fields, task), task, "eager")
     batch = make_batch(ours.config, task)
@@ -273,7 +247,7 @@ def test_encoder_training_with_dropouts_equals_transformers(model_type, task):
 @pytest.mark.parametrize("model_type", list(ENCODERS))
 def test_encoder_causal_lm_is_refused(tmp_path, model_type):
     """transformers' ``*ForCausalLM`` runs these encoders with ``is_decoder``: not implemented, a typed error."""
-    (tmp_path / "config.json").write_text(json.dumps({**FIELDS[f"{ENCODERS[model_type]}-base"], "is_decoder": True}))
+    (tmp_path / "config.json").write_text(json.dumps({**case_fields(ENCODERS[model_type], "base"), "is_decoder": True}))
     with pytest.raises(ConfigError, match="is_decoder"):
         AutoConfig.from_pretrained(tmp_path)
     assert not get_family(model_type).supports("causal_lm")
@@ -284,22 +258,8 @@ def test_encoder_causal_lm_is_refused(tmp_path, model_type):
 def test_encoder_tokenizer_class_from_the_model_type(tmp_path, model_type, class_name):
     """A RoBERTa tokenizer.json whose tokenizer_config.json names no class: transformers picks the class from
     config.json's model_type (TOKENIZER_MAPPING_NAMES), and so do we, token for token."""
-    from test_tokenizer import compare
-    from test_tokenizer_dirs import PAIRS, SAMPLES, _write_config, bpe_vocab_dir, saved_dir
-
-    from flodl_hf import AutoTokenizer
-    from flodl_hf.tokenizer import CLASS_FOR_MODEL_TYPE
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
-    assert CLASS_FOR_MODEL_TYPE[model_type] == TOKENIZER_MAPPING_NAMES[model_type] == class_name
+    from test_tokenizer_dirs import _write_config, bpe_vocab_dir, saved_dir
     root = tmp_path / model_type
     shutil.copytree(saved_dir(bpe_vocab_dir(), "roberta-no-class", tokenizer_class=None), root)
     _write_config(root, model_type, pad_token_id=1)
-    assert "tokenizer_class" not in json.loads((root / "tokenizer_config.json").read_text())
-    ref = quiet_transformers().AutoTokenizer.from_pretrained(str(root))
-    ours = AutoTokenizer.from_pretrained(root)
-    assert type(ref).__name__ == class_name == ours.settings.class_name
-    assert ours.get_vocab() == ref.get_vocab() and ours.pad_token_id == ref.pad_token_id
-    extra = dict(return_offsets_mapping=True, return_special_tokens_mask=True)
-    compare(ours, ref, model_type, SAMPLES, padding=True, **extra)
-    questions, contexts = map(list, zip(*PAIRS))
-    compare(ours, ref, f"{model_type} pairs", questions, contexts, padding=True, **extra)
+    assert_tokenizer_class_from_the_model_type(root, model_type, class_name)

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import warnings
-from dataclasses import fields as dataclass_fields
 
 import pytest
 import torch
@@ -22,26 +20,24 @@ import torch
 from flodl_hf.auto import AutoConfig, load_model
 from flodl_hf.errors import AdapterError, ConfigError
 from flodl_hf.parity import check_parity, make_batch, quiet_transformers
-from flodl_hf.registry import get_family
 
-from cases import CASES
+from decoder_checks import (assert_left_padded_generate_equal, assert_rotary_equal,
+                            assert_tokenizer_class_from_the_model_type, assert_training_with_dropouts_equal,
+                            byte_level_tokenizer_dir, case_fields, generate_settings,
+                            with_top_level_rope)
 from helpers import (  # noqa: F401  (one_thread: a fixture)
-    assert_generate_equal, assert_same_output, assert_training_step_equal, dropout_acted, export_as_save_pretrained,
-    left_padded, make_checkpoint, model_pair, one_thread, transformers_loaded)
+    assert_config_defaults_equal, assert_same_output, export_as_save_pretrained, left_padded, make_checkpoint,
+    model_pair, one_thread, transformers_loaded)
 from test_lora import TARGETS, test_peft_round_trip_and_training_step as peft_round_trip
-from test_starcoder2_stablelm import _tokenizer_dir
-from test_tokenizer import compare
-from test_tokenizer_dirs import PAIRS, SAMPLES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FIELDS = {case_id: fields for case_id, _task, fields in CASES}
-PHI = FIELDS["phi-hd24-qknorm-causal_lm"]
-PHI_TIED = FIELDS["phi-hd24-plain-tied-causal_lm"]
-OLMO = FIELDS["olmo-hd24-clip-bias-causal_lm"]
-OLMO_TIED = FIELDS["olmo-hd24-noclip-tied-causal_lm"]
-COHERE = FIELDS["cohere-hd24-qknorm-bias-causal_lm"]
-COHERE_PLAIN = FIELDS["cohere-hd24-plain-untied-causal_lm"]
+PHI = case_fields("phi-hd24-qknorm")
+PHI_TIED = case_fields("phi-hd24-plain-tied")
+OLMO = case_fields("olmo-hd24-clip-bias")
+OLMO_TIED = case_fields("olmo-hd24-noclip-tied")
+COHERE = case_fields("cohere-hd24-qknorm-bias")
+COHERE_PLAIN = case_fields("cohere-hd24-plain-untied")
 _SIZES = dict(hidden_size=96, num_attention_heads=4, num_hidden_layers=1, intermediate_size=160, vocab_size=512,
               max_position_embeddings=64)
 OWN = {"phi": {"resid_pdrop", "embd_pdrop", "layer_norm_eps", "qk_layernorm", "hidden_act"},
@@ -52,15 +48,9 @@ OWN = {"phi": {"resid_pdrop", "embd_pdrop", "layer_norm_eps", "qk_layernorm", "h
 @pytest.mark.parametrize("model_type", ["phi", "olmo", "cohere"])
 def test_config_defaults_are_transformers(model_type):
     """Every field both configs have, at its default (a config.json that leaves it out means the same)."""
-    theirs = quiet_transformers().AutoConfig.for_model(model_type)
-    ours = get_family(model_type).config_class()
-    skip = {"raw", "attn_implementation", "id2label", "label2id", "rope_parameters", "rope_scaling", "rope_theta",
-            "partial_rotary_factor", "num_key_value_heads"}  # as transformers fills them in: compared below
-    names = [f.name for f in dataclass_fields(ours) if f.name not in skip and hasattr(theirs, f.name)]
-    assert {"vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings"} | OWN[model_type] <= set(names)
-    for name in names:
-        value = getattr(ours, name)
-        assert getattr(value, "value", value) == getattr(theirs, name), name
+    ours, theirs, _ = assert_config_defaults_equal(  # RoPE and the KV heads as transformers fills them in: below
+        model_type, {"rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "num_key_value_heads"},
+        {"vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings"} | OWN[model_type])
     assert ours.kv_heads == theirs.num_key_value_heads
     assert ours.rope().theta == theirs.rope_parameters["rope_theta"]
     assert ours.rotary_dim == int(ours.attention_head_dim * theirs.rope_parameters.get("partial_rotary_factor", 1.0))
@@ -90,13 +80,7 @@ def test_phi_rope_fields_turn_the_dimensions_transformers_turns(name):
     theirs = quiet_transformers().PhiConfig(**copy.deepcopy(fields))
     config = PhiConfig.from_dict({"model_type": "phi", **copy.deepcopy(fields)})
     assert config.rotary_dim == PhiAttention(theirs, 0).rotary_ndims
-    rotary = PhiRotaryEmbedding(theirs)
-    ours = PhiModel(config)
-    assert torch.equal(ours.inverse_frequencies(None, torch.device("cpu")), rotary.inv_freq)
-    positions = torch.arange(40).unsqueeze(0)
-    hidden = torch.zeros(1, 40, 96)
-    for a, b in zip(ours.rotary(None, positions, hidden), rotary(hidden, positions), strict=True):
-        assert torch.equal(a, b)
+    assert_rotary_equal(PhiModel(config), PhiRotaryEmbedding(theirs))
 
 
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0}], ids=["default", "linear"])
@@ -107,12 +91,8 @@ def test_cohere_interleaved_cos_and_sin_are_transformers(scaling):
 
     from flodl_hf.families.cohere import CohereConfig, CohereModel
     fields = {**_SIZES, **({"rope_parameters": scaling} if scaling else {})}
-    rotary = CohereRotaryEmbedding(quiet_transformers().CohereConfig(**copy.deepcopy(fields)))
-    ours = CohereModel(CohereConfig.from_dict({"model_type": "cohere", **copy.deepcopy(fields)}))
-    positions = torch.arange(40).unsqueeze(0)
-    hidden = torch.zeros(1, 40, 96)
-    for a, b in zip(ours.rotary(None, positions, hidden), rotary(hidden, positions), strict=True):
-        assert torch.equal(a, b)
+    assert_rotary_equal(CohereModel(CohereConfig.from_dict({"model_type": "cohere", **copy.deepcopy(fields)})),
+                        CohereRotaryEmbedding(quiet_transformers().CohereConfig(**copy.deepcopy(fields))))
 
 
 @pytest.mark.parametrize("model_type,bad,field", [
@@ -170,7 +150,7 @@ def test_each_option_changes_the_logits(fields, name, off):
 TRAINING = [
     (dict(PHI, resid_pdrop=0.1, embd_pdrop=0.1, attention_dropout=0.1), "causal_lm", "eager", True),
     (dict(PHI_TIED, resid_pdrop=0.1, embd_pdrop=0.1, attention_dropout=0.1), "causal_lm", "sdpa", True),
-    (FIELDS["phi-hd24-qknorm-tokcls"], "tokcls", "sdpa", True),  # GenericForTokenClassification's 0.1
+    (case_fields("phi-hd24-qknorm", "tokcls"), "tokcls", "sdpa", True),  # GenericForTokenClassification's 0.1
     (dict(OLMO, attention_dropout=0.1), "causal_lm", "sdpa", True),  # clamped q, k, v: zero gradients there
     (dict(COHERE, attention_dropout=0.1), "causal_lm", "eager", True),  # tied, scaled logits
     (COHERE_PLAIN, "causal_lm", "sdpa", False),
@@ -182,12 +162,7 @@ TRAINING = [
 def test_training_step_equals_transformers(fields, task, impl, dropout):
     """The same seed draws the same masks in the same order on both sides, so the loss and every gradient (tied
     embeddings' two contributions included) are torch.equal; and the dropouts did act."""
-    ours, theirs = model_pair(make_checkpoint(fields, task), task, impl)
-    ids, mask = left_padded(ours.config.vocab_size, low=3)
-    labels = ids.masked_fill(mask == 0, -100) if task == "causal_lm" else (ids % 3).masked_fill(mask == 0, -100)
-    batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
-    loss = assert_training_step_equal(ours, theirs, batch)
-    assert dropout_acted(ours, batch, loss) == dropout
+    assert_training_with_dropouts_equal(fields, task, impl, low=3, dropout=dropout)
 
 
 # ---- a Hub-style Phi checkpoint, and export --------------------------------------------------------------------------
@@ -195,14 +170,7 @@ def test_training_step_equals_transformers(fields, task, impl, dropout):
 def _hub_style(tmp_path, fields: dict):
     """The causal LM as Phi-2's repository spells its config: ``partial_rotary_factor`` and ``rope_theta`` at the top
     level, no ``rope_parameters``."""
-    source = make_checkpoint(fields, "causal_lm")
-    out = tmp_path / "hub-phi"
-    shutil.copytree(source, out)
-    config = json.loads((source / "config.json").read_text())
-    rope = config.pop("rope_parameters")
-    config.update(partial_rotary_factor=rope["partial_rotary_factor"], rope_theta=rope["rope_theta"])
-    (out / "config.json").write_text(json.dumps(config))
-    return out
+    return with_top_level_rope(fields, tmp_path / "hub-phi", "partial_rotary_factor", "rope_theta")
 
 
 @pytest.mark.parametrize("fields", [PHI, PHI_TIED], ids=["untied", "tied"])
@@ -235,18 +203,9 @@ def test_tied_export_writes_save_pretrained_keys(tmp_path, fields):
 
 @pytest.mark.parametrize("fields,impl", [(PHI, "sdpa"), (OLMO, "eager"), (COHERE, "sdpa")],
                          ids=["phi", "olmo", "cohere"])
-@pytest.mark.parametrize("settings", [dict(num_beams=3, early_stopping=True),
-                                      dict(do_sample=True, top_k=20, temperature=0.7)], ids=["beams", "sampled"])
-@torch.inference_mode()
+@generate_settings()
 def test_generate_equals_transformers_with_left_padding(fields, impl, settings):
-    ours, theirs = model_pair(make_checkpoint(fields, "causal_lm"), impl=impl)
-    ids, mask = left_padded(ours.config.vocab_size, low=3)
-    assert_generate_equal(ours, theirs, ids, mask, **settings)
-    torch.manual_seed(7)  # model.generate, the method, as transformers' from the same seed
-    settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0, eos_token_id=2, **settings)
-    mine = ours.generate(**settings)
-    torch.manual_seed(7)
-    assert torch.equal(mine, theirs.generate(**settings))
+    assert_left_padded_generate_equal(fields, impl, settings, low=3, model_generate=True)
 
 
 # ---- the tokenizer and LoRA ------------------------------------------------------------------------------------------
@@ -254,20 +213,8 @@ def test_generate_equals_transformers_with_left_padding(fields, impl, settings):
 @pytest.mark.parametrize("model_type,class_name", [("phi", "GPT2Tokenizer"), ("olmo", "GPTNeoXTokenizer"),
                                                    ("cohere", "CohereTokenizer")])
 def test_tokenizer_class_from_the_model_type(model_type, class_name, tmp_path):
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
-
-    from flodl_hf.tokenizer import CLASS_FOR_MODEL_TYPE, AutoTokenizer
-    assert CLASS_FOR_MODEL_TYPE[model_type] == TOKENIZER_MAPPING_NAMES[model_type] == class_name
-    root = _tokenizer_dir(model_type, tmp_path)
-    assert "tokenizer_class" not in json.loads((root / "tokenizer_config.json").read_text())
-    ref = quiet_transformers().AutoTokenizer.from_pretrained(str(root))
-    ours = AutoTokenizer.from_pretrained(root)
-    assert type(ref).__name__ == class_name == ours.settings.class_name
-    assert ours.get_vocab() == ref.get_vocab() and ours.pad_token_id == ref.pad_token_id
-    extra = dict(return_offsets_mapping=True, return_special_tokens_mask=True)
-    compare(ours, ref, model_type, SAMPLES, padding=True, **extra)
-    questions, contexts = map(list, zip(*PAIRS))
-    compare(ours, ref, f"{model_type} pairs", questions, contexts, padding=True, **extra)
+    root = byte_level_tokenizer_dir("starcoder2-stablelm", model_type, tmp_path)
+    assert_tokenizer_class_from_the_model_type(root, model_type, class_name)
 
 
 @pytest.mark.parametrize("fields", [PHI, OLMO, COHERE], ids=["phi", "olmo", "cohere"])

@@ -12,38 +12,22 @@ import itertools
 import json
 import shutil
 import warnings
-from dataclasses import fields as dataclass_fields
 
 import pytest
 import torch
 
 from flodl_hf.auto import load_model
 from flodl_hf.errors import ConfigError
-from flodl_hf.parity import make_batch, quiet_transformers, reference_model
+from flodl_hf.parity import make_batch, quiet_transformers
 from flodl_hf.registry import get_family
 
-from cases import CASES
-from helpers import make_checkpoint
+from decoder_checks import assert_tokenizer_class_from_the_model_type, byte_level_tokenizer_dir, case_fields, case_pair
+from helpers import assert_config_defaults_equal, assert_model_generate_equal, make_checkpoint, model_pair
 from test_decoder import _left_padded
-from test_tokenizer import compare
-from test_tokenizer_dirs import SAMPLES, byte_level_bpe, _done, _write_config, saved_dir
 
 SMOL, SMOL_FIRST, OLMO3, MINISTRAL = ("smollm3-hd24-nope-sliding-bias", "smollm3-hd24-nope-first-layertypes",
                                       "olmo3-hd24-sliding-2rope", "ministral-hd24-window4-layertypes")
 MODEL_TYPES = ("smollm3", "olmo3", "ministral")
-
-
-def _fields(variant: str, task: str = "causal_lm") -> dict:
-    return next(f for case_id, t, f in CASES if case_id == f"{variant}-{task}")
-
-
-def _pair(variant: str, impl: str = "sdpa", task: str = "causal_lm", fields: dict | None = None):
-    source = make_checkpoint(fields or _fields(variant, task), task)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ours = load_model(source, task, dtype=torch.float32, attn_implementation=impl).eval()
-        theirs = reference_model(source, task, impl)
-    return ours, theirs
 
 
 def _theirs(model_type: str, **fields):
@@ -61,15 +45,10 @@ def test_config_defaults_are_transformers(model_type):
     """Every field both configs have, at its default (a config.json that leaves it out means the same), and what
     transformers derives from them: the KV heads, the layer kinds, the RoPE theta (per layer kind for OLMo 3), the
     NoPE layers (SmolLM3)."""
-    theirs = _theirs(model_type)
-    ours = get_family(model_type).config_class()
-    skip = {"raw", "attn_implementation", "id2label", "label2id", "rope_parameters", "rope_scaling", "rope_theta",
-            "num_key_value_heads", "layer_types", "no_rope_layers", "head_dim"}  # derived: compared below
-    names = [f.name for f in dataclass_fields(ours) if f.name not in skip and hasattr(theirs, f.name)]
-    assert {"vocab_size", "rms_norm_eps", "pad_token_id", "eos_token_id", "tie_word_embeddings"} <= set(names)
-    for name in names:
-        value = getattr(ours, name)
-        assert getattr(value, "value", value) == getattr(theirs, name), name
+    ours, theirs, names = assert_config_defaults_equal(  # derived: compared below
+        model_type, {"rope_parameters", "rope_scaling", "rope_theta", "num_key_value_heads", "layer_types",
+                     "no_rope_layers", "head_dim"},
+        {"vocab_size", "rms_norm_eps", "pad_token_id", "eos_token_id", "tie_word_embeddings"})
     assert ours.kv_heads == theirs.num_key_value_heads
     assert ours.layer_kinds() == theirs.layer_types
     if model_type == "olmo3":
@@ -146,14 +125,11 @@ def test_olmo3_older_rope_spellings_run_as_transformers(impl, extra, tmp_path):
     at 1000); rope_scaling updates the full layers' dict (with "type", the "rope_type": "default" already there
     wins, as in transformers). The forward equals transformers' loaded from the same file."""
     root = tmp_path / "olmo3"
-    shutil.copytree(make_checkpoint(_fields(OLMO3), "causal_lm"), root)
+    shutil.copytree(make_checkpoint(case_fields(OLMO3), "causal_lm"), root)
     config = json.loads((root / "config.json").read_text())
     del config["rope_parameters"]
     (root / "config.json").write_text(json.dumps({**config, **extra}))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ours = load_model(root, "causal_lm", dtype=torch.float32, attn_implementation=impl).eval()
-        theirs = reference_model(root, "causal_lm", impl)
+    ours, theirs = model_pair(root, "causal_lm", impl)
     for kind in ("full_attention", "sliding_attention"):
         assert ours.config.rope(kind).theta == theirs.config.rope_parameters[kind]["rope_theta"], kind
     batch = {**make_batch(ours.config, "causal_lm"), "use_cache": False}
@@ -176,10 +152,10 @@ def test_olmo3_scaled_rope_on_the_full_layers_equals_transformers(name):
     """A scaling on the full layers' RoPE (the sliding ones keep theirs): yarn (a nested truncate is never read, as
     in transformers), and dynamic over a run of forwards under, past and back under max_position_embeddings (the
     frequencies' state per layer kind, as Olmo3RotaryEmbedding keeps it)."""
-    fields = json.loads(json.dumps(_fields(OLMO3)))
+    fields = json.loads(json.dumps(case_fields(OLMO3)))
     fields["rope_parameters"]["full_attention"] = {"rope_theta": 10000.0, **_OLMO3_SCALINGS[name]}
     fields["max_position_embeddings"] = _START if name == "dynamic" else 4 * _START
-    ours, theirs = _pair(OLMO3, "sdpa", fields=fields)
+    ours, theirs = model_pair(make_checkpoint(fields, "causal_lm"))
     runs = [(5, 3), (_START + 3, 4), (2 * _START, _START + 1), (6, 4)] if name == "dynamic" else [(2 * _START + 3, 3)]
     for seed, lengths in enumerate(runs):
         ids, mask = _left_padded(ours.config.vocab_size, lengths=lengths, seed=seed)
@@ -218,9 +194,9 @@ def test_configs_transformers_cannot_run_are_config_errors_naming_the_field(mode
     variant = {"smollm3": SMOL, "olmo3": OLMO3, "ministral": MINISTRAL}[model_type]
     pattern = field.replace(".", "[.]")
     with pytest.raises(ConfigError, match=pattern):
-        _ours(**{**_fields(variant), **fields})
+        _ours(**{**case_fields(variant), **fields})
     root = tmp_path / model_type
-    shutil.copytree(make_checkpoint(_fields(variant), "causal_lm"), root)
+    shutil.copytree(make_checkpoint(case_fields(variant), "causal_lm"), root)
     config = json.loads((root / "config.json").read_text())
     (root / "config.json").write_text(json.dumps({**config, **fields}))
     with pytest.raises(ConfigError, match=f"config.json.*{pattern}"):
@@ -230,7 +206,7 @@ def test_configs_transformers_cannot_run_are_config_errors_naming_the_field(mode
 def test_ministral_without_head_dim_runs_hidden_over_heads():
     """transformers 5.25's MinistralAttention fails (a TypeError) without head_dim; ours runs heads of hidden_size
     // num_attention_heads, and a checkpoint that gives that head_dim is transformers' bit for bit."""
-    fields = {k: v for k, v in _fields(MINISTRAL).items() if k != "head_dim"}
+    fields = {k: v for k, v in case_fields(MINISTRAL).items() if k != "head_dim"}
     assert _ours(**fields).attention_head_dim == 24
     with pytest.raises(TypeError):
         with warnings.catch_warnings():
@@ -244,21 +220,15 @@ def test_ministral_without_head_dim_runs_hidden_over_heads():
 def test_model_generate_greedy_and_sampled_equal_transformers(variant, impl):
     """``model.generate`` on a left-padded batch (9, 6 and 3 tokens: the sliding layers' caches drop tokens past
     the window of 4, the NoPE layers attend unturned): greedy, and sampled from the same seed."""
-    ours, theirs = _pair(variant, impl)
+    ours, theirs = case_pair(variant, impl)
     ids, mask = _left_padded(ours.config.vocab_size)
     settings = [dict(do_sample=False), dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9)]
     for kwargs in settings:
-        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, eos_token_id=[], pad_token_id=0, **kwargs)
-        torch.manual_seed(7)
-        with torch.inference_mode(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            reference = theirs.generate(**kwargs)
-        torch.manual_seed(7)
-        assert torch.equal(ours.generate(**kwargs), reference), kwargs
+        assert_model_generate_equal(ours, theirs, ids, mask, **kwargs)
 
 
 def _mutated_logits_differ(variant: str, mutate) -> None:
-    ours, theirs = _pair(variant)
+    ours, theirs = case_pair(variant)
     batch = {**make_batch(ours.config, "causal_lm"), "use_cache": False}
     with torch.inference_mode():
         reference = theirs(**batch).logits
@@ -290,28 +260,10 @@ def test_mutations_are_caught():
     _mutated_logits_differ(MINISTRAL, no_windows)
 
 
-def _tokenizer_dir(model_type: str, tmp_path):
-    """A byte-level BPE tokenizer.json whose tokenizer_config.json names no class (test_olmo2_granite's)."""
-    plain, done = byte_level_bpe("olmo2-granite-vocab-merges", ["<|endoftext|>", "<|pad|>"])
-    if not done:
-        _write_config(plain, "gpt2", pad_token_id=None)
-        plain = _done(plain)
-    saved = saved_dir(plain, "olmo2-granite-saved", tokenizer_class=None, pad_token="<|pad|>")
-    root = tmp_path / model_type
-    shutil.copytree(saved, root)
-    _write_config(root, model_type, pad_token_id=1)
-    return root
-
-
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_tokenizer_class_from_the_model_type(model_type, tmp_path):
-    """A tokenizer_config.json naming no class: TOKENIZER_MAPPING_NAMES maps olmo3 and ministral to
-    TokenizersBackend; smollm3 has no entry there, and transformers falls back to TokenizersBackend as well."""
-    from flodl_hf.tokenizer import AutoTokenizer
-    root = _tokenizer_dir(model_type, tmp_path)
-    assert "tokenizer_class" not in json.loads((root / "tokenizer_config.json").read_text())
-    ref = quiet_transformers().AutoTokenizer.from_pretrained(str(root))
-    ours = AutoTokenizer.from_pretrained(root)
-    assert type(ref).__name__ == "TokenizersBackend" == ours.settings.class_name
-    assert ours.get_vocab() == ref.get_vocab() and ours.pad_token_id == ref.pad_token_id
-    compare(ours, ref, model_type, SAMPLES, padding=True, return_offsets_mapping=True)
+    """A tokenizer_config.json naming no class (test_olmo2_granite's tokenizer): TOKENIZER_MAPPING_NAMES maps olmo3
+    and ministral to TokenizersBackend; smollm3 has no entry there, and transformers falls back to TokenizersBackend
+    as well."""
+    root = byte_level_tokenizer_dir("olmo2-granite", model_type, tmp_path)
+    assert_tokenizer_class_from_the_model_type(root, model_type, "TokenizersBackend")

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
-from dataclasses import fields as dataclass_fields
 
 import pytest
 import torch
@@ -20,45 +18,32 @@ import torch
 from flodl_hf.auto import AutoConfig
 from flodl_hf.errors import AdapterError, ConfigError
 from flodl_hf.parity import check_parity, make_batch, quiet_transformers
-from flodl_hf.registry import get_family
 
-from cases import CASES
+from decoder_checks import (assert_left_padded_generate_equal, assert_rotary_equal,
+                            assert_tokenizer_class_from_the_model_type, assert_training_with_dropouts_equal,
+                            byte_level_tokenizer_dir, case_fields, generate_settings)
 from helpers import (  # noqa: F401  (one_thread: a fixture)
-    assert_generate_equal, assert_training_step_equal, dropout_acted, left_padded, make_checkpoint, model_pair,
-    one_thread)
+    assert_config_defaults_equal, left_padded, make_checkpoint, model_pair, one_thread)
 from test_lora import TARGETS, test_peft_round_trip_and_training_step as peft_round_trip
-from test_tokenizer import compare
-from test_tokenizer_dirs import PAIRS, SAMPLES, _done, _write_config, byte_level_bpe, saved_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FIELDS = {case_id: fields for case_id, _task, fields in CASES}
-STARCODER2 = FIELDS["starcoder2-hd24-bias-window4-causal_lm"]
-STARCODER2_PLAIN = FIELDS["starcoder2-hd24-nobias-untied-causal_lm"]
-STABLELM = FIELDS["stablelm-hd24-qknorm-parallel-causal_lm"]
-STABLELM_SEQ = FIELDS["stablelm-hd24-sequential-causal_lm"]
+STARCODER2 = case_fields("starcoder2-hd24-bias-window4")
+STARCODER2_PLAIN = case_fields("starcoder2-hd24-nobias-untied")
+STABLELM = case_fields("stablelm-hd24-qknorm-parallel")
+STABLELM_SEQ = case_fields("stablelm-hd24-sequential")
 _SIZES = dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1,
               intermediate_size=160, vocab_size=512, max_position_embeddings=64)
-
-
-
-
 
 
 @pytest.mark.parametrize("model_type", ["starcoder2", "stablelm"])
 def test_config_defaults_are_transformers(model_type):
     """Every field both configs have, at its default (a config.json that leaves it out means the same)."""
-    theirs = quiet_transformers().AutoConfig.for_model(model_type)
-    ours = get_family(model_type).config_class()
-    skip = {"raw", "attn_implementation", "id2label", "label2id", "rope_parameters", "rope_scaling", "rope_theta",
-            "partial_rotary_factor"}  # RoPE as transformers fills it in: compared below
-    names = [f.name for f in dataclass_fields(ours) if f.name not in skip and hasattr(theirs, f.name)]
     own = {"starcoder2": {"norm_epsilon", "use_bias", "residual_dropout", "embedding_dropout", "sliding_window"},
            "stablelm": {"layer_norm_eps", "use_qkv_bias", "qk_layernorm", "use_parallel_residual", "hidden_dropout"}}
-    assert {"vocab_size", "num_key_value_heads", "tie_word_embeddings", "eos_token_id"} | own[model_type] <= set(names)
-    for name in names:
-        value = getattr(ours, name)
-        assert getattr(value, "value", value) == getattr(theirs, name), name
+    ours, theirs, _ = assert_config_defaults_equal(  # RoPE as transformers fills it in: compared below
+        model_type, {"rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor"},
+        {"vocab_size", "num_key_value_heads", "tie_word_embeddings", "eos_token_id"} | own[model_type])
     assert ours.rope().theta == theirs.rope_parameters["rope_theta"]
     assert ours.rotary_dim == int(ours.attention_head_dim * theirs.rope_parameters.get("partial_rotary_factor", 1.0))
 
@@ -90,13 +75,7 @@ def test_stablelm_rope_fields_turn_the_dimensions_transformers_turns(name):
     theirs = quiet_transformers().StableLmConfig(**copy.deepcopy(fields))
     config = StableLmConfig.from_dict({"model_type": "stablelm", **copy.deepcopy(fields)})
     assert config.rotary_dim == StableLmAttention(theirs, 0).rotary_ndims
-    rotary = StableLmRotaryEmbedding(theirs)
-    ours = StableLmModel(config)
-    assert torch.equal(ours.inverse_frequencies(None, torch.device("cpu")), rotary.inv_freq)
-    positions = torch.arange(40).unsqueeze(0)
-    hidden = torch.zeros(1, 40, 96)
-    for a, b in zip(ours.rotary(None, positions, hidden), rotary(hidden, positions), strict=True):
-        assert torch.equal(a, b)
+    assert_rotary_equal(StableLmModel(config), StableLmRotaryEmbedding(theirs))
 
 
 @pytest.mark.parametrize("name", ["linear-scaling", "llama3", "dict-wins"])
@@ -148,7 +127,7 @@ TRAINING = [
     (dict(STARCODER2_PLAIN, embedding_dropout=0.1, residual_dropout=0.1, attention_dropout=0.1), "causal_lm", "sdpa"),
     (dict(STABLELM, hidden_dropout=0.1, attention_dropout=0.1), "causal_lm", "sdpa"),
     (dict(STABLELM_SEQ, hidden_dropout=0.1, attention_dropout=0.1), "causal_lm", "eager"),
-    (FIELDS["stablelm-hd24-qknorm-parallel-tokcls"], "tokcls", "sdpa"),  # no hidden_dropout given: 0.0, not 0.1
+    (case_fields("stablelm-hd24-qknorm-parallel", "tokcls"), "tokcls", "sdpa"),  # no hidden_dropout given: 0.0, not 0.1
 ]
 
 
@@ -157,62 +136,27 @@ TRAINING = [
                               "stablelm-tokcls"])
 def test_training_with_dropouts_equals_transformers(fields, task, impl):
     """The same seed draws the same masks in the same order on both sides, so the loss and every gradient (tied
-    embeddings' two contributions included) are torch.equal; and the dropouts did act."""
-    source = make_checkpoint(fields, task)
-    ours, theirs = model_pair(source, task, impl)
-    ids, mask = left_padded(ours.config.vocab_size, low=3)
-    labels = ids.masked_fill(mask == 0, -100) if task == "causal_lm" else (ids % 3).masked_fill(mask == 0, -100)
-    batch = dict(input_ids=ids, attention_mask=mask, labels=labels)
-    loss = assert_training_step_equal(ours, theirs, batch)
-    assert dropout_acted(ours, batch, loss) == (task == "causal_lm")  # the token classifier's dropout is hidden_dropout's 0.0
+    embeddings' two contributions included) are torch.equal; and the dropouts did act (none in the token classifier,
+    whose dropout is hidden_dropout's 0.0)."""
+    assert_training_with_dropouts_equal(fields, task, impl, low=3, dropout=task == "causal_lm")
 
 
 # ---- generation ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fields", [STARCODER2, STABLELM_SEQ], ids=["starcoder2-window", "stablelm-sequential"])
-@pytest.mark.parametrize("settings", [dict(num_beams=3, early_stopping=True),
-                                      dict(do_sample=True, top_k=20, temperature=0.7)], ids=["beams", "sampled"])
-@torch.inference_mode()
+@generate_settings()
 def test_generate_equals_transformers_with_left_padding(fields, settings):
     """Past StarCoder2's window of 4 (the cache keeps the last 3 tokens per layer) and StableLM's partial RoPE."""
-    ours, theirs = model_pair(make_checkpoint(fields, "causal_lm"), impl="sdpa")
-    ids, mask = left_padded(ours.config.vocab_size, low=3)
-    assert_generate_equal(ours, theirs, ids, mask, **settings)
+    assert_left_padded_generate_equal(fields, "sdpa", settings, low=3)
 
 
 # ---- the tokenizer and LoRA ------------------------------------------------------------------------------------------
 
-def _tokenizer_dir(model_type: str, tmp_path):
-    """A byte-level BPE tokenizer.json whose tokenizer_config.json names no class: transformers picks it from
-    config.json's model_type (TOKENIZER_MAPPING_NAMES)."""
-    plain, done = byte_level_bpe("starcoder2-stablelm-vocab-merges", ["<|endoftext|>", "<|pad|>"])
-    if not done:
-        _write_config(plain, "gpt2", pad_token_id=None)
-        plain = _done(plain)
-    saved = saved_dir(plain, "starcoder2-stablelm-saved", tokenizer_class=None, pad_token="<|pad|>")
-    root = tmp_path / model_type
-    shutil.copytree(saved, root)
-    _write_config(root, model_type, pad_token_id=1)
-    return root
-
-
 @pytest.mark.parametrize("model_type,class_name", [("starcoder2", "GPT2Tokenizer"),
                                                    ("stablelm", "TokenizersBackend")])
 def test_tokenizer_class_from_the_model_type(model_type, class_name, tmp_path):
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
-
-    from flodl_hf.tokenizer import CLASS_FOR_MODEL_TYPE, AutoTokenizer
-    assert CLASS_FOR_MODEL_TYPE[model_type] == TOKENIZER_MAPPING_NAMES[model_type] == class_name
-    root = _tokenizer_dir(model_type, tmp_path)
-    assert "tokenizer_class" not in json.loads((root / "tokenizer_config.json").read_text())
-    ref = quiet_transformers().AutoTokenizer.from_pretrained(str(root))
-    ours = AutoTokenizer.from_pretrained(root)
-    assert type(ref).__name__ == class_name == ours.settings.class_name
-    assert ours.get_vocab() == ref.get_vocab() and ours.pad_token_id == ref.pad_token_id
-    extra = dict(return_offsets_mapping=True, return_special_tokens_mask=True)
-    compare(ours, ref, model_type, SAMPLES, padding=True, **extra)
-    questions, contexts = map(list, zip(*PAIRS))
-    compare(ours, ref, f"{model_type} pairs", questions, contexts, padding=True, **extra)
+    root = byte_level_tokenizer_dir("starcoder2-stablelm", model_type, tmp_path)
+    assert_tokenizer_class_from_the_model_type(root, model_type, class_name)
 
 
 @pytest.mark.parametrize("fields", [STARCODER2, STABLELM], ids=["starcoder2", "stablelm"])
