@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.decoder import KVCache
+from flodl_hf.decoder import KVCache, rotary_cos_sin
 from flodl_hf.heads.causal_lm import LMHead
 from flodl_hf.modeling import HeadPart
 from flodl_hf.registry import register
@@ -119,9 +119,7 @@ class CohereModel(LlamaModel):
                hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # CohereRotaryEmbedding.forward: LLaMA's, but the frequencies doubled with repeat_interleave (not cat)
         inv_freq, scaling = self.rope_frequencies(key, position_ids, hidden.device)
-        freqs = position_ids[..., None].float() * inv_freq.to(device=position_ids.device, dtype=torch.float)
-        emb = torch.repeat_interleave(freqs, 2, dim=-1)
-        return (emb.cos() * scaling).to(dtype=hidden.dtype), (emb.sin() * scaling).to(dtype=hidden.dtype)
+        return rotary_cos_sin(inv_freq, position_ids, hidden.dtype, scaling, interleaved=True)
 
 
 class CohereLMHead(LMHead):

@@ -18,7 +18,7 @@ hooks (``attention_class`` with its ``make_projections`` / ``project``, ``rotate
 (handed the positions and token types), ``default_positions`` (OPT: counted along the mask),
 ``rotary_embeddings`` (None: no RoPE) / ``rotary``) and the config's
 (``biases``, ``layer_kinds``, ``window``, ``rotary_dim``, ``rope_types``, ``rope_key`` / ``rope(key)``: a RoPE per
-layer kind).
+layer kind); the heads read the family's ``head_width`` (OPT: the projected width).
 """
 
 from __future__ import annotations
@@ -537,19 +537,24 @@ class Llama(Family):
         return None  # RoPE has no position table to run past; transformers does not cut at max_position_embeddings
 
     @classmethod
+    def head_width(cls, config: LlamaConfig) -> int:
+        """The width of the backbone's output, which the heads below read: ``hidden_size`` (OPT: projected)."""
+        return config.hidden_size
+
+    @classmethod
     def causal_lm_head(cls, config: LlamaConfig) -> HeadPart:
-        return LMHead(config.hidden_size, config.vocab_size)
+        return LMHead(cls.head_width(config), config.vocab_size)
 
     @classmethod
     def sequence_head(cls, config: LlamaConfig) -> HeadPart:
-        return ScoreHead(config.hidden_size, config.num_labels, bias=False)
+        return ScoreHead(cls.head_width(config), config.num_labels, bias=False)
 
     @classmethod
     def token_head(cls, config: LlamaConfig) -> HeadPart:
         # GenericForTokenClassification: bias unless told
-        return ScoreHead(config.hidden_size, config.num_labels, bias=config.raw.get("token_classification_bias", True),
-                         dropout=token_dropout(config))
+        return ScoreHead(cls.head_width(config), config.num_labels,
+                         bias=config.raw.get("token_classification_bias", True), dropout=token_dropout(config))
 
     @classmethod
     def span_head(cls, config: LlamaConfig) -> HeadPart:
-        return SpanClassifier(config.hidden_size, 2)
+        return SpanClassifier(cls.head_width(config), 2)

@@ -25,14 +25,13 @@ from torch import nn
 from flodl_hf.config import Activation, BaseConfig
 from flodl_hf.decoder import KVCache
 from flodl_hf.errors import ConfigError
-from flodl_hf.heads import SpanClassifier
-from flodl_hf.heads.causal_lm import LMHead, ModelForCausalLM
+from flodl_hf.heads.causal_lm import ModelForCausalLM
 from flodl_hf.layers import activation
-from flodl_hf.modeling import Backbone, HeadPart, positional_order
+from flodl_hf.modeling import Backbone, positional_order
 from flodl_hf.registry import register
 
 from .llama import (FULL, DecoderForQuestionAnswering, DecoderForSequenceClassification, Llama, LlamaAttention,
-                    LlamaModel, ScoreHead)
+                    LlamaModel)
 
 
 @dataclass
@@ -278,15 +277,6 @@ class OPT(Llama):
     def max_sequence_length(cls, config: OPTConfig) -> int | None:
         return config.max_position_embeddings  # the embed_positions table, less its offset
 
-    # the heads read the projected width (word_embed_proj_dim)
     @classmethod
-    def causal_lm_head(cls, config: OPTConfig) -> HeadPart:
-        return LMHead(config.embed_dim, config.vocab_size)
-
-    @classmethod
-    def sequence_head(cls, config: OPTConfig) -> HeadPart:
-        return ScoreHead(config.embed_dim, config.num_labels, bias=False)
-
-    @classmethod
-    def span_head(cls, config: OPTConfig) -> HeadPart:
-        return SpanClassifier(config.embed_dim, 2)
+    def head_width(cls, config: OPTConfig) -> int:
+        return config.embed_dim  # the heads read the projected width (word_embed_proj_dim)

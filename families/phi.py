@@ -26,11 +26,11 @@ from flodl_hf.registry import register
 
 from .gptj import GPTJLMHead
 from .llama import Llama, LlamaAttention, LlamaConfig, LlamaModel
-from .stablelm import StableLmConfig
+from .stablelm import PartialRotary
 
 
 @dataclass
-class PhiConfig(LlamaConfig):
+class PhiConfig(PartialRotary, LlamaConfig):
     model_type: ClassVar[str] = "phi"
 
     vocab_size: int = 51200
@@ -52,19 +52,12 @@ class PhiConfig(LlamaConfig):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"config (phi): field {name}={getattr(self, name)!r} is a dropout probability: "
                                   "it must lie in [0, 1]")
-        if self.rotary_dim % 2:  # transformers' cos and sin would be one dimension wider than the rotated slice
-            raise ConfigError(f"config field partial_rotary_factor: {self.attention_head_dim} x "
-                              f"{self._partial_factor} = {self.rotary_dim} rotated dimensions, an odd number "
-                              "(transformers fails on it at the first forward)")
         if self.qk_layernorm and self.attention_head_dim != self.hidden_size // self.num_attention_heads:
             raise ConfigError(f"config field head_dim={self.head_dim!r} with qk_layernorm: PhiAttention's norms are "
                               f"hidden_size // num_attention_heads = {self.hidden_size // self.num_attention_heads} "
                               "wide (transformers fails on it at the first forward)")
 
     norm_eps = property(lambda self: self.layer_norm_eps)
-    # the RoPE dict's partial_rotary_factor, else the top-level one, as StableLM's (convert_rope_params_to_dict)
-    _partial_factor = StableLmConfig._partial_factor
-    rotary_dim = StableLmConfig.rotary_dim  # PhiAttention.rotary_ndims
 
 
 class PhiAttention(LlamaAttention):

@@ -18,7 +18,7 @@ causal_lm, seqcls, tokcls, qa."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -57,9 +57,7 @@ class Qwen2MoeConfig(Qwen2Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_routing(self, "num_experts")
-        if not isinstance(self.decoder_sparse_step, int) or self.decoder_sparse_step < 1:
-            raise ConfigError(f"config field decoder_sparse_step={self.decoder_sparse_step!r}: expected a positive int")
+        check_sparse_layers(self, "num_experts")
         if self.layer_types is not None and SLIDING in self.layer_types and not self.use_sliding_window:
             # Qwen2MoeConfig: sliding_window becomes 0 without use_sliding_window, whatever layer_types says
             raise ConfigError("config field layer_types names sliding_attention layers but use_sliding_window is "
@@ -79,6 +77,14 @@ class Qwen2MoeConfig(Qwen2Config):
         """Qwen2MoeDecoderLayer: an MoE MLP unless in mlp_only_layers or off the decoder_sparse_step."""
         return (layer_idx not in (self.mlp_only_layers or []) and self.num_experts > 0
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+
+def check_sparse_layers(config: Any, experts_field: str) -> None:
+    """The routing (Mixtral's ``check_routing``) and ``decoder_sparse_step``, which the sparse rule (``sparse``:
+    Qwen2-MoE's, Qwen3-MoE's) divides by."""
+    check_routing(config, experts_field)
+    if not isinstance(config.decoder_sparse_step, int) or config.decoder_sparse_step < 1:
+        raise ConfigError(f"config field decoder_sparse_step={config.decoder_sparse_step!r}: expected a positive int")
 
 
 class Qwen2MoeTopKRouter(MixtralTopKRouter):

@@ -30,8 +30,8 @@ from flodl_hf.layers import activation
 from flodl_hf.registry import register
 
 from .llama import FULL, SLIDING
-from .mixtral import MixtralExperts, MixtralForCausalLM, MixtralModel, alias_from_dict, check_routing
-from .qwen2_moe import Qwen2Moe, Qwen2MoeConfig, Qwen2MoeTopKRouter
+from .mixtral import MixtralExperts, MixtralForCausalLM, MixtralModel, alias_from_dict
+from .qwen2_moe import Qwen2Moe, Qwen2MoeConfig, Qwen2MoeTopKRouter, check_sparse_layers
 from .qwen3 import Qwen3, Qwen3Attention, Qwen3Config
 
 
@@ -59,9 +59,7 @@ class Qwen3MoeConfig(Qwen3Config):
             raise ConfigError("config field layer_types: Qwen3-MoE has none (a window, with use_sliding_window, is "
                               "on every layer)")
         super().__post_init__()
-        check_routing(self, "num_local_experts")
-        if not isinstance(self.decoder_sparse_step, int) or self.decoder_sparse_step < 1:
-            raise ConfigError(f"config field decoder_sparse_step={self.decoder_sparse_step!r}: expected a positive int")
+        check_sparse_layers(self, "num_local_experts")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Qwen3MoeConfig":

@@ -25,8 +25,34 @@ from flodl_hf.registry import register
 from .llama import Llama, LlamaAttention, LlamaConfig, LlamaModel, ScoreHead, check_heads_from_hidden
 
 
+class PartialRotary:
+    """RoPE on the first ``partial_rotary_factor`` of each head, as StableLmConfig and PhiConfig read it
+    (``convert_rope_params_to_dict``: the RoPE dict's, else the top-level field, whose default each config sets); a
+    null factor and an odd rotated count refused. A config mixin, before LlamaConfig in the bases."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rotary_dim % 2:  # transformers' cos and sin would be one dimension wider than the rotated slice
+            raise ConfigError(f"config field partial_rotary_factor: {self.attention_head_dim} x "
+                              f"{self._partial_factor} = {self.rotary_dim} rotated dimensions, an odd number "
+                              "(transformers fails on it at the first forward)")
+
+    @property
+    def _partial_factor(self) -> float:
+        given = self.rope_scaling or self.rope_parameters
+        params = given if isinstance(given, dict) else {}
+        factor = params.get("partial_rotary_factor", self.partial_rotary_factor)
+        if factor is None:  # transformers' attention reads rope_parameters["partial_rotary_factor"]: a KeyError
+            raise ConfigError("config field partial_rotary_factor is null")
+        return _number(factor, "partial_rotary_factor")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.attention_head_dim * self._partial_factor)  # StableLmAttention.rotary_ndims, PhiAttention's
+
+
 @dataclass
-class StableLmConfig(LlamaConfig):
+class StableLmConfig(PartialRotary, LlamaConfig):
     model_type: ClassVar[str] = "stablelm"
 
     vocab_size: int = 50304
@@ -46,13 +72,6 @@ class StableLmConfig(LlamaConfig):
     pad_token_id: int | None = None
     partial_rotary_factor: float | None = 0.25  # StableLmConfig.__post_init__'s default, moved into the RoPE dict
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.rotary_dim % 2:  # transformers' cos and sin would be one dimension wider than the rotated slice
-            raise ConfigError(f"config field partial_rotary_factor: {self.attention_head_dim} x "
-                              f"{self._partial_factor} = {self.rotary_dim} rotated dimensions, an odd number "
-                              "(transformers fails on it at the first forward)")
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "StableLmConfig":
         config = super().from_dict(data)
@@ -61,20 +80,6 @@ class StableLmConfig(LlamaConfig):
 
     norm_eps = property(lambda self: self.layer_norm_eps)
     attention_head_dim = property(lambda self: self.hidden_size // self.num_attention_heads)
-
-    @property
-    def _partial_factor(self) -> float:
-        # convert_rope_params_to_dict: the RoPE dict's partial_rotary_factor, else the top-level one
-        given = self.rope_scaling or self.rope_parameters
-        params = given if isinstance(given, dict) else {}
-        factor = params.get("partial_rotary_factor", self.partial_rotary_factor)
-        if factor is None:  # transformers' attention reads rope_parameters["partial_rotary_factor"]: a KeyError
-            raise ConfigError("config field partial_rotary_factor is null")
-        return _number(factor, "partial_rotary_factor")
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.attention_head_dim * self._partial_factor)  # StableLmAttention.rotary_ndims
 
     def biases(self) -> tuple[bool, bool, bool]:
         return self.use_qkv_bias, False, False  # StableLmAttention (o_proj without), StableLmMLP without

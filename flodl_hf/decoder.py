@@ -168,14 +168,8 @@ class Rope:
         """_compute_longrope_parameters' scalars: the factor, then the attention factor, in Python floats."""
         short = _factors(params["short_factor"], f"{source}.short_factor")
         long = _factors(params["long_factor"], f"{source}.long_factor")
-        factor = params.get("factor")
-        if factor is None:  # Phi3: the ratio of the two lengths, not a stored factor
-            if old == 0:
-                raise ConfigError("config field original_max_position_embeddings=0: longrope divides "
-                                  "max_position_embeddings by it")
-            factor = _number(max_position_embeddings, "max_position_embeddings") / old
-        else:
-            factor = _number(factor, f"{source}.factor")
+        # Phi3: no stored factor, the ratio of the two lengths
+        factor = _factor_or_ratio(params.get("factor"), source, max_position_embeddings, old, "longrope")
         attention = params.get("attention_factor")
         if attention is not None:
             attention = _number(attention, f"{source}.attention_factor")
@@ -194,14 +188,7 @@ class Rope:
         """_compute_yarn_parameters' scalars: the factor (None: the ratio of the two lengths), the attention factor
         (given, else YaRN's mscale ratio when both mscale and mscale_all_dim are set and non-zero, else its mscale of
         the factor), beta_fast / beta_slow (None or 0: 32 / 1) and truncate, in Python floats."""
-        factor = params["factor"]
-        if factor is None:
-            if old == 0:
-                raise ConfigError("config field original_max_position_embeddings=0: yarn divides "
-                                  "max_position_embeddings by it")
-            factor = _number(max_position_embeddings, "max_position_embeddings") / old
-        else:
-            factor = _number(factor, f"{source}.factor")
+        factor = _factor_or_ratio(params["factor"], source, max_position_embeddings, old, "yarn")
         given = {name: params.get(name) for name in ("attention_factor", "mscale", "mscale_all_dim", "beta_fast",
                                                      "beta_slow")}
         given = {name: None if value is None else _number(value, f"{source}.{name}") for name, value in given.items()}
@@ -287,16 +274,29 @@ class Rope:
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
 
 
+def _factor_or_ratio(factor: Any, source: str, max_position_embeddings: int, old: float, rope_type: str) -> float:
+    """longrope's and yarn's factor: the given one, else max_position_embeddings / original_max_position_embeddings
+    (_compute_longrope_parameters, _compute_yarn_parameters)."""
+    if factor is not None:
+        return _number(factor, f"{source}.factor")
+    if old == 0:
+        raise ConfigError(f"config field original_max_position_embeddings=0: {rope_type} divides "
+                          "max_position_embeddings by it")
+    return _number(max_position_embeddings, "max_position_embeddings") / old
+
+
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     """yarn_get_mscale: ``0.1 * mscale * log(scale) + 1``, 1.0 for a scale up to 1."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def rotary_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype,
-                   attention_scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """LlamaRotaryEmbedding.forward: elementwise ``positions * inv_freq``, cat, cos/sin times the scaling."""
+                   attention_scaling: float = 1.0, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """LlamaRotaryEmbedding.forward: elementwise ``positions * inv_freq``, cat, cos/sin times the scaling;
+    ``interleaved``: each frequency twice in a row, ``repeat_interleave`` where LLaMA has ``cat``
+    (CohereRotaryEmbedding.forward, for RoPE on pairs of adjacent dimensions)."""
     freqs = position_ids[..., None].float() * inv_freq.to(device=position_ids.device, dtype=torch.float)
-    emb = torch.cat((freqs, freqs), dim=-1)
+    emb = torch.repeat_interleave(freqs, 2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
     cos = emb.cos() * attention_scaling
     sin = emb.sin() * attention_scaling
     return cos.to(dtype=dtype), sin.to(dtype=dtype)
