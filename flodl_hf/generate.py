@@ -25,7 +25,11 @@ those of ``model.generate`` with the same settings, and so are sampled ids where
 - a row that produced eos, ended a stop string (``stop_strings`` with ``tokenizer=``, StopStringCriteria) gets
   the pad id from then on (when an eos id is set, as transformers); generation stops when every row has, at the
   maximum length, or past ``max_time`` seconds;
-- ``num_beams > 1`` runs ``_beam_search`` instead (``_beam_search`` below), beam sampling with ``do_sample``.
+- ``num_beams > 1`` runs ``_beam_search`` instead (``_beam_search`` below), beam sampling with ``do_sample``;
+- transformers' hooks: custom ``logits_processor`` / ``stopping_criteria`` merged into the built-in lists as
+  ``_merge_criteria_processor_list`` merges them (``generation_processors.merge``), and a ``streamer`` handed the
+  prompt, each step's new ids and ``end()`` as ``_sample`` hands them (not with beams: transformers raises, or with
+  beam sampling never ends it).
 ``generate(prompts, model, ...)`` is the one-liner over texts, equal to transformers 5.24's text-generation
 pipeline: its defaults where neither the call nor the file sets one (256 new tokens, sampling at temperature
 0.7), its shapes (a list of records per prompt) and keys (``generated_text``, ``generated_token_ids``), with
@@ -34,7 +38,6 @@ greedy prompts batched by left padding and sampled ones run one at a time in the
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -43,7 +46,7 @@ import torch
 
 from . import io
 from .errors import ConfigError, InputError
-from .generation_processors import StopStrings, apply, logits_processors
+from .generation_processors import StopStrings, apply, logits_processors, stop_hits, stopping_criteria_list
 from .modeling import PLAIN_RECORD, config_sets_forward_defaults
 from .outputs import ModelOutput
 
@@ -470,12 +473,46 @@ def infer_attention_mask(input_ids: torch.Tensor, pad: int | None, eos: Sequence
     return input_ids.ne(pad).long()
 
 
+def _hooks(value: Any, name: str) -> list[Any]:
+    """A ``logits_processor`` / ``stopping_criteria`` argument: None, or a list of callables (a transformers
+    LogitsProcessorList / StoppingCriteriaList, or a plain list or tuple)."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise InputError(f"{name}={value!r}: expected a list of callables (a transformers "
+                         f"{'LogitsProcessorList' if name == 'logits_processor' else 'StoppingCriteriaList'}, or a "
+                         "plain list)")
+    for i, hook in enumerate(value):
+        if not callable(hook):
+            raise InputError(f"{name}[{i}]={hook!r}: expected a callable taking (input_ids, scores)")
+    return list(value)
+
+
+def _check_streamer(streamer: Any, settings: GenerationSettings) -> None:
+    """A streamer has transformers' BaseStreamer methods, ``put(value)`` and ``end()``. With beams transformers
+    raises (``_validate_generation_mode``: beam search) or hands it the prompt and nothing after, no ``end()``
+    (beam sampling: ``_beam_search`` takes no streamer; a TextIteratorStreamer then waits forever): refused."""
+    if streamer is None:
+        return
+    if not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+        raise InputError(f"streamer={streamer!r}: expected a streamer with put(value) and end() (transformers' "
+                         "BaseStreamer)")
+    if settings.num_beams > 1:
+        if not settings.do_sample:
+            raise InputError(f"streamer with num_beams={settings.num_beams}: a streamer cannot be used with beam "
+                             "search (transformers raises the same)")
+        raise InputError(f"streamer with num_beams={settings.num_beams} and do_sample=True: transformers' beam "
+                         "sampling hands the streamer the prompt and nothing after (no end()); use num_beams=1")
+
+
 @torch.inference_mode()
 def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  eos_token_id: int | Sequence[int] | torch.Tensor | None = None,
                  pad_token_id: int | None = None, generation_config: Any = None, tokenizer: Any = None,
+                 logits_processor: Sequence[Any] | None = None, stopping_criteria: Sequence[Any] | None = None,
+                 streamer: Any = None,
                  **options: Any) -> torch.Tensor | GenerateDecoderOnlyOutput | GenerateBeamDecoderOnlyOutput:
     """Prompt ids (B, S), left-padded, -> (B, S + n) ids: the prompts and up to ``max_new_tokens`` new tokens
     each, as transformers' ``generate`` returns them (``GenerateDecoderOnlyOutput`` with
@@ -489,7 +526,14 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     ``eta_cutoff``), the stopping criteria (``stop_strings``, which needs ``tokenizer``, and ``max_time``), and beam
     search (``num_beams``, ``length_penalty``, ``early_stopping``; a ``GenerateBeamDecoderOnlyOutput`` record).
     Without ``attention_mask``, the pad id's positions are masked as transformers infers them.
-    ``seed``: sample from a generator seeded with it; None samples from torch's global generator."""
+    ``seed``: sample from a generator seeded with it; None samples from torch's global generator.
+    ``logits_processor`` / ``stopping_criteria``: the caller's own (a LogitsProcessorList / StoppingCriteriaList or a
+    list of callables), each called as transformers calls it, ``(input_ids so far, scores)``: a processor gets the
+    step's scores and returns new ones (after the built-in processors, before the sampling warpers), a criterion
+    gets the recorded scores (a tuple with ``output_scores`` and ``return_dict_in_generate``, else None) and returns
+    a bool per row; one of the class of a built-in takes its place (``_merge_criteria_processor_list``).
+    ``streamer``: ``put(prompt ids)`` (CPU, after ``num_return_sequences``' repeat), then ``put(new ids)`` (B,)
+    after each step, then ``end()``; not with beams."""
     if getattr(model, "task", None) != "causal_lm":
         raise InputError(f"generate needs a causal_lm model, not {type(model).__name__}")
     _check_ids(input_ids, attention_mask)
@@ -497,13 +541,10 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
         raise InputError(f"seed={seed!r}: expected an integer or None")
     settings = generation_settings(model, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
                                    pad_token_id, generation_config, **options)
+    custom_processors = _hooks(logits_processor, "logits_processor")
+    custom_criteria = _hooks(stopping_criteria, "stopping_criteria")
+    _check_streamer(streamer, settings)
     eos, pad = settings.eos, settings.pad
-    stop_strings = None
-    if settings.stop_strings is not None:  # _get_stopping_criteria
-        if tokenizer is None:
-            raise InputError(f"stop_strings={settings.stop_strings!r}: matching them needs the model's tokenizer; "
-                             "pass tokenizer= (as transformers' generate)")
-        stop_strings = StopStrings(tokenizer, settings.stop_strings)
     if attention_mask is None:
         attention_mask = infer_attention_mask(input_ids, pad, eos)
     device = model.device
@@ -512,6 +553,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     if expand > 1:  # _expand_inputs_for_generation
         input_ids = input_ids.repeat_interleave(expand, dim=0)
         attention_mask = attention_mask.repeat_interleave(expand, dim=0)
+    if streamer is not None:  # the prompt, before the lengths are checked (as transformers' generate)
+        streamer.put(input_ids.cpu())
     generator = None
     if settings.do_sample and seed is not None:
         generator = torch.Generator(device=device)
@@ -535,34 +578,36 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
                   else settings.min_length)
     # the repetition penalty skips the left padding, which transformers reads off the mask unless it is all ones
     ignore = None if (attention_mask == 1).all() else (attention_mask != 0).int().argmax(dim=1)
-    processors = logits_processors(settings, prompt_length, max_length, min_length, ignore, device)
+    processors = logits_processors(settings, prompt_length, max_length, min_length, ignore, device,
+                                   custom_processors)
+    stop_strings = None
+    if settings.stop_strings is not None:  # _get_stopping_criteria
+        if tokenizer is None:
+            raise InputError(f"stop_strings={settings.stop_strings!r}: matching them needs the model's tokenizer; "
+                             "pass tokenizer= (as transformers' generate)")
+        stop_strings = StopStrings(tokenizer, settings.stop_strings)
+    criteria = stopping_criteria_list(settings, max_length, stop_strings, device, custom_criteria)
     cache = model.backbone.new_cache() if settings.use_cache else None
     decoder = _Decoder(model, attention_mask, cache, settings.use_cache)
-    eos_tensor = torch.tensor(eos, device=device, dtype=torch.long) if eos else None
-    started = time.time()  # MaxTimeCriteria counts from its creation, before the prefill
-
-    def stopped(ids: torch.Tensor) -> torch.Tensor:
-        """StoppingCriteriaList but the maximum length: a row stops on the time, a stop string or an eos."""
-        hit = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
-        if settings.max_time is not None and time.time() - started > settings.max_time:
-            hit |= True
-        if stop_strings is not None:
-            hit |= stop_strings(ids)
-        if eos_tensor is not None:
-            hit |= torch.isin(ids[:, -1], eos_tensor)
-        return hit
 
     if settings.num_beams > 1:
-        return _beam_search(decoder, input_ids, settings, processors, stopped, max_length, generator)
-    fill = settings.eos_set and pad is not None  # _sample: finished rows get the pad id when an eos is set
+        return _beam_search(decoder, input_ids, settings, processors, criteria, max_length, generator)
+    # _sample: finished rows get the pad id when a criterion has an eos_token_id (EosTokenCriteria: an eos is set)
+    fill = any(hasattr(c, "eos_token_id") for c in criteria)
+    if fill and pad is None:
+        if not settings.eos_set:  # a custom criterion's eos_token_id: transformers fails on the missing pad id
+            raise InputError("stopping_criteria: a criterion has an eos_token_id, so finished rows get the pad id, "
+                             "and no pad_token_id is set (transformers fails on None); pass pad_token_id")
+        fill = False
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=device)
     record = settings.return_dict_in_generate
-    scores_seen, logits_seen = [], []
+    scores_seen: tuple[torch.Tensor, ...] | None = () if record and settings.output_scores else None
+    logits_seen: list[torch.Tensor] = []
     while True:
         logits = decoder.next_logits(input_ids)
         scores = apply(processors, input_ids, logits)
-        if record and settings.output_scores:
-            scores_seen.append(scores)
+        if scores_seen is not None:
+            scores_seen += (scores,)
         if record and settings.output_logits:
             logits_seen.append(logits)
         if settings.do_sample:
@@ -573,12 +618,16 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
         if fill:
             next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-        unfinished = unfinished & ~stopped(input_ids).long()
-        if input_ids.shape[-1] >= max_length or unfinished.max() == 0:
+        unfinished = unfinished & ~stop_hits(criteria, input_ids, scores_seen)
+        if streamer is not None:  # StopCheck: each step's new ids, after the stopping criteria
+            streamer.put(next_tokens.cpu())
+        if unfinished.max() == 0:
             break
+    if streamer is not None:
+        streamer.end()
     if not record:
         return input_ids
-    return GenerateDecoderOnlyOutput(sequences=input_ids, scores=tuple(scores_seen) if settings.output_scores else None,
+    return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores_seen,
                                      logits=tuple(logits_seen) if settings.output_logits else None,
                                      cache=decoder.cache)
 
@@ -629,7 +678,7 @@ def _gather_beams(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 
 def _beam_search(decoder: _Decoder, input_ids: torch.Tensor, settings: GenerationSettings, processors: list,
-                 stopped: Any, max_length: int,
+                 criteria: list, max_length: int,
                  generator: torch.Generator | None) -> torch.Tensor | GenerateBeamDecoderOnlyOutput:
     """GenerationMixin._beam_search (generation/utils.py:3578), with its helpers (:3343-3577) step for step: the
     log-softmax of the logits through the processors, added to each beam's score; the top ``max(2, 1 + n_eos) *
@@ -661,6 +710,7 @@ def _beam_search(decoder: _Decoder, input_ids: torch.Tensor, settings: Generatio
     flat_running = input_ids
     scores_seen: list[torch.Tensor] = []
     logits_seen: list[torch.Tensor] = []
+    record_scores = s.return_dict_in_generate and s.output_scores
     while True:
         if decoder.prefilled:
             flat_running = running[:, :, :cur_len].reshape(batch * num_beams, cur_len)
@@ -668,7 +718,7 @@ def _beam_search(decoder: _Decoder, input_ids: torch.Tensor, settings: Generatio
         log_probs = apply(processors, flat_running, torch.nn.functional.log_softmax(logits, dim=-1))
         if s.return_dict_in_generate and s.output_logits:
             logits_seen.append(logits.clone())
-        if s.return_dict_in_generate and s.output_scores:
+        if record_scores:
             scores_seen.append(log_probs.clone())
         log_probs = log_probs.reshape(batch, num_beams, -1) + running_scores[:, :, None]
         log_probs = torch.reshape(log_probs, (batch, -1))
@@ -690,7 +740,7 @@ def _beam_search(decoder: _Decoder, input_ids: torch.Tensor, settings: Generatio
         top_running_indices[:, :, cur_len - prompt_length] = from_beam + offset
         # the stopping criteria on each continuation (MaxLengthCriteria: all of them at the last position)
         candidates = top_sequences[:, :, :cur_len + 1].reshape(batch * keep, cur_len + 1)
-        hits = stopped(candidates) | (cur_len + 1 >= max_length)
+        hits = stop_hits(criteria, candidates, tuple(scores_seen) if record_scores else None)
         hits = hits.reshape(batch, keep)
         # _get_running_beams_for_next_iteration
         running_log_probs = top_log_probs + hits.to(torch.float32) * -1.0e9
@@ -746,6 +796,8 @@ _PIPELINE_SAMPLING = {"temperature", "top_k", "top_p", "min_p", "top_h", "typica
 _PIPELINE_NOT_IMPLEMENTED = ("return_type", "prefix", "handle_long_generation", "truncation",
                              "tokenizer_encode_kwargs", "add_special_tokens", "padding", "batch_size", "num_workers",
                              "assistant_model", "assistant_tokenizer")
+# generate_ids' hooks the pipeline hands to each prompt's generate call
+_HOOKS = ("logits_processor", "stopping_criteria", "streamer")
 # generate() keywords that would make the pipeline add records' fields (scores, logits) that generate() does not write
 _RECORD_KEYWORDS = ("return_dict_in_generate", "output_scores", "output_logits")
 
@@ -841,7 +893,9 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
     with left padding (the pipeline runs them one by one: the ids are the same); sampling, a total ``max_length`` /
     ``min_length``, beams, stop strings, the time limit, or a processor reading the padded ids (n-gram ban, bad
     words, sequence bias, forced bos) runs them one by one in order, so that after ``torch.manual_seed(s)`` (or
-    with ``seed=s``, which leaves the global generator alone) the draws and lengths are the pipeline's.
+    with ``seed=s``, which leaves the global generator alone) the draws and lengths are the pipeline's. A
+    ``streamer``, ``logits_processor`` or ``stopping_criteria`` goes to each prompt's ``generate_ids`` (one prompt
+    at a time, as the pipeline hands them to each prompt's generate).
 
     ``prompts`` may also be a chat (a list of ``{"role", "content"}`` dicts) or a list of chats, as the pipeline
     takes them: each is rendered with the tokenizer's chat template (``apply_chat_template``, a generation
@@ -859,6 +913,8 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
             raise InputError(f"{name}={options[name]!r}: generate() writes only the pipeline's generated_text or "
                              "generated_token_ids; use generate_ids for scores and logits")
     kind = _return_type(return_full_text, return_tensors, return_text)
+    # the pipeline hands these to generate with each prompt: here too, one prompt at a time
+    hooks = {name: options.pop(name) for name in _HOOKS if options.get(name) is not None}
     stop_sequence = options.pop("stop_sequence", None)
     if stop_sequence is not None:  # TextGenerationPipeline._sanitize_parameters: stop strings, with the tokenizer
         options["stop_strings"] = [stop_sequence] if isinstance(stop_sequence, str) else stop_sequence
@@ -938,9 +994,9 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
             torch.manual_seed(seed)
         if not single:  # the pipeline runs a list through a DataLoader, whose iterator draws its base seed first
             torch.empty((), dtype=torch.int64).random_()
-        # a processor reading the padded ids, a stop string, the time limit or beams: one prompt at a time too
+        # a processor reading the padded ids, a stop string, the time limit, beams or a hook: one prompt at a time
         alone = settings.reads_history() or settings.stop_strings is not None or settings.max_time is not None \
-            or settings.num_beams > 1
+            or settings.num_beams > 1 or bool(hooks)
         # a family whose decoding changes with the padded length (Phi-3 at original_max_position_embeddings + 1
         # tokens: the cache dropped; longrope's long frequencies for every row): one at a time if a batch gets there
         drops = getattr(lm.backbone, "drops_cache", None)
@@ -950,7 +1006,7 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
             # one prompt at a time, as the pipeline: the draws come in its order, and lengths are per prompt
             for r in rows:
                 ids = generate_ids(lm, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long),
-                                   tokenizer=tok if stop_sequence is not None else None, **kwargs)
+                                   tokenizer=tok if stop_sequence is not None else None, **hooks, **kwargs)
                 sequences.extend(ids.tolist())
         else:
             # Left padding by hand: LLaMA tokenizers often have no pad token. Padded positions are masked out of

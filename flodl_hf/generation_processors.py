@@ -3,13 +3,19 @@
 ``logits_processors`` builds the list ``GenerationMixin._get_logits_processor`` builds (generation/utils.py:1416),
 in its order, for the settings ``generate_ids`` implements; each entry takes ``(input_ids, scores)`` and returns
 the new scores with the ops of the transformers class named beside it (generation/logits_process.py), so that the
-scores, and the ids drawn from them, are bitwise transformers'. ``StopStrings`` is ``StopStringCriteria``
-(generation/stopping_criteria.py): a row stops when a stop string ends in its last token.
+scores, and the ids drawn from them, are bitwise transformers'. ``stopping_criteria`` builds
+``_get_stopping_criteria``'s list (maximum length, time, stop strings, eos; ``StopStrings`` is
+``StopStringCriteria``: a row stops when a stop string ends in its last token). A caller's own processors and
+criteria (``generate(logits_processor=..., stopping_criteria=...)``) join both lists as
+``_merge_criteria_processor_list`` merges them: one of the class of a built-in takes its place, the others follow
+the built-ins (the processors before the sampling warpers, as there).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import time
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
@@ -203,32 +209,42 @@ def renormalize(scores: torch.Tensor) -> torch.Tensor:
 
 
 def logits_processors(settings: Any, prompt_length: int, max_length: int, min_length: int,
-                      ignore: torch.Tensor | None, device: torch.device) -> list[Processor]:
+                      ignore: torch.Tensor | None, device: torch.device, custom: Sequence[Any] = ()) -> list[Processor]:
     """``_get_logits_processor``'s list (generation/utils.py:1416-1663) for ``settings`` (a GenerationSettings),
-    in its order: sequence bias, repetition penalty, n-gram ban, bad words, minimum length, forced bos / eos,
-    invalid values, exponential decay, suppression; when sampling temperature, top-k, top-p, min-p, typical,
-    epsilon, eta; renormalization last. ``min_length`` is the total length under which an eos is banned
-    (MinLength and MinNewTokensLength ban the same ids: one ``torch.where`` gives their result)."""
+    in its order: sequence bias, repetition penalty, n-gram ban, bad words, minimum length (MinLength when the
+    total ``min_length`` is positive, MinNewTokensLength when ``min_new_tokens`` is: each bans the eos ids below
+    ``min_length``), forced bos / eos, invalid values, exponential decay, suppression; then ``custom`` (the
+    caller's processors, merged as ``merge``); when sampling temperature, top-k, top-p, min-p, typical, epsilon,
+    eta; renormalization last. Each built-in exists where transformers creates its class, so that a custom one of
+    that class takes its place."""
     s = settings
-    steps: list[Processor] = []
+    named: list[tuple[str, Processor]] = []  # (the transformers class, our step)
     eos = torch.tensor(s.eos, device=device, dtype=torch.long)
     if s.sequence_bias is not None:
-        steps.append(SequenceBias(s.sequence_bias))
+        named.append(("SequenceBiasLogitsProcessor", SequenceBias(s.sequence_bias)))
     if s.repetition_penalty != 1.0:
-        steps.append(lambda ids, x: repetition_penalty(ids, x, s.repetition_penalty, ignore))
+        named.append(("RepetitionPenaltyLogitsProcessor",
+                      lambda ids, x: repetition_penalty(ids, x, s.repetition_penalty, ignore)))
     if s.no_repeat_ngram_size:
-        steps.append(lambda ids, x: no_repeat_ngram(ids, x, s.no_repeat_ngram_size))
+        named.append(("NoRepeatNGramLogitsProcessor", lambda ids, x: no_repeat_ngram(ids, x, s.no_repeat_ngram_size)))
     if s.bad_words_ids is not None:
-        steps.append(bad_words(s.bad_words_ids, s.eos))
-    if s.eos and min_length > prompt_length:
-        steps.append(lambda ids, x: ban_ids(x, eos) if ids.shape[-1] < min_length else x)
+        named.append(("NoBadWordsLogitsProcessor", bad_words(s.bad_words_ids, s.eos)))
+
+    def below_min_length(ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return ban_ids(x, eos) if ids.shape[-1] < min_length else x
+    if s.eos_set and min_length > 0:
+        named.append(("MinLengthLogitsProcessor", below_min_length))
+    if s.eos_set and s.min_new_tokens:
+        named.append(("MinNewTokensLengthLogitsProcessor", below_min_length))
     if s.forced_bos_token_id is not None:
-        steps.append(lambda ids, x: force(x, s.forced_bos_token_id) if ids.shape[-1] == 1 else x)
+        named.append(("ForcedBOSTokenLogitsProcessor",
+                      lambda ids, x: force(x, s.forced_bos_token_id) if ids.shape[-1] == 1 else x))
     if s.forced_eos_token_id is not None:
         forced = torch.tensor(s.forced_eos_token_id, device=device).reshape(-1)
-        steps.append(lambda ids, x: force(x, forced) if ids.shape[-1] == max_length - 1 else x)
+        named.append(("ForcedEOSTokenLogitsProcessor",
+                      lambda ids, x: force(x, forced) if ids.shape[-1] == max_length - 1 else x))
     if s.remove_invalid_values:
-        steps.append(lambda ids, x: remove_invalid_values(x))
+        named.append(("InfNanRemoveLogitsProcessor", lambda ids, x: remove_invalid_values(x)))
     if s.exponential_decay_length_penalty is not None:
         start, factor = s.exponential_decay_length_penalty
         top = max(s.eos, default=-1)
@@ -239,14 +255,16 @@ def logits_processors(settings: Any, prompt_length: int, max_length: int, min_le
                                  f"indexes the scores with the eos ids {s.eos}, and {top} is beyond the vocabulary "
                                  f"({x.shape[-1]} ids; transformers raises an IndexError)")
             return exponential_decay(ids, x, start + prompt_length, factor, eos)
-        steps.append(decay)
+        named.append(("ExponentialDecayLengthPenalty", decay))
     if s.suppress_tokens is not None:
         suppressed = torch.tensor(list(s.suppress_tokens), device=device)
-        steps.append(lambda ids, x: ban_ids(x, suppressed))
+        named.append(("SuppressTokensLogitsProcessor", lambda ids, x: ban_ids(x, suppressed)))
     if s.begin_suppress_tokens is not None:
         begin = prompt_length + (1 if prompt_length == 1 and s.forced_bos_token_id is not None else 0)
         at_begin = torch.tensor(list(s.begin_suppress_tokens), device=device)
-        steps.append(lambda ids, x: ban_ids(x, at_begin) if ids.shape[-1] == begin else x)
+        named.append(("SuppressTokensAtBeginLogitsProcessor",
+                      lambda ids, x: ban_ids(x, at_begin) if ids.shape[-1] == begin else x))
+    steps = [_listed(p) for p in merge(named, custom, "logits_process")]
     if s.do_sample:
         # with beams, keep one more id than there are eos ids (two without an eos), so a beam can go on
         keep = 1 if s.num_beams == 1 else len(s.eos) + 1 if s.eos_set else 2
@@ -268,6 +286,41 @@ def logits_processors(settings: Any, prompt_length: int, max_length: int, min_le
     if s.renormalize_logits:
         steps.append(lambda ids, x: renormalize(x))
     return steps
+
+
+def merge(named: Sequence[tuple[str, Any]], custom: Sequence[Any], module: str) -> list[Any]:
+    """GenerationMixin._merge_criteria_processor_list (generation/utils.py:1707): each built-in (named by its
+    transformers class in ``generation.<module>``) is replaced, in its place, by the first custom entry of exactly
+    that class (transformers warns and uses the custom one); the other custom entries follow in their order, each
+    once (``custom not in final``)."""
+    if len(custom) == 0:
+        return [step for _, step in named]
+    import importlib
+    classes = importlib.import_module(f"transformers.generation.{module}")
+    final: list[Any] = []
+    for name, step in named:
+        final.append(next((c for c in custom if type(c) is getattr(classes, name)), step))
+    for c in custom:
+        if c not in final:
+            final.append(c)
+    return final
+
+
+def _listed(processor: Any) -> Processor:
+    """LogitsProcessorList.__call__: a processor whose ``__call__`` takes more than ``(input_ids, scores)`` wants
+    keyword arguments, which generate never passes: transformers raises at its first call, and so does this."""
+    try:
+        params = list(inspect.signature(processor.__call__).parameters)
+    except (TypeError, ValueError):  # no signature to read (a builtin): called with the two arguments
+        return processor
+    if len(params) <= 2:
+        return processor
+
+    def refused(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        raise InputError(f"logits_processor: {processor.__class__} takes the parameters {params}; generate passes "
+                         "it input_ids and scores alone (transformers raises: \"Make sure that all the required "
+                         "parameters ... are passed to the logits processor\")")
+    return refused
 
 
 def apply(steps: Sequence[Processor], input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -408,6 +461,63 @@ class StopStrings:
                         return True
         return False
 
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, scores: Any = None) -> torch.Tensor:
         rows = input_ids[:, -self.window:].tolist()
         return torch.tensor([self._ends_row(r) for r in rows], dtype=torch.bool, device=input_ids.device)
+
+
+class MaxLength:
+    """MaxLengthCriteria (:60): every row is done at ``max_length`` tokens."""
+
+    def __init__(self, max_length: int) -> None:
+        self.max_length = max_length
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any = None) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.max_length, device=input_ids.device,
+                          dtype=torch.bool)
+
+
+class MaxTime:
+    """MaxTimeCriteria (:89): every row is done ``max_time`` seconds after its creation."""
+
+    def __init__(self, max_time: float) -> None:
+        self.max_time, self.started = max_time, time.time()
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any = None) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), time.time() - self.started > self.max_time, device=input_ids.device,
+                          dtype=torch.bool)
+
+
+class EosToken:
+    """EosTokenCriteria (:544): a row is done when its last id is an eos id. Its ``eos_token_id`` attribute is what
+    ``_sample`` looks for (``has_eos_stopping_criteria``) to give finished rows the pad id."""
+
+    def __init__(self, eos: Sequence[int], device: torch.device) -> None:
+        self.eos_token_id = torch.tensor(list(eos), device=device, dtype=torch.long)
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any = None) -> torch.Tensor:
+        return torch.isin(input_ids[:, -1], self.eos_token_id)
+
+
+def stopping_criteria_list(settings: Any, max_length: int, stop_strings: StopStrings | None, device: torch.device,
+                      custom: Sequence[Any] = ()) -> list[Callable]:
+    """``_get_stopping_criteria``'s list (generation/utils.py:1669), in its order: the maximum length, the time
+    (counted from here, as MaxTimeCriteria from its creation), the stop strings, the eos ids (when an eos id is set,
+    ``[]`` included); then ``custom`` (the caller's criteria, merged as ``merge``)."""
+    named: list[tuple[str, Callable]] = [("MaxLengthCriteria", MaxLength(max_length))]
+    if settings.max_time is not None:
+        named.append(("MaxTimeCriteria", MaxTime(settings.max_time)))
+    if stop_strings is not None:
+        named.append(("StopStringCriteria", stop_strings))
+    if settings.eos_set:
+        named.append(("EosTokenCriteria", EosToken(settings.eos, device)))
+    return merge(named, custom, "stopping_criteria")
+
+
+def stop_hits(criteria: Sequence[Callable], input_ids: torch.Tensor, scores: tuple | None) -> torch.Tensor:
+    """StoppingCriteriaList.__call__: each criterion called with the ids so far and the recorded scores (a tuple
+    when ``output_scores`` records them, else None), their answers or-ed into one bool per row."""
+    done = torch.full((input_ids.shape[0],), False, device=input_ids.device, dtype=torch.bool)
+    for criterion in criteria:
+        done = done | criterion(input_ids, scores)
+    return done
