@@ -306,8 +306,14 @@ class LlamaModel(Backbone):
         keys = self.rope_keys()
         ropes = self.rotary_embeddings(keys, position_ids, hidden)
         for layer, spec, key in zip(self.layers, specs, keys, strict=True):
-            hidden = layer(hidden, ropes[key], masks[spec], cache)
+            if not self.drops_layer():
+                hidden = layer(hidden, ropes[key], masks[spec], cache)
         return self.norm(hidden)
+
+    def drops_layer(self) -> bool:
+        """Whether the next layer is skipped (LayerDrop, drawn before each layer outside it, so a skipped layer
+        records no hidden state, as transformers' hooks record none): never, but for OPT's ``layerdrop``."""
+        return False
 
     def rotary_embeddings(self, keys: list[str | None], position_ids: torch.Tensor,
                           hidden: torch.Tensor) -> dict[str | None, tuple[torch.Tensor, torch.Tensor] | None]:

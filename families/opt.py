@@ -125,15 +125,14 @@ class OPTAttention(LlamaAttention):
 class OPTDecoderLayer(nn.Module):
     """OPTDecoderLayer: its modules in its order; LayerNorm before each branch (``do_layer_norm_before``) or after
     each residual add; ``dropout`` on each branch; the MLP on the tokens flattened to (B * S, hidden), as
-    transformers runs it; with ``layerdrop`` in training, the whole layer skipped at a ``torch.rand([])`` draw below
-    it (OPTDecoder.forward draws it before each layer, so the draws come in the same order)."""
+    transformers runs it. ``layerdrop`` is drawn outside it, by the backbone (``OPTModel.drops_layer``), as
+    OPTDecoder.forward draws it before each layer."""
 
     def __init__(self, config: OPTConfig, self_attn: nn.Module) -> None:
         super().__init__()
         self.self_attn = self_attn
         self.do_layer_norm_before = config.do_layer_norm_before
         self.dropout = config.dropout
-        self.layerdrop = config.layerdrop
         self.activation_fn = activation(config.activation_function)
         self.self_attn_layer_norm = layer_norm(config)
         self.fc1 = nn.Linear(config.hidden_size, config.ffn_dim, bias=config.enable_bias)
@@ -142,8 +141,6 @@ class OPTDecoderLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, rope: None, mask: torch.Tensor | None,
                 cache: KVCache | None) -> torch.Tensor:
-        if self.training and self.layerdrop > 0.0 and torch.rand([]) < self.layerdrop:
-            return hidden_states
         pre = self.do_layer_norm_before
         residual = hidden_states
         attn = self.self_attn(self.self_attn_layer_norm(hidden_states) if pre else hidden_states, rope, mask, cache)
@@ -215,6 +212,11 @@ class OPTModel(LlamaModel):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.decoder.embed_tokens
+
+    def drops_layer(self) -> bool:
+        # OPTDecoder.forward: in training, a torch.rand([]) before each layer skips it below layerdrop
+        layerdrop = self.config.layerdrop
+        return self.training and layerdrop > 0.0 and bool(torch.rand([]) < layerdrop)
 
     def rotary_embeddings(self, keys: list[str | None], position_ids: torch.Tensor,
                           hidden: torch.Tensor) -> dict[str | None, None]:

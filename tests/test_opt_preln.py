@@ -164,6 +164,23 @@ def test_training_with_dropouts_and_layerdrop_equals_transformers(fields, impl):
                                         impl=impl, low=3)
 
 
+def test_layerdrop_records_no_hidden_state_for_a_skipped_layer():
+    """In training, a layer LayerDrop skips is never called, so transformers' hooks record no hidden state for it:
+    the tuple is shorter by the skipped layers, and ours is the same tuple, tensor for tensor."""
+    ours, theirs = model_pair(make_checkpoint({**PRE, "layerdrop": 0.5}, "causal_lm"), "causal_lm", "eager")
+    ours.train(), theirs.train()
+    batch = {**make_batch(ours.config, "causal_lm"), "use_cache": False, "output_hidden_states": True}
+    layers, lengths = ours.config.num_hidden_layers, set()
+    for seed in range(4):
+        torch.manual_seed(seed)
+        got = ours(**batch).hidden_states
+        torch.manual_seed(seed)
+        want = theirs(**batch).hidden_states
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)), seed
+        lengths.add(len(want))
+    assert min(lengths) < layers + 1 and len(lengths) > 1  # some layer was skipped, and not always the same number
+
+
 @pytest.mark.parametrize("fields,settings", [(POST, dict(num_beams=3, early_stopping=True)),
                                              (BARE, dict(do_sample=True, top_k=20, temperature=0.7))],
                          ids=["post-ln-beams", "bare-sampled"])
