@@ -265,11 +265,16 @@ class LoraLinear(nn.Linear):
         self.merged = False
         self._merged_norm: torch.Tensor | None = None  # DoRA: the weight norm of the merge, for unmerge
 
-    @staticmethod
-    def _weight_norm(weight: torch.Tensor, lora_weight: torch.Tensor, scaling: float) -> torch.Tensor:
-        """DoraLinearLayer.get_weight_norm: the L2 norm of each row of ``weight + scaling * lora_weight``."""
-        weight = weight + scaling * lora_weight
+    def _weight_norm(self, weight: torch.Tensor, lora_weight: torch.Tensor, scaling: float) -> torch.Tensor:
+        """DoraLinearLayer.get_weight_norm: the L2 norm of each output row of ``weight + scaling * lora_weight``,
+        ``weight`` in the layer's layout (:meth:`_oriented` to (out, in)), ``lora_weight`` in (out, in)."""
+        weight = self._oriented(weight) + scaling * lora_weight
         return torch.linalg.norm(weight, dim=1).to(weight.dtype)
+
+    def _oriented(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor in the layer's weight layout seen in nn.Linear's (out, in) one, and back: PEFT's
+        ``transpose(tensor, fan_in_fan_out)``, the identity here (:class:`LoraConv1D` transposes)."""
+        return tensor
 
     @staticmethod
     def features(base: nn.Module) -> tuple[int, int]:
@@ -306,8 +311,8 @@ class LoraLinear(nn.Linear):
             self.bias.data += self.lora_B.bias * self.scaling
         if self.use_dora:
             delta = self.delta_weight()
-            self._merged_norm = self._weight_norm(self.weight, delta, scaling=1).detach()
-            factor = (self.lora_magnitude_vector / self._merged_norm).view(-1, 1)
+            self._merged_norm = self._weight_norm(self.weight, self._oriented(delta), scaling=1).detach()
+            factor = self._oriented((self.lora_magnitude_vector / self._merged_norm).view(-1, 1))
             self.weight.data = (factor * (self.weight.data + delta)).to(self.weight.dtype)
         else:
             self.weight.data += self.delta_weight()
@@ -318,7 +323,7 @@ class LoraLinear(nn.Linear):
         if not self.merged:
             return
         if self.use_dora:  # DoraLinearVariant.unmerge: W / factor - delta, with the norm of the merge
-            factor = (self.lora_magnitude_vector / self._merged_norm).view(-1, 1)
+            factor = self._oriented((self.lora_magnitude_vector / self._merged_norm).view(-1, 1))
             self.weight.data = (self.weight.data / factor - self.delta_weight()).to(self.weight.dtype)
             self._merged_norm = None
         else:
@@ -362,7 +367,7 @@ class LoraLinear(nn.Linear):
             if self.bias is not None:
                 base_result = base_result - self.bias
         else:
-            base_result = F.linear(x, weight)
+            base_result = F.linear(x, self._oriented(weight))
         return (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * self.scaling
 
     def extra_repr(self) -> str:
@@ -375,12 +380,14 @@ class LoraConv1D(LoraLinear):
     """LoRA on a ``Conv1D`` layer (a module declaring ``fan_in_fan_out = True``, as GPT-2's: weight stored (in, out),
     run as ``addmm(bias, x, weight)``): PEFT's ``lora.Linear`` with ``fan_in_fan_out``, which PEFT sets for every
     Conv1D target whatever the config says: the base layer's own forward, A ``[r, in]`` and B ``[out, r]`` as on a
-    linear layer, the delta ``transpose(B @ A) * scaling`` to merge into the (in, out) weight."""
+    linear layer, the delta ``transpose(B @ A) * scaling`` to merge into the (in, out) weight. DoRA is
+    :class:`LoraLinear`'s with the weight read through its transpose (:meth:`_oriented`), as PEFT's
+    ``DoraLinearLayer`` and ``DoraLinearVariant`` read it with ``fan_in_fan_out``: the magnitude and the weight norm
+    per output column of the (in, out) weight, the dropped-out base product ``x @ W``, the merge factor ``[1, out]``."""
 
     def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float, use_rslora: bool,
                  use_dora: bool = False, lora_bias: bool = False) -> None:
-        # DoRA on a Conv1D is refused by add_lora
-        super().__init__(base, r, alpha, dropout, use_rslora, lora_bias=lora_bias)
+        super().__init__(base, r, alpha, dropout, use_rslora, use_dora, lora_bias)
         object.__setattr__(self, "_base", base)  # not registered: unloading puts it back
 
     @staticmethod
@@ -397,6 +404,9 @@ class LoraConv1D(LoraLinear):
 
     def delta_weight(self) -> torch.Tensor:
         return super().delta_weight().T  # transpose(B @ A, fan_in_fan_out) * scaling: the same bits
+
+    def _oriented(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.T
 
 
 class TrainableTokensEmbedding(nn.Embedding):
@@ -834,10 +844,6 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
         raise AdapterError(f"target_modules {targets!r} matches no linear layer of {type(model).__name__}; "
                            f"its linear layers are named {', '.join(linears)}")
 
-    conv = [n for n in chosen if _lora_class(_module(model, n)) is LoraConv1D]
-    if use_dora and conv:
-        raise UnsupportedAdapterError(f"use_dora on {', '.join(conv)} (Conv1D layers): flodl-hf implements DoRA on "
-                                      "linear layers only; leave them out of target_modules or use plain LoRA")
     saved = save_module_names(model, to_save or [])
     clash = [n for n in chosen if n in saved]
     if clash:  # PEFT: "modules_to_save cannot be applied to modules of type lora.Linear" (a TypeError)

@@ -121,6 +121,7 @@ def _peft_trainable(model):
 def _peft_name(name: str) -> str:
     """A PeftModel parameter name -> our key (adapter name and wrappers dropped)."""
     name = name.removeprefix("base_model.model.").replace(".default", "").replace(".token_adapter.", ".")
+    name = name.replace(".lora_magnitude_vector.weight", ".lora_magnitude_vector")  # DoRA's: a Parameter here
     return name.replace(".modules_to_save", "").replace(".base_layer", "")
 
 

@@ -609,13 +609,3 @@ def test_all_linear_adapter_both_ways(tmp_path):
     # a hand-written adapter_config.json that still says all-linear is expanded at load, as PEFT does
     _edit_config(tmp_path / "peft", target_modules="all-linear")
     assert sorted(lora.lora_layers(_ours(LLAMA_TIED, tmp_path / "peft"))) == sorted(lora.lora_layers(ours))
-
-
-def test_dora_on_a_conv1d_layer_is_refused_before_the_model_changes():
-    source, task = _source("gpt2-hd24-causal_lm")
-    model = load_model(source, task)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(UnsupportedAdapterError, match="use_dora on .*c_attn.*Conv1D"):
-        lora.add_lora(model, target_modules=["c_attn"], use_dora=True)
-    assert not lora.is_lora(model) and all(p.requires_grad for p in model.parameters())
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
