@@ -565,7 +565,7 @@ class Comm:
         after = f" after {waited:.1f}s" if waited is not None else ""
         return WorkerLostError(
             f"worker {self.rank}/{self.world}: {what} failed{after}: another worker died or stopped answering, "
-            f"or ran longer than the timeout ({limit}) in its own work, such as worker 0's evaluation. "
+            f"or ran longer than the timeout ({limit}) in its own work. "
             "Check the other workers' logs; under torchrun with --max-restarts the run resumes from the last "
             f"checkpoint. Cause: {cause}")
 
@@ -825,21 +825,21 @@ class Comm:
             flat = buffers[key] = torch.empty(numel, dtype=dtype or key, device=self.plane_device)
         return flat
 
-    def counter(self, key: str, add: int) -> int:
+    def counter(self, key: str, add: int, what: str = "updating the window's shared counter") -> int:
         """Add ``add`` to the integer at ``key`` on the process group's store; return the new value.
 
         Atomic across workers (the store serialises it), so ``counter(k, 1) - 1`` hands out
         0, 1, 2, ... once each; ``add=0`` reads. One round trip to the store's host.
         """
         store = dist.distributed_c10d._get_default_store()
-        return int(self._run("updating the window's shared counter", store.add, key, add))
+        return int(self._run(what, store.add, key, add))
 
-    def settle(self, key: str, proposal: str) -> str:
+    def settle(self, key: str, proposal: str, what: str = "settling a shared decision") -> str:
         """The value at ``key`` on the store, set to ``proposal`` if it is still unset or empty:
         the first worker to propose wins, and every worker reads the winner (``""`` proposes
         nothing, a read). One round trip to the store's host."""
         store = dist.distributed_c10d._get_default_store()
-        got = self._run("settling a shared decision", store.compare_set, key, "", proposal)
+        got = self._run(what, store.compare_set, key, "", proposal)
         return got.decode() if isinstance(got, bytes) else str(got)
 
     def drop_keys(self, keys: Sequence[str]) -> None:
@@ -847,6 +847,36 @@ class Comm:
         store = dist.distributed_c10d._get_default_store()
         for key in keys:
             self._run("clearing the window's shared counter", store.delete_key, key)
+
+    def heartbeat(self, key: str, interval: float) -> "Heartbeat":
+        """Announce work the other workers wait for through :meth:`wait_for_peer` (worker 0's
+        evaluation), and beat ``key/beat`` on the store every ``interval`` seconds from a thread of
+        its own until :meth:`Heartbeat.end`."""
+        self.counter(f"{key}/beat", 1, "announcing work the other workers wait for")
+        return Heartbeat(self, key, interval)
+
+    def wait_for_peer(self, key: str, what: str, timeout: float) -> bool:
+        """Wait for the end a peer's :class:`Heartbeat` publishes at ``key/done``, however long its
+        work takes while its beats go on; whether the work succeeded. Raise :class:`WorkerLostError`
+        once the beats have stopped for ``timeout`` seconds (counted from this call until the first
+        one is seen), or at once when the store's host is gone. Polled every 5 ms at first, less
+        often as the wait goes on, at least every ``min(1, timeout / 10)`` seconds. The last worker
+        to read the end tells the peer at ``key/read``; every worker but the peer calls this."""
+        interval = min(1.0, timeout / 10)
+        start = seen_at = time.perf_counter()
+        beats, pause = -1, min(0.005, interval)
+        while not (outcome := self.settle(f"{key}/done", "", what)):
+            now_beats, now = self.counter(f"{key}/beat", 0, what), time.perf_counter()
+            if now_beats != beats:
+                beats, seen_at = now_beats, now
+            elif now - seen_at > timeout:
+                raise self.lost(what, TimeoutError(f"no heartbeat for {now - seen_at:.1f}s (timeout {timeout:g}s)"),
+                                now - start)
+            time.sleep(pause)
+            pause = min(2 * pause, interval)
+        if self.counter(f"{key}/readers", 1, what) == self.world - 1:
+            self.settle(f"{key}/read", "1", what)
+        return outcome == "done"
 
     def any_flag(self, flag: bool) -> bool:
         """True on every worker if it is true on any."""
@@ -867,6 +897,42 @@ class Comm:
         seen = self.gather_floats([mine])[:, 0]
         if not bool((seen == seen[0]).all()):
             raise TrainerError(f"workers hold different parameters after {where}: digests {seen.tolist()}")
+
+
+class Heartbeat:
+    """The beats of :meth:`Comm.heartbeat`: a daemon thread adds 1 to ``key/beat`` on the store every
+    ``interval`` seconds, so a waiting worker tells work that runs long from a process that died or
+    froze (its beats stop; a store hosted in that process stops answering). Beats from a thread
+    prove the process alive, not that the work advances: work stuck while its process runs is
+    waited for, and C code holding the GIL for longer than the waiters' ``timeout`` reads as frozen."""
+
+    def __init__(self, comm: Comm, key: str, interval: float) -> None:
+        self.comm, self.key = comm, key
+        self._stop = threading.Event()
+        store = dist.distributed_c10d._get_default_store()
+
+        def beat() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    store.add(f"{key}/beat", 1)
+                except RuntimeError:  # the store's host is gone: the waiting workers see it themselves
+                    return
+
+        self._thread = threading.Thread(target=beat, name="flodl-hf heartbeat", daemon=True)
+        self._thread.start()
+
+    def end(self, ok: bool) -> None:
+        """Stop beating and publish the end for :meth:`Comm.wait_for_peer`: ``ok``, whether the work
+        succeeded. Then, on success, wait until every other worker has read it (a store this process
+        hosts must outlive their reads: the run may end here) and delete the keys."""
+        self._stop.set()
+        self._thread.join()
+        comm, key = self.comm, self.key
+        comm.settle(f"{key}/done", "done" if ok else "failed", "publishing the end of work the others wait for")
+        if ok:
+            store = dist.distributed_c10d._get_default_store()
+            comm._run("waiting for the other workers to read the end of its work", store.wait, [f"{key}/read"])
+            comm.drop_keys([f"{key}/{name}" for name in ("beat", "done", "readers", "read")])
 
 
 class PendingWindow:

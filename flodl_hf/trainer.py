@@ -144,7 +144,8 @@ class Trainer:
     ``sync`` is ``"ddp"``, ``"el-che"`` (or an :class:`ElChe`), or ``"none"``; ``outer`` a
     :class:`DiLoCo` for El Che; ``balance=True`` splits DDP steps by the workers' speeds. ``timeout``
     (seconds) bounds every collective when the trainer starts the process group itself (from
-    torchrun's environment). ``portal=True`` (or a port)
+    torchrun's environment), and the silence of worker 0's heartbeat while the others wait for its
+    evaluation, which may take any time. ``portal=True`` (or a port)
     serves the run's record live from worker 0 while it trains (:mod:`flodl_hf.portal`).
     ``gradient_accumulation_steps`` (transformers' name) makes each optimizer step take that many
     micro-batches of ``batch_size`` per worker; ``precision="bf16"|"fp16"`` runs the closure under
@@ -382,10 +383,18 @@ class Trainer:
                 sorted(sum(self.el_che.nested, ())) != list(range(comm.world)):
             raise TrainerConfigError(f"ElChe nested={self.el_che.nested!r}: the tiers must hold every rank "
                                      f"0..{comm.world - 1} once")
-        if self._live:
-            # Live windows' counters on the store are named after this fit, from worker 0's clock:
-            # a store that outlives the fit (a torchrun restart, fits in a row) never mixes them up.
-            self._run_key = str(int(comm.gather_floats([time.time_ns() % 2**52])[0, 0]))
+        self._eval_waits = False  # the other workers wait for worker 0's evaluations on the store
+        if comm.world > 1:
+            # Live windows' counters and evaluations' heartbeats on the store are named after this fit, from
+            # worker 0's clock: a store that outlives the fit (a torchrun restart, fits in a row) never mixes
+            # them up. The others wait for an evaluation where every worker evaluates at the same points.
+            rows = comm.gather_floats([time.time_ns() % 2**52, self.eval_fn is not None, self.eval_every or 0])
+            self._run_key = str(int(rows[0, 0]))
+            self._eval_waits = bool((rows[:, 1:] == rows[0, 1:]).all()) and self.eval_fn is not None
+            if not self._eval_waits and bool(rows[0, 1]) and comm.rank == 0:
+                warnings.warn("eval_fn (or eval_every) differs between the workers: the others wait for worker "
+                              "0's evaluations in their next collective, so each must fit in `timeout`; give "
+                              "every worker the same eval_fn and eval_every for a wait of any length")
         self._sync_ema: float | None = None
         # combine="lead", on the lead: how long after the slowest's expected end (by the smoothed speeds
         # and the window's anchor) the others' gradients land, seconds (live windows: it trains on until
@@ -1393,10 +1402,12 @@ class Trainer:
                                   samples_s=f"{rolled['samples_per_s']:.0f}", refresh=False)
 
     def _evaluate(self, inner: tuple[int, int, float] | None = None) -> None:
-        """Evaluate on worker 0 and share ``stop_when``'s answer. ``inner``: (step, samples, training
-        time) of an inner sync of nested windows, called by the inner tier only: worker 0 evaluates
-        the inner tier's parameters, the inner tier shares the answer (``_stop_pending``), and the
-        outer tier learns it at the outer sync."""
+        """Evaluate on worker 0 and share ``stop_when``'s answer. The other workers wait for it on the
+        store (:meth:`Comm.wait_for_peer`) while worker 0's heartbeat goes on, however long it takes.
+        ``inner``: (step, samples, training time) of an inner sync of nested windows, called by the
+        inner tier only: worker 0 evaluates the inner tier's parameters, the inner tier shares the
+        answer (``_stop_pending``), and the outer tier learns it at the outer sync; those workers wait
+        in their next collective, so such an evaluation must fit in ``timeout``."""
         step = self.step if inner is None else inner[0]
         if inner is None:  # (an inner sync's evaluation is of other parameters than the outer sync's at its step)
             # Once per point of training, not per step number: live windows end anywhere in a step
@@ -1408,39 +1419,61 @@ class Trainer:
             self._evaluated_at = point
         metrics: dict = {}
         stop = False
+        # The other workers wait for an outer evaluation on the store, not in their next collective, for
+        # as long as worker 0's heartbeat goes on: ``timeout`` bounds a silence, not the evaluation.
+        shared = inner is None and self._eval_waits
+        key = f"flodl-hf/eval/{self._run_key}/{self.epoch}/{self.position}" if shared else None
         if self.comm.rank == 0:
-            now = self._train_time_now() if inner is None else inner[2]  # the eval's place on the training clock
-            t = time.perf_counter()
-            was_training = self.model.training
-            self.model.eval()
-            devices = [self.device.index] if self.device.type == "cuda" else []
-            # Evaluation must not move the training RNG (torch's, Python's, NumPy's: a collate_fn may draw from
-            # any), or turning it on would change training and resuming would not be bit-exact.
-            host_rng = _host_rng_state()
+            beat = self.comm.heartbeat(key, min(1.0, self.timeout / 10)) if shared else None
+            ok = False  # an eval_fn that raises ends the others' wait at once
             try:
-                # Under the run's autocast, as transformers' Trainer evaluates (accelerate wraps the forward).
-                with torch.random.fork_rng(devices=devices), torch.no_grad(), self._autocast():
-                    out = self.eval_fn(self.model)
+                metrics, eval_s = self._evaluate_here(step, inner)
+                stop = bool(self.stop_when(metrics)) if self.stop_when is not None else False
+                ok = True
             finally:
-                self.model.train(was_training)
-                _set_host_rng_state(host_rng)
-            metrics = _metrics(out)
-            eval_s = time.perf_counter() - t
-            self._eval_s += eval_s
-            record = {"event": "eval", "step": step, "epoch": self.epoch, "time": round(now, 4),
-                      "samples": self.samples if inner is None else inner[1], "eval_s": round(eval_s, 4), **metrics}
-            self.history.append(record)
-            self._log.event(record)
-            if self._bar is not None:
-                self._bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
-            stop = bool(self.stop_when(metrics)) if self.stop_when is not None else False
+                if beat is not None:
+                    beat.end(ok)
             if inner is not None:
                 self._window_eval_s += eval_s
+        elif shared:
+            t, what = time.perf_counter(), f"waiting for worker 0's evaluation at step {step}"
+            if not self.comm.wait_for_peer(key, what, self.timeout):
+                raise self.comm.lost(what, TrainerError("worker 0's eval_fn or stop_when raised (its log says what)"),
+                                     time.perf_counter() - t)
+            self._eval_s += time.perf_counter() - t  # the evaluation's pause is not training time here either
         if self.stop_when is not None:
             if inner is None:
                 self._stop = self.comm.any_flag(stop or self._stop_pending)
             else:  # the inner tier waits for the answer, as every worker does at an outer sync
                 self._stop_pending = self._inner.any_flag(stop)
+
+    def _evaluate_here(self, step: int, inner: tuple[int, int, float] | None) -> tuple[dict, float]:
+        """Run ``eval_fn`` on this worker (worker 0) and record it; its metrics and seconds."""
+        now = self._train_time_now() if inner is None else inner[2]  # the eval's place on the training clock
+        t = time.perf_counter()
+        was_training = self.model.training
+        self.model.eval()
+        devices = [self.device.index] if self.device.type == "cuda" else []
+        # Evaluation must not move the training RNG (torch's, Python's, NumPy's: a collate_fn may draw from
+        # any), or turning it on would change training and resuming would not be bit-exact.
+        host_rng = _host_rng_state()
+        try:
+            # Under the run's autocast, as transformers' Trainer evaluates (accelerate wraps the forward).
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), self._autocast():
+                out = self.eval_fn(self.model)
+        finally:
+            self.model.train(was_training)
+            _set_host_rng_state(host_rng)
+        metrics = _metrics(out)
+        eval_s = time.perf_counter() - t
+        self._eval_s += eval_s
+        record = {"event": "eval", "step": step, "epoch": self.epoch, "time": round(now, 4),
+                  "samples": self.samples if inner is None else inner[1], "eval_s": round(eval_s, 4), **metrics}
+        self.history.append(record)
+        self._log.event(record)
+        if self._bar is not None:
+            self._bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        return metrics, eval_s
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
