@@ -26,6 +26,8 @@ those of ``model.generate`` with the same settings, and so are sampled ids where
   the pad id from then on (when an eos id is set, as transformers); generation stops when every row has, at the
   maximum length, or past ``max_time`` seconds;
 - ``num_beams > 1`` runs ``_beam_search`` instead (``_beam_search`` below), beam sampling with ``do_sample``;
+- ``prompt_lookup_num_tokens`` runs ``_prompt_lookup`` (transformers' assisted decoding with prompt lookup's
+  candidates, one prompt), its KV cache a ``_DraftCache`` that crops the rejected candidates;
 - transformers' hooks: custom ``logits_processor`` / ``stopping_criteria`` merged into the built-in lists as
   ``_merge_criteria_processor_list`` merges them (``generation_processors.merge``), and a ``streamer`` handed the
   prompt, each step's new ids and ``end()`` as ``_sample`` hands them (not with beams: transformers raises, or with
@@ -45,6 +47,7 @@ from typing import Any, Sequence
 import torch
 
 from . import io
+from .decoder import KVCache
 from .errors import ConfigError, InputError
 from .generation_processors import StopStrings, apply, logits_processors, stop_hits, stopping_criteria_list
 from .modeling import PLAIN_RECORD, config_sets_forward_defaults
@@ -108,7 +111,7 @@ _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "force_words_ids": (_off(), "constrained beam search"), "constraints": (_off(), "constrained beam search"),
     "guidance_scale": (_off(1), "guidance"), "watermarking_config": (_off(), "watermarking"),
     "penalty_alpha": (_off(), "contrastive search"), "dola_layers": (_off(), "DoLa decoding"),
-    "token_healing": (_off(False), "token healing"), "prompt_lookup_num_tokens": (_off(), "prompt lookup"),
+    "token_healing": (_off(False), "token healing"),
     "use_mtp": (_off(False), "multi-token prediction"),
     "cache_implementation": (_off("dynamic", "hybrid", "dynamic_full"), "another cache"),
     "top_h": (_off(), "top-h sampling"),
@@ -191,6 +194,9 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     # beam search (GenerationMixin._beam_search)
     "num_beams": (_positive, "a positive integer"), "length_penalty": (_is_number, "a number"),
     "early_stopping": (lambda v: v is True or v is False or v == "never", "true, false or \"never\""),
+    # prompt lookup (transformers' assisted decoding with PromptLookupCandidateGenerator, _prompt_lookup below)
+    "prompt_lookup_num_tokens": (_positive, "a positive integer"),
+    "max_matching_ngram_size": (_count, "a non-negative integer (0 or unset: 2)"),
 }
 # the fields above that name token ids, checked against the vocabulary (the processors index the scores with them)
 _ID_FIELDS = ("bad_words_ids", "sequence_bias", "forced_bos_token_id", "forced_eos_token_id")
@@ -245,6 +251,8 @@ class GenerationSettings:
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    prompt_lookup_num_tokens: int | None = None  # candidates per step; None: no prompt lookup
+    max_matching_ngram_size: int | None = None  # the longest n-gram looked up (None or 0: 2, as transformers)
 
     def reads_history(self) -> bool:
         """Whether a processor reads the ids before the last (left padding included) or the sequence length."""
@@ -256,6 +264,8 @@ _PROCESSOR_FIELDS = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "no_r
                      "sequence_bias", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
                      "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
                      "renormalize_logits", "stop_strings", "max_time")
+# the prompt lookup fields, copied like the processors' when set
+_LOOKUP_FIELDS = ("prompt_lookup_num_tokens", "max_matching_ngram_size")
 
 
 @dataclass
@@ -390,7 +400,7 @@ def generation_settings(model: torch.nn.Module, max_new_tokens: int | None = Non
         output_scores=pick("output_scores"), output_logits=pick("output_logits"),
         eos_set=merged.get("eos_token_id") is not None, num_beams=pick("num_beams"),
         length_penalty=pick("length_penalty"), early_stopping=pick("early_stopping"),
-        **{k: merged[k] for k in _PROCESSOR_FIELDS if merged.get(k) is not None})
+        **{k: merged[k] for k in (*_PROCESSOR_FIELDS, *_LOOKUP_FIELDS) if merged.get(k) is not None})
     if sample and not settings.temperature > 0:
         raise refuse("temperature", "sampling needs a positive temperature")
     if settings.num_return_sequences > 1 and not sample and settings.num_beams == 1:
@@ -399,6 +409,13 @@ def generation_settings(model: torch.nn.Module, max_new_tokens: int | None = Non
     if settings.num_return_sequences > settings.num_beams > 1:
         raise refuse("num_return_sequences", f"at most num_beams={settings.num_beams} sequences come out of a "
                                              "beam search (transformers refuses more)")
+    if settings.prompt_lookup_num_tokens is not None and settings.num_beams == 1:  # with beams transformers ignores it
+        if settings.num_return_sequences > 1:
+            raise refuse("num_return_sequences", "prompt lookup (transformers' assisted generate) makes one sequence "
+                                                 "per prompt (transformers raises)")
+        if not settings.use_cache:
+            raise refuse("use_cache", "prompt lookup checks its candidates against the KV cache and crops it "
+                                      "(transformers raises: assisted decoding requires a cache)")
     if settings.num_beams > 1 and settings.eos_set and not eos and not settings.pad:
         raise refuse("eos_token_id", "beam search fills its sequences with the pad id, else the first eos id: "
                                      "with no eos and a pad id of 0 or none, transformers fails (eos_token_id[0])")
@@ -524,7 +541,9 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     ``begin_suppress_tokens``, ``forced_bos_token_id``, ``forced_eos_token_id``, ``exponential_decay_length_penalty``,
     ``remove_invalid_values``, ``renormalize_logits``; when sampling ``min_p``, ``typical_p``, ``epsilon_cutoff``,
     ``eta_cutoff``), the stopping criteria (``stop_strings``, which needs ``tokenizer``, and ``max_time``), and beam
-    search (``num_beams``, ``length_penalty``, ``early_stopping``; a ``GenerateBeamDecoderOnlyOutput`` record).
+    search (``num_beams``, ``length_penalty``, ``early_stopping``; a ``GenerateBeamDecoderOnlyOutput`` record), and
+    prompt lookup (``prompt_lookup_num_tokens``, ``max_matching_ngram_size``: one prompt, greedy or sampled; see
+    ``_prompt_lookup``).
     Without ``attention_mask``, the pad id's positions are masked as transformers infers them.
     ``seed``: sample from a generator seeded with it; None samples from torch's global generator.
     ``logits_processor`` / ``stopping_criteria``: the caller's own (a LogitsProcessorList / StoppingCriteriaList or a
@@ -544,6 +563,11 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     custom_processors = _hooks(logits_processor, "logits_processor")
     custom_criteria = _hooks(stopping_criteria, "stopping_criteria")
     _check_streamer(streamer, settings)
+    lookup = settings.prompt_lookup_num_tokens is not None and settings.num_beams == 1
+    if lookup and input_ids.shape[0] > 1:
+        raise InputError(f"input_ids {tuple(input_ids.shape)}: prompt_lookup_num_tokens="
+                         f"{settings.prompt_lookup_num_tokens} decodes one prompt at a time (transformers' assisted "
+                         "generate: batch size 1 only); pass input_ids[i:i + 1] per prompt")
     eos, pad = settings.eos, settings.pad
     if attention_mask is None:
         attention_mask = infer_attention_mask(input_ids, pad, eos)
@@ -588,10 +612,14 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
         stop_strings = StopStrings(tokenizer, settings.stop_strings)
     criteria = stopping_criteria_list(settings, max_length, stop_strings, device, custom_criteria)
     cache = model.backbone.new_cache() if settings.use_cache else None
+    if lookup:
+        cache = _DraftCache(cache.windows)
     decoder = _Decoder(model, attention_mask, cache, settings.use_cache)
 
     if settings.num_beams > 1:
         return _beam_search(decoder, input_ids, settings, processors, criteria, max_length, generator)
+    if lookup:
+        return _prompt_lookup(decoder, input_ids, settings, processors, criteria, max_length, generator, streamer)
     # _sample: finished rows get the pad id when a criterion has an eos_token_id (EosTokenCriteria: an eos is set)
     fill = any(hasattr(c, "eos_token_id") for c in criteria)
     if fill and pad is None:
@@ -623,13 +651,19 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
             streamer.put(next_tokens.cpu())
         if unfinished.max() == 0:
             break
+    return _finish(input_ids, settings, scores_seen, logits_seen, decoder.cache, streamer)
+
+
+def _finish(input_ids: torch.Tensor, settings: GenerationSettings, scores_seen: tuple | None, logits_seen: Sequence,
+            cache: Any, streamer: Any) -> torch.Tensor | GenerateDecoderOnlyOutput:
+    """The end of ``_sample`` and ``_assisted_decoding``: the streamer's ``end()``, then the ids, or with
+    ``return_dict_in_generate`` the record (scores and logits per new token where asked for, the cache)."""
     if streamer is not None:
         streamer.end()
-    if not record:
+    if not settings.return_dict_in_generate:
         return input_ids
     return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores_seen,
-                                     logits=tuple(logits_seen) if settings.output_logits else None,
-                                     cache=decoder.cache)
+                                     logits=tuple(logits_seen) if settings.output_logits else None, cache=cache)
 
 
 class _Decoder:
@@ -644,12 +678,25 @@ class _Decoder:
         self.prefilled = False
         self.plain = PLAIN_RECORD if config_sets_forward_defaults(model.config) else {}  # whatever config.json says
 
+    def _maybe_drop_cache(self, length: int) -> None:
+        """A family's prepare_inputs_for_generation (Phi3) may drop the cache at ``length`` tokens: the whole
+        sequences run again, into a new cache of the same kind."""
+        drops = getattr(self.model.backbone, "drops_cache", None)
+        if self.prefilled and self.use_cache and drops is not None and drops(length, self.cache.get_seq_length()):
+            cache = self.model.backbone.new_cache()
+            self.prefilled = False
+            self.cache = _DraftCache(cache.windows, recording=False) if isinstance(self.cache, _DraftCache) else cache
+
+    def _grow(self, tokens: int) -> None:
+        """The positions and the mask run on over ``tokens`` new tokens (_update_model_kwargs_for_generation)."""
+        steps = torch.arange(tokens, dtype=self.position_ids.dtype, device=self.position_ids.device)
+        self.position_ids = torch.cat([self.position_ids, self.position_ids[..., -1:] + 1 + steps], dim=-1)
+        mask = self.attention_mask
+        self.attention_mask = torch.cat([mask, mask.new_ones((mask.shape[0], tokens))], dim=-1)
+
     def next_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The next-token logits of each row of ``input_ids`` (the sequences so far), float32 copies."""
-        drops = getattr(self.model.backbone, "drops_cache", None)  # a family's prepare_inputs_for_generation (Phi3)
-        if self.prefilled and self.use_cache and drops is not None and \
-                drops(input_ids.shape[1], self.cache.get_seq_length()):
-            self.prefilled, self.cache = False, self.model.backbone.new_cache()  # the whole sequences again
+        self._maybe_drop_cache(input_ids.shape[1])
         if not self.prefilled:
             step_ids, step_pos = input_ids.clone(), self.position_ids
         elif self.use_cache:
@@ -659,10 +706,31 @@ class _Decoder:
         self.prefilled = True
         out = self.model(input_ids=step_ids, attention_mask=self.attention_mask, position_ids=step_pos,
                          cache=self.cache, use_cache=self.use_cache, logits_to_keep=1, **self.plain)
-        self.position_ids = torch.cat([self.position_ids, self.position_ids[..., -1:] + 1], dim=-1)
-        mask = self.attention_mask
-        self.attention_mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+        self._grow(1)
         return out.logits[:, -1].to(copy=True, dtype=torch.float32)
+
+    def draft_logits(self, input_ids: torch.Tensor, drafted: int) -> torch.Tensor:
+        """The float32 logits (B, drafted + 1, V) of the last ``drafted + 1`` positions of ``input_ids`` (the
+        sequence so far, then ``drafted`` candidates) in one forward, as ``_assisted_decoding`` runs it: the prefill
+        feeds every token, a later step the ``drafted + 1`` the cache lacks; the mask and the positions run on over
+        the candidates for this forward only (``_prepare_attention_mask`` / ``_prepare_position_ids``)."""
+        self._maybe_drop_cache(input_ids.shape[1])
+        steps = torch.arange(drafted, dtype=self.position_ids.dtype, device=self.position_ids.device)
+        positions = torch.cat([self.position_ids, self.position_ids[..., -1:] + 1 + steps], dim=-1)
+        mask = self.attention_mask
+        mask = torch.cat([mask, mask.new_ones((mask.shape[0], drafted))], dim=-1)
+        fed = drafted + 1 if self.prefilled else input_ids.shape[1]
+        self.prefilled = True
+        out = self.model(input_ids=input_ids[:, -fed:].clone(), attention_mask=mask,
+                         position_ids=positions[..., -fed:].clone(), cache=self.cache, use_cache=True,
+                         logits_to_keep=drafted + 1, **self.plain)
+        return out.logits[:, -drafted - 1:].to(copy=True, dtype=torch.float32)
+
+    def accept(self, kept: int, rejected: int) -> None:
+        """After ``draft_logits``: the cache drops the ``rejected`` candidates (``Cache.crop``), the mask and the
+        positions grow by the ``kept`` tokens."""
+        self.cache.crop(rejected)
+        self._grow(kept)
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Cache.reorder_cache (DynamicLayer.reorder_cache): every layer's keys and values take ``rows``' order."""
@@ -786,6 +854,136 @@ def _beam_search(decoder: _Decoder, input_ids: torch.Tensor, settings: Generatio
         sequences=sequences, sequences_scores=beam_scores[:, :n].reshape(-1) if s.output_scores else None,
         scores=tuple(scores_seen) if s.output_scores else None, logits=tuple(logits_seen) if s.output_logits else None,
         beam_indices=beam_indices[:, :generated], cache=decoder.cache)
+
+
+
+class _DraftCache(KVCache):
+    """The KV cache of prompt lookup: ``DynamicCache`` after ``activate_past_recording``, so that a forward's
+    rejected candidates can be cropped off. A sliding layer keeps every state of the forward until ``crop``
+    restricts it to its window again (``DynamicSlidingWindowLayer`` with ``record_past``); between forwards it holds
+    at most ``window - 1`` states, so a forward sees the same keys and values as without recording. ``recording``
+    False: the cache a family's dropped cache is replaced with (Phi3: transformers' forward makes a new one, which
+    does not record), whose sliding layers cannot be cropped once past their window (transformers raises)."""
+
+    def __init__(self, windows: Sequence[int | None], recording: bool = True) -> None:
+        super().__init__(windows)
+        self.recording = recording
+
+    def update(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        full_k, full_v = super().update(layer, key, value)
+        if self.recording:
+            self.keys[layer], self.values[layer] = full_k, full_v
+        return full_k, full_v
+
+    def crop(self, tokens: int) -> None:
+        """``Cache.crop(-tokens)``: every layer forgets its last ``tokens`` states; a sliding layer that has seen
+        its window keeps the ``window - 1`` before them (``crop(0)`` too restricts it to them)."""
+        for layer, keys in enumerate(self.keys):
+            if keys is None:
+                continue
+            window, end = self.windows[layer], keys.shape[-2] - tokens
+            if window is not None and self.seen[layer] >= window:
+                if not self.recording:
+                    raise InputError(f"prompt lookup: the model dropped its KV cache (Phi-3 at "
+                                     "original_max_position_embeddings + 1 tokens) and the new one's sliding-window "
+                                     f"layer {layer} is past its window of {window}, so the rejected candidates "
+                                     "cannot be cropped off (transformers raises the same); use plain decoding")
+                start = max(end - window + 1, 0)
+                self.seen[layer] -= tokens
+            else:
+                start = 0
+                self.seen[layer] = end
+            self.keys[layer] = keys[:, :, start:end, :]
+            self.values[layer] = self.values[layer][:, :, start:end, :]
+
+
+def _lookup_candidates(input_ids: torch.Tensor, settings: GenerationSettings, processors: list, max_length: int,
+                       vocab_size: int) -> torch.Tensor:
+    """PromptLookupCandidateGenerator.get_candidates (generation/candidate_generator.py): the ids that followed an
+    earlier occurrence of the sequence's last n-gram (the longest n up to ``max_matching_ngram_size`` that occurs,
+    its first occurrence, left to right, with a continuation), at most ``prompt_lookup_num_tokens``; cut before the
+    first one the processors ban (each checked on scores of ones after the sequence and the candidates before it,
+    a ban being -inf or the dtype's min), a match left with none looking further; cut before the first eos id. None
+    at one token short of the maximum length (the model's next token fills it). Returns them 1-D, maybe empty."""
+    length = input_ids.shape[1]
+    none = input_ids[0, :0]
+    if max_length == length + 1:
+        return none
+    banned = (-float("inf"), torch.finfo(torch.float32).min)
+    for size in range(min(settings.max_matching_ngram_size or 2, length - 1), 0, -1):
+        windows = input_ids.unfold(dimension=1, size=size, step=1)
+        matches = (windows == input_ids[0, -size:]).all(dim=2)
+        for index in matches.nonzero(as_tuple=True)[1].tolist():
+            start = index + size
+            end = min(start + settings.prompt_lookup_num_tokens, length, max_length)
+            if start >= end:
+                continue
+            chosen = input_ids[0, start:end]
+            sequence = input_ids
+            ones = torch.ones((1, vocab_size), device=input_ids.device, dtype=torch.float32)
+            for i, token in enumerate(chosen.tolist()):
+                if apply(processors, sequence, ones)[0, token].item() in banned:
+                    chosen = chosen[:i]
+                    break
+                sequence = torch.cat((input_ids, chosen[:i + 1].unsqueeze(0)), dim=1)
+            if chosen.shape[0] == 0:
+                continue
+            if settings.eos:
+                hits = torch.isin(chosen, torch.tensor(settings.eos, device=chosen.device)).nonzero()
+                if hits.numel() > 0:
+                    chosen = chosen[:hits[0].item()]
+            return chosen
+    return none
+
+
+def _prompt_lookup(decoder: _Decoder, input_ids: torch.Tensor, settings: GenerationSettings, processors: list,
+                   criteria: list, max_length: int, generator: torch.Generator | None,
+                   streamer: Any) -> torch.Tensor | GenerateDecoderOnlyOutput:
+    """GenerationMixin._assisted_decoding (generation/utils.py:3925) with prompt lookup's candidates, one prompt:
+    each step looks the candidates up in the sequence (``_lookup_candidates``), runs them through the model in one
+    forward with the cache, passes each position's logits through the processors (the sequence up to it), picks a
+    token at each (argmax; sampling: one ``multinomial`` over all positions), keeps the candidates up to the first
+    that differs from its pick plus the pick after them, cut to the maximum length, and crops the rest off the
+    cache. Scores and logits are recorded per kept token; the stopping criteria see each step's end; the streamer
+    gets each step's kept ids (1, k). The number of candidates stays fixed: ``num_assistant_tokens`` and its
+    heuristic schedule belong to an assistant model (transformers ignores them here; not taken)."""
+    s = settings
+    vocab_size = decoder.model.config.vocab_size
+    record = s.return_dict_in_generate
+    scores_seen: tuple[torch.Tensor, ...] | None = () if record and s.output_scores else None
+    logits_seen: tuple[torch.Tensor, ...] = ()
+    unfinished = torch.ones(1, dtype=torch.long, device=input_ids.device)
+    while True:
+        length = input_ids.shape[1]
+        chosen = _lookup_candidates(input_ids, s, processors, max_length, vocab_size)
+        drafted = chosen.shape[0]
+        candidates = torch.cat((input_ids, chosen.unsqueeze(0)), dim=1)
+        scores = decoder.draft_logits(candidates, drafted)
+        logits = scores.clone()
+        for i in range(drafted + 1):
+            scores[:, i, :] = apply(processors, candidates[:, :length + i], scores[:, i, :])
+        if s.do_sample:
+            probs = scores.softmax(dim=-1)
+            picked = torch.multinomial(probs[0, :, :], num_samples=1, generator=generator).squeeze(1)[None, :]
+        else:
+            picked = scores.argmax(dim=-1)
+        matches = ((~(chosen.unsqueeze(0) == picked[:, :-1])).cumsum(dim=-1) < 1).sum()
+        # cut to the maximum length; transformers also cuts after a kept eos, which can only be the last here (the
+        # candidates hold none)
+        kept = picked[:, :matches + 1][:, :max_length - length]
+        n = kept.shape[1]
+        input_ids = torch.cat((input_ids, kept), dim=-1)
+        if streamer is not None:
+            streamer.put(kept.cpu())
+        decoder.accept(n, drafted + 1 - n)
+        if scores_seen is not None:
+            scores_seen += tuple(scores[:, i, :] for i in range(n))
+        if record and s.output_logits:
+            logits_seen += tuple(logits[:, i, :] for i in range(n))
+        unfinished = unfinished & ~stop_hits(criteria, input_ids, scores_seen)
+        if unfinished.max() == 0:
+            break
+    return _finish(input_ids, s, scores_seen, logits_seen, decoder.cache, streamer)
 
 
 # TextGenerationPipeline._default_generation_config: added by the pipeline for what neither the call nor the
@@ -994,9 +1192,10 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
             torch.manual_seed(seed)
         if not single:  # the pipeline runs a list through a DataLoader, whose iterator draws its base seed first
             torch.empty((), dtype=torch.int64).random_()
-        # a processor reading the padded ids, a stop string, the time limit, beams or a hook: one prompt at a time
+        # a processor reading the padded ids, a stop string, the time limit, beams, prompt lookup or a hook: one
+        # prompt at a time
         alone = settings.reads_history() or settings.stop_strings is not None or settings.max_time is not None \
-            or settings.num_beams > 1 or bool(hooks)
+            or settings.num_beams > 1 or settings.prompt_lookup_num_tokens is not None or bool(hooks)
         # a family whose decoding changes with the padded length (Phi-3 at original_max_position_embeddings + 1
         # tokens: the cache dropped; longrope's long frequencies for every row): one at a time if a batch gets there
         drops = getattr(lm.backbone, "drops_cache", None)
