@@ -33,7 +33,10 @@ adapter and one that PEFT wrote loads here:
   a trainable ``lora_magnitude_vector`` per layer, ``DoraLinearVariant``'s forward and merge op for op);
 - PEFT's ``trainable_token_indices`` (:class:`TrainableTokensEmbedding`, PEFT's ``TrainableTokensWrapper``):
   the listed embedding rows trained as a delta (``<embedding>.token_adapter.trainable_tokens_delta`` in the
-  file), an output layer tied to the input embeddings following them (:class:`TiedTrainableTokensLinear`).
+  file), an output layer tied to the input embeddings following them (:class:`TiedTrainableTokensLinear`);
+- PEFT's ``target_parameters`` (:class:`LoraParameters`, PEFT's ``ParamWrapper``): LoRA on Parameters by name, an
+  MoE's stacked experts (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) above all, each a low-rank update
+  per expert, folded into the Parameter for the module's forward as PEFT folds it (``baddbmm``).
 
 Out: :func:`save_adapter` (a LoRA model) and :func:`export_adapter` (a trainer checkpoint) write
 ``adapter_config.json`` and ``adapter_model.safetensors`` under PEFT's keys
@@ -114,6 +117,7 @@ TASK_OF_PEFT_TASK_TYPE: dict[str, str] = {"SEQ_CLS": "seqcls", "TOKEN_CLS": "tok
 # built on a base of one of these dtypes are upcast to float32 (peft.utils.constants.UPCAST_DTYPES adds float8s).
 _UPCAST_DTYPES = frozenset(d for d in (torch.float16, torch.bfloat16, *(getattr(torch, n, None) for n in (
     "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"))) if d is not None)
+_FLOAT8_DTYPES = _UPCAST_DTYPES - {torch.float16, torch.bfloat16}
 # init_lora_weights values after which PEFT's reload is plain LoRA: the base is left as it is and the file's A
 # and B overwrite the init. pissa*, olora and corda subtract their own init's B @ A from the base weight at every
 # load, loftq replaces the base weight by its quantised copy, mica is a LoRA variant (B frozen): refused.
@@ -122,7 +126,6 @@ _TASK_DEFAULT: Any = object()   # add_lora's task_type default: PEFT's task type
 
 # adapter_config.json fields whose non-default values change the computation and are not implemented.
 _UNSUPPORTED_FIELDS = {"layer_replication": None,
-                       "target_parameters": None,
                        "use_qalora": False, "alora_invocation_tokens": None, "arrow_config": None,
                        "use_bdlora": None, "velora_config": None, "monteclora_config": None, "kasa_config": None}
 
@@ -159,6 +162,9 @@ class LoraConfig:
     lora_bias: bool = False                # a trainable bias on lora_B (PEFT's lora_bias)
     # PEFT's trainable_token_indices: ids of the input embeddings' rows to train, or {module name: ids}
     trainable_token_indices: list[int] | dict[str, list[int]] | None = None
+    # PEFT's target_parameters: Parameter-name suffixes (LoraParameters), and the Parameters adapted, in order
+    target_parameters: list[str] | None = None
+    targeted_parameters: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or self.r <= 0:
@@ -169,8 +175,9 @@ class LoraConfig:
             raise AdapterError(f"LoRA bias={self.bias!r}: expected one of {', '.join(BIAS_MODES)}")
         if self.task_type is not None and not isinstance(self.task_type, str):
             raise AdapterError(f"LoRA task_type={self.task_type!r}: expected PEFT's task type (a string) or None")
-        problem = _optional_problem({name: getattr(self, name) for name, *_ in _OPTIONAL_FIELDS},
-                                     self.target_modules)
+        problem = _optional_problem({"lora_dropout": self.lora_dropout,
+                                     **{name: getattr(self, name) for name, *_ in _OPTIONAL_FIELDS}},
+                                    self.target_modules)
         if problem:
             raise AdapterError(f"LoRA {problem}")
 
@@ -221,6 +228,33 @@ class LoraConfig:
         return asdict(self)
 
 
+def _lora_factors(in_features: int, out_features: int, rank: int, weight: torch.Tensor,
+                  lora_bias: bool = False) -> tuple[nn.Linear, nn.Linear]:
+    """PEFT's ``LoraLayer.update_layer`` + ``reset_lora_parameters``, RNG draws included: ``lora_A``
+    ``nn.Linear(in, rank)`` then ``lora_B`` ``nn.Linear(rank, out)`` (each draws its own default init), then A
+    ``kaiming_uniform_(a=sqrt(5))``, B zeros; then ``_move_adapter_to_device_of_base_layer``: to the device and
+    dtype of the adapted ``weight`` (a floating one). The caller upcasts a half / bfloat16 / float8 adapter to
+    float32 after that (``cast_adapter_dtype``), so the values are float32(base_dtype(init)), as PEFT's are."""
+    lora_a = nn.Linear(in_features, rank, bias=False)
+    lora_b = nn.Linear(rank, out_features, bias=lora_bias)
+    nn.init.kaiming_uniform_(lora_a.weight, a=math.sqrt(5))
+    nn.init.zeros_(lora_b.weight)
+    if lora_bias:
+        nn.init.zeros_(lora_b.bias)
+    if weight.is_floating_point():
+        lora_a.to(device=weight.device, dtype=weight.dtype)
+        lora_b.to(device=weight.device, dtype=weight.dtype)
+    return lora_a, lora_b
+
+
+def _lowrank_delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """PEFT's ``lora.Linear.get_delta_weight``: ``(B @ A) * scaling`` (a half / bfloat16 adapter on the CPU in
+    float32, cast back)."""
+    cast = b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
+    delta = (b.float() @ a.float() if cast else b @ a) * scaling
+    return delta.to(b.dtype) if cast else delta
+
+
 class LoraLinear(nn.Linear):
     """A linear layer with a LoRA adapter; ``weight`` and ``bias`` stay the same Parameters, under the same keys."""
 
@@ -233,20 +267,8 @@ class LoraLinear(nn.Linear):
         self.r, self.lora_alpha = r, alpha
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         self.lora_dropout = nn.Dropout(p=dropout) if dropout > 0.0 else nn.Identity()
-        device, dtype = base.weight.device, base.weight.dtype
-        # PEFT's LoraLayer.update_layer + reset_lora_parameters, RNG draws included.
-        self.lora_A = nn.Linear(self.in_features, r, bias=False)
-        self.lora_B = nn.Linear(r, self.out_features, bias=lora_bias)  # its own init draws, as PEFT's
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_B.weight)
-        if lora_bias:
-            nn.init.zeros_(self.lora_B.bias)
-        if base.weight.is_floating_point():
-            # _move_adapter_to_device_of_base_layer: to the base's device and dtype; then cast_adapter_dtype
-            # (autocast_adapter_dtype=True): a half / bfloat16 / float8 adapter back up to float32, so the
-            # values are float32(base_dtype(init)), as PEFT's are.
-            self.lora_A.to(device=device, dtype=dtype)
-            self.lora_B.to(device=device, dtype=dtype)
+        dtype = base.weight.dtype
+        self.lora_A, self.lora_B = _lora_factors(self.in_features, self.out_features, r, base.weight, lora_bias)
         self.use_dora = use_dora
         if use_dora:
             # DoraLinearVariant.init -> DoraLinearLayer.update_layer, after the move to the base's dtype: the
@@ -292,10 +314,7 @@ class LoraLinear(nn.Linear):
     def delta_weight(self) -> torch.Tensor:
         """PEFT's ``get_delta_weight``: ``(B @ A) * scaling`` (a half / bfloat16 adapter on the CPU in float32,
         cast back)."""
-        a, b = self.lora_A.weight, self.lora_B.weight
-        cast = b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
-        delta = (b.float() @ a.float() if cast else b @ a) * self.scaling
-        return delta.to(b.dtype) if cast else delta
+        return _lowrank_delta(self.lora_A.weight, self.lora_B.weight, self.scaling)
 
     @torch.no_grad()
     def merge(self) -> None:
@@ -407,6 +426,148 @@ class LoraConv1D(LoraLinear):
 
     def _oriented(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.T
+
+
+class LoraParameters(nn.Module):
+    """LoRA on some of a module's own Parameters (PEFT's ``target_parameters``, its ``lora.ParamWrapper``): the
+    main use is an MoE's stacked experts, ``gate_up_proj`` (experts, 2 x intermediate, hidden) and ``down_proj``.
+
+    It takes the module's place and registers the module's own Parameters, buffers and children under their names,
+    so every base key stays where it was; the module itself is kept unregistered and runs the forward, with each
+    adapted Parameter read as its adapted value. Per adapted Parameter ``name``: ``lora_A[name]``
+    ``nn.Linear(in, r x experts)`` and ``lora_B[name]`` ``nn.Linear(r x experts, out)``, PEFT's init and RNG draws
+    (:func:`_lora_factors`). A 3-D Parameter is (experts, out, in), or (experts, in, out) on a module declaring
+    ``is_transposed = True``; a 2-D one is (out, in), one expert. Expert ``e`` uses rows ``e*r .. e*r + r - 1`` of A
+    and columns ``e, e + experts, ...`` of B (PEFT's reshapes). The adapted value, PEFT's ``_activate_lora`` op for
+    op: with several experts, ``baddbmm(W, lhs, rhs, alpha=scaling)`` of the per-expert factors
+    (``_LoraFactorsProxy``, autocast off); with one, ``W + delta`` (``_LoraParameterProxy``; a float8 W added in the
+    delta's dtype, clamped, cast back). PEFT substitutes the value with ``torch.nn.utils.parametrize`` for the
+    base layer's forward; here the Parameter is set aside and the value put in its place for the module's forward:
+    the same tensor, the same graph. The merge adds ``delta_weight`` (PEFT's ``get_delta_weight``: an einsum of the
+    factors times scaling) in place. PEFT nests one wrapper per Parameter, the first in ``named_parameters`` order
+    innermost, so its file names them ``<module>.base_layer.lora_A.weight`` ... by that depth (:func:`_to_hf`)."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        for name, param in base._parameters.items():
+            self.register_parameter(name, param)
+        for name, buffer in base._buffers.items():
+            self.register_buffer(name, buffer, persistent=name not in base._non_persistent_buffers_set)
+        for name, child in base._modules.items():
+            self.add_module(name, child)
+        self.lora_A = nn.ModuleDict()
+        self.lora_B = nn.ModuleDict()
+        self.scaling: dict[str, float] = {}
+        self.experts: dict[str, int] = {}
+        self.swapped: dict[str, bool] = {}   # PEFT's _did_swap_in_out_features: a 3-D (experts, out, in) Parameter
+        self.merged = False
+        object.__setattr__(self, "_base", base)  # not registered: its Parameters, buffers and children are ours
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "_base" not in self.__dict__:
+                raise
+            return getattr(self.__dict__["_base"], name)  # the module's other attributes (num_experts, act ...)
+
+    def adapt(self, name: str, r: int, alpha: float, use_rslora: bool) -> None:
+        """Put an adapter on Parameter ``name`` (PEFT's ``ParamWrapper.__init__`` and ``update_layer``)."""
+        param = self._parameters[name]
+        if param.dim() == 3:
+            experts, in_features, out_features = param.shape
+            self.swapped[name] = not getattr(self._base, "is_transposed", False)
+            if self.swapped[name]:
+                in_features, out_features = out_features, in_features
+        elif param.dim() == 2:
+            experts, in_features, out_features = 1, param.shape[1], param.shape[0]
+            self.swapped[name] = False
+        else:
+            raise UnsupportedAdapterError(f"target_parameters: {name} is a {param.dim()}-D Parameter; LoRA adapts "
+                                          "2-D and 3-D Parameters only (as PEFT)")
+        self.experts[name] = experts
+        self.scaling[name] = alpha / math.sqrt(r) if use_rslora else alpha / r
+        self.lora_A[name], self.lora_B[name] = _lora_factors(in_features, out_features, r * experts, param)
+        if param.is_floating_point() and param.dtype in _UPCAST_DTYPES:
+            self.lora_A[name].to(dtype=torch.float32)
+            self.lora_B[name].to(dtype=torch.float32)
+
+    def unloaded(self) -> nn.Module:
+        return self._base
+
+    def delta_weight(self, name: str) -> torch.Tensor:
+        """PEFT's ``ParamWrapper.get_delta_weight``: one expert, ``(B @ A) * scaling``; several, the einsum of
+        A (experts, r, in) and B (out, r, experts) into the Parameter's layout, times scaling; in the
+        Parameter's dtype (float32 for a float8 one)."""
+        a, b = self.lora_A[name].weight, self.lora_B[name].weight
+        experts = self.experts[name]
+        if experts == 1:
+            delta = _lowrank_delta(a, b, self.scaling[name])
+        else:
+            a = a.reshape(experts, -1, a.shape[-1])
+            b = b.reshape(b.shape[0], -1, experts)
+            pattern = "o r e, e r i -> e o i" if self.swapped[name] else "o r e, e r i -> e i o"
+            delta = torch.einsum(pattern, b, a) * self.scaling[name]
+        param = self._parameters[name]
+        if param.dtype in (torch.float16, torch.bfloat16, torch.float32):  # PEFT's ALLOWED_COMPUTE_DTYPES
+            return delta.to(param.device, param.dtype)
+        return delta.to(param.device)
+
+    def adapted(self, name: str) -> torch.Tensor:
+        """The Parameter as the module's forward reads it: W plus the adapter (PEFT's ``_activate_lora``)."""
+        weight = self._parameters[name]
+        float8 = weight.dtype in _FLOAT8_DTYPES   # PEFT's UPCAST_DTYPES: the float8s
+        experts = self.experts[name]
+        if experts > 1 and not float8:
+            # ParamWrapper.get_delta_factors: A as (experts, r, in), B as (experts, out, r)
+            a, b = self.lora_A[name].weight, self.lora_B[name].weight
+            a = a.reshape(experts, -1, a.shape[-1])
+            b = b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)
+            lhs, rhs = (b, a) if self.swapped[name] else (a.transpose(-2, -1), b.transpose(-2, -1))
+            with torch.autocast(device_type=weight.device.type, enabled=False):
+                return torch.baddbmm(weight, lhs.to(weight.dtype), rhs.to(weight.dtype), alpha=self.scaling[name])
+        delta = self.delta_weight(name)
+        if float8:  # _LoraParameterProxy._low_prec_add
+            info = torch.finfo(weight.dtype)
+            return (weight.to(delta.dtype) + delta).clamp(min=info.min, max=info.max).to(weight.dtype)
+        return weight + delta
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """W += delta, in place, for each adapted Parameter (PEFT's unsafe merge)."""
+        if self.merged:
+            return
+        for name in self.lora_A:
+            self._parameters[name].data += self.delta_weight(name)
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if not self.merged:
+            return
+        for name in self.lora_A:
+            param = self._parameters[name]
+            param.data -= self.delta_weight(name).to(param.dtype)
+        self.merged = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        base = self._base
+        if self.merged:
+            return base(*args, **kwargs)
+        values = {name: self.adapted(name) for name in self.lora_A}
+        originals = {name: base._parameters.pop(name) for name in values}
+        try:
+            base.__dict__.update(values)  # a plain attribute: the module reads the adapted value
+            return base(*args, **kwargs)
+        finally:
+            for name, param in originals.items():
+                del base.__dict__[name]
+                base._parameters[name] = param
+
+    def extra_repr(self) -> str:
+        adapters = ", ".join(f"{n}: r={self.lora_A[n].out_features // self.experts[n]}, experts={self.experts[n]}, "
+                             f"scaling={self.scaling[n]}" for n in self.lora_A)
+        return f"{type(self._base).__name__}, {adapters}, merged={self.merged}"
 
 
 class TrainableTokensEmbedding(nn.Embedding):
@@ -576,7 +737,9 @@ def _untie(model: nn.Module, names: list[str]) -> None:
                 setattr(owner, attr, nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
 
 
-def _matches_target(name: str, targets: list[str] | str) -> bool:
+def _matches_target(name: str, targets: list[str] | str | None) -> bool:
+    if targets is None:  # target_parameters only (a model type PEFT has no default targets for)
+        return False
     if isinstance(targets, str):
         return re.fullmatch(targets, name) is not None
     return name in targets or any(name.endswith("." + t) for t in targets)
@@ -624,6 +787,14 @@ def _peft_moe_targets(model: nn.Module) -> set[str]:
     return {t for m in model.modules() for t in getattr(m, "peft_moe_targets", ())}
 
 
+def _peft_converts(model: nn.Module) -> bool:
+    """Whether PEFT 0.21 rewrites this model's LoRA config before matching (its transformers-5 MoE conversion,
+    ``convert_peft_config_for_transformers``: Mixtral, Qwen3-MoE, OLMoE), the blocks marked
+    ``peft_all_linear_refused``. It turns ``target_modules=None`` into an empty set, so with ``target_parameters``
+    no module gets PEFT's default targets."""
+    return any(getattr(m, "peft_all_linear_refused", False) for m in model.modules())
+
+
 def minimal_targets(model: nn.Module, targets: list[str] | str) -> list[str] | str:
     """``BaseTuner.inject_adapter``'s condensing of a target list of 20 names or more: the shortest module-name
     suffixes (``_find_minimal_target_modules``, its order) that still match every target and no other module,
@@ -666,6 +837,11 @@ def is_lora(model: nn.Module) -> bool:
 
 def lora_layers(model: nn.Module) -> dict[str, LoraLinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+def parameter_layers(model: nn.Module) -> dict[str, LoraParameters]:
+    """The modules whose own Parameters carry adapters (``target_parameters``, :class:`LoraParameters`)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoraParameters)}
 
 
 def _hf_module_name(model: nn.Module, name: str) -> str:
@@ -753,7 +929,8 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
              exclude_modules: Iterable[str] | str | None = None, layers_to_transform: Iterable[int] | int | None = None,
              layers_pattern: Iterable[str] | str | None = None, use_dora: bool = False,
              lora_bias: bool = False,
-             trainable_token_indices: Iterable[int] | dict[str, Iterable[int]] | None = None) -> nn.Module:
+             trainable_token_indices: Iterable[int] | dict[str, Iterable[int]] | None = None,
+             target_parameters: Iterable[str] | None = None) -> nn.Module:
     """Put LoRA adapters on ``model``'s linear layers named by ``target_modules`` (PEFT's rules), in place.
 
     Every base parameter is frozen; the adapters, ``modules_to_save`` (plus PEFT's head for the task type:
@@ -767,14 +944,22 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     ``lora_B`` (merged into the base layer's bias). ``trainable_token_indices`` is PEFT's: a list of token ids
     trains those rows of the input embeddings (:class:`TrainableTokensEmbedding`; a tied output layer follows
     them, :class:`TiedTrainableTokensLinear`), an object ``{module name: ids}`` those of the named embeddings
-    (:func:`token_targets`). Returns the model, which carries ``model.lora_config``.
+    (:func:`token_targets`). ``target_parameters`` is PEFT's: Parameters named by the end of their full name
+    (``mlp.experts.gate_up_proj``) get an adapter of their own (:class:`LoraParameters`, the stacked experts of an
+    MoE), with or without ``target_modules`` (``[]``: none; ``None``: PEFT's default for the model type, where it
+    has one and PEFT's MoE conversion does not empty it, :func:`_peft_converts`). Returns the model, which carries
+    ``model.lora_config``.
     """
     if is_lora(model):
         raise AdapterError(f"{type(model).__name__} already has LoRA adapters (one adapter per model)")
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if target_modules is None:
-        targets: list[str] | str = default_targets(str(model_type))
+    if target_modules is None and target_parameters is not None and _peft_converts(model):
+        targets: list[str] | str | None = []  # PEFT's MoE conversion turns None into an empty set: no default
+    elif target_modules is None and target_parameters is not None and str(model_type) not in PEFT_DEFAULT_TARGETS:
+        targets = None  # PEFT targets no module then (check_target_module_exists)
+    elif target_modules is None:
+        targets = default_targets(str(model_type))
     else:
         targets = target_modules if isinstance(target_modules, str) else list(target_modules)
     task = getattr(model, "task", "base")
@@ -782,13 +967,13 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
         task_type = PEFT_TASK_TYPES.get(task)
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         targets = all_linear_targets(model, task_type)
-    moved = [t for t in ([targets] if isinstance(targets, str) else targets)
+    moved = [t for t in ([targets] if isinstance(targets, str) else targets or [])
              if t.rsplit(".", 1)[-1] in _peft_moe_targets(model)]  # none for a model without peft_moe_targets
     if moved:
         raise UnsupportedAdapterError(f"target_modules {moved!r}: PEFT 0.21 adapts this model's router and stacked "
                                       "experts for these names (its transformers-5 MoE conversion; not linear layers), "
                                       "which flodl-hf does not; name the attention projections only")
-    targets = minimal_targets(model, targets)
+    targets = minimal_targets(model, targets) if targets is not None else None
     to_save = None
     if modules_to_save is not None:
         to_save = []
@@ -816,7 +1001,7 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
                      alpha_pattern={} if alpha_pattern is None else listed(alpha_pattern),
                      exclude_modules=listed(exclude_modules), layers_to_transform=listed(layers_to_transform),
                      layers_pattern=listed(layers_pattern), use_dora=use_dora, lora_bias=lora_bias,
-                     trainable_token_indices=tokens)
+                     trainable_token_indices=tokens, target_parameters=listed(target_parameters))
 
     chosen: list[str] = []
     tied: list[str] = []
@@ -838,7 +1023,7 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
                 f"target_modules {targets!r} matches ")
         raise UnsupportedAdapterError(f"{lead}{why}; leave {', '.join(n.rsplit('.', 1)[-1] for n in tied)} out of "
                                       "target_modules")
-    if not chosen:
+    if not chosen and not cfg.target_parameters:
         linears = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                           if _lora_class(m) is not None and not _tied_to_embeddings(model, m)})
         raise AdapterError(f"target_modules {targets!r} matches no linear layer of {type(model).__name__}; "
@@ -859,6 +1044,7 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
         _replace_module(model, name, _lora_class(base)(base, *cfg.rank_and_alpha(name), float(dropout), use_rslora,
                                                        use_dora, lora_bias))
     cfg.targeted = chosen
+    cfg.targeted_parameters = _adapt_parameters(model, cfg, chosen, saved)
     for name, module in model.named_modules():
         if isinstance(module, LoraLinear):
             module.lora_A.weight.requires_grad_(True)
@@ -890,6 +1076,57 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     return model
 
 
+def _adapt_parameters(model: nn.Module, cfg: LoraConfig, chosen: list[str], saved: list[str]) -> list[str]:
+    """PEFT's ``_inject_parameters``, after the linear layers (so its RNG draws): a Parameter whose full name (in
+    transformers' model) is an entry of ``target_parameters`` or ends in ``"." + entry`` gets an adapter, module by
+    module in ``named_modules()`` order, each module's in ``named_parameters(recurse=False)`` order, its r and
+    lora_alpha by its full name (rank_pattern / alpha_pattern); the full names adapted. What PEFT refuses is an
+    AdapterError: a Parameter of the model's root, of a layer ``target_modules`` adapts too, with a Conv1D target
+    (PEFT's ``fan_in_fan_out``), and entries matching no Parameter at all."""
+    wanted = cfg.target_parameters
+    if not wanted:
+        return []
+    key_map = model.family.key_map() if hasattr(model, "family") else None
+    found: dict[str, list[str]] = {}
+    full: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(c + ".") for c in chosen):
+            continue  # a LoRA layer's own lora_A / lora_B
+        for pname, _ in module.named_parameters(recurse=False):
+            key = f"{name}.{pname}" if name else pname
+            hf = key_map.to_hf(key) if key_map is not None else key
+            if hf not in wanted and not any(hf.endswith("." + t) for t in wanted):
+                continue
+            if not name:
+                raise AdapterError(f"target_parameters {wanted!r} matches {key}, a Parameter of the model's root "
+                                   "module, which PEFT cannot adapt; name a Parameter of a submodule")
+            if name in chosen:
+                raise AdapterError(f"target_parameters {wanted!r} matches {key}, a Parameter of {name}, which "
+                                   f"target_modules {_show(cfg.target_modules)} adapts too; PEFT refuses a layer "
+                                   "targeted both ways: leave it out of one of them")
+            if any(name == m or name.startswith(m + ".") for m in saved):
+                raise AdapterError(f"target_parameters {wanted!r} matches {key}, inside a module to save "
+                                   f"({', '.join(cfg.modules_to_save or [])}); leave it out of one of them")
+            found.setdefault(name, []).append(pname)
+            full.append(hf)
+    if not found:
+        stacked = sorted({n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.dim() == 3})
+        hint = f"; its 3-D Parameters are named {', '.join(stacked)}" if stacked else ""
+        raise AdapterError(f"target_parameters {wanted!r} matches no Parameter of {type(model).__name__} (an entry "
+                           f"is a Parameter's full name or its end, e.g. mlp.experts.gate_up_proj){hint}")
+    conv1d = [n for n in chosen if isinstance(_module(model, n), LoraConv1D)]
+    if conv1d:  # PEFT sets fan_in_fan_out for a Conv1D target, then ParamWrapper refuses it
+        raise AdapterError(f"target_parameters with Conv1D targets ({', '.join(conv1d)}): PEFT adapts those with "
+                           "fan_in_fan_out, which it refuses with target_parameters; use one or the other")
+    position = iter(full)
+    for name, names in found.items():
+        layer = LoraParameters(_module(model, name))
+        _replace_module(model, name, layer)
+        for pname in names:
+            layer.adapt(pname, *cfg.rank_and_alpha(next(position)), cfg.use_rslora)
+    return full
+
+
 def save_module_names(model: nn.Module, modules_to_save: list[str]) -> list[str]:
     """The modules PEFT wraps for ``modules_to_save`` (``name.endswith(entry)``; the outermost of nested matches)."""
     out: list[str] = []
@@ -899,24 +1136,29 @@ def save_module_names(model: nn.Module, modules_to_save: list[str]) -> list[str]
     return out
 
 
+def _adapted_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Every layer that carries an adapter: LoRA layers, adapted Parameters, trainable tokens."""
+    return {**lora_layers(model), **parameter_layers(model), **token_layers(model)}
+
+
 def merge(model: nn.Module) -> nn.Module:
     """Add every adapter's delta into its base weight (outputs then come from the base path alone)."""
-    for layer in [*lora_layers(model).values(), *token_layers(model).values()]:
+    for layer in _adapted_layers(model).values():
         layer.merge()
     return model
 
 
 def unmerge(model: nn.Module) -> nn.Module:
     """Subtract the deltas again (PEFT's ``unmerge_adapter``; float rounding may leave ulps)."""
-    for layer in [*lora_layers(model).values(), *token_layers(model).values()]:
+    for layer in _adapted_layers(model).values():
         layer.unmerge()
     return model
 
 
 def merge_and_unload(model: nn.Module) -> nn.Module:
-    """Merge, then put plain ``nn.Linear`` layers back: the model is an ordinary one again, keys unchanged."""
+    """Merge, then put the plain layers back: the model is an ordinary one again, keys unchanged."""
     merge(model)
-    for name, layer in {**lora_layers(model), **token_layers(model)}.items():
+    for name, layer in _adapted_layers(model).items():
         _replace_module(model, name, layer.unloaded())
     for p in model.parameters():
         p.requires_grad_(True)
@@ -940,6 +1182,13 @@ def _to_hf(model: nn.Module, key: str) -> str:
     adapted layer's own bias sits under ``base_layer.`` in PEFT's model, and so in its file."""
     key_map = model.family.key_map() if hasattr(model, "family") else None
     hf = key_map.to_hf if key_map is not None else (lambda k: k)
+    adapted = re.fullmatch(r"(.+)\.(lora_A|lora_B)\.([^.]+)\.weight", key)
+    if adapted and isinstance(layer := _module(model, adapted.group(1)), LoraParameters):
+        # PEFT's nested ParamWrappers: the first adapted Parameter innermost, one base_layer per wrapper around it
+        module, part, name = adapted.groups()
+        names = list(layer.lora_A)
+        path = hf(f"{module}.{name}")[: -len(name) - 1]
+        return path + ".base_layer" * (len(names) - 1 - names.index(name)) + f".{part}.weight"
     if key.endswith(".trainable_tokens_delta"):  # TrainableTokensWrapper.adapter_state_dict's key
         module = key[: -len(".trainable_tokens_delta")]
         return hf(module + ".weight")[: -len(".weight")] + ".token_adapter.trainable_tokens_delta"
@@ -964,7 +1213,8 @@ def peft_config_dict(model: nn.Module, base: str | None = None) -> dict[str, Any
     """``adapter_config.json`` as PEFT's ``LoraConfig.save_pretrained`` writes it (the fields that matter)."""
     cfg: LoraConfig = model.lora_config
     task_type = cfg.task_type
-    targets = cfg.target_modules if isinstance(cfg.target_modules, str) else sorted(cfg.target_modules)
+    targets = (cfg.target_modules if cfg.target_modules is None or isinstance(cfg.target_modules, str)
+               else sorted(cfg.target_modules))
     excluded = cfg.exclude_modules
     out: dict[str, Any] = {
         "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base, "revision": None,
@@ -978,6 +1228,8 @@ def peft_config_dict(model: nn.Module, base: str | None = None) -> dict[str, Any
         "exclude_modules": sorted(excluded) if isinstance(excluded, list) else excluded,  # a set in PEFT
         "use_dora": cfg.use_dora, "lora_bias": cfg.lora_bias,
         "trainable_token_indices": cfg.trainable_token_indices,   # as given: a list, or module name -> list
+        # a set in PEFT for the MoE families it converts (written in set order): sorted
+        "target_parameters": sorted(cfg.target_parameters) if cfg.target_parameters else cfg.target_parameters,
     }
     if task_type is None and hasattr(model, "architecture"):
         # what PEFT writes for a model without a task type: the class, so our reader knows the head
@@ -1082,6 +1334,8 @@ _OPTIONAL_FIELDS: tuple[tuple[str, Any, Any, str], ...] = (
     ("trainable_token_indices", None, lambda v: v is None or _is_ids(v) or (isinstance(v, dict) and all(
         isinstance(k, str) and _is_ids(x) for k, x in v.items())),
      "a list of token ids (the input embeddings' rows), an object of module name -> list of token ids, or null"),
+    ("target_parameters", None, lambda v: v is None or _is_names(v),
+     "a list of Parameter names (e.g. mlp.experts.gate_up_proj) or null"),
 )
 
 
@@ -1149,6 +1403,13 @@ def _optional_problem(values: dict[str, Any], targets: Any) -> str | None:
         if isinstance(targets, str) and values[name] is not None:
             return (f"field {name!r} is {_show(values[name])}, but target_modules is a string (a regular "
                     f"expression): PEFT refuses {name} with it; expected null")
+    if values["target_parameters"]:  # ParamWrapper.__init__'s ValueErrors
+        refused = [f"{name}={_show(values[name])}" for name in ("lora_dropout", "use_dora", "lora_bias")
+                   if values.get(name)]
+        if refused:
+            return (f"field 'target_parameters' is {_show(values['target_parameters'])} with {', '.join(refused)}, "
+                    "which PEFT refuses (its adapted Parameters take no dropout, DoRA or lora_B bias); expected "
+                    "lora_dropout 0, use_dora and lora_bias false")
     if values["lora_bias"] and values["use_dora"]:  # LoraConfig.__post_init__'s ValueError
         return ("fields 'lora_bias' and 'use_dora' are both true, which PEFT refuses (no lora_B bias with DoRA); "
                 "expected one of them false")
@@ -1222,6 +1483,9 @@ def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
     if kind not in SUPPORTED_PEFT_TYPES:
         raise UnsupportedAdapterError(f"{path}: peft_type {_show(kind)} is not supported; flodl-hf reads "
                                       f"{', '.join(SUPPORTED_PEFT_TYPES)} adapters")
+    if data.get("fan_in_fan_out") is True and data.get("target_parameters"):  # ParamWrapper's ValueError
+        raise AdapterError(f"{path}: fan_in_fan_out=true with target_parameters, which PEFT refuses; expected "
+                           "fan_in_fan_out false")
     if data.get("fan_in_fan_out") is not None and not isinstance(data["fan_in_fan_out"], bool):
         # any true or false: PEFT decides it per layer type (LoraConv1D)
         raise AdapterError(f"{path}: field 'fan_in_fan_out' is {_show(data['fan_in_fan_out'])} "
@@ -1449,7 +1713,8 @@ def load_trainer_state(model: nn.Module, state: dict[str, Any], where: str) -> N
 
 def _settings(cfg: dict[str, Any]) -> str:
     return ", ".join(f"{k}={cfg[k]!r}" for k in ("r", "lora_alpha", "lora_dropout", "target_modules",
-                                                  "modules_to_save", "use_rslora", "bias", "use_dora", "lora_bias") if k in cfg)
+                                                  "modules_to_save", "use_rslora", "bias", "use_dora", "lora_bias",
+                                                  "target_parameters") if k in cfg)
 
 
 def model_from_checkpoint(data: dict[str, Any], path: str | os.PathLike) -> nn.Module:
