@@ -28,6 +28,10 @@ those of ``model.generate`` with the same settings, and so are sampled ids where
 - ``num_beams > 1`` runs ``_beam_search`` instead (``_beam_search`` below), beam sampling with ``do_sample``;
 - ``prompt_lookup_num_tokens`` runs ``_prompt_lookup`` (transformers' assisted decoding with prompt lookup's
   candidates, one prompt), its KV cache a ``_DraftCache`` that crops the rejected candidates;
+- ``inputs_embeds`` prompts as ``_prepare_model_inputs`` takes them on a decoder: the embeddings feed the first
+  forward alone (``prepare_inputs_for_generation``), the ids (none: an empty (B, 0) tensor) carry on, so that
+  without ``input_ids`` only the new tokens come back; the cache always on (``_embedded_prompt``);
+- ``prefix_allowed_tokens_fn``: ``PrefixConstrained``, in its place among the processors;
 - transformers' hooks: custom ``logits_processor`` / ``stopping_criteria`` merged into the built-in lists as
   ``_merge_criteria_processor_list`` merges them (``generation_processors.merge``), and a ``streamer`` handed the
   prompt, each step's new ids and ``end()`` as ``_sample`` hands them (not with beams: transformers raises, or with
@@ -40,9 +44,10 @@ greedy prompts batched by left padding and sampled ones run one at a time in the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -469,8 +474,8 @@ def _check_ids(input_ids: Any, attention_mask: Any) -> None:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point() \
             or input_ids.dtype == torch.bool or input_ids.is_complex():
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-        raise InputError(f"input_ids {shape}: expected an integer tensor (batch, prompt length); "
-                         "a single prompt is input_ids[None]")
+        raise InputError(f"input_ids {shape}: expected an integer tensor (batch, prompt length), or a prompt's "
+                         "inputs_embeds; a single prompt is input_ids[None]")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise InputError(f"input_ids {tuple(input_ids.shape)}: expected at least one prompt of at least one token "
                          "(transformers cannot start from an empty prompt either without a bos)")
@@ -479,6 +484,77 @@ def _check_ids(input_ids: Any, attention_mask: Any) -> None:
         shape = (tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor)
                  else type(attention_mask).__name__)
         raise InputError(f"attention_mask {shape}: expected a tensor shaped like input_ids {tuple(input_ids.shape)}")
+
+
+def _embedded_prompt(model: torch.nn.Module, input_ids: Any, inputs_embeds: Any, attention_mask: Any) -> torch.Tensor:
+    """A prompt given as ``inputs_embeds`` (B, L, width of the input embeddings), as ``_prepare_model_inputs`` takes
+    it on a decoder: the ids that carry on are ``input_ids`` when given (any length, the first forward never reads
+    them), else an empty (B, 0) tensor (``_maybe_initialize_input_ids_for_generation``); returns them. The mask
+    covers the embeddings, (B, L): one is needed when ids of another length are given (transformers would read the
+    ids' length for it, and fail or misalign). Shapes and dtypes on which transformers' forward fails (another
+    batch, width or dtype than the embedding's, no position) are InputErrors naming the field."""
+    weight = model.get_input_embeddings().weight
+    width = weight.shape[-1]
+    if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 or inputs_embeds.shape[1] == 0 \
+            or inputs_embeds.shape[0] == 0 or inputs_embeds.shape[2] != width:
+        shape = tuple(inputs_embeds.shape) if isinstance(inputs_embeds, torch.Tensor) else type(inputs_embeds).__name__
+        raise InputError(f"inputs_embeds {shape}: expected a tensor (batch, prompt length, {width}) of at least one "
+                         "position, the width of the model's input embeddings; a single prompt is inputs_embeds[None]")
+    if inputs_embeds.dtype != weight.dtype:
+        raise InputError(f"inputs_embeds is {inputs_embeds.dtype}: expected the model's {weight.dtype} (transformers' "
+                         "forward fails on, or mixes, another dtype); cast them with .to(model.dtype)")
+    batch, length = inputs_embeds.shape[:2]
+    if input_ids is None:
+        input_ids = torch.ones((batch, 0), dtype=torch.long, device=inputs_embeds.device)
+    elif not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != batch \
+            or input_ids.is_floating_point() or input_ids.dtype == torch.bool or input_ids.is_complex():
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise InputError(f"input_ids {shape} with inputs_embeds {tuple(inputs_embeds.shape)}: expected an integer "
+                         f"tensor ({batch}, any length), the ids the new tokens follow (transformers fails on "
+                         "another batch size), or none")
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (batch, length):
+            shape = (tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor)
+                     else type(attention_mask).__name__)
+            raise InputError(f"attention_mask {shape}: expected ({batch}, {length}), a column per position of "
+                             f"inputs_embeds {tuple(inputs_embeds.shape)}")
+    elif input_ids.shape[1] not in (0, length):
+        raise InputError(f"input_ids {tuple(input_ids.shape)} with inputs_embeds {tuple(inputs_embeds.shape)} and no "
+                         f"attention_mask: transformers infers the mask from the ids, {input_ids.shape[1]} columns "
+                         f"where the embeddings have {length} positions; pass an attention_mask ({batch}, {length})")
+    return input_ids
+
+
+class PrefixConstrained:
+    """PrefixConstrainedLogitsProcessor (generation/logits_process.py): each row's scores kept only at the ids
+    ``prefix_allowed_tokens_fn(batch_id, row's ids so far)`` returns, the others -inf; a prompt none of whose rows
+    keeps an id above -inf gets the mask itself (0 at the allowed ids), so the constraint holds. ``rows``: the rows
+    per prompt, ``max(num_beams, num_return_sequences)``; the row's ids are those generate carries (none of the
+    prompt after an ``inputs_embeds`` prompt alone)."""
+
+    def __init__(self, prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], Any], rows: int) -> None:
+        self.prefix_allowed_tokens_fn, self.rows = prefix_allowed_tokens_fn, rows
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        mask = torch.full_like(scores, -math.inf)
+        batch_size = input_ids.shape[0] // self.rows
+        for batch_id in range(batch_size):
+            for beam_id in range(self.rows):
+                row = batch_id * self.rows + beam_id
+                allowed = self.prefix_allowed_tokens_fn(batch_id, input_ids[row])
+                try:
+                    empty = len(allowed) == 0
+                    if not empty:
+                        mask[row, allowed] = 0
+                except (TypeError, IndexError, RuntimeError) as exc:  # where transformers fails too
+                    raise InputError(f"prefix_allowed_tokens_fn returned {allowed!r} for batch id {batch_id}: "
+                                     f"expected a list of token ids below {scores.shape[-1]}") from exc
+                if empty:
+                    raise InputError(f"prefix_allowed_tokens_fn returned no token for batch id {batch_id}: the "
+                                     "constraint cannot be met (transformers raises)")
+        processed = scores + mask
+        unsatisfiable = processed.amax(dim=-1).isneginf().view(batch_size, -1).all(dim=-1, keepdim=True)
+        return torch.where(unsatisfiable.repeat_interleave(self.rows, dim=0), mask, processed)
 
 
 def infer_attention_mask(input_ids: torch.Tensor, pad: int | None, eos: Sequence[int]) -> torch.Tensor:
@@ -523,13 +599,15 @@ def _check_streamer(streamer: Any, settings: GenerationSettings) -> None:
 
 
 @torch.inference_mode()
-def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  eos_token_id: int | Sequence[int] | torch.Tensor | None = None,
                  pad_token_id: int | None = None, generation_config: Any = None, tokenizer: Any = None,
                  logits_processor: Sequence[Any] | None = None, stopping_criteria: Sequence[Any] | None = None,
-                 streamer: Any = None,
+                 streamer: Any = None, inputs_embeds: torch.Tensor | None = None,
+                 prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], Any] | None = None,
                  **options: Any) -> torch.Tensor | GenerateDecoderOnlyOutput | GenerateBeamDecoderOnlyOutput:
     """Prompt ids (B, S), left-padded, -> (B, S + n) ids: the prompts and up to ``max_new_tokens`` new tokens
     each, as transformers' ``generate`` returns them (``GenerateDecoderOnlyOutput`` with
@@ -552,12 +630,26 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     gets the recorded scores (a tuple with ``output_scores`` and ``return_dict_in_generate``, else None) and returns
     a bool per row; one of the class of a built-in takes its place (``_merge_criteria_processor_list``).
     ``streamer``: ``put(prompt ids)`` (CPU, after ``num_return_sequences``' repeat), then ``put(new ids)`` (B,)
-    after each step, then ``end()``; not with beams."""
+    after each step, then ``end()``; not with beams.
+    ``inputs_embeds`` (B, L, width): the prompt's embeddings, fed to the first forward in place of ids, as
+    transformers' generate takes them on a decoder: without ``input_ids`` the result holds the new tokens alone
+    (B, n); with them (the ids the new tokens follow, usually the same L tokens) (B, S + n). The attention mask, when
+    given, covers the L positions; the cache is always used. ``prefix_allowed_tokens_fn(batch_id, ids)``: the ids
+    allowed next for that row (``PrefixConstrainedLogitsProcessor``)."""
     if getattr(model, "task", None) != "causal_lm":
         raise InputError(f"generate needs a causal_lm model, not {type(model).__name__}")
-    _check_ids(input_ids, attention_mask)
+    if inputs_embeds is None:
+        _check_ids(input_ids, attention_mask)
+    else:
+        input_ids = _embedded_prompt(model, input_ids, inputs_embeds, attention_mask)
+        # _prepare_model_inputs' decoder with inputs_embeds: the cache is always on, whatever the settings say
+        _check_fields({"use_cache": options.get("use_cache")}, None, InputError)
+        options = {**options, "use_cache": True}
     if seed is not None and not _is_int(seed):
         raise InputError(f"seed={seed!r}: expected an integer or None")
+    if prefix_allowed_tokens_fn is not None and not callable(prefix_allowed_tokens_fn):
+        raise InputError(f"prefix_allowed_tokens_fn={prefix_allowed_tokens_fn!r}: expected a callable taking "
+                         "(batch_id, input_ids) and returning the allowed token ids")
     settings = generation_settings(model, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
                                    pad_token_id, generation_config, **options)
     custom_processors = _hooks(logits_processor, "logits_processor")
@@ -569,41 +661,49 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
                          f"{settings.prompt_lookup_num_tokens} decodes one prompt at a time (transformers' assisted "
                          "generate: batch size 1 only); pass input_ids[i:i + 1] per prompt")
     eos, pad = settings.eos, settings.pad
-    if attention_mask is None:
-        attention_mask = infer_attention_mask(input_ids, pad, eos)
+    if attention_mask is None:  # inferred from the ids, or without any from the embeddings (all ones)
+        attention_mask = infer_attention_mask(input_ids if input_ids.shape[1] > 0 else inputs_embeds, pad, eos)
     device = model.device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    if inputs_embeds is not None:
+        inputs_embeds = inputs_embeds.to(device)
     expand = max(settings.num_beams, settings.num_return_sequences)
     if expand > 1:  # _expand_inputs_for_generation
         input_ids = input_ids.repeat_interleave(expand, dim=0)
         attention_mask = attention_mask.repeat_interleave(expand, dim=0)
+        if inputs_embeds is not None:
+            inputs_embeds = inputs_embeds.repeat_interleave(expand, dim=0)
     if streamer is not None:  # the prompt, before the lengths are checked (as transformers' generate)
         streamer.put(input_ids.cpu())
     generator = None
     if settings.do_sample and seed is not None:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
-    # GenerationMixin._prepare_generated_length / _validate_generated_length
+    # GenerationMixin._prepare_generated_length / _validate_generated_length; the lengths count the ids, and when
+    # embeddings of another length are given, a total max_length / min_length is taken to count them instead
     prompt_length = input_ids.shape[1]
+    embedded = 0 if inputs_embeds is None or inputs_embeds.shape[1] == prompt_length else inputs_embeds.shape[1]
     if settings.max_new_tokens is not None:
         max_length = prompt_length + settings.max_new_tokens
     elif settings.max_length is not None:
-        max_length = settings.max_length
+        max_length = settings.max_length - embedded
     else:
         max_length = prompt_length + DEFAULT_NEW_TOKENS
         max_positions = getattr(model.config, "max_position_embeddings", None)
         if max_positions is not None:
             max_length = min(max_length, max_positions)
     if prompt_length >= max_length:
+        less = f", less the {embedded} positions of inputs_embeds" if embedded else ""
         raise InputError(f"input_ids: the prompt has {prompt_length} tokens but the maximum length is "
                          f"{max_length} (max_length, of the arguments or {GENERATION_CONFIG}, or "
-                         "max_position_embeddings); pass max_new_tokens")
+                         f"max_position_embeddings{less}); pass max_new_tokens")
     min_length = (prompt_length + settings.min_new_tokens if settings.min_new_tokens is not None
-                  else settings.min_length)
+                  else max(settings.min_length - embedded, 0) if embedded else settings.min_length)
     # the repetition penalty skips the left padding, which transformers reads off the mask unless it is all ones
     ignore = None if (attention_mask == 1).all() else (attention_mask != 0).int().argmax(dim=1)
+    prefix = None if prefix_allowed_tokens_fn is None else PrefixConstrained(prefix_allowed_tokens_fn, expand)
     processors = logits_processors(settings, prompt_length, max_length, min_length, ignore, device,
-                                   custom_processors)
+                                   custom_processors, prefix)
     stop_strings = None
     if settings.stop_strings is not None:  # _get_stopping_criteria
         if tokenizer is None:
@@ -614,7 +714,7 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     cache = model.backbone.new_cache() if settings.use_cache else None
     if lookup:
         cache = _DraftCache(cache.windows)
-    decoder = _Decoder(model, attention_mask, cache, settings.use_cache)
+    decoder = _Decoder(model, attention_mask, cache, settings.use_cache, inputs_embeds)
 
     if settings.num_beams > 1:
         return _beam_search(decoder, input_ids, settings, processors, criteria, max_length, generator)
@@ -669,10 +769,14 @@ def _finish(input_ids: torch.Tensor, settings: GenerationSettings, scores_seen: 
 class _Decoder:
     """The model's side of transformers' decoding loops: the prompt once (the prefill, ``logits_to_keep=1``), then
     each step the last token alone with its position and the cache, or without a cache the whole sequence again;
-    the mask and the positions grow by one after each step (_update_model_kwargs_for_generation)."""
+    the mask and the positions grow by one after each step (_update_model_kwargs_for_generation). A prompt's
+    ``inputs_embeds`` feed the first forward in place of its ids, and only it (``prepare_inputs_for_generation``'s
+    ``is_first_iteration``)."""
 
-    def __init__(self, model: torch.nn.Module, attention_mask: torch.Tensor, cache: Any, use_cache: bool) -> None:
+    def __init__(self, model: torch.nn.Module, attention_mask: torch.Tensor, cache: Any, use_cache: bool,
+                 inputs_embeds: torch.Tensor | None = None) -> None:
         self.model, self.attention_mask, self.cache, self.use_cache = model, attention_mask, cache, use_cache
+        self.inputs_embeds = inputs_embeds  # None once fed
         # GenerationMixin._prepare_position_ids_for_generation: cumsum(mask) - 1, 0 on pads
         self.position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         self.prefilled = False
@@ -683,6 +787,11 @@ class _Decoder:
         sequences run again, into a new cache of the same kind."""
         drops = getattr(self.model.backbone, "drops_cache", None)
         if self.prefilled and self.use_cache and drops is not None and drops(length, self.cache.get_seq_length()):
+            if length != self.attention_mask.shape[1]:
+                raise InputError(f"inputs_embeds: the model drops its KV cache at {length} ids (Phi-3 at "
+                                 "original_max_position_embeddings + 1) and runs the ids again, which here are not "
+                                 "the prompt the embeddings were (transformers runs them against the whole mask); "
+                                 "pass input_ids of the embedded prompt, or fewer new tokens")
             cache = self.model.backbone.new_cache()
             self.prefilled = False
             self.cache = _DraftCache(cache.windows, recording=False) if isinstance(self.cache, _DraftCache) else cache
@@ -704,10 +813,19 @@ class _Decoder:
         else:
             step_ids, step_pos = input_ids.clone(), self.position_ids.clone()
         self.prefilled = True
-        out = self.model(input_ids=step_ids, attention_mask=self.attention_mask, position_ids=step_pos,
-                         cache=self.cache, use_cache=self.use_cache, logits_to_keep=1, **self.plain)
+        out = self._forward(step_ids, self.attention_mask, step_pos, self.use_cache, 1)
         self._grow(1)
         return out.logits[:, -1].to(copy=True, dtype=torch.float32)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, use_cache: bool,
+                 keep: int) -> Any:
+        """One forward of ``ids``, or at the first one of a prompt given as embeddings of those instead (a contiguous
+        copy, as ``prepare_inputs_for_generation`` makes)."""
+        embeds, self.inputs_embeds = self.inputs_embeds, None
+        if embeds is not None:
+            embeds, ids = embeds.clone(memory_format=torch.contiguous_format), None
+        return self.model(input_ids=ids, inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
+                          cache=self.cache, use_cache=use_cache, logits_to_keep=keep, **self.plain)
 
     def draft_logits(self, input_ids: torch.Tensor, drafted: int) -> torch.Tensor:
         """The float32 logits (B, drafted + 1, V) of the last ``drafted + 1`` positions of ``input_ids`` (the
@@ -720,10 +838,10 @@ class _Decoder:
         mask = self.attention_mask
         mask = torch.cat([mask, mask.new_ones((mask.shape[0], drafted))], dim=-1)
         fed = drafted + 1 if self.prefilled else input_ids.shape[1]
+        if self.inputs_embeds is not None:  # the prefill of an embedded prompt: candidates found in the ids refused
+            fed = self.inputs_embeds.shape[1]
         self.prefilled = True
-        out = self.model(input_ids=input_ids[:, -fed:].clone(), attention_mask=mask,
-                         position_ids=positions[..., -fed:].clone(), cache=self.cache, use_cache=True,
-                         logits_to_keep=drafted + 1, **self.plain)
+        out = self._forward(input_ids[:, -fed:].clone(), mask, positions[..., -fed:].clone(), True, drafted + 1)
         return out.logits[:, -drafted - 1:].to(copy=True, dtype=torch.float32)
 
     def accept(self, kept: int, rejected: int) -> None:
@@ -957,6 +1075,11 @@ def _prompt_lookup(decoder: _Decoder, input_ids: torch.Tensor, settings: Generat
         length = input_ids.shape[1]
         chosen = _lookup_candidates(input_ids, s, processors, max_length, vocab_size)
         drafted = chosen.shape[0]
+        if drafted and decoder.inputs_embeds is not None:
+            raise InputError(f"inputs_embeds with input_ids and prompt_lookup_num_tokens: the ids offer "
+                             f"{drafted} candidates at the first step, and transformers' first forward takes the "
+                             "embeddings alone, its mask and positions running on over the candidates it drops (its "
+                             "tokens are not the prompt's); pass inputs_embeds without input_ids")
         candidates = torch.cat((input_ids, chosen.unsqueeze(0)), dim=1)
         scores = decoder.draft_logits(candidates, drafted)
         logits = scores.clone()
@@ -994,8 +1117,8 @@ _PIPELINE_SAMPLING = {"temperature", "top_k", "top_p", "min_p", "top_h", "typica
 _PIPELINE_NOT_IMPLEMENTED = ("return_type", "prefix", "handle_long_generation", "truncation",
                              "tokenizer_encode_kwargs", "add_special_tokens", "padding", "batch_size", "num_workers",
                              "assistant_model", "assistant_tokenizer")
-# generate_ids' hooks the pipeline hands to each prompt's generate call
-_HOOKS = ("logits_processor", "stopping_criteria", "streamer")
+# generate_ids' hooks and model inputs the pipeline hands, as given, to each prompt's generate call
+_HOOKS = ("logits_processor", "stopping_criteria", "streamer", "prefix_allowed_tokens_fn", "inputs_embeds")
 # generate() keywords that would make the pipeline add records' fields (scores, logits) that generate() does not write
 _RECORD_KEYWORDS = ("return_dict_in_generate", "output_scores", "output_logits")
 
@@ -1092,8 +1215,9 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
     ``min_length``, beams, stop strings, the time limit, or a processor reading the padded ids (n-gram ban, bad
     words, sequence bias, forced bos) runs them one by one in order, so that after ``torch.manual_seed(s)`` (or
     with ``seed=s``, which leaves the global generator alone) the draws and lengths are the pipeline's. A
-    ``streamer``, ``logits_processor`` or ``stopping_criteria`` goes to each prompt's ``generate_ids`` (one prompt
-    at a time, as the pipeline hands them to each prompt's generate).
+    ``streamer``, ``logits_processor``, ``stopping_criteria``, ``prefix_allowed_tokens_fn`` or ``inputs_embeds``
+    goes as given to each prompt's ``generate_ids`` (one prompt at a time, as the pipeline hands them to each
+    prompt's generate, with its ids and mask).
 
     ``prompts`` may also be a chat (a list of ``{"role", "content"}`` dicts) or a list of chats, as the pipeline
     takes them: each is rendered with the tokenizer's chat template (``apply_chat_template``, a generation

@@ -209,14 +209,15 @@ def renormalize(scores: torch.Tensor) -> torch.Tensor:
 
 
 def logits_processors(settings: Any, prompt_length: int, max_length: int, min_length: int,
-                      ignore: torch.Tensor | None, device: torch.device, custom: Sequence[Any] = ()) -> list[Processor]:
+                      ignore: torch.Tensor | None, device: torch.device, custom: Sequence[Any] = (),
+                      prefix: Processor | None = None) -> list[Processor]:
     """``_get_logits_processor``'s list (generation/utils.py:1416-1663) for ``settings`` (a GenerationSettings),
     in its order: sequence bias, repetition penalty, n-gram ban, bad words, minimum length (MinLength when the
     total ``min_length`` is positive, MinNewTokensLength when ``min_new_tokens`` is: each bans the eos ids below
-    ``min_length``), forced bos / eos, invalid values, exponential decay, suppression; then ``custom`` (the
-    caller's processors, merged as ``merge``); when sampling temperature, top-k, top-p, min-p, typical, epsilon,
-    eta; renormalization last. Each built-in exists where transformers creates its class, so that a custom one of
-    that class takes its place."""
+    ``min_length``), ``prefix`` (generate.PrefixConstrained, for ``prefix_allowed_tokens_fn``), forced bos / eos,
+    invalid values, exponential decay, suppression; then ``custom`` (the caller's processors, merged as ``merge``);
+    when sampling temperature, top-k, top-p, min-p, typical, epsilon, eta; renormalization last. Each built-in
+    exists where transformers creates its class, so that a custom one of that class takes its place."""
     s = settings
     named: list[tuple[str, Processor]] = []  # (the transformers class, our step)
     eos = torch.tensor(s.eos, device=device, dtype=torch.long)
@@ -236,6 +237,8 @@ def logits_processors(settings: Any, prompt_length: int, max_length: int, min_le
         named.append(("MinLengthLogitsProcessor", below_min_length))
     if s.eos_set and s.min_new_tokens:
         named.append(("MinNewTokensLengthLogitsProcessor", below_min_length))
+    if prefix is not None:
+        named.append(("PrefixConstrainedLogitsProcessor", prefix))
     if s.forced_bos_token_id is not None:
         named.append(("ForcedBOSTokenLogitsProcessor",
                       lambda ids, x: force(x, s.forced_bos_token_id) if ids.shape[-1] == 1 else x))
