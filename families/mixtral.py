@@ -168,9 +168,11 @@ class MixtralExperts(nn.Module):
 class MixtralSparseMoeBlock(nn.Module):
     """The layer's MLP: the router (``gate``) picks each token's experts, ``experts`` runs them."""
 
-    # PEFT 0.21's all-linear adapts Mixtral's router and stacked experts (its transformers-5 conversion for
-    # "mixtral"), which flodl-hf does not: lora.all_linear_targets refuses it
+    # PEFT 0.21's transformers-5 conversion for "mixtral": transformers 4's expert names in target_modules become
+    # target_parameters (w1 and w3 together, fused at twice the rank); all-linear is refused
     peft_all_linear_refused = True
+    peft_moe_targets = {"gate": "gate.weight", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}
+    peft_moe_fused = {"gate_up_proj": ("w1", "w3")}
 
     def __init__(self, config: MixtralConfig) -> None:
         super().__init__()

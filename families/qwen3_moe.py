@@ -81,10 +81,12 @@ class Qwen3MoeConfig(Qwen3Config):
 class Qwen3MoeSparseMoeBlock(nn.Module):
     """The router (``gate``, Qwen2-MoE's) and the stacked experts of width ``intermediate_size``; no shared expert."""
 
-    # PEFT 0.21's MoE conversion ("qwen3_moe" and "olmoe" map to "qwen2_moe"'s) adapts the router and the stacked
-    # experts under all-linear and for these targets, which flodl-hf does not: lora.add_lora refuses them
+    # PEFT 0.21's MoE conversion ("qwen3_moe" and "olmoe" map to "qwen2_moe"'s): these target_modules names become
+    # target_parameters (gate_proj and up_proj together, fused at twice the rank); all-linear is refused
     peft_all_linear_refused = True
-    peft_moe_targets = ("gate", "gate_proj", "up_proj", "down_proj")
+    peft_moe_targets = {"gate": "gate.weight", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+                        "down_proj": "down_proj"}
+    peft_moe_fused = {"gate_up_proj": ("gate_proj", "up_proj")}
     gate_first: ClassVar[bool] = False  # the modules' (parameters') order: Qwen3MoeSparseMoeBlock builds experts first
 
     def __init__(self, config: Any, intermediate_size: int) -> None:

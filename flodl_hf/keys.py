@@ -248,6 +248,12 @@ class KeyMap:
                 return stem + merge.parts[0]
         return self._apply(self._rev, key)
 
+    def module_name(self, key: str) -> str:
+        """A module key -> its name in transformers' model (the renames only: a merge converts between the file and
+        transformers' modules, so Mixtral's ``mlp.gate.weight`` stays that, where its file says
+        ``block_sparse_moe.gate.weight``). PEFT's adapter keys follow these names."""
+        return self._apply(self._rev, key)
+
     def to_hf_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Module tensors -> the tensors transformers' save_pretrained writes, merged ones split into their parts,
         then in the file layout."""

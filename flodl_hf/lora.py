@@ -780,11 +780,42 @@ def all_linear_targets(model: nn.Module, task_type: str | None) -> list[str]:
     return sorted(names)
 
 
-def _peft_moe_targets(model: nn.Module) -> set[str]:
-    """The target names PEFT 0.21 moves onto an MoE's router and stacked experts (its transformers-5 conversion,
-    ``_MOE_TARGET_MODULE_MAPPING``), from the modules' ``peft_moe_targets`` (Qwen3-MoE's and OLMoE's blocks);
-    empty for every other model."""
-    return {t for m in model.modules() for t in getattr(m, "peft_moe_targets", ())}
+def _peft_moe_targets(model: nn.Module) -> dict[str, str]:
+    """PEFT 0.21's transformers-5 MoE conversion (``_MOE_TARGET_MODULE_MAPPING``): the target_modules names it
+    moves to target_parameters, from the blocks' ``peft_moe_targets`` (Mixtral's, Qwen3-MoE's, OLMoE's); empty for
+    every other model."""
+    return {k: v for m in model.modules() for k, v in getattr(m, "peft_moe_targets", {}).items()}
+
+
+def _convert_moe_targets(model: nn.Module, targets: list[str], parameters: Iterable[str] | None, r: int,
+                         alpha: float, rank_pattern: dict | None, alpha_pattern: dict | None):
+    """``_convert_peft_config_moe``: each target whose name (or its end) is one of the model's moved names becomes
+    the Parameter it names now (Mixtral's ``w1`` -> ``gate_up_proj``); the names fused into one Parameter must come
+    together and give it twice the rank and alpha (``.*\\.gate_up_proj`` added to the patterns, after the user's).
+    Returns the targets left, the target_parameters, rank_pattern and alpha_pattern, as PEFT rewrites its config."""
+    moved, fused = _peft_moe_targets(model), {}
+    for m in model.modules():
+        fused.update(getattr(m, "peft_moe_fused", {}))
+    left, params, matched = [], list(parameters or []), {}
+    for target in targets:
+        old = next((o for o in moved if target == o or target.endswith(f".{o}")), None)
+        if old is None:
+            left.append(target)
+            continue
+        if moved[old] not in params:
+            params.append(moved[old])
+        matched.setdefault(moved[old], set()).add(old)
+    rank_pattern, alpha_pattern = dict(rank_pattern or {}), dict(alpha_pattern or {})
+    for new, required in fused.items():
+        present = matched.get(new, set())
+        if present and len(present) < len(required):
+            raise AdapterError(f"LoRA field 'target_modules': {', '.join(sorted(present))} without "
+                               f"{', '.join(sorted(set(required) - present))}: both are fused into {new} "
+                               "(PEFT's transformers-5 MoE conversion), name them together")
+        if len(present) == len(required) > 1:
+            rank_pattern[rf".*\.{re.escape(new)}"] = r * len(required)
+            alpha_pattern[rf".*\.{re.escape(new)}"] = alpha * len(required)
+    return left, params, rank_pattern, alpha_pattern
 
 
 def _peft_converts(model: nn.Module) -> bool:
@@ -847,7 +878,7 @@ def parameter_layers(model: nn.Module) -> dict[str, LoraParameters]:
 def _hf_module_name(model: nn.Module, name: str) -> str:
     """A module's name in transformers' model (the family's key table; the same name for most families)."""
     key_map = model.family.key_map() if hasattr(model, "family") else None
-    return key_map.to_hf(name + ".weight")[: -len(".weight")] if key_map is not None else name
+    return key_map.module_name(name + ".weight")[: -len(".weight")] if key_map is not None else name
 
 
 def token_targets(model: nn.Module, value: Any, saved: list[str], where: str = "add_lora",
@@ -967,12 +998,13 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
         task_type = PEFT_TASK_TYPES.get(task)
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         targets = all_linear_targets(model, task_type)
-    moved = [t for t in ([targets] if isinstance(targets, str) else targets or [])
-             if t.rsplit(".", 1)[-1] in _peft_moe_targets(model)]  # none for a model without peft_moe_targets
-    if moved:
-        raise UnsupportedAdapterError(f"target_modules {moved!r}: PEFT 0.21 adapts this model's router and stacked "
-                                      "experts for these names (its transformers-5 MoE conversion; not linear layers), "
-                                      "which flodl-hf does not; name the attention projections only")
+    if isinstance(targets, list) and _peft_moe_targets(model):  # names PEFT moves to the stacked experts
+        targets, target_parameters, rank_pattern, alpha_pattern = _convert_moe_targets(
+            model, targets, target_parameters, r, alpha, rank_pattern, alpha_pattern)
+    elif isinstance(targets, str) and targets.rsplit(".", 1)[-1] in _peft_moe_targets(model):
+        raise UnsupportedAdapterError(f"target_modules {targets!r}: PEFT 0.21 resolves a pattern against this "
+                                      "model's transformers-4 expert names (its transformers-5 MoE conversion), "
+                                      "which flodl-hf does not; give a list of names")
     targets = minimal_targets(model, targets) if targets is not None else None
     to_save = None
     if modules_to_save is not None:
@@ -1094,7 +1126,7 @@ def _adapt_parameters(model: nn.Module, cfg: LoraConfig, chosen: list[str], save
             continue  # a LoRA layer's own lora_A / lora_B
         for pname, _ in module.named_parameters(recurse=False):
             key = f"{name}.{pname}" if name else pname
-            hf = key_map.to_hf(key) if key_map is not None else key
+            hf = key_map.module_name(key) if key_map is not None else key
             if hf not in wanted and not any(hf.endswith("." + t) for t in wanted):
                 continue
             if not name:
@@ -1178,10 +1210,11 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _to_hf(model: nn.Module, key: str) -> str:
-    """Our key -> PEFT's (without ``base_model.model.``): the module path through the family's table; an
-    adapted layer's own bias sits under ``base_layer.`` in PEFT's model, and so in its file."""
+    """Our key -> PEFT's (without ``base_model.model.``): the module path in transformers' model through the
+    family's table (``KeyMap.module_name``); an adapted layer's own bias sits under ``base_layer.`` in PEFT's
+    model, and so in its file."""
     key_map = model.family.key_map() if hasattr(model, "family") else None
-    hf = key_map.to_hf if key_map is not None else (lambda k: k)
+    hf = key_map.module_name if key_map is not None else (lambda k: k)
     adapted = re.fullmatch(r"(.+)\.(lora_A|lora_B)\.([^.]+)\.weight", key)
     if adapted and isinstance(layer := _module(model, adapted.group(1)), LoraParameters):
         # PEFT's nested ParamWrappers: the first adapted Parameter innermost, one base_layer per wrapper around it

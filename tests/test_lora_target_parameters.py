@@ -245,3 +245,55 @@ def test_target_modules_none_with_target_parameters_targets_what_peft_does(case_
     theirs.save_pretrained(str(tmp_path / "peft"))
     written = json.loads((lora.save_adapter(ours, tmp_path / "ours") / lora.ADAPTER_CONFIG).read_text())
     assert written["target_modules"] == json.loads((tmp_path / "peft" / lora.ADAPTER_CONFIG).read_text())["target_modules"]
+
+
+@pytest.mark.parametrize("case_id,targets", [
+    pytest.param(MIXTRAL, ["q_proj", "w1", "w3", "w2", "gate"], id="mixtral"),
+    # the dense first layer's gate/up/down_proj linear layers are not adapted: PEFT moves the names away from them
+    pytest.param("qwen2_moe-hd24-4experts-norm-dense1", ["v_proj", "gate_proj", "up_proj", "down_proj"],
+                 id="qwen2_moe-no-conversion"),
+    pytest.param("olmoe-hd24-4experts-norm-bias", ["q_proj", "gate_proj", "up_proj", "down_proj", "gate"], id="olmoe"),
+])
+def test_expert_names_in_target_modules_are_converted_as_peft_converts_them(case_id, targets, tmp_path):
+    """PEFT's transformers-5 MoE conversion (``_convert_peft_config_moe``): transformers 4's expert names in
+    target_modules become target_parameters (w1 + w3 or gate_proj + up_proj -> gate_up_proj at twice the rank and
+    alpha, w2 / down_proj -> down_proj, gate -> gate.weight). The same adapted names, init (same seed), outputs,
+    training step, file bits and config fields as PEFT's; one of a fused pair alone is refused as PEFT refuses it."""
+    warnings.simplefilter("ignore")
+    source = _source(case_id)
+    torch.manual_seed(0)
+    theirs = peft.get_peft_model(reference_model(source, TASK, "eager"),
+                                 peft.LoraConfig(r=2, lora_alpha=3, target_modules=targets, task_type="CAUSAL_LM"))
+    torch.manual_seed(0)
+    ours = lora.add_lora(load_model(source, TASK), r=2, alpha=3, target_modules=targets)
+    ours.set_attn_implementation("eager")
+    _assert_adapters_equal(ours, theirs)
+    _perturb(_peft_trainable(theirs), 1)  # B non-zero; the same values here, by PEFT's file key
+    peft_side = _theirs_by_peft_key(theirs)
+    with torch.no_grad():
+        for k, p in _ours_by_peft_key(ours).items():
+            p.copy_(peft_side[k])
+    batch = make_batch(ours.config, TASK)
+    ours.eval(), theirs.eval()
+    with torch.no_grad():
+        _equal_fields(ours(**batch), theirs(**batch))
+    _step(ours, theirs, batch)
+    theirs.save_pretrained(str(tmp_path / "peft"))
+    out = lora.save_adapter(ours, tmp_path / "ours")
+    mine, peft_file = (load_file(str(d / lora.ADAPTER_WEIGHTS)) for d in (out, tmp_path / "peft"))
+    assert sorted(mine) == sorted(peft_file) and all(torch.equal(mine[k], peft_file[k]) for k in mine)
+    written, peft_written = (json.loads((d / lora.ADAPTER_CONFIG).read_text()) for d in (out, tmp_path / "peft"))
+    for name in ("target_modules", "target_parameters"):
+        assert sorted(written[name] or []) == sorted(peft_written[name] or []), name
+    for name in ("rank_pattern", "alpha_pattern"):
+        assert written[name] == peft_written[name], name
+    back = load_model(source, TASK, adapter=tmp_path / "peft").eval()  # PEFT's converted adapter loads here
+    back.set_attn_implementation("eager")
+    _assert_adapters_equal(back, theirs)
+    with torch.no_grad():
+        _equal_fields(back(**batch), theirs(**batch))
+    if case_id == MIXTRAL:
+        with pytest.raises(ValueError, match="without also targeting"):
+            peft.get_peft_model(reference_model(source, TASK, "eager"), peft.LoraConfig(r=2, target_modules=["w1"]))
+        with pytest.raises(AdapterError, match="w1 without w3"):
+            lora.add_lora(load_model(source, TASK), r=2, target_modules=["w1"])

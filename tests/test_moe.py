@@ -234,23 +234,13 @@ def test_lora_on_the_causal_lm_both_ways_with_peft(variant, targets, tmp_path):
 
 
 @pytest.mark.parametrize("variant", [Q3TOP2, OTOP2])
-def test_lora_on_what_peft_moves_onto_the_experts_is_refused(variant):
-    """PEFT 0.21's transformers-5 MoE conversion (Qwen3-MoE and OLMoE map to Qwen2-MoE's) turns the targets
-    gate_proj/up_proj/down_proj into the stacked experts' parameters (not the dense layers' linear layers of the
-    same names), and adapts the router and the experts under all-linear: flodl-hf refuses both."""
-    import peft
+def test_lora_all_linear_is_refused_where_peft_adapts_the_experts(variant):
+    """PEFT 0.21's transformers-5 MoE conversion (Qwen3-MoE and OLMoE map to Qwen2-MoE's) adapts the router and the
+    stacked experts under all-linear: refused (named targets are converted as PEFT converts them:
+    tests/test_lora_target_parameters.py)."""
     from flodl_hf import lora
     from flodl_hf.errors import UnsupportedAdapterError
     source = make_checkpoint(case_fields(variant), "causal_lm")
-    targets = ["q_proj", "gate_proj", "up_proj", "down_proj"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        theirs = peft.get_peft_model(reference_model(source, "causal_lm", "eager"),
-                                     peft.LoraConfig(r=2, target_modules=targets))
-    adapted = [n for n, _ in theirs.named_parameters() if "lora_A" in n]
-    assert any(".experts." in n for n in adapted) and not any("_proj.lora_A" in n and ".mlp." in n for n in adapted)
-    with pytest.raises(UnsupportedAdapterError, match="stacked experts"):
-        lora.add_lora(load_model(source, "causal_lm"), r=2, target_modules=targets)
     with pytest.raises(UnsupportedAdapterError, match="all-linear.*not linear layers"):
         lora.add_lora(load_model(source, "causal_lm"), r=2, target_modules="all-linear")
 
