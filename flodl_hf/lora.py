@@ -820,10 +820,9 @@ def _convert_moe_targets(model: nn.Module, targets: list[str], parameters: Itera
 
 def _peft_converts(model: nn.Module) -> bool:
     """Whether PEFT 0.21 rewrites this model's LoRA config before matching (its transformers-5 MoE conversion,
-    ``convert_peft_config_for_transformers``: Mixtral, Qwen3-MoE, OLMoE), the blocks marked
-    ``peft_all_linear_refused``. It turns ``target_modules=None`` into an empty set, so with ``target_parameters``
-    no module gets PEFT's default targets."""
-    return any(getattr(m, "peft_all_linear_refused", False) for m in model.modules())
+    ``convert_peft_config_for_transformers``: the models whose blocks declare ``peft_moe_targets``). It turns
+    ``target_modules=None`` into an empty set, so with ``target_parameters`` no module gets PEFT's default targets."""
+    return bool(_peft_moe_targets(model))
 
 
 def minimal_targets(model: nn.Module, targets: list[str] | str) -> list[str] | str:
