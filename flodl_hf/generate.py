@@ -44,7 +44,6 @@ greedy prompts batched by left padding and sampled ones run one at a time in the
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -54,7 +53,8 @@ import torch
 from . import io
 from .decoder import KVCache
 from .errors import ConfigError, InputError
-from .generation_processors import StopStrings, apply, logits_processors, stop_hits, stopping_criteria_list
+from .generation_processors import (PrefixConstrained, StopStrings, apply, logits_processors, stop_hits,
+                                    stopping_criteria_list)
 from .modeling import PLAIN_RECORD, config_sets_forward_defaults
 from .outputs import ModelOutput
 
@@ -523,38 +523,6 @@ def _embedded_prompt(model: torch.nn.Module, input_ids: Any, inputs_embeds: Any,
                          f"attention_mask: transformers infers the mask from the ids, {input_ids.shape[1]} columns "
                          f"where the embeddings have {length} positions; pass an attention_mask ({batch}, {length})")
     return input_ids
-
-
-class PrefixConstrained:
-    """PrefixConstrainedLogitsProcessor (generation/logits_process.py): each row's scores kept only at the ids
-    ``prefix_allowed_tokens_fn(batch_id, row's ids so far)`` returns, the others -inf; a prompt none of whose rows
-    keeps an id above -inf gets the mask itself (0 at the allowed ids), so the constraint holds. ``rows``: the rows
-    per prompt, ``max(num_beams, num_return_sequences)``; the row's ids are those generate carries (none of the
-    prompt after an ``inputs_embeds`` prompt alone)."""
-
-    def __init__(self, prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], Any], rows: int) -> None:
-        self.prefix_allowed_tokens_fn, self.rows = prefix_allowed_tokens_fn, rows
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        mask = torch.full_like(scores, -math.inf)
-        batch_size = input_ids.shape[0] // self.rows
-        for batch_id in range(batch_size):
-            for beam_id in range(self.rows):
-                row = batch_id * self.rows + beam_id
-                allowed = self.prefix_allowed_tokens_fn(batch_id, input_ids[row])
-                try:
-                    empty = len(allowed) == 0
-                    if not empty:
-                        mask[row, allowed] = 0
-                except (TypeError, IndexError, RuntimeError) as exc:  # where transformers fails too
-                    raise InputError(f"prefix_allowed_tokens_fn returned {allowed!r} for batch id {batch_id}: "
-                                     f"expected a list of token ids below {scores.shape[-1]}") from exc
-                if empty:
-                    raise InputError(f"prefix_allowed_tokens_fn returned no token for batch id {batch_id}: the "
-                                     "constraint cannot be met (transformers raises)")
-        processed = scores + mask
-        unsatisfiable = processed.amax(dim=-1).isneginf().view(batch_size, -1).all(dim=-1, keepdim=True)
-        return torch.where(unsatisfiable.repeat_interleave(self.rows, dim=0), mask, processed)
 
 
 def infer_attention_mask(input_ids: torch.Tensor, pad: int | None, eos: Sequence[int]) -> torch.Tensor:

@@ -70,6 +70,38 @@ class SequenceBias:
         return scores + bias
 
 
+class PrefixConstrained:
+    """PrefixConstrainedLogitsProcessor (generation/logits_process.py): each row's scores kept only at the ids
+    ``prefix_allowed_tokens_fn(batch_id, row's ids so far)`` returns, the others -inf; a prompt none of whose rows
+    keeps an id above -inf gets the mask itself (0 at the allowed ids), so the constraint holds. ``rows``: the rows
+    per prompt, ``max(num_beams, num_return_sequences)``; the row's ids are those generate carries (none of the
+    prompt after an ``inputs_embeds`` prompt alone)."""
+
+    def __init__(self, prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], Any], rows: int) -> None:
+        self.prefix_allowed_tokens_fn, self.rows = prefix_allowed_tokens_fn, rows
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        mask = torch.full_like(scores, -math.inf)
+        batch_size = input_ids.shape[0] // self.rows
+        for batch_id in range(batch_size):
+            for beam_id in range(self.rows):
+                row = batch_id * self.rows + beam_id
+                allowed = self.prefix_allowed_tokens_fn(batch_id, input_ids[row])
+                try:
+                    empty = len(allowed) == 0
+                    if not empty:
+                        mask[row, allowed] = 0
+                except (TypeError, IndexError, RuntimeError) as exc:  # where transformers fails too
+                    raise InputError(f"prefix_allowed_tokens_fn returned {allowed!r} for batch id {batch_id}: "
+                                     f"expected a list of token ids below {scores.shape[-1]}") from exc
+                if empty:
+                    raise InputError(f"prefix_allowed_tokens_fn returned no token for batch id {batch_id}: the "
+                                     "constraint cannot be met (transformers raises)")
+        processed = scores + mask
+        unsatisfiable = processed.amax(dim=-1).isneginf().view(batch_size, -1).all(dim=-1, keepdim=True)
+        return torch.where(unsatisfiable.repeat_interleave(self.rows, dim=0), mask, processed)
+
+
 def bad_words(bad_words_ids: list[list[int]], eos: Sequence[int]) -> SequenceBias:
     """NoBadWordsLogitsProcessor (:1432): a sequence bias of -inf for each bad sequence, less the one-token sequences
     that are an eos id (all of them may be: then it changes nothing, as there)."""
@@ -214,7 +246,7 @@ def logits_processors(settings: Any, prompt_length: int, max_length: int, min_le
     """``_get_logits_processor``'s list (generation/utils.py:1416-1663) for ``settings`` (a GenerationSettings),
     in its order: sequence bias, repetition penalty, n-gram ban, bad words, minimum length (MinLength when the
     total ``min_length`` is positive, MinNewTokensLength when ``min_new_tokens`` is: each bans the eos ids below
-    ``min_length``), ``prefix`` (generate.PrefixConstrained, for ``prefix_allowed_tokens_fn``), forced bos / eos,
+    ``min_length``), ``prefix`` (PrefixConstrained, for ``prefix_allowed_tokens_fn``), forced bos / eos,
     invalid values, exponential decay, suppression; then ``custom`` (the caller's processors, merged as ``merge``);
     when sampling temperature, top-k, top-p, min-p, typical, epsilon, eta; renormalization last. Each built-in
     exists where transformers creates its class, so that a custom one of that class takes its place."""
