@@ -230,7 +230,10 @@ class DisentangledSelfAttention(nn.Module):
         query = self.split(self.query_proj(hidden_states))
         key = self.split(self.key_proj(hidden_states))
         value = self.split(self.value_proj(hidden_states))
-        scale = scaled_size_sqrt(query.size(-1), self.scale_factor).to(query.device)
+        # A CPU 0-dim tensor, as transformers makes it: on CUDA, x / (CPU scalar tensor) runs as
+        # x * (1 / scale), while x / (CUDA tensor) divides elementwise (up to 8e-6 apart at hidden 768
+        # on an H200). On the CPU both are the same division.
+        scale = scaled_size_sqrt(query.size(-1), self.scale_factor)
         # DisentangledSelfAttention.forward: k^T / scale before the bmm; then + (c2p/scale + p2c/scale)
         scores = torch.bmm(query, key.transpose(-1, -2) / scale.to(dtype=query.dtype))
         if self.relative_attention:

@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# flodl_hf comes from the installed package (families/ and heads/ install as flodl_hf.families and
+# flodl_hf.heads, so the checkout's flodl_hf/ alone is not the package); tests/ holds the cases.
 sys.path.insert(0, str(ROOT / "tests"))
 
 ROWS: list[tuple[str, str, str]] = []  # (check, result, detail)
@@ -47,7 +48,7 @@ def row(check: str, result: str, detail: str = "") -> None:
 
 # ---- 1. parity ---------------------------------------------------------------------------------
 
-def parity(device: torch.device, quick: bool) -> None:
+def parity(device: torch.device, quick: bool, match: str) -> None:
     from cases import CASES
     from helpers import make_checkpoint
     from flodl_hf.auto import load_model
@@ -57,6 +58,8 @@ def parity(device: torch.device, quick: bool) -> None:
     seen: set[str] = set()
     for case_id, task, fields in CASES:
         family = get_family(fields["model_type"])
+        if match and match not in case_id:
+            continue
         if quick and fields["model_type"] in seen:
             continue
         seen.add(fields["model_type"])
@@ -221,6 +224,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="run on the CPU (no CUDA needed): checks the script")
     parser.add_argument("--quick", action="store_true", help="parity: one case per family instead of all")
+    parser.add_argument("--match", default="", help="parity: only the cases whose id contains this text")
     parser.add_argument("--layers", type=int, default=12, help="forward ratio: BERT layers (default 12)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--only", default="parity,forward,train,elche,mixed",
@@ -236,7 +240,7 @@ def main() -> int:
     print(f"gpu_check on {name}: torch {torch.__version__}, {gpus} GPU(s)", flush=True)
     start = time.monotonic()
     steps = [
-        ("parity", lambda: parity(device, args.quick)),
+        ("parity", lambda: parity(device, args.quick, args.match)),
         ("forward", lambda: forward_ratio(device, args.layers, args.repeats)),
         ("train", lambda: training_step(device)),
         ("elche", lambda: two_workers("El Che over NCCL, 2 GPUs", ["cuda:0", "cuda:1"], "cpu:gloo,cuda:nccl")
