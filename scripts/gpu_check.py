@@ -10,6 +10,7 @@ Rows:
    the fused attention kernels may differ between the two call orders);
 2. the forward ratio ours / transformers, BERT-base size, batch 8 x 128, alternating pairs;
 3. one training step (AdamW) on a sequence classifier: loss and gradients against transformers';
+   then one forward + backward per family in train mode (dropout on, the same seed on both sides);
 4. El Che over NCCL: two workers, one GPU each (needs 2 GPUs; NCCL refuses two ranks on one);
 5. a mixed cohort, worker 0 on the GPU and worker 1 on the CPU, averaging over gloo.
 
@@ -31,7 +32,11 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
+# transformers (with the `kernels` package, one of its dependencies) swaps in kernels from the Hub for
+# some layers on CUDA (rotary, RMSNorm); they need the network and are not the reference: its torch path is.
+os.environ.setdefault("USE_HUB_KERNELS", "0")
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # flodl_hf comes from the installed package (families/ and heads/ install as flodl_hf.families and
@@ -158,6 +163,56 @@ def training_step(device: torch.device) -> None:
         f"{len(common)} tensors")
 
 
+def training_steps(device: torch.device, match: str) -> None:
+    """One train-mode forward and backward per family (its first sequence-classification case, else its
+    first causal LM or masked LM case), on both sides from the same seed: the loss and every gradient."""
+    from cases import CASES
+    from helpers import make_checkpoint, seeded_backward
+    from flodl_hf.auto import load_model
+    from flodl_hf.parity import make_batch, reference_model
+    from flodl_hf.registry import get_family
+
+    chosen: dict[str, tuple[str, str, dict]] = {}
+    for preferred in ("seqcls", "causal_lm", "mlm"):
+        for case_id, task, fields in CASES:
+            if task == preferred and fields["model_type"] not in chosen and (not match or match in case_id):
+                chosen[fields["model_type"]] = (case_id, task, fields)
+    for model_type, (case_id, task, fields) in sorted(chosen.items()):
+        try:
+            family = get_family(model_type)
+            impl = family.attn_implementations[0]
+            source = make_checkpoint(fields, task)
+            ours = load_model(source, task, dtype=torch.float32, attn_implementation=impl).to(device).train()
+            theirs = reference_model(source, task, impl if len(family.attn_implementations) > 1 else None)
+            theirs = theirs.to(device).train()
+            batch = {k: v.to(device) for k, v in make_batch(ours.config, task).items()}
+            ids, mask = batch["input_ids"], batch["attention_mask"]
+            if task == "seqcls":
+                batch["labels"] = torch.arange(ids.shape[0], device=device) % ours.config.num_labels
+            else:
+                batch["labels"] = ids.masked_fill(mask == 0, -100)
+            losses = seeded_backward((ours, theirs), batch)
+            pairs = list(zip(ours.parameters(), theirs.parameters(), strict=True))
+            grads = [(p.grad, q.grad) for p, q in pairs if p.grad is not None or q.grad is not None]
+            one_sided = sum((g is None) != (h is None) for g, h in grads)
+            gdiff = max(((g - h).abs().max().item() for g, h in grads if g is not None and h is not None),
+                        default=0.0)
+            exact = (torch.equal(*losses) and not one_sided
+                     and all(torch.equal(g, h) for g, h in grads if g is not None and h is not None))
+            result = "exact" if exact else ("close" if not one_sided and gdiff < 1e-4 else "FAIL")
+            detail = (f"loss diff {(losses[0] - losses[1]).abs().item():.2e}; grad max diff {gdiff:.2e}; "
+                      f"{len(grads)} gradients" + (f", {one_sided} on one side only" if one_sided else ""))
+            if not exact:  # is transformers' own backward repeatable here (atomics in a scatter-add)?
+                first = [q.grad.clone() for q in theirs.parameters() if q.grad is not None]
+                seeded_backward((theirs,), batch)
+                again = [q.grad for q in theirs.parameters() if q.grad is not None]
+                self_diff = max((a - b).abs().max().item() for a, b in zip(first, again))
+                detail += f"; transformers against itself {self_diff:.2e}"
+            row(f"train step {case_id} {impl}", result, detail)
+        except Exception as exc:
+            row(f"train step {case_id}", "FAIL", f"{type(exc).__name__}: {str(exc)[:120]}")
+
+
 # ---- 4 and 5. two workers ----------------------------------------------------------------------
 
 def _worker(rank: int, port: int, devices: list[str], backend: str, out: str) -> None:
@@ -227,7 +282,7 @@ def main() -> int:
     parser.add_argument("--match", default="", help="parity: only the cases whose id contains this text")
     parser.add_argument("--layers", type=int, default=12, help="forward ratio: BERT layers (default 12)")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--only", default="parity,forward,train,elche,mixed",
+    parser.add_argument("--only", default="parity,forward,train,train-all,elche,mixed",
                         help="comma-separated rows to run (default: all)")
     args = parser.parse_args()
     only = set(args.only.split(","))
@@ -243,6 +298,7 @@ def main() -> int:
         ("parity", lambda: parity(device, args.quick, args.match)),
         ("forward", lambda: forward_ratio(device, args.layers, args.repeats)),
         ("train", lambda: training_step(device)),
+        ("train-all", lambda: training_steps(device, args.match)),
         ("elche", lambda: two_workers("El Che over NCCL, 2 GPUs", ["cuda:0", "cuda:1"], "cpu:gloo,cuda:nccl")
          if gpus >= 2 else (two_workers("El Che, 2 CPU workers over gloo (dry run)", ["cpu", "cpu"], "gloo")
                             if args.dry_run else row("El Che over NCCL, 2 GPUs", "skipped",
