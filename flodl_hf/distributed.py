@@ -848,25 +848,50 @@ class Comm:
         for key in keys:
             self._run("clearing the window's shared counter", store.delete_key, key)
 
-    def heartbeat(self, key: str, interval: float) -> "Heartbeat":
+    def heartbeat(self, key: str, interval: float, also: str | None = None, readers: bool = True) -> "Heartbeat":
         """Announce work the other workers wait for through :meth:`wait_for_peer` (worker 0's
         evaluation), and beat ``key/beat`` on the store every ``interval`` seconds from a thread of
-        its own until :meth:`Heartbeat.end`."""
-        self.counter(f"{key}/beat", 1, "announcing work the other workers wait for")
-        return Heartbeat(self, key, interval)
+        its own until :meth:`Heartbeat.end`; ``also``, a second counter beaten alike (a nested
+        window's ``alive``, which the outer tier watches through :meth:`wait_for_arrival`);
+        ``readers=False`` where no worker waits at ``key`` (an inner tier of one)."""
+        for beat in (f"{key}/beat", also):
+            if beat is not None:
+                self.counter(beat, 1, "announcing work the other workers wait for")
+        return Heartbeat(self, key, interval, also, readers)
 
-    def wait_for_peer(self, key: str, what: str, timeout: float) -> bool:
+    def wait_for_peer(self, key: str, what: str, timeout: float, readers: int | None = None) -> bool:
         """Wait for the end a peer's :class:`Heartbeat` publishes at ``key/done``, however long its
         work takes while its beats go on; whether the work succeeded. Raise :class:`WorkerLostError`
         once the beats have stopped for ``timeout`` seconds (counted from this call until the first
         one is seen), or at once when the store's host is gone. Polled every 5 ms at first, less
-        often as the wait goes on, at least every ``min(1, timeout / 10)`` seconds. The last worker
-        to read the end tells the peer at ``key/read``; every worker but the peer calls this."""
+        often as the wait goes on, at least every ``min(1, timeout / 10)`` seconds. The last of the
+        ``readers`` (every worker but the peer by default; a nested window's inner tier but worker 0
+        for an evaluation at its inner sync) to read the end tells the peer at ``key/read``."""
+        outcome = self._await(f"{key}/done", f"{key}/beat", what, timeout)
+        if self.counter(f"{key}/readers", 1, what) == (self.world - 1 if readers is None else readers):
+            self.settle(f"{key}/read", "1", what)
+        return outcome == "done"
+
+    def wait_for_arrival(self, key: str, alive: str, what: str, timeout: float) -> None:
+        """Wait until ``key`` is set on the store (:meth:`arrive`), for as long as the counter
+        ``alive`` moves (a :class:`Heartbeat`'s ``also``); raise :class:`WorkerLostError` once it has
+        been still for ``timeout`` seconds, or at once when the store's host is gone. A nested
+        window's outer tier waits so for the inner tier before the outer sync, while worker 0
+        evaluates at an inner sync for longer than a collective may wait."""
+        self._await(key, alive, what, timeout)
+
+    def arrive(self, key: str) -> None:
+        """Set ``key`` on the store: what :meth:`wait_for_arrival` waits for."""
+        self.settle(key, "1", "announcing the end of the inner tier's windows")
+
+    def _await(self, key: str, beats_key: str, what: str, timeout: float) -> str:
+        """Poll the store until ``key`` holds a value, and return it, while the counter ``beats_key``
+        moves at least every ``timeout`` seconds."""
         interval = min(1.0, timeout / 10)
         start = seen_at = time.perf_counter()
         beats, pause = -1, min(0.005, interval)
-        while not (outcome := self.settle(f"{key}/done", "", what)):
-            now_beats, now = self.counter(f"{key}/beat", 0, what), time.perf_counter()
+        while not (outcome := self.settle(key, "", what)):
+            now_beats, now = self.counter(beats_key, 0, what), time.perf_counter()
             if now_beats != beats:
                 beats, seen_at = now_beats, now
             elif now - seen_at > timeout:
@@ -874,9 +899,7 @@ class Comm:
                                 now - start)
             time.sleep(pause)
             pause = min(2 * pause, interval)
-        if self.counter(f"{key}/readers", 1, what) == self.world - 1:
-            self.settle(f"{key}/read", "1", what)
-        return outcome == "done"
+        return outcome
 
     def any_flag(self, flag: bool) -> bool:
         """True on every worker if it is true on any."""
@@ -906,15 +929,18 @@ class Heartbeat:
     prove the process alive, not that the work advances: work stuck while its process runs is
     waited for, and C code holding the GIL for longer than the waiters' ``timeout`` reads as frozen."""
 
-    def __init__(self, comm: Comm, key: str, interval: float) -> None:
-        self.comm, self.key = comm, key
+    def __init__(self, comm: Comm, key: str, interval: float, also: str | None = None,
+                 readers: bool = True) -> None:
+        self.comm, self.key, self.readers = comm, key, readers
         self._stop = threading.Event()
         store = dist.distributed_c10d._get_default_store()
+        beats = [f"{key}/beat"] + ([also] if also is not None else [])
 
         def beat() -> None:
             while not self._stop.wait(interval):
                 try:
-                    store.add(f"{key}/beat", 1)
+                    for name in beats:
+                        store.add(name, 1)
                 except RuntimeError:  # the store's host is gone: the waiting workers see it themselves
                     return
 
@@ -928,6 +954,9 @@ class Heartbeat:
         self._stop.set()
         self._thread.join()
         comm, key = self.comm, self.key
+        if not self.readers:
+            comm.drop_keys([f"{key}/beat"])
+            return
         comm.settle(f"{key}/done", "done" if ok else "failed", "publishing the end of work the others wait for")
         if ok:
             store = dist.distributed_c10d._get_default_store()

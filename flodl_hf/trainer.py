@@ -865,7 +865,7 @@ class Trainer:
             self._waited_ms = 0.0  # the lead's wait for the others' gradients inside the window: idle
             self._window_start = window_start
             if live:
-                key = f"flodl-hf/el-che/{self._run_key}/{self.epoch}/{self.position}"
+                key = self._window_key = f"flodl-hf/el-che/{self._run_key}/{self.epoch}/{self.position}"
                 probing = self._tiers is None and first and self.el_che.nested is True and \
                     not self._tiers_decided and all(ms is None for ms in self._ms)
                 in_window = probing and bool(self._candidates)  # tiers found inside this window
@@ -916,6 +916,16 @@ class Trainer:
             local_loss = loss_sum.item()
 
             t = time.perf_counter()
+            # Nested windows with evaluations at inner syncs: the outer tier waits for the inner tier on
+            # the store, while worker 0's evaluation beats, not in the outer sync's collective, which
+            # would give up after ``timeout``.
+            arrival = live and self._eval_waits and self._tiers is not None and 0 in self._tiers[0]
+            if arrival and comm.rank == 0:
+                comm.arrive(f"{key}/arrived")
+            elif arrival and comm.rank in self._tiers[1]:
+                comm.wait_for_arrival(f"{key}/arrived", f"{key}/alive",
+                                      "waiting for the inner tier (worker 0's evaluation) before the outer sync",
+                                      self.timeout)
             weight_n = n
             if live:
                 if self._inner is not None:  # nested: the inner tier weighs its samples once, through its first
@@ -930,6 +940,7 @@ class Trainer:
             if live:
                 if comm.rank == 0:  # every worker is past its last read: the window's keys can go
                     comm.drop_keys([f"{key}/cursor", f"{key}/done"] + (
+                        [f"{key}/arrived", f"{key}/alive"] if arrival else []) + (
                         [f"{key}/tiers", f"{key}/probed"] + [f"{key}/ms{r}" for r in range(comm.world)]
                         if in_window else []))
                 units_done = int(rows[:, 0 if self._batches is not None else 1].sum())
@@ -1177,7 +1188,7 @@ class Trainer:
         model every inner worker holds, so the run's curve is not sampled only at the slowest
         worker's pace. With ``stop_when`` the
         inner tier waits for its answer and, on a stop, goes to the outer sync at once. The outer
-        tier trains on through such an evaluation. Inner sync time is counted in
+        tier trains on through such an evaluation, and waits for its end on the store if done first. Inner sync time is counted in
         ``self._inner_ms``, not in the batches' time. ``carried``: the units and samples this worker
         ran in the window before the tiers were found (:meth:`_probe_chunks`), counted in the first
         inner window, whose start is then the window's (already in ``self._inner_start``)."""
@@ -1406,8 +1417,9 @@ class Trainer:
         store (:meth:`Comm.wait_for_peer`) while worker 0's heartbeat goes on, however long it takes.
         ``inner``: (step, samples, training time) of an inner sync of nested windows, called by the
         inner tier only: worker 0 evaluates the inner tier's parameters, the inner tier shares the
-        answer (``_stop_pending``), and the outer tier learns it at the outer sync; those workers wait
-        in their next collective, so such an evaluation must fit in ``timeout``."""
+        answer (``_stop_pending``), and the outer tier learns it at the outer sync; the inner workers
+        wait for it on the store as well, and the outer tier waits for the inner tier's arrival before
+        the outer sync (:meth:`Comm.wait_for_arrival`) while worker 0's heartbeat goes on."""
         step = self.step if inner is None else inner[0]
         if inner is None:  # (an inner sync's evaluation is of other parameters than the outer sync's at its step)
             # Once per point of training, not per step number: live windows end anywhere in a step
@@ -1421,10 +1433,18 @@ class Trainer:
         stop = False
         # The other workers wait for an outer evaluation on the store, not in their next collective, for
         # as long as worker 0's heartbeat goes on: ``timeout`` bounds a silence, not the evaluation.
-        shared = inner is None and self._eval_waits
-        key = f"flodl-hf/eval/{self._run_key}/{self.epoch}/{self.position}" if shared else None
+        # At an inner sync of nested windows, the inner tier waits so, and worker 0's beats also move
+        # the window's ``alive`` counter, which the outer tier watches before the outer sync.
+        shared = self._eval_waits
+        key = also = readers = None
+        if shared and inner is None:
+            key = f"flodl-hf/eval/{self._run_key}/{self.epoch}/{self.position}"
+        elif shared:
+            key, also = f"{self._window_key}/eval{self._inner_syncs}", f"{self._window_key}/alive"
+            readers = self._inner.world - 1
         if self.comm.rank == 0:
-            beat = self.comm.heartbeat(key, min(1.0, self.timeout / 10)) if shared else None
+            beat = (self.comm.heartbeat(key, min(1.0, self.timeout / 10), also, readers != 0)
+                    if shared else None)
             ok = False  # an eval_fn that raises ends the others' wait at once
             try:
                 metrics, eval_s = self._evaluate_here(step, inner)
@@ -1437,10 +1457,13 @@ class Trainer:
                 self._window_eval_s += eval_s
         elif shared:
             t, what = time.perf_counter(), f"waiting for worker 0's evaluation at step {step}"
-            if not self.comm.wait_for_peer(key, what, self.timeout):
+            if not self.comm.wait_for_peer(key, what, self.timeout, readers):
                 raise self.comm.lost(what, TrainerError("worker 0's eval_fn or stop_when raised (its log says what)"),
                                      time.perf_counter() - t)
-            self._eval_s += time.perf_counter() - t  # the evaluation's pause is not training time here either
+            waited = time.perf_counter() - t
+            self._eval_s += waited  # the evaluation's pause is not training time here either
+            if inner is not None:  # nor the batches' time of this window
+                self._window_eval_s += waited
         if self.stop_when is not None:
             if inner is None:
                 self._stop = self.comm.any_flag(stop or self._stop_pending)

@@ -133,3 +133,74 @@ def test_worker_0_waits_until_its_last_evaluation_is_read(tmp_path):
     assert res[0]["steps"] == res[1]["steps"] == (4, 4) and (res[0]["evals"], res[1]["evals"]) == (1, 0), res
     assert len(res[0]["warned"]) == 1 and "differs between the workers" in res[0]["warned"][0], res[0]
     assert res[1]["warned"] == []
+
+
+# ---- nested windows: an evaluation at an inner sync ------------------------------------------
+
+NESTED = ElChe(anchor=1, max_anchor=1, windows="live", combine="sum", nested=((0, 1), (2,)))
+
+
+def _paced_step(rank: int):
+    """Worker 0 10 ms a batch, worker 1 30 ms (the inner tier), worker 2 one second (the outer tier):
+    the inner tier syncs, and worker 0 evaluates, many times while worker 2 runs its one batch."""
+    from test_trainer_dist import mse_step
+
+    def step(model, batch):
+        time.sleep((0.010, 0.030, 1.0)[rank])
+        return mse_step(model, batch)
+    return step
+
+
+def _nested_long_eval(rank: int, out: str) -> dict:
+    """Worker 0's first evaluation, at an inner sync, lasts ``LONG``: worker 1 (inner) waits for it
+    at the inner sync, worker 2 (outer) before the outer sync, each for longer than ``timeout``."""
+    calls = 0
+
+    def eval_fn(model):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            time.sleep(LONG)
+        return {"w": float(model[0].weight.sum())}
+
+    start = time.monotonic()
+    t = run(mlp(), step=_paced_step(rank), sync=NESTED, n=96, epochs=1, eval_fn=eval_fn, eval_every=1,
+            timeout=TIMEOUT, verify_sync=True)
+    return {"params": flat(t.model), "history": t.history, "records": t.records, "samples": t.samples,
+            "wall": time.monotonic() - start}
+
+
+def test_an_inner_sync_evaluation_longer_than_timeout_is_waited_for(tmp_path):
+    res = spawn(_nested_long_eval, tmp_path, pg_timeout=TIMEOUT, deadline=120.0, world=3)
+    assert torch.equal(res[0]["params"], res[1]["params"]) and torch.equal(res[0]["params"], res[2]["params"])
+    evals = [r for r in res[0]["history"] if r.get("event") == "eval"]
+    assert evals and evals[0]["eval_s"] >= LONG, evals
+    # the long evaluation came at an inner sync: within the first window, before its outer sync
+    assert res[0]["records"][0].get("inner_syncs", 0) >= 1, res[0]["records"][0]
+    assert res[0]["samples"] == res[1]["samples"] == res[2]["samples"] == 96
+    for r in (1, 2):
+        assert res[r]["wall"] >= LONG, (r, res[r]["wall"])
+
+
+def _nested_killed(rank: int, out: str) -> dict:
+    """Worker 0 dies in its first evaluation, at an inner sync."""
+    def eval_fn(model):
+        if rank == 0:
+            os._exit(3)
+        return 0.0
+
+    start = time.monotonic()
+    try:
+        run(mlp(), step=_paced_step(rank), sync=NESTED, n=96, epochs=1, eval_fn=eval_fn, eval_every=1,
+            timeout=TIMEOUT)
+    except WorkerLostError as exc:
+        return {"error": str(exc), "after": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_worker_0_killed_in_an_inner_sync_evaluation_is_an_error_for_both_tiers(tmp_path):
+    res = spawn(_nested_killed, tmp_path, pg_timeout=TIMEOUT, deadline=90.0, wait_for=(1, 2), world=3)
+    for r in (1, 2):
+        assert res[r]["error"] is not None and res[r]["after"] < TIMEOUT + 8, (r, res[r])
+    # worker 0 hosts the store here: its death is seen at the next store call, wherever each worker is
+    assert "waiting for worker 0's evaluation" in res[1]["error"], res[1]
