@@ -47,23 +47,27 @@ def _lost_in_eval(rank: int, how: str) -> dict:
     return {"error": None}
 
 
+def _first_call_long():
+    """An ``eval_fn`` whose first call sleeps ``LONG``; each returns the calls so far and a parameter sum."""
+    calls = 0
+
+    def eval_fn(model):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            time.sleep(LONG)
+        return {"calls": calls, "w": float(model[0].weight.sum())}
+    return eval_fn
+
+
 def _long_eval_then_frozen(rank: int, out: str) -> dict:
     """DDP, then El Che's live windows with ``stop_when``, each with a first evaluation of ``LONG``
     seconds; then a run whose worker 0 freezes in its evaluation (it saves its results first)."""
     result = {}
     for name, sync, stop_when in (("ddp", "ddp", None),
                                   ("live", ElChe(anchor=2, windows="live"), lambda m: m["calls"] >= 2)):
-        calls = 0
-
-        def eval_fn(model):
-            nonlocal calls
-            calls += 1
-            if calls == 1:
-                time.sleep(LONG)
-            return {"calls": calls, "w": float(model[0].weight.sum())}
-
         start = time.monotonic()
-        t = run(mlp(), sync=sync, n=64, epochs=2, eval_fn=eval_fn, eval_every=4, stop_when=stop_when,
+        t = run(mlp(), sync=sync, n=64, epochs=2, eval_fn=_first_call_long(), eval_every=4, stop_when=stop_when,
                 timeout=TIMEOUT)
         result[name] = {"params": flat(t.model), "history": t.history, "step": t.step,
                         "total": t.total_steps, "wall": time.monotonic() - start}
@@ -154,17 +158,8 @@ def _paced_step(rank: int):
 def _nested_long_eval(rank: int, out: str) -> dict:
     """Worker 0's first evaluation, at an inner sync, lasts ``LONG``: worker 1 (inner) waits for it
     at the inner sync, worker 2 (outer) before the outer sync, each for longer than ``timeout``."""
-    calls = 0
-
-    def eval_fn(model):
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            time.sleep(LONG)
-        return {"w": float(model[0].weight.sum())}
-
     start = time.monotonic()
-    t = run(mlp(), step=_paced_step(rank), sync=NESTED, n=96, epochs=1, eval_fn=eval_fn, eval_every=1,
+    t = run(mlp(), step=_paced_step(rank), sync=NESTED, n=96, epochs=1, eval_fn=_first_call_long(), eval_every=1,
             timeout=TIMEOUT, verify_sync=True)
     return {"params": flat(t.model), "history": t.history, "records": t.records, "samples": t.samples,
             "wall": time.monotonic() - start}
