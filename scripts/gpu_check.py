@@ -11,6 +11,7 @@ Rows:
 2. the forward ratio ours / transformers, BERT-base size, batch 8 x 128, alternating pairs;
 3. one training step (AdamW) on a sequence classifier: loss and gradients against transformers';
    then one forward + backward per family in train mode (dropout on, the same seed on both sides);
+   and each decoder family's generate, greedy and sampled, against transformers' generate;
 4. El Che over NCCL: two workers, one GPU each (needs 2 GPUs; NCCL refuses two ranks on one);
 5. a mixed cohort, worker 0 on the GPU and worker 1 on the CPU, averaging over gloo.
 
@@ -213,6 +214,48 @@ def training_steps(device: torch.device, match: str) -> None:
             row(f"train step {case_id}", "FAIL", f"{type(exc).__name__}: {str(exc)[:120]}")
 
 
+def generation(device: torch.device, match: str) -> None:
+    """Each decoder family's first causal LM case: our generate_ids against transformers' generate on a
+    left-padded batch (rows of 9, 6 and 3 tokens), 16 new tokens, greedy and sampled from the same seed."""
+    import warnings
+    from cases import CASES
+    from helpers import left_padded, make_checkpoint
+    from flodl_hf.auto import load_model
+    from flodl_hf.generate import generate_ids
+    from flodl_hf.parity import reference_model
+    from flodl_hf.registry import get_family
+
+    seen: set[str] = set()
+    for case_id, task, fields in CASES:
+        if task != "causal_lm" or fields["model_type"] in seen or (match and match not in case_id):
+            continue
+        seen.add(fields["model_type"])
+        try:
+            source = make_checkpoint(fields, task)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                impls = get_family(fields["model_type"]).attn_implementations
+                ours = load_model(source, task, dtype=torch.float32, attn_implementation=impls[0]).to(device).eval()
+                theirs = reference_model(source, task, impls[0] if len(impls) > 1 else None).to(device)
+            ids, mask = (t.to(device) for t in left_padded(ours.config.vocab_size))
+            results = []
+            for name, settings in (("greedy", {"do_sample": False}), ("sampled", {"do_sample": True, "top_k": 50})):
+                settings = {"max_new_tokens": 16, "pad_token_id": 0, "eos_token_id": 2, **settings}
+                with torch.inference_mode(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    torch.manual_seed(7)
+                    reference = theirs.generate(input_ids=ids, attention_mask=mask, **settings)
+                    torch.manual_seed(7)
+                    mine = generate_ids(ours, ids, mask, **settings)
+                same = mine.shape == reference.shape and torch.equal(mine, reference)
+                results.append((name, same, "" if same or mine.shape != reference.shape
+                                else f" ({int((mine != reference).sum())} ids differ)"))
+            row(f"generate {case_id} {impls[0]}", "exact" if all(r[1] for r in results) else "FAIL",
+                "; ".join(f"{n} {'equal' if ok else 'differs'}{extra}" for n, ok, extra in results))
+        except Exception as exc:
+            row(f"generate {case_id}", "FAIL", f"{type(exc).__name__}: {str(exc)[:120]}")
+
+
 # ---- 4 and 5. two workers ----------------------------------------------------------------------
 
 def _worker(rank: int, port: int, devices: list[str], backend: str, out: str) -> None:
@@ -282,7 +325,7 @@ def main() -> int:
     parser.add_argument("--match", default="", help="parity: only the cases whose id contains this text")
     parser.add_argument("--layers", type=int, default=12, help="forward ratio: BERT layers (default 12)")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--only", default="parity,forward,train,train-all,elche,mixed",
+    parser.add_argument("--only", default="parity,forward,train,train-all,generate,elche,mixed",
                         help="comma-separated rows to run (default: all)")
     args = parser.parse_args()
     only = set(args.only.split(","))
@@ -299,6 +342,7 @@ def main() -> int:
         ("forward", lambda: forward_ratio(device, args.layers, args.repeats)),
         ("train", lambda: training_step(device)),
         ("train-all", lambda: training_steps(device, args.match)),
+        ("generate", lambda: generation(device, args.match)),
         ("elche", lambda: two_workers("El Che over NCCL, 2 GPUs", ["cuda:0", "cuda:1"], "cpu:gloo,cuda:nccl")
          if gpus >= 2 else (two_workers("El Che, 2 CPU workers over gloo (dry run)", ["cpu", "cpu"], "gloo")
                             if args.dry_run else row("El Che over NCCL, 2 GPUs", "skipped",
