@@ -1186,9 +1186,9 @@ class Trainer:
         seconds, after which the outer sync finds out whether it is lost. Worker 0, when inner,
         evaluates at the inner syncs that cross ``eval_every``: the inner tier's parameters are a
         model every inner worker holds, so the run's curve is not sampled only at the slowest
-        worker's pace. With ``stop_when`` the
-        inner tier waits for its answer and, on a stop, goes to the outer sync at once. The outer
-        tier trains on through such an evaluation, and waits for its end on the store if done first. Inner sync time is counted in
+        worker's pace. With ``stop_when`` the inner tier waits for its answer and, on a stop, goes
+        to the outer sync at once. The outer tier trains on through such an evaluation, and waits
+        for its end on the store if done first. Inner sync time is counted in
         ``self._inner_ms``, not in the batches' time. ``carried``: the units and samples this worker
         ran in the window before the tiers were found (:meth:`_probe_chunks`), counted in the first
         inner window, whose start is then the window's (already in ``self._inner_start``)."""
