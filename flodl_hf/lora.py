@@ -759,15 +759,9 @@ def _tied_to_embeddings(model: nn.Module, module: nn.Module) -> bool:
 def all_linear_targets(model: nn.Module, task_type: str | None) -> list[str]:
     """PEFT's ``target_modules="all-linear"`` (``_maybe_include_all_linear_layers``): the full names of every linear
     layer but the output embeddings (the LM decoder), or, without those and for ``SEQ_CLS``, the classification
-    head (``score`` or ``classifier``, the first the model has); sorted (a set in PEFT). A model with a module
-    whose parameters PEFT adapts other than as linear layers (``peft_all_linear_refused``: Mixtral's MoE block, whose
-    router and stacked experts PEFT 0.21 targets through its transformers-5 conversion) is refused, typed."""
-    refused = [n for n, m in model.named_modules() if getattr(m, "peft_all_linear_refused", False)]
-    if refused:  # no-op for a model without such modules
-        raise UnsupportedAdapterError(f"target_modules='all-linear': PEFT also adapts the router and stacked experts "
-                                      f"of {refused[0]} ({type(_module(model, refused[0])).__name__}; not linear "
-                                      "layers), which flodl-hf does not; name the linear layers to adapt (e.g. "
-                                      "q_proj, v_proj)")
+    head (``score`` or ``classifier``, the first the model has); sorted (a set in PEFT). On a model PEFT's
+    transformers-5 MoE conversion rewrites, :func:`add_lora` resolves all-linear as that conversion does
+    (:func:`_resolve_moe_string`)."""
     names = {n for n, m in model.named_modules() if _lora_class(m) is not None}  # nn.Linear and Conv1D, as PEFT
     get = getattr(model, "get_output_embeddings", None)
     output = get() if callable(get) else None
@@ -816,6 +810,35 @@ def _convert_moe_targets(model: nn.Module, targets: list[str], parameters: Itera
             rank_pattern[rf".*\.{re.escape(new)}"] = r * len(required)
             alpha_pattern[rf".*\.{re.escape(new)}"] = alpha * len(required)
     return left, params, rank_pattern, alpha_pattern
+
+
+def _resolve_moe_string(model: nn.Module, targets: str, task_type: str | None, exclude_modules: Any,
+                        modules_to_save: list[str]) -> list[str] | str:
+    """PEFT 0.21's ``_resolve_string_target_modules``, the first step of its MoE conversion: a string
+    target_modules becomes leaf names. ``"all-linear"``: the last segment of each of :func:`all_linear_targets`,
+    and every name the conversion moves (the experts and the router, no longer linear layers in transformers 5).
+    A regex: the last segment of every module and Parameter name (transformers' names) it matches in full (as
+    ``check_target_module_exists``: not excluded, not in a module to save), and each moved name that it matches
+    after the container of the Parameter it moved to (``experts.gate_proj`` for ``experts.gate_up_proj``). A
+    regex naming one layer so adapts that name in every layer, as PEFT does. Sorted (a set in PEFT); the string
+    itself where nothing matched (PEFT's not-found error follows)."""
+    moved = _peft_moe_targets(model)
+    if targets.lower() == ALL_LINEAR:
+        return sorted({n.rsplit(".", 1)[-1] for n in all_linear_targets(model, task_type)} | moved.keys())
+    probe = LoraConfig(r=1, lora_alpha=1.0, lora_dropout=0.0, target_modules=targets,
+                       exclude_modules=exclude_modules)
+    key_map = model.family.key_map() if hasattr(model, "family") else None
+    modules = [_hf_module_name(model, n) for n, _ in model.named_modules()]
+    params = [key_map.module_name(n) if key_map is not None else n for n, _ in model.named_parameters()]
+    matched = {key.rsplit(".", 1)[-1] for key in modules + params if probe.selects(key, modules_to_save)}
+    containers: dict[str, list[str]] = {}
+    for name in params:
+        container, _, leaf = name.rpartition(".")
+        containers.setdefault(leaf, []).append(container)
+    for old, new in moved.items():
+        if old not in matched and any(probe.selects(f"{c}.{old}", modules_to_save) for c in containers.get(new, ())):
+            matched.add(old)
+    return sorted(matched) if matched else targets
 
 
 def _peft_converts(model: nn.Module) -> bool:
@@ -995,16 +1018,6 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     task = getattr(model, "task", "base")
     if task_type is _TASK_DEFAULT:
         task_type = PEFT_TASK_TYPES.get(task)
-    if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
-        targets = all_linear_targets(model, task_type)
-    if isinstance(targets, list) and _peft_moe_targets(model):  # names PEFT moves to the stacked experts
-        targets, target_parameters, rank_pattern, alpha_pattern = _convert_moe_targets(
-            model, targets, target_parameters, r, alpha, rank_pattern, alpha_pattern)
-    elif isinstance(targets, str) and targets.rsplit(".", 1)[-1] in _peft_moe_targets(model):
-        raise UnsupportedAdapterError(f"target_modules {targets!r}: PEFT 0.21 resolves a pattern against this "
-                                      "model's transformers-4 expert names (its transformers-5 MoE conversion), "
-                                      "which flodl-hf does not; give a list of names")
-    targets = minimal_targets(model, targets) if targets is not None else None
     to_save = None
     if modules_to_save is not None:
         to_save = []
@@ -1017,6 +1030,14 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     # The modules to save that the adapters are injected with (never adapted): SEQ_CLS adds its head before the
     # injection, TOKEN_CLS and QUESTION_ANS after it (a head they then adapt is PEFT's TypeError, refused below)
     given = list(to_save or []) if task_type == "SEQ_CLS" else list(dict.fromkeys(modules_to_save or []))
+    if isinstance(targets, str) and _peft_moe_targets(model):  # PEFT's MoE conversion resolves a string first
+        targets = _resolve_moe_string(model, targets, task_type, exclude_modules, given)
+    if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
+        targets = all_linear_targets(model, task_type)
+    if isinstance(targets, list) and _peft_moe_targets(model):  # names PEFT moves to the stacked experts
+        targets, target_parameters, rank_pattern, alpha_pattern = _convert_moe_targets(
+            model, targets, target_parameters, r, alpha, rank_pattern, alpha_pattern)
+    targets = minimal_targets(model, targets) if targets is not None else None
     def listed(value: Any) -> Any:  # a copy; an iterable given for a list field as a list (a string stays one)
         if isinstance(value, dict):
             return dict(value)

@@ -253,12 +253,22 @@ def test_target_modules_none_with_target_parameters_targets_what_peft_does(case_
     pytest.param("qwen2_moe-hd24-4experts-norm-dense1", ["v_proj", "gate_proj", "up_proj", "down_proj"],
                  id="qwen2_moe-no-conversion"),
     pytest.param("olmoe-hd24-4experts-norm-bias", ["q_proj", "gate_proj", "up_proj", "down_proj", "gate"], id="olmoe"),
+    # a string is resolved to leaf names first (_resolve_string_target_modules): all-linear adds every expert and
+    # router name; a regex naming layer 0's q_proj adapts q_proj in every layer; a regex naming transformers 4's
+    # experts matches them after the stacked Parameter's module (experts.gate_proj for experts.gate_up_proj)
+    pytest.param(MIXTRAL, "all-linear", id="mixtral-all-linear"),
+    pytest.param(MIXTRAL, r"model\.layers\.0\.self_attn\.q_proj", id="mixtral-regex-one-layer"),
+    # transformers' module names: the router is mlp.gate there (block_sparse_moe.gate in the file)
+    pytest.param(MIXTRAL, r".*\.(mlp\.gate|k_proj)", id="mixtral-regex-router"),
+    pytest.param("olmoe-hd24-4experts-norm-bias", r".*\.(v_proj|gate_proj|up_proj)", id="olmoe-regex-experts"),
+    pytest.param("qwen3_moe-hd24-4experts-norm-bias-dense1", "all-linear", id="qwen3_moe-all-linear-dense"),
 ])
 def test_expert_names_in_target_modules_are_converted_as_peft_converts_them(case_id, targets, tmp_path):
     """PEFT's transformers-5 MoE conversion (``_convert_peft_config_moe``): transformers 4's expert names in
     target_modules become target_parameters (w1 + w3 or gate_proj + up_proj -> gate_up_proj at twice the rank and
     alpha, w2 / down_proj -> down_proj, gate -> gate.weight). The same adapted names, init (same seed), outputs,
-    training step, file bits and config fields as PEFT's; one of a fused pair alone is refused as PEFT refuses it."""
+    training step, file bits and config fields as PEFT's; one of a fused pair alone is refused as PEFT refuses it.
+    A string (all-linear, a regex) is resolved to leaf names first, as PEFT resolves it."""
     warnings.simplefilter("ignore")
     source = _source(case_id)
     torch.manual_seed(0)
@@ -292,7 +302,7 @@ def test_expert_names_in_target_modules_are_converted_as_peft_converts_them(case
     _assert_adapters_equal(back, theirs)
     with torch.no_grad():
         _equal_fields(back(**batch), theirs(**batch))
-    if case_id == MIXTRAL:
+    if case_id == MIXTRAL and isinstance(targets, list):
         with pytest.raises(ValueError, match="without also targeting"):
             peft.get_peft_model(reference_model(source, TASK, "eager"), peft.LoraConfig(r=2, target_modules=["w1"]))
         with pytest.raises(AdapterError, match="w1 without w3"):

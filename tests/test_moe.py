@@ -227,22 +227,10 @@ def test_model_generate_sampled_equals_transformers(variant):
                                              (Q3TOP2, ATTENTION), (OTOP2, ATTENTION)])
 def test_lora_on_the_causal_lm_both_ways_with_peft(variant, targets, tmp_path):
     """test_lora's round trip (PEFT's adapter in, a training step, ours out to PEFT, merged) on the causal LM: Mixtral's
-    attention projections (its all-linear, with which PEFT adapts the router and the stacked experts, is refused:
-    tests/test_lora_peft_edges.py), Qwen2-MoE's and its shared expert's and dense layer's SwiGLU."""
+    attention projections (its all-linear, with which PEFT adapts the router and the stacked experts too:
+    tests/test_lora_target_parameters.py), Qwen2-MoE's and its shared expert's and dense layer's SwiGLU."""
     from test_lora import test_peft_round_trip_and_training_step as peft_round_trip
     peft_round_trip("causal_lm", case_fields(variant), targets, 8, True, tmp_path)
-
-
-@pytest.mark.parametrize("variant", [Q3TOP2, OTOP2])
-def test_lora_all_linear_is_refused_where_peft_adapts_the_experts(variant):
-    """PEFT 0.21's transformers-5 MoE conversion (Qwen3-MoE and OLMoE map to Qwen2-MoE's) adapts the router and the
-    stacked experts under all-linear: refused (named targets are converted as PEFT converts them:
-    tests/test_lora_target_parameters.py)."""
-    from flodl_hf import lora
-    from flodl_hf.errors import UnsupportedAdapterError
-    source = make_checkpoint(case_fields(variant), "causal_lm")
-    with pytest.raises(UnsupportedAdapterError, match="all-linear.*not linear layers"):
-        lora.add_lora(load_model(source, "causal_lm"), r=2, target_modules="all-linear")
 
 
 def _router_batch(config, masked: bool) -> dict:
