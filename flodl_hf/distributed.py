@@ -848,16 +848,15 @@ class Comm:
         for key in keys:
             self._run("clearing the window's shared counter", store.delete_key, key)
 
-    def heartbeat(self, key: str, interval: float, also: str | None = None, readers: bool = True) -> "Heartbeat":
+    def heartbeat(self, key: str, interval: float, also: str | None = None) -> "Heartbeat":
         """Announce work the other workers wait for through :meth:`wait_for_peer` (worker 0's
         evaluation), and beat ``key/beat`` on the store every ``interval`` seconds from a thread of
         its own until :meth:`Heartbeat.end`; ``also``, a second counter beaten alike (a nested
-        window's ``alive``, which the outer tier watches through :meth:`wait_for_arrival`);
-        ``readers=False`` where no worker waits at ``key`` (an inner tier of one)."""
+        window's ``alive``, which the outer tier watches through :meth:`wait_for_arrival`)."""
         for beat in (f"{key}/beat", also):
             if beat is not None:
                 self.counter(beat, 1, "announcing work the other workers wait for")
-        return Heartbeat(self, key, interval, also, readers)
+        return Heartbeat(self, key, interval, also)
 
     def wait_for_peer(self, key: str, what: str, timeout: float, readers: int | None = None) -> bool:
         """Wait for the end a peer's :class:`Heartbeat` publishes at ``key/done``, however long its
@@ -929,9 +928,8 @@ class Heartbeat:
     prove the process alive, not that the work advances: work stuck while its process runs is
     waited for, and C code holding the GIL for longer than the waiters' ``timeout`` reads as frozen."""
 
-    def __init__(self, comm: Comm, key: str, interval: float, also: str | None = None,
-                 readers: bool = True) -> None:
-        self.comm, self.key, self.readers = comm, key, readers
+    def __init__(self, comm: Comm, key: str, interval: float, also: str | None = None) -> None:
+        self.comm, self.key = comm, key
         self._stop = threading.Event()
         store = dist.distributed_c10d._get_default_store()
         beats = [f"{key}/beat"] + ([also] if also is not None else [])
@@ -954,9 +952,6 @@ class Heartbeat:
         self._stop.set()
         self._thread.join()
         comm, key = self.comm, self.key
-        if not self.readers:
-            comm.drop_keys([f"{key}/beat"])
-            return
         comm.settle(f"{key}/done", "done" if ok else "failed", "publishing the end of work the others wait for")
         if ok:
             store = dist.distributed_c10d._get_default_store()

@@ -1443,8 +1443,7 @@ class Trainer:
             key, also = f"{self._window_key}/eval{self._inner_syncs}", f"{self._window_key}/alive"
             readers = self._inner.world - 1
         if self.comm.rank == 0:
-            beat = (self.comm.heartbeat(key, min(1.0, self.timeout / 10), also, readers != 0)
-                    if shared else None)
+            beat = self.comm.heartbeat(key, min(1.0, self.timeout / 10), also) if shared else None
             ok = False  # an eval_fn that raises ends the others' wait at once
             try:
                 metrics, eval_s = self._evaluate_here(step, inner)
