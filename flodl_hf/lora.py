@@ -33,7 +33,8 @@ adapter and one that PEFT wrote loads here:
   a trainable ``lora_magnitude_vector`` per layer, ``DoraLinearVariant``'s forward and merge op for op);
 - PEFT's ``trainable_token_indices`` (:class:`TrainableTokensEmbedding`, PEFT's ``TrainableTokensWrapper``):
   the listed embedding rows trained as a delta (``<embedding>.token_adapter.trainable_tokens_delta`` in the
-  file), an output layer tied to the input embeddings following them (:class:`TiedTrainableTokensLinear`);
+  file), an output layer tied to the input embeddings following them (:class:`TiedTrainableTokensLinear`),
+  an untied one named by the object with rows of its own (:class:`TrainableTokensLinear`);
 - PEFT's ``target_parameters`` (:class:`LoraParameters`, PEFT's ``ParamWrapper``): LoRA on Parameters by name, an
   MoE's stacked experts (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) above all, each a low-rank update
   per expert, folded into the Parameter for the module's forward as PEFT folds it (``baddbmm``).
@@ -570,26 +571,13 @@ class LoraParameters(nn.Module):
         return f"{type(self._base).__name__}, {adapters}, merged={self.merged}"
 
 
-class TrainableTokensEmbedding(nn.Embedding):
-    """PEFT's ``trainable_token_indices`` on an embedding (``TrainableTokensWrapper`` around a
-    ``TrainableTokensLayer``): the base ``weight`` stays the same frozen Parameter under its key; the listed rows
-    are a trainable ``trainable_tokens_delta`` ``[n, dim]``, initialised to those rows (PEFT's
-    ``init_weights=True``), and the forward looks tokens up in the base weight with those rows replaced
-    (``W.index_copy(0, ids, delta)``, ``get_merged_weights``), so only the listed rows get gradients. The
-    originals are kept (not saved) for ``unmerge``. On a half / bfloat16 / float8 base the delta is float32, as
-    PEFT's ``cast_adapter_dtype`` leaves it, and cast to the weight's dtype in the forward. A scaled embedding
-    (Gemma's, whose ``embed_scale`` multiplies the lookup) keeps its scale: PEFT's ``_get_embed_scale``, the
-    lookup times the scale cast to the result's dtype, as transformers' ``*ScaledWordEmbedding.forward``."""
+class _TokenRows:
+    """The rows of ``self.weight`` that PEFT's ``TrainableTokensLayer`` trains: a trainable
+    ``trainable_tokens_delta`` ``[n, dim]``, initialised to those rows (``init_weights=True``), the originals kept
+    (not saved) for ``unmerge``. On a half / bfloat16 / float8 base the delta is float32, as PEFT's
+    ``cast_adapter_dtype`` leaves it, and cast to the weight's dtype where it is used."""
 
-    def __init__(self, base: nn.Embedding, token_indices: list[int]) -> None:
-        nn.Module.__init__(self)
-        object.__setattr__(self, "_base", base)  # not registered: unloading puts it back
-        scale = getattr(base, "embed_scale", None)
-        object.__setattr__(self, "_scale", scale if isinstance(scale, LazyBuffers) else None)
-        self.num_embeddings, self.embedding_dim = base.num_embeddings, base.embedding_dim
-        self.padding_idx, self.max_norm, self.norm_type = base.padding_idx, base.max_norm, base.norm_type
-        self.scale_grad_by_freq, self.sparse = base.scale_grad_by_freq, base.sparse
-        self.weight = base.weight
+    def _init_rows(self, token_indices: list[int]) -> None:
         self.token_indices = list(token_indices)
         rows = self.weight.detach()[self.token_indices].clone()   # TrainableTokensLayer.update_layer
         if rows.is_floating_point() and rows.dtype in _UPCAST_DTYPES:
@@ -605,20 +593,6 @@ class TrainableTokensEmbedding(nn.Embedding):
         """``TrainableTokensLayer.get_merged_weights``: the base weight with the listed rows replaced by the delta."""
         w = self.weight
         return w.index_copy(0, self._index(w.device), self.trainable_tokens_delta.to(w))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # TrainableTokensLayer.forward_adapters: merged, the base layer as it is; else F.embedding on the merged weight
-        weight = self.weight if self.merged else self.merged_weight()
-        result = F.embedding(x, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
-                             self.sparse)
-        if self._scale is not None:
-            result = result * self._scale(None, weight.device).to(result.dtype)
-        return result
-
-    def _apply(self, fn, recurse: bool = True):
-        if self._scale is not None:  # the scale follows casts, as the scaled embedding's own _apply has it do
-            cast_lazy_buffers(self._base, fn)
-        return super()._apply(fn, recurse)
 
     @torch.no_grad()
     def merge(self) -> None:
@@ -636,9 +610,72 @@ class TrainableTokensEmbedding(nn.Embedding):
                                          self.trainable_tokens_original.to(self.weight))
             self.merged = False
 
+
+class TrainableTokensEmbedding(_TokenRows, nn.Embedding):
+    """PEFT's ``trainable_token_indices`` on an embedding (``TrainableTokensWrapper`` around a
+    ``TrainableTokensLayer``): the base ``weight`` stays the same frozen Parameter under its key; the listed rows
+    are the trainable delta (:class:`_TokenRows`), and the forward looks tokens up in the base weight with those
+    rows replaced (``W.index_copy(0, ids, delta)``, ``get_merged_weights``), so only the listed rows get
+    gradients. A scaled embedding (Gemma's, whose ``embed_scale`` multiplies the lookup) keeps its scale: PEFT's
+    ``_get_embed_scale``, the lookup times the scale cast to the result's dtype, as transformers'
+    ``*ScaledWordEmbedding.forward``."""
+
+    def __init__(self, base: nn.Embedding, token_indices: list[int]) -> None:
+        nn.Module.__init__(self)
+        object.__setattr__(self, "_base", base)  # not registered: unloading puts it back
+        scale = getattr(base, "embed_scale", None)
+        object.__setattr__(self, "_scale", scale if isinstance(scale, LazyBuffers) else None)
+        self.num_embeddings, self.embedding_dim = base.num_embeddings, base.embedding_dim
+        self.padding_idx, self.max_norm, self.norm_type = base.padding_idx, base.max_norm, base.norm_type
+        self.scale_grad_by_freq, self.sparse = base.scale_grad_by_freq, base.sparse
+        self.weight = base.weight
+        self._init_rows(token_indices)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # TrainableTokensLayer.forward_adapters: merged, the base layer as it is; else F.embedding on the merged weight
+        weight = self.weight if self.merged else self.merged_weight()
+        result = F.embedding(x, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+                             self.sparse)
+        if self._scale is not None:
+            result = result * self._scale(None, weight.device).to(result.dtype)
+        return result
+
+    def _apply(self, fn, recurse: bool = True):
+        if self._scale is not None:  # the scale follows casts, as the scaled embedding's own _apply has it do
+            cast_lazy_buffers(self._base, fn)
+        return super()._apply(fn, recurse)
+
     def unloaded(self) -> nn.Module:
         """The embedding it wraps again, holding this one's (merged) weight."""
         self._base.weight = self.weight
+        return self._base
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, trainable_token_indices={self.token_indices}, merged={self.merged}"
+
+
+class TrainableTokensLinear(_TokenRows, nn.Linear):
+    """PEFT's ``trainable_token_indices`` naming an output layer that is not tied to the input embeddings (an
+    untied ``lm_head``: ``{"lm_head": ids}``): its own delta of the listed rows (:class:`_TokenRows`), saved as
+    ``<layer>.token_adapter.trainable_tokens_delta``. The forward is PEFT's for a wrapped ``nn.Linear``:
+    ``F.linear(x, merged weight)`` with no bias while unmerged (a biased layer, GPT-J's ``lm_head``, loses it, as in
+    PEFT); merged, the base layer runs as it is."""
+
+    def __init__(self, base: nn.Linear, token_indices: list[int]) -> None:
+        nn.Module.__init__(self)
+        object.__setattr__(self, "_base", base)  # not registered: unloading puts it back
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self._init_rows(token_indices)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged:
+            return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.merged_weight())  # TrainableTokensLayer.forward_adapters, nn.Linear branch
+
+    def unloaded(self) -> nn.Module:
+        """The layer it wraps again, holding this one's (merged) weight and its bias."""
+        self._base.weight, self._base.bias = self.weight, self.bias
         return self._base
 
     def extra_repr(self) -> str:
@@ -911,8 +948,10 @@ def token_targets(model: nn.Module, value: Any, saved: list[str], where: str = "
     name to ids, matching every module whose transformers name ends with the key (``_set_trainable``'s
     ``endswith``). When the input embeddings are wrapped, every linear layer sharing their weight (a tied
     ``lm_head``, BERT's MLM ``decoder``: PEFT's ``_get_module_names_tied_with_embedding``) is wrapped as tied.
-    Ids out of a module's vocabulary, a module that is not a plain ``nn.Embedding`` (an output layer named in
-    the object, Gemma's scaled embedding), or one that is (in) a module to save are errors naming the field."""
+    An untied ``nn.Linear`` output layer named in the object (an untied ``lm_head``) is wrapped with rows of its
+    own. Ids out of a module's vocabulary (an output layer's ``out_features``), a module that is neither a plain
+    ``nn.Embedding`` (or Gemma's scaled one) nor such a layer (a tied output layer named in the object), or one
+    that is (in) a module to save are errors naming the field."""
     if value is None:
         return {}, []
     field_name = "trainable_token_indices"
@@ -940,15 +979,18 @@ def token_targets(model: nn.Module, value: Any, saved: list[str], where: str = "
     for name, ids in targets.items():
         module = modules[name]
         scaled = isinstance(module, nn.Embedding) and isinstance(getattr(module, "embed_scale", None), LazyBuffers)
-        if type(module) is not nn.Embedding and not scaled:
+        # an output layer of its own (an untied lm_head) is PEFT's TrainableTokensWrapper around an nn.Linear
+        own_linear = type(module) is nn.Linear and (embedding is None or module.weight is not embedding.weight)
+        if type(module) is not nn.Embedding and not scaled and not own_linear:
             raise UnsupportedAdapterError(
                 f"{where}: {field_name} targets {name} ({type(module).__name__}); flodl-hf trains token rows of "
-                "nn.Embedding layers (and Gemma's scaled embeddings) only (an output layer tied to the input "
-                "embeddings follows them: give the input embeddings' ids)")
-        out_of_range = [i for i in ids if i >= module.num_embeddings]
+                "nn.Embedding layers (and Gemma's scaled embeddings) and of untied nn.Linear output layers only (an "
+                "output layer tied to the input embeddings follows them: give the input embeddings' ids)")
+        rows = module.out_features if own_linear else module.num_embeddings
+        out_of_range = [i for i in ids if i >= rows]
         if out_of_range:
             raise error(f"{where}: {field_name} holds token ids {out_of_range} out of the vocabulary of {name} "
-                        f"({module.num_embeddings} rows); expected ids in [0, {module.num_embeddings})")
+                        f"({rows} rows); expected ids in [0, {rows})")
         inside = [s for s in saved if name == s or name.startswith(s + ".")]
         if inside:
             raise error(f"{where}: {field_name} targets {name}, which is a module to save ({inside[0]}): PEFT trains "
@@ -970,8 +1012,9 @@ def token_targets(model: nn.Module, value: Any, saved: list[str], where: str = "
 
 
 def token_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """The trainable-token layers (:class:`TrainableTokensEmbedding`, :class:`TiedTrainableTokensLinear`)."""
-    kinds = (TrainableTokensEmbedding, TiedTrainableTokensLinear)
+    """The trainable-token layers (:class:`TrainableTokensEmbedding`, :class:`TrainableTokensLinear`,
+    :class:`TiedTrainableTokensLinear`)."""
+    kinds = (TrainableTokensEmbedding, TrainableTokensLinear, TiedTrainableTokensLinear)
     return {n: m for n, m in model.named_modules() if isinstance(m, kinds)}
 
 
@@ -997,7 +1040,7 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     ``lora_B`` (merged into the base layer's bias). ``trainable_token_indices`` is PEFT's: a list of token ids
     trains those rows of the input embeddings (:class:`TrainableTokensEmbedding`; a tied output layer follows
     them, :class:`TiedTrainableTokensLinear`), an object ``{module name: ids}`` those of the named embeddings
-    (:func:`token_targets`). ``target_parameters`` is PEFT's: Parameters named by the end of their full name
+    (or untied output layers, :class:`TrainableTokensLinear`; :func:`token_targets`). ``target_parameters`` is PEFT's: Parameters named by the end of their full name
     (``mlp.experts.gate_up_proj``) get an adapter of their own (:class:`LoraParameters`, the stacked experts of an
     MoE), with or without ``target_modules`` (``[]``: none; ``None``: PEFT's default for the model type, where it
     has one and PEFT's MoE conversion does not empty it, :func:`_peft_converts`). Returns the model, which carries
@@ -1117,7 +1160,9 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     # set_additional_trainable_modules, after the adapters and the modules to save: the embeddings' rows, then the
     # output layers tied to them (TrainableTokensWrapper with tied_adapter)
     for name, ids in token_modules.items():
-        _replace_module(model, name, TrainableTokensEmbedding(_module(model, name), ids))
+        base = _module(model, name)
+        kind = TrainableTokensLinear if type(base) is nn.Linear else TrainableTokensEmbedding
+        _replace_module(model, name, kind(base, ids))
     if tied_to_tokens:
         source = model.get_input_embeddings()
         for name in tied_to_tokens:

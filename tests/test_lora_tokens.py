@@ -32,8 +32,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 LLAMA_TIED = "llama-hd24-bias-tied-llama3-causal_lm"
 GEMMA = "gemma-hd24-scaled-bias-causal_lm"   # a scaled embedding (times sqrt(hidden)), tied lm_head
-TARGETS = {"bert": ["query", "value"], "llama": ["q_proj", "v_proj"], "gemma": ["q_proj", "v_proj"]}
-EMBEDDINGS = {"bert": "word_embeddings", "llama": "embed_tokens", "gemma": "embed_tokens"}
+TARGETS = {"bert": ["query", "value"], "llama": ["q_proj", "v_proj"], "gemma": ["q_proj", "v_proj"],
+           "gptj": ["q_proj", "v_proj"]}
+EMBEDDINGS = {"bert": "word_embeddings", "llama": "embed_tokens", "gemma": "embed_tokens", "gptj": "wte"}
 
 
 def _case(case_id: str):
@@ -63,6 +64,10 @@ ROWS = [
     pytest.param(LLAMA_TIED, "list", id="llama-hd24-causal_lm-tied"),
     pytest.param(LLAMA_TIED, "dict", id="llama-hd24-causal_lm-tied-dict"),
     pytest.param(GEMMA, "list", id="gemma-hd24-causal_lm-scaled-tied"),
+    # an untied output layer named in the object: a delta of its own (GPT-J's lm_head has a bias, which PEFT's
+    # wrapped forward leaves out while unmerged); and both layers of an untied LLaMA, each with its own delta
+    pytest.param("gptj-hd24-causal_lm", "output", id="gptj-hd24-causal_lm-untied-output"),
+    pytest.param("llama-1024-gqa-causal_lm", "both", id="llama-1024-causal_lm-untied-both"),
 ]
 
 
@@ -75,7 +80,8 @@ def test_trainable_tokens_round_trip_with_peft(case_id, form, tmp_path):
     config = AutoConfig.from_pretrained(source)
     batch = make_batch(config, task)
     ids = _ids(batch, config.vocab_size)
-    tokens = ids if form == "list" else {EMBEDDINGS[family]: ids}
+    tokens = {"list": ids, "dict": {EMBEDDINGS[family]: ids}, "output": {"lm_head": ids},
+              "both": {EMBEDDINGS[family]: ids, "lm_head": ids[:2]}}[form]
     task_type = lora.PEFT_TASK_TYPES.get(task, "CAUSAL_LM" if task == "causal_lm" else None)
     peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[family], task_type=task_type,
                                   trainable_token_indices=tokens)
@@ -90,7 +96,7 @@ def test_trainable_tokens_round_trip_with_peft(case_id, form, tmp_path):
     mine = {n: p for n, p in fresh.named_parameters() if p.requires_grad}
     assert set(mine) == set(inits)
     deltas = [n for n in mine if n.endswith(".trainable_tokens_delta")]
-    assert len(deltas) == 1 and mine[deltas[0]].shape == (3, config.hidden_size)
+    assert len(deltas) == (2 if form == "both" else 1) and mine[deltas[0]].shape == (3, config.hidden_size)
     assert all(torch.equal(p, inits[n]) for n, p in mine.items())
 
     # In: peft's adapter (perturbed, saved) loads here; outputs equal in eval mode.
@@ -115,9 +121,9 @@ def test_trainable_tokens_round_trip_with_peft(case_id, form, tmp_path):
         for p in ours.parameters():
             if p.requires_grad:
                 p.sub_(0.5 * p.grad)
-    embedding = ours.get_input_embeddings()
-    before = dict(load_model(source, task).named_parameters())[deltas[0].replace("trainable_tokens_delta", "weight")]
-    assert torch.equal(embedding.weight, before), "the embedding matrix itself stays frozen"
+    wrapped = deltas[0].replace("trainable_tokens_delta", "weight")  # the (first) layer whose rows train
+    before = dict(load_model(source, task).named_parameters())[wrapped]
+    assert torch.equal(dict(ours.named_parameters())[wrapped], before), "the matrix itself stays frozen"
 
     # Out: peft loads our directory (no missing or unexpected key), outputs equal, and peft's own save of it is
     # our file bit for bit and our config's trainable_token_indices.
@@ -147,7 +153,7 @@ def test_trainable_tokens_round_trip_with_peft(case_id, form, tmp_path):
         hf = dict(merged_theirs.state_dict())
         for key, tensor in merged_ours.state_dict().items():
             assert torch.equal(tensor, hf[key]), key
-        assert not torch.equal(merged_ours.get_input_embeddings().weight, before)
+        assert not torch.equal(merged_ours.state_dict()[wrapped], before)
         _equal_logits(merged_ours, merged_theirs, batch)
 
 
