@@ -119,9 +119,7 @@ _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "token_healing": (_off(False), "token healing"),
     "use_mtp": (_off(False), "multi-token prediction"),
     "cache_implementation": (_off("dynamic", "hybrid", "dynamic_full"), "another cache"),
-    "top_h": (_off(), "top-h sampling"),
 }
-_ONLY_WHEN_SAMPLING = {"top_h"}
 # keywords of transformers' generate that only shape what it records, accepted at these values
 _NEUTRAL_KEYWORDS = {"output_attentions": False, "output_hidden_states": False}
 
@@ -182,6 +180,7 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     "output_logits": (_flag, "true or false"),
     # the logits processors and warpers (generation_processors); the ranges where their classes raise
     "min_p": (lambda v: _is_number(v) and 0.0 <= v <= 1.0, "a number in [0, 1]"),
+    "top_h": (lambda v: _is_number(v) and 0.0 < v <= 1.0, "a number in (0, 1]"),
     "typical_p": (lambda v: _is_number(v) and v > 0, "a positive number (1.0 or more: none)"),
     "epsilon_cutoff": (_is_number, "a number (applied in (0, 1))"),
     "eta_cutoff": (_is_number, "a number (applied in (0, 1))"),
@@ -237,6 +236,7 @@ class GenerationSettings:
     output_logits: bool = False
     # the logits processors (generation_processors.logits_processors), None / False / 0: not applied
     min_p: float | None = None
+    top_h: float | None = None
     typical_p: float | None = None
     epsilon_cutoff: float | None = None
     eta_cutoff: float | None = None
@@ -265,7 +265,7 @@ class GenerationSettings:
             v is not None for v in (self.bad_words_ids, self.sequence_bias, self.forced_bos_token_id))
 
 
-_PROCESSOR_FIELDS = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size", "bad_words_ids",
+_PROCESSOR_FIELDS = ("min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size", "bad_words_ids",
                      "sequence_bias", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
                      "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
                      "renormalize_logits", "stop_strings", "max_time")
@@ -450,8 +450,8 @@ def generation_settings(model: torch.nn.Module, max_new_tokens: int | None = Non
                 raise refuse(field, "every forced token is also in suppress_tokens: the scores would all be -inf "
                                     "(transformers refuses it)")
     for field, (neutral, what) in _UNSUPPORTED.items():
-        if field not in merged or neutral(merged[field]) or (field in _ONLY_WHEN_SAMPLING and not sample):
-            continue  # transformers applies the sampling ones only when sampling: nothing to refuse
+        if field not in merged or neutral(merged[field]):
+            continue
         raise refuse(field, f"asks for {what}, which flodl-hf's generate does not implement (transformers would "
                             "apply it); remove the field or set it to its default")
     return settings
@@ -585,8 +585,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     ``num_return_sequences``, ``use_cache``, ``return_dict_in_generate``, ``output_scores``, ``output_logits``, the
     logits processors (``no_repeat_ngram_size``, ``bad_words_ids``, ``sequence_bias``, ``suppress_tokens``,
     ``begin_suppress_tokens``, ``forced_bos_token_id``, ``forced_eos_token_id``, ``exponential_decay_length_penalty``,
-    ``remove_invalid_values``, ``renormalize_logits``; when sampling ``min_p``, ``typical_p``, ``epsilon_cutoff``,
-    ``eta_cutoff``), the stopping criteria (``stop_strings``, which needs ``tokenizer``, and ``max_time``), and beam
+    ``remove_invalid_values``, ``renormalize_logits``; when sampling ``top_h``, ``min_p``, ``typical_p``,
+    ``epsilon_cutoff``, ``eta_cutoff``), the stopping criteria (``stop_strings``, which needs ``tokenizer``, and ``max_time``), and beam
     search (``num_beams``, ``length_penalty``, ``early_stopping``; a ``GenerateBeamDecoderOnlyOutput`` record), and
     prompt lookup (``prompt_lookup_num_tokens``, ``max_matching_ngram_size``: one prompt, greedy or sampled; see
     ``_prompt_lookup``).

@@ -193,6 +193,21 @@ def top_p(scores: torch.Tensor, p: float, keep: int = 1) -> torch.Tensor:
     return scores.masked_fill(remove.scatter(1, sorted_indices, remove), -float("inf"))
 
 
+def top_h(scores: torch.Tensor, h: float, top_n: int = 100) -> torch.Tensor:
+    """TopHLogitsWarper (:627): of the ``top_n`` likeliest ids (a categorical over their logits), keep them in order
+    while the running sum of ``-p log p`` stays within ``h`` times that distribution's entropy (the first always)."""
+    top_logits, top_idx = torch.topk(scores, min(top_n, scores.shape[-1]), dim=-1, largest=True, sorted=True)
+    dist = torch.distributions.Categorical(logits=top_logits)
+    probs = dist.probs
+    tau = (dist.entropy() * h).unsqueeze(-1)
+    selection = torch.cumsum(-probs * torch.log(probs), dim=-1) <= tau
+    selection[:, 0] = True
+    keep = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, top_idx, selection)
+    processed = scores.clone()
+    processed[~keep] = -float("inf")
+    return processed
+
+
 def min_p(scores: torch.Tensor, p: float, keep: int = 1) -> torch.Tensor:
     """MinPLogitsWarper (:733): drop the ids less likely than ``p`` times the top id's probability."""
     probs = torch.softmax(scores, dim=-1)
@@ -305,6 +320,8 @@ def logits_processors(settings: Any, prompt_length: int, max_length: int, min_le
         keep = 1 if s.num_beams == 1 else len(s.eos) + 1 if s.eos_set else 2
         if s.temperature is not None and s.temperature != 1.0:
             steps.append(lambda ids, x: temperature(x, s.temperature))
+        if s.top_h is not None:
+            steps.append(lambda ids, x: top_h(x, float(s.top_h)))
         if s.top_k:
             steps.append(lambda ids, x: top_k(x, s.top_k, keep))
         if s.top_p is not None and s.top_p < 1.0:

@@ -45,13 +45,15 @@ def _removed(out) -> int:
 @pytest.mark.parametrize("warper", [dict(min_p=0.5), dict(min_p=0.2, temperature=0.5), dict(typical_p=0.5),
                                     dict(epsilon_cutoff=3.2e-5), dict(eta_cutoff=0.5),
                                     dict(min_p=0.1, typical_p=0.9, epsilon_cutoff=3e-5, eta_cutoff=3e-4, top_k=40,
-                                         top_p=0.95)],
+                                         top_p=0.95),
+                                    # top-h: after temperature, before top-k (transformers' order)
+                                    dict(top_h=0.4), dict(top_h=0.3, temperature=0.7, top_k=40)],
                          ids=lambda w: ",".join(w))
 def test_sampling_warpers_equal_transformers(pair, warper):
-    """min-p, typical, epsilon and eta sampling, after temperature / top-k / top-p, with the same draws."""
+    """min-p, top-h, typical, epsilon and eta sampling, after temperature / top-k / top-p, with the same draws."""
     ids, mask = _left_padded(pair[0].config.vocab_size)
     settings = {"do_sample": True, "max_new_tokens": 5, "eos_token_id": [], "top_k": 0, **warper}
-    cuts = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
+    cuts = ("min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
     plain = _same_scores(pair, ids, mask, seed=4, **{k: v for k, v in settings.items() if k not in cuts})
     assert _removed(_same_scores(pair, ids, mask, seed=4, **settings)) > _removed(plain)  # the warper cut tokens
     _same(pair, ids, mask, max_new_tokens=3, eos_token_id=[], **warper)  # greedy: not applied, as transformers
@@ -134,7 +136,8 @@ def test_settings_through_generation_config_and_the_file(pair, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,name", [
-    (dict(min_p=1.5), "min_p=1.5"), (dict(typical_p=0), "typical_p=0"), (dict(epsilon_cutoff="x"), "epsilon_cutoff"),
+    (dict(min_p=1.5), "min_p=1.5"), (dict(top_h=0), "top_h=0"), (dict(top_h=1.5), "top_h=1.5"),
+    (dict(typical_p=0), "typical_p=0"), (dict(epsilon_cutoff="x"), "epsilon_cutoff"),
     (dict(no_repeat_ngram_size=1.5), "no_repeat_ngram_size"), (dict(bad_words_ids=[5]), "bad_words_ids"),
     (dict(bad_words_ids=[[40000]]), "bad_words_ids"),
     (dict(sequence_bias={(5,): 1}), "sequence_bias"), (dict(sequence_bias=[[[5], 1.0, 2]]), "sequence_bias"),
