@@ -54,7 +54,7 @@ from . import io
 from .decoder import KVCache
 from .errors import ConfigError, InputError
 from .generation_processors import (PrefixConstrained, StopStrings, apply, logits_processors, stop_hits,
-                                    stopping_criteria_list)
+                                    stopping_criteria_list, watermark_fields)
 from .modeling import PLAIN_RECORD, config_sets_forward_defaults
 from .outputs import ModelOutput
 
@@ -114,7 +114,7 @@ def _off(*neutral: Any):
 _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "num_beam_groups": (_off(1), "group beam search"),
     "force_words_ids": (_off(), "constrained beam search"), "constraints": (_off(), "constrained beam search"),
-    "guidance_scale": (_off(1), "guidance"), "watermarking_config": (_off(), "watermarking"),
+    "guidance_scale": (_off(1), "guidance"),
     "penalty_alpha": (_off(), "contrastive search"), "dola_layers": (_off(), "DoLa decoding"),
     "token_healing": (_off(False), "token healing"),
     "use_mtp": (_off(False), "multi-token prediction"),
@@ -181,6 +181,10 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     # the logits processors and warpers (generation_processors); the ranges where their classes raise
     "min_p": (lambda v: _is_number(v) and 0.0 <= v <= 1.0, "a number in [0, 1]"),
     "top_h": (lambda v: _is_number(v) and 0.0 < v <= 1.0, "a number in (0, 1]"),
+    "watermarking_config": (lambda v: watermark_fields(v) is not None,
+                            "WatermarkingConfig's fields (greenlist_ratio in (0, 1), bias, an integer hashing_key, "
+                            "seeding_scheme 'lefthash' or 'selfhash', context_width >= 1; SynthID's is not "
+                            "implemented)"),
     "typical_p": (lambda v: _is_number(v) and v > 0, "a positive number (1.0 or more: none)"),
     "epsilon_cutoff": (_is_number, "a number (applied in (0, 1))"),
     "eta_cutoff": (_is_number, "a number (applied in (0, 1))"),
@@ -238,6 +242,7 @@ class GenerationSettings:
     min_p: float | None = None
     top_h: float | None = None
     typical_p: float | None = None
+    watermarking_config: Any = None  # a dict of WatermarkingConfig's fields, or one (generation_processors.Watermark)
     epsilon_cutoff: float | None = None
     eta_cutoff: float | None = None
     no_repeat_ngram_size: int = 0
@@ -261,11 +266,11 @@ class GenerationSettings:
 
     def reads_history(self) -> bool:
         """Whether a processor reads the ids before the last (left padding included) or the sequence length."""
-        return bool(self.no_repeat_ngram_size) or any(
-            v is not None for v in (self.bad_words_ids, self.sequence_bias, self.forced_bos_token_id))
+        return bool(self.no_repeat_ngram_size) or any(v is not None for v in (
+            self.bad_words_ids, self.sequence_bias, self.forced_bos_token_id, self.watermarking_config))
 
 
-_PROCESSOR_FIELDS = ("min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size", "bad_words_ids",
+_PROCESSOR_FIELDS = ("min_p", "top_h", "watermarking_config", "typical_p", "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size", "bad_words_ids",
                      "sequence_bias", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
                      "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
                      "renormalize_logits", "stop_strings", "max_time")
@@ -671,7 +676,7 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     ignore = None if (attention_mask == 1).all() else (attention_mask != 0).int().argmax(dim=1)
     prefix = None if prefix_allowed_tokens_fn is None else PrefixConstrained(prefix_allowed_tokens_fn, expand)
     processors = logits_processors(settings, prompt_length, max_length, min_length, ignore, device,
-                                   custom_processors, prefix)
+                                   custom_processors, prefix, model.config.vocab_size)
     stop_strings = None
     if settings.stop_strings is not None:  # _get_stopping_criteria
         if tokenizer is None:

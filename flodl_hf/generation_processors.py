@@ -255,15 +255,93 @@ def renormalize(scores: torch.Tensor) -> torch.Tensor:
     return scores.log_softmax(dim=-1)
 
 
+# WatermarkingConfig's fields and defaults (generation/configuration_utils.py)
+WATERMARK_DEFAULTS = {"greenlist_ratio": 0.25, "bias": 2.0, "hashing_key": 15485863, "seeding_scheme": "lefthash",
+                      "context_width": 1}
+
+
+def watermark_fields(value: Any) -> dict[str, Any] | None:
+    """A ``watermarking_config`` (a dict, or transformers' WatermarkingConfig) -> its fields with the defaults
+    filled in; None where it is not one: SynthID's (``ngram_len``), an unknown field, or a value out of the range
+    ``WatermarkingConfig.validate`` and ``WatermarkLogitsProcessor`` accept (``greenlist_ratio`` in (0, 1),
+    ``seeding_scheme`` "lefthash" or "selfhash", ``context_width`` a positive integer, ``hashing_key`` an integer,
+    ``bias`` a number)."""
+    if not isinstance(value, dict) and callable(getattr(value, "to_dict", None)):
+        value = value.to_dict()
+    if not isinstance(value, dict) or set(value) - set(WATERMARK_DEFAULTS):
+        return None
+    fields = {**WATERMARK_DEFAULTS, **value}
+    number = (int, float)
+    ok = (isinstance(fields["greenlist_ratio"], number) and not isinstance(fields["greenlist_ratio"], bool)
+          and 0.0 < fields["greenlist_ratio"] < 1.0
+          and isinstance(fields["bias"], number) and not isinstance(fields["bias"], bool)
+          and isinstance(fields["hashing_key"], int) and not isinstance(fields["hashing_key"], bool)
+          and fields["seeding_scheme"] in ("lefthash", "selfhash")
+          and isinstance(fields["context_width"], int) and not isinstance(fields["context_width"], bool)
+          and fields["context_width"] >= 1)
+    return fields if ok else None
+
+
+class Watermark:
+    """WatermarkLogitsProcessor (:2436; Kirchenbauer et al.'s green lists): for each row, a generator seeded from
+    the last ``context_width`` ids (``lefthash``: the key times the last id; ``selfhash``: the smallest of the key
+    times two entries of a fixed permutation of 1,000,003, with each of the 40 likeliest next ids appended in turn,
+    keeping those in their own green list) draws a permutation of the vocabulary whose first ``greenlist_ratio``
+    ids get ``bias`` added. A sequence shorter than ``context_width`` is left as it is. After every other
+    processor and warper, before renormalization, as transformers orders it."""
+
+    TABLE = 1_000_003
+
+    def __init__(self, fields: dict[str, Any], vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.greenlist_size = int(vocab_size * fields["greenlist_ratio"])
+        self.bias, self.key = fields["bias"], fields["hashing_key"]
+        self.scheme, self.width = fields["seeding_scheme"], fields["context_width"]
+        self.rng = torch.Generator(device=device)
+        self.rng.manual_seed(self.key)
+        # only selfhash reads the table (each step reseeds the generator, so drawing it changes no later draw)
+        self.table = (torch.randperm(self.TABLE, generator=self.rng, device=device)
+                      if self.scheme == "selfhash" else None)
+
+    def _greenlist(self, seq: torch.Tensor) -> torch.Tensor:
+        seq = seq[-self.width:]
+        if self.scheme == "selfhash":
+            a = self.table[seq % self.TABLE] + 1
+            b = self.table[seq[-1] % self.TABLE] + 1
+            seed = (self.key * a * b).min().item()
+        else:
+            seed = self.key * seq[-1].item()
+        self.rng.manual_seed(seed % (2**64 - 1))
+        return torch.randperm(self.vocab_size, device=seq.device, generator=self.rng)[: self.greenlist_size]
+
+    def _self_hashed(self, seq: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        kept = []
+        _, likeliest = scores.sort(dim=-1, descending=True)
+        for i in range(40):
+            if likeliest[i] in self._greenlist(torch.cat([seq, likeliest[i, None]], dim=-1)):
+                kept.append(likeliest[i])
+        return torch.tensor(kept, device=seq.device)
+
+    def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if ids.shape[-1] < self.width:
+            return scores
+        out = scores.clone()
+        for row, seq in enumerate(ids):
+            green = self._self_hashed(seq, scores[row]) if self.scheme == "selfhash" else self._greenlist(seq)
+            out[row, green] = out[row, green] + self.bias
+        return out
+
+
 def logits_processors(settings: Any, prompt_length: int, max_length: int, min_length: int,
                       ignore: torch.Tensor | None, device: torch.device, custom: Sequence[Any] = (),
-                      prefix: Processor | None = None) -> list[Processor]:
+                      prefix: Processor | None = None, vocab_size: int | None = None) -> list[Processor]:
     """``_get_logits_processor``'s list (generation/utils.py:1416-1663) for ``settings`` (a GenerationSettings),
     in its order: sequence bias, repetition penalty, n-gram ban, bad words, minimum length (MinLength when the
     total ``min_length`` is positive, MinNewTokensLength when ``min_new_tokens`` is: each bans the eos ids below
     ``min_length``), ``prefix`` (PrefixConstrained, for ``prefix_allowed_tokens_fn``), forced bos / eos,
     invalid values, exponential decay, suppression; then ``custom`` (the caller's processors, merged as ``merge``);
-    when sampling temperature, top-k, top-p, min-p, typical, epsilon, eta; renormalization last. Each built-in
+    when sampling temperature, top-h, top-k, top-p, min-p, typical, epsilon, eta; the watermark (over ``vocab_size``,
+    the model config's); renormalization last. Each built-in
     exists where transformers creates its class, so that a custom one of that class takes its place."""
     s = settings
     named: list[tuple[str, Processor]] = []  # (the transformers class, our step)
@@ -335,6 +413,8 @@ def logits_processors(settings: Any, prompt_length: int, max_length: int, min_le
         if s.eta_cutoff is not None and 0.0 < s.eta_cutoff < 1.0:
             cutoff = torch.tensor(float(s.eta_cutoff), device=device)
             steps.append(lambda ids, x: eta(x, cutoff, keep))
+    if s.watermarking_config is not None:
+        steps.append(Watermark(watermark_fields(s.watermarking_config), vocab_size, device))
     if s.renormalize_logits:
         steps.append(lambda ids, x: renormalize(x))
     return steps

@@ -59,6 +59,23 @@ def test_sampling_warpers_equal_transformers(pair, warper):
     _same(pair, ids, mask, max_new_tokens=3, eos_token_id=[], **warper)  # greedy: not applied, as transformers
 
 
+@pytest.mark.parametrize("fields,sample", [
+    (dict(), False), (dict(bias=6.0, greenlist_ratio=0.4, context_width=2), True),
+    (dict(seeding_scheme="selfhash", bias=4.0, hashing_key=7, context_width=3), False)],
+    ids=["lefthash-greedy", "lefthash-width2-sampled", "selfhash-greedy"])
+def test_watermarking_equals_transformers(pair, fields, sample):
+    """watermarking_config (transformers' WatermarkingConfig, or a dict of its fields): the green-list bias after
+    every other processor, ids and every step's scores as transformers', and the tokens moved by it."""
+    from transformers import WatermarkingConfig
+    ids, mask = _left_padded(pair[0].config.vocab_size)
+    settings = dict(max_new_tokens=4, eos_token_id=[], do_sample=sample, top_k=0, no_repeat_ngram_size=2)
+    marked = _same_scores(pair, ids, mask, seed=3, watermarking_config=WatermarkingConfig(**fields), **settings)
+    plain = _ours(pair[0], ids, mask, seed=3, return_dict_in_generate=True, output_scores=True, **settings)
+    assert not torch.equal(marked.scores[0], plain.scores[0])
+    as_dict = _ours(pair[0], ids, mask, seed=3, watermarking_config=dict(fields), **settings)
+    assert torch.equal(as_dict, marked.sequences)
+
+
 def _free(pair):
     ids, mask = _left_padded(pair[0].config.vocab_size)
     new = generate_ids(pair[0], ids, mask, **FREE)[:, ids.shape[1]:]
@@ -146,7 +163,10 @@ def test_settings_through_generation_config_and_the_file(pair, tmp_path):
     (dict(exponential_decay_length_penalty=(1,)), "exponential_decay_length_penalty"),
     (dict(suppress_tokens=["a"]), "suppress_tokens"), (dict(renormalize_logits=1), "renormalize_logits"),
     (dict(stop_strings=[""]), "stop_strings"), (dict(stop_strings="x"), "tokenizer"),
-    (dict(max_time=-1), "max_time")])
+    (dict(max_time=-1), "max_time"),
+    (dict(watermarking_config={"greenlist_ratio": 1.0}), "watermarking_config"),
+    (dict(watermarking_config={"seeding_scheme": "hash"}), "watermarking_config"),
+    (dict(watermarking_config={"ngram_len": 5, "keys": [1, 2]}), "watermarking_config")])
 def test_bad_values_are_input_errors_naming_the_setting(pair, kwargs, name):
     ids, mask = _left_padded(pair[0].config.vocab_size)
     with pytest.raises(InputError, match=name):
