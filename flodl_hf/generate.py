@@ -53,7 +53,7 @@ import torch
 from . import io
 from .decoder import KVCache
 from .errors import ConfigError, InputError
-from .generation_processors import (PrefixConstrained, StopStrings, apply, logits_processors, stop_hits,
+from .generation_processors import (Guidance, PrefixConstrained, StopStrings, apply, logits_processors, stop_hits,
                                     stopping_criteria_list, watermark_fields)
 from .modeling import PLAIN_RECORD, config_sets_forward_defaults
 from .outputs import ModelOutput
@@ -114,7 +114,6 @@ def _off(*neutral: Any):
 _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "num_beam_groups": (_off(1), "group beam search"),
     "force_words_ids": (_off(), "constrained beam search"), "constraints": (_off(), "constrained beam search"),
-    "guidance_scale": (_off(1), "guidance"),
     "penalty_alpha": (_off(), "contrastive search"), "dola_layers": (_off(), "DoLa decoding"),
     "token_healing": (_off(False), "token healing"),
     "use_mtp": (_off(False), "multi-token prediction"),
@@ -181,6 +180,7 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     # the logits processors and warpers (generation_processors); the ranges where their classes raise
     "min_p": (lambda v: _is_number(v) and 0.0 <= v <= 1.0, "a number in [0, 1]"),
     "top_h": (lambda v: _is_number(v) and 0.0 < v <= 1.0, "a number in (0, 1]"),
+    "guidance_scale": (_is_number, "a number (1: no guidance)"),
     "watermarking_config": (lambda v: watermark_fields(v) is not None,
                             "WatermarkingConfig's fields (greenlist_ratio in (0, 1), bias, an integer hashing_key, "
                             "seeding_scheme 'lefthash' or 'selfhash', context_width >= 1; SynthID's is not "
@@ -241,6 +241,7 @@ class GenerationSettings:
     # the logits processors (generation_processors.logits_processors), None / False / 0: not applied
     min_p: float | None = None
     top_h: float | None = None
+    guidance_scale: float | None = None  # classifier-free guidance (generation_processors.Guidance) unless 1
     typical_p: float | None = None
     watermarking_config: Any = None  # a dict of WatermarkingConfig's fields, or one (generation_processors.Watermark)
     epsilon_cutoff: float | None = None
@@ -270,7 +271,7 @@ class GenerationSettings:
             self.bad_words_ids, self.sequence_bias, self.forced_bos_token_id, self.watermarking_config))
 
 
-_PROCESSOR_FIELDS = ("min_p", "top_h", "watermarking_config", "typical_p", "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size", "bad_words_ids",
+_PROCESSOR_FIELDS = ("min_p", "top_h", "guidance_scale", "watermarking_config", "typical_p", "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size", "bad_words_ids",
                      "sequence_bias", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
                      "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
                      "renormalize_logits", "stop_strings", "max_time")
@@ -572,6 +573,10 @@ def _check_streamer(streamer: Any, settings: GenerationSettings) -> None:
 
 
 @torch.inference_mode()
+def _on(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else torch.as_tensor(tensor).to(device)
+
+
 def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
@@ -581,6 +586,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
                  logits_processor: Sequence[Any] | None = None, stopping_criteria: Sequence[Any] | None = None,
                  streamer: Any = None, inputs_embeds: torch.Tensor | None = None,
                  prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], Any] | None = None,
+                 negative_prompt_ids: torch.Tensor | None = None,
+                 negative_prompt_attention_mask: torch.Tensor | None = None,
                  **options: Any) -> torch.Tensor | GenerateDecoderOnlyOutput | GenerateBeamDecoderOnlyOutput:
     """Prompt ids (B, S), left-padded, -> (B, S + n) ids: the prompts and up to ``max_new_tokens`` new tokens
     each, as transformers' ``generate`` returns them (``GenerateDecoderOnlyOutput`` with
@@ -675,8 +682,15 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     # the repetition penalty skips the left padding, which transformers reads off the mask unless it is all ones
     ignore = None if (attention_mask == 1).all() else (attention_mask != 0).int().argmax(dim=1)
     prefix = None if prefix_allowed_tokens_fn is None else PrefixConstrained(prefix_allowed_tokens_fn, expand)
+    guidance = None
+    if settings.guidance_scale is not None and settings.guidance_scale != 1:
+        if inputs_embeds is not None or lookup:
+            raise InputError(f"guidance_scale={settings.guidance_scale}: classifier-free guidance with "
+                             f"{'inputs_embeds' if inputs_embeds is not None else 'prompt lookup'} is not implemented")
+        guidance = Guidance(settings.guidance_scale, model, _on(negative_prompt_ids, device),
+                            _on(negative_prompt_attention_mask, device), settings.use_cache)
     processors = logits_processors(settings, prompt_length, max_length, min_length, ignore, device,
-                                   custom_processors, prefix, model.config.vocab_size)
+                                   custom_processors, prefix, model.config.vocab_size, guidance)
     stop_strings = None
     if settings.stop_strings is not None:  # _get_stopping_criteria
         if tokenizer is None:

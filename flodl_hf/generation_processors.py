@@ -20,6 +20,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .errors import InputError
 
@@ -255,6 +256,41 @@ def renormalize(scores: torch.Tensor) -> torch.Tensor:
     return scores.log_softmax(dim=-1)
 
 
+class Guidance:
+    """UnbatchedClassifierFreeGuidanceLogitsProcessor (:2276), transformers' ``guidance_scale``: the scores as
+    log-probabilities, pulled away from the model's on an unconditional sequence by ``scale * (cond - uncond) +
+    uncond``. The unconditional sequence is ``negative_prompt_ids`` (with its mask, ones by default), or the
+    prompt's last id; each step appends the id just chosen and runs the model on it, with a cache of its own
+    (``use_cache``) or on the whole sequence again. The model is called as transformers calls it there
+    (``model(ids, attention_mask=, use_cache=, cache=)``, its positions its own default)."""
+
+    def __init__(self, scale: float, model: Any, ids: torch.Tensor | None, mask: torch.Tensor | None,
+                 use_cache: bool) -> None:
+        self.scale, self.model, self.use_cache = scale, model, use_cache
+        self.ids, self.mask, self.cache, self.first = ids, mask, None, True
+
+    def _unconditional(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            if self.ids is None:
+                self.ids = input_ids[:, -1:]
+            if self.mask is None:
+                self.mask = torch.ones_like(self.ids, dtype=torch.long)
+            ids, mask = self.ids, self.mask
+            self.first = False
+        else:
+            mask = torch.cat([self.mask, torch.ones_like(input_ids[:, -1:], dtype=torch.long)], dim=1)
+            ids = input_ids[:, -1:] if self.use_cache else torch.cat([self.ids, input_ids[:, -1:]], dim=1)
+            self.ids, self.mask = ids, mask
+        out = self.model(ids, attention_mask=mask, use_cache=self.use_cache, cache=self.cache)
+        self.cache = out.get("cache")
+        return out.logits
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = F.log_softmax(scores, dim=-1)
+        unconditional = F.log_softmax(self._unconditional(input_ids)[:, -1], dim=-1)
+        return self.scale * (scores - unconditional) + unconditional
+
+
 # WatermarkingConfig's fields and defaults (generation/configuration_utils.py)
 WATERMARK_DEFAULTS = {"greenlist_ratio": 0.25, "bias": 2.0, "hashing_key": 15485863, "seeding_scheme": "lefthash",
                       "context_width": 1}
@@ -283,7 +319,7 @@ def watermark_fields(value: Any) -> dict[str, Any] | None:
 
 
 class Watermark:
-    """WatermarkLogitsProcessor (:2436; Kirchenbauer et al.'s green lists): for each row, a generator seeded from
+    """WatermarkLogitsProcessor (:2441; Kirchenbauer et al.'s green lists): for each row, a generator seeded from
     the last ``context_width`` ids (``lefthash``: the key times the last id; ``selfhash``: the smallest of the key
     times two entries of a fixed permutation of 1,000,003, with each of the 40 likeliest next ids appended in turn,
     keeping those in their own green list) draws a permutation of the vocabulary whose first ``greenlist_ratio``
@@ -334,9 +370,10 @@ class Watermark:
 
 def logits_processors(settings: Any, prompt_length: int, max_length: int, min_length: int,
                       ignore: torch.Tensor | None, device: torch.device, custom: Sequence[Any] = (),
-                      prefix: Processor | None = None, vocab_size: int | None = None) -> list[Processor]:
+                      prefix: Processor | None = None, vocab_size: int | None = None,
+                      guidance: Processor | None = None) -> list[Processor]:
     """``_get_logits_processor``'s list (generation/utils.py:1416-1663) for ``settings`` (a GenerationSettings),
-    in its order: sequence bias, repetition penalty, n-gram ban, bad words, minimum length (MinLength when the
+    in its order: ``guidance`` (:class:`Guidance`), sequence bias, repetition penalty, n-gram ban, bad words, minimum length (MinLength when the
     total ``min_length`` is positive, MinNewTokensLength when ``min_new_tokens`` is: each bans the eos ids below
     ``min_length``), ``prefix`` (PrefixConstrained, for ``prefix_allowed_tokens_fn``), forced bos / eos,
     invalid values, exponential decay, suppression; then ``custom`` (the caller's processors, merged as ``merge``);
@@ -346,6 +383,8 @@ def logits_processors(settings: Any, prompt_length: int, max_length: int, min_le
     s = settings
     named: list[tuple[str, Processor]] = []  # (the transformers class, our step)
     eos = torch.tensor(s.eos, device=device, dtype=torch.long)
+    if guidance is not None:
+        named.append(("UnbatchedClassifierFreeGuidanceLogitsProcessor", guidance))
     if s.sequence_bias is not None:
         named.append(("SequenceBiasLogitsProcessor", SequenceBias(s.sequence_bias)))
     if s.repetition_penalty != 1.0:

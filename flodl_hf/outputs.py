@@ -40,6 +40,13 @@ class ModelOutput:
             return getattr(self, key)
         return self.to_tuple()[key]
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """``dict.get``, as transformers' ModelOutput (an OrderedDict) has it: a None field counts as absent."""
+        return getattr(self, key) if key in self.keys() else default
+
+    def values(self) -> Iterator[Any]:
+        return (getattr(self, k) for k in self.keys())
+
     def __contains__(self, key: str) -> bool:
         return key in self.keys()
 

@@ -103,8 +103,8 @@ def test_generation_config_object_or_dict_sits_under_the_keywords(pair):
     # a keyword wins over the generation_config's field
     reference = _theirs(theirs, ids, mask, generation_config=GenerationConfig(**fields), do_sample=False)
     assert torch.equal(generate_ids(ours, ids, mask, generation_config=fields, do_sample=False), reference)
-    with pytest.raises(InputError, match="generation_config: guidance_scale=1.5"):
-        generate_ids(ours, ids, mask, generation_config=GenerationConfig(guidance_scale=1.5))
+    with pytest.raises(InputError, match="generation_config: penalty_alpha=0.6"):  # contrastive search
+        generate_ids(ours, ids, mask, generation_config=GenerationConfig(penalty_alpha=0.6, top_k=4))
     with pytest.raises(InputError, match="generation_config: top_k=-1"):
         generate_ids(ours, ids, mask, generation_config={"top_k": -1})
 

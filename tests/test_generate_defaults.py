@@ -123,10 +123,10 @@ def test_generation_config_neutral_values_run_and_malformed_files_are_typed(tmp_
     ids, mask = _left_padded(ours.config.vocab_size)
     _edit(root / "generation_config.json", repetition_penalty=1.0, num_beams=1, guidance_scale=1.0, typical_p=1.0)
     generate_ids(ours, ids, mask, max_new_tokens=2)  # a guidance scale of 1 is no guidance
-    _edit(root / "generation_config.json", guidance_scale=1.5)
-    with pytest.raises(ConfigError, match=r"generation_config\.json: guidance_scale="):
+    _edit(root / "generation_config.json", token_healing=True)
+    with pytest.raises(ConfigError, match=r"generation_config\.json: token_healing="):
         generate_ids(ours, ids, mask, max_new_tokens=2)
-    _edit(root / "generation_config.json", guidance_scale=1.0)
+    _edit(root / "generation_config.json", token_healing=False)
     for bad, match in [("{not json", "not valid JSON"), ("[1, 2]", "must be a JSON object"),
                        (json.dumps({"eos_token_id": "2"}), "eos_token_id="),
                        (json.dumps({"top_k": -1}), "top_k="), (json.dumps({"do_sample": "yes"}), "do_sample=")]:

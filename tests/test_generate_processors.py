@@ -76,6 +76,27 @@ def test_watermarking_equals_transformers(pair, fields, sample):
     assert torch.equal(as_dict, marked.sequences)
 
 
+@pytest.mark.parametrize("negative,options", [
+    (False, dict()), (True, dict()), (True, dict(use_cache=False)), (False, dict(do_sample=True, top_k=20))],
+    ids=["last-id", "negative-prompt", "negative-prompt-no-cache", "sampled"])
+def test_guidance_equals_transformers(pair, negative, options):
+    """guidance_scale (classifier-free guidance): the unconditional branch run by the model itself (the prompt's
+    last id, or negative_prompt_ids left-padded with their mask), ids and every step's scores as transformers'."""
+    ids, mask = _left_padded(pair[0].config.vocab_size)
+    extra = {}
+    if negative:
+        neg = torch.tensor([[0, 0, 11, 12], [21, 22, 23, 24], [0, 31, 32, 33]])
+        extra = dict(negative_prompt_ids=neg, negative_prompt_attention_mask=(neg != 0).long())
+    settings = dict(max_new_tokens=4, eos_token_id=[], guidance_scale=1.5, **options)
+    guided = _same_scores(pair, ids, mask, seed=2, **settings, **extra)
+    plain = _ours(pair[0], ids, mask, seed=2, return_dict_in_generate=True, output_scores=True,
+                  **{**settings, "guidance_scale": 1.0})
+    assert not torch.equal(guided.scores[0], plain.scores[0])
+    if not negative and not options:  # not implemented with prompt lookup: typed, naming both
+        with pytest.raises(InputError, match="guidance_scale=1.5.*prompt lookup"):
+            _ours(pair[0], ids[1:2], mask[1:2], prompt_lookup_num_tokens=2, **settings)
+
+
 def _free(pair):
     ids, mask = _left_padded(pair[0].config.vocab_size)
     new = generate_ids(pair[0], ids, mask, **FREE)[:, ids.shape[1]:]
