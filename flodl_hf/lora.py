@@ -862,8 +862,8 @@ def _resolve_moe_string(model: nn.Module, targets: str, task_type: str | None, e
     moved = _peft_moe_targets(model)
     if targets.lower() == ALL_LINEAR:
         return sorted({n.rsplit(".", 1)[-1] for n in all_linear_targets(model, task_type)} | moved.keys())
-    probe = LoraConfig(r=1, lora_alpha=1.0, lora_dropout=0.0, target_modules=targets,
-                       exclude_modules=exclude_modules)
+    excluded = exclude_modules if exclude_modules is None or isinstance(exclude_modules, str) else list(exclude_modules)
+    probe = LoraConfig(r=1, lora_alpha=1.0, lora_dropout=0.0, target_modules=targets, exclude_modules=excluded)
     key_map = model.family.key_map() if hasattr(model, "family") else None
     modules = [_hf_module_name(model, n) for n, _ in model.named_modules()]
     params = [key_map.module_name(n) if key_map is not None else n for n, _ in model.named_parameters()]

@@ -247,6 +247,19 @@ def test_target_modules_none_with_target_parameters_targets_what_peft_does(case_
     assert written["target_modules"] == json.loads((tmp_path / "peft" / lora.ADAPTER_CONFIG).read_text())["target_modules"]
 
 
+def test_a_regex_is_resolved_without_the_excluded_modules_as_peft_resolves_it():
+    """exclude_modules applies while PEFT resolves a regex on a converting model (check_target_module_exists), a
+    tuple as a list: o_proj excluded leaves q_proj alone, in every layer, as PEFT's adapted names."""
+    warnings.simplefilter("ignore")
+    source = _source(MIXTRAL)
+    theirs = peft.get_peft_model(reference_model(source, TASK, "eager"), peft.LoraConfig(
+        r=2, target_modules=r".*\.(q_proj|o_proj)", exclude_modules=["o_proj"], task_type="CAUSAL_LM"))
+    ours = lora.add_lora(load_model(source, TASK), r=2, target_modules=r".*\.(q_proj|o_proj)",
+                         exclude_modules=("o_proj",))
+    assert sorted(_ours_by_peft_key(ours)) == sorted(_theirs_by_peft_key(theirs))
+    assert sorted(ours.lora_config.target_modules) == sorted(theirs.peft_config["default"].target_modules)
+
+
 @pytest.mark.parametrize("case_id,targets", [
     pytest.param(MIXTRAL, ["q_proj", "w1", "w3", "w2", "gate"], id="mixtral"),
     # the dense first layer's gate/up/down_proj linear layers are not adapted: PEFT moves the names away from them
