@@ -595,7 +595,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     field, else the checkpoint's ``generation_config.json``, else its global default (see ``generation_settings``).
     ``options``: ``max_length``, ``min_new_tokens``, ``min_length``, ``repetition_penalty``,
     ``num_return_sequences``, ``use_cache``, ``return_dict_in_generate``, ``output_scores``, ``output_logits``, the
-    logits processors (``no_repeat_ngram_size``, ``bad_words_ids``, ``sequence_bias``, ``suppress_tokens``,
+    logits processors (``guidance_scale`` with ``negative_prompt_ids`` / ``negative_prompt_attention_mask``,
+    ``watermarking_config``, ``no_repeat_ngram_size``, ``bad_words_ids``, ``sequence_bias``, ``suppress_tokens``,
     ``begin_suppress_tokens``, ``forced_bos_token_id``, ``forced_eos_token_id``, ``exponential_decay_length_penalty``,
     ``remove_invalid_values``, ``renormalize_logits``; when sampling ``top_h``, ``min_p``, ``typical_p``,
     ``epsilon_cutoff``, ``eta_cutoff``), the stopping criteria (``stop_strings``, which needs ``tokenizer``, and ``max_time``), and beam
