@@ -586,20 +586,24 @@ class _TokenRows:
         self.register_buffer("trainable_tokens_original", rows, persistent=False)
         self.merged = False
 
+    def _rows(self) -> "_TokenRows":
+        """The layer holding the rows: this one (a tied layer reads its embedding's)."""
+        return self
+
     def _index(self, device: torch.device) -> torch.Tensor:
-        return torch.tensor(self.token_indices, device=device)
+        return torch.tensor(self._rows().token_indices, device=device)
 
     def merged_weight(self) -> torch.Tensor:
         """``TrainableTokensLayer.get_merged_weights``: the base weight with the listed rows replaced by the delta."""
         w = self.weight
-        return w.index_copy(0, self._index(w.device), self.trainable_tokens_delta.to(w))
+        return w.index_copy(0, self._index(w.device), self._rows().trainable_tokens_delta.to(w))
 
     @torch.no_grad()
     def merge(self) -> None:
         """``TrainableTokensLayer.merge``: the listed rows of the base weight become the delta's values."""
         if not self.merged:
             self.weight.data = self.weight.data.index_copy(0, self._index(self.weight.device),
-                                                           self.trainable_tokens_delta.to(self.weight))
+                                                           self._rows().trainable_tokens_delta.to(self.weight))
             self.merged = True
 
     @torch.no_grad()
@@ -607,7 +611,7 @@ class _TokenRows:
         """``TrainableTokensLayer.unmerge``: the original rows written back."""
         if self.merged:
             self.weight.data.index_copy_(0, self._index(self.weight.device),
-                                         self.trainable_tokens_original.to(self.weight))
+                                         self._rows().trainable_tokens_original.to(self.weight))
             self.merged = False
 
 
@@ -682,12 +686,12 @@ class TrainableTokensLinear(_TokenRows, nn.Linear):
         return f"{super().extra_repr()}, trainable_token_indices={self.token_indices}, merged={self.merged}"
 
 
-class TiedTrainableTokensLinear(nn.Linear):
+class TiedTrainableTokensLinear(TrainableTokensLinear):
     """An output layer tied to a :class:`TrainableTokensEmbedding` (the same weight: a tied ``lm_head``, BERT's MLM
     ``decoder``): PEFT wraps it too, in a ``TrainableTokensWrapper`` whose layer follows the embedding's
-    (``tied_adapter``: the same delta, nothing of its own saved). Its forward is PEFT's for a wrapped
-    ``nn.Linear``: ``F.linear(x, merged weight)`` with no bias, so a tied decoder with a bias (BERT's MLM
-    ``decoder``) loses it while unmerged, as in PEFT; merged, the base layer runs as it is (bias included)."""
+    (``tied_adapter``: the same delta, nothing of its own saved). Forward, merge and unmerge are
+    :class:`TrainableTokensLinear`'s on the embedding's rows: a tied decoder with a bias (BERT's MLM ``decoder``)
+    loses it while unmerged, as in PEFT, and PEFT merges the tied layer too (the same rows into the same weight)."""
 
     def __init__(self, base: nn.Linear, source: TrainableTokensEmbedding) -> None:
         nn.Module.__init__(self)
@@ -697,32 +701,11 @@ class TiedTrainableTokensLinear(nn.Linear):
         object.__setattr__(self, "_base", base)  # not registered: unloading puts it back
         self.merged = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.merged:
-            return F.linear(x, self.weight, self.bias)
-        return F.linear(x, self._source.merged_weight())  # TrainableTokensLayer.forward_adapters, nn.Linear branch
+    def _rows(self) -> TrainableTokensEmbedding:
+        return self._source
 
-    @torch.no_grad()
-    def merge(self) -> None:
-        # PEFT merges the tied layer too: the same rows into the same (shared) weight
-        if not self.merged:
-            source = self._source
-            self.weight.data = self.weight.data.index_copy(0, source._index(self.weight.device),
-                                                           source.trainable_tokens_delta.to(self.weight))
-            self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        if self.merged:
-            source = self._source
-            self.weight.data.index_copy_(0, source._index(self.weight.device),
-                                         source.trainable_tokens_original.to(self.weight))
-            self.merged = False
-
-    def unloaded(self) -> nn.Module:
-        """The layer it wraps again, holding this one's (merged) weight and its bias."""
-        self._base.weight, self._base.bias = self.weight, self.bias
-        return self._base
+    def extra_repr(self) -> str:
+        return f"{nn.Linear.extra_repr(self)}, tied to the rows {self._source.token_indices}, merged={self.merged}"
 
 
 def _lora_class(module: nn.Module) -> type[LoraLinear] | None:
@@ -1014,7 +997,7 @@ def token_targets(model: nn.Module, value: Any, saved: list[str], where: str = "
 def token_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The trainable-token layers (:class:`TrainableTokensEmbedding`, :class:`TrainableTokensLinear`,
     :class:`TiedTrainableTokensLinear`)."""
-    kinds = (TrainableTokensEmbedding, TrainableTokensLinear, TiedTrainableTokensLinear)
+    kinds = (TrainableTokensEmbedding, TrainableTokensLinear)  # TiedTrainableTokensLinear is one of the latter
     return {n: m for n, m in model.named_modules() if isinstance(m, kinds)}
 
 
