@@ -271,7 +271,8 @@ class GenerationSettings:
             self.bad_words_ids, self.sequence_bias, self.forced_bos_token_id, self.watermarking_config))
 
 
-_PROCESSOR_FIELDS = ("min_p", "top_h", "guidance_scale", "watermarking_config", "typical_p", "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size", "bad_words_ids",
+_PROCESSOR_FIELDS = ("min_p", "top_h", "guidance_scale", "watermarking_config", "typical_p", "epsilon_cutoff",
+                     "eta_cutoff", "no_repeat_ngram_size", "bad_words_ids",
                      "sequence_bias", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
                      "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
                      "renormalize_logits", "stop_strings", "max_time")
@@ -599,7 +600,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     ``watermarking_config``, ``no_repeat_ngram_size``, ``bad_words_ids``, ``sequence_bias``, ``suppress_tokens``,
     ``begin_suppress_tokens``, ``forced_bos_token_id``, ``forced_eos_token_id``, ``exponential_decay_length_penalty``,
     ``remove_invalid_values``, ``renormalize_logits``; when sampling ``top_h``, ``min_p``, ``typical_p``,
-    ``epsilon_cutoff``, ``eta_cutoff``), the stopping criteria (``stop_strings``, which needs ``tokenizer``, and ``max_time``), and beam
+    ``epsilon_cutoff``, ``eta_cutoff``), the stopping criteria (``stop_strings``, which needs ``tokenizer``, and
+    ``max_time``), and beam
     search (``num_beams``, ``length_penalty``, ``early_stopping``; a ``GenerateBeamDecoderOnlyOutput`` record), and
     prompt lookup (``prompt_lookup_num_tokens``, ``max_matching_ngram_size``: one prompt, greedy or sampled; see
     ``_prompt_lookup``).

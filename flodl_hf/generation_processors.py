@@ -373,8 +373,8 @@ def logits_processors(settings: Any, prompt_length: int, max_length: int, min_le
                       prefix: Processor | None = None, vocab_size: int | None = None,
                       guidance: Processor | None = None) -> list[Processor]:
     """``_get_logits_processor``'s list (generation/utils.py:1416-1663) for ``settings`` (a GenerationSettings),
-    in its order: ``guidance`` (:class:`Guidance`), sequence bias, repetition penalty, n-gram ban, bad words, minimum length (MinLength when the
-    total ``min_length`` is positive, MinNewTokensLength when ``min_new_tokens`` is: each bans the eos ids below
+    in its order: ``guidance`` (:class:`Guidance`), sequence bias, repetition penalty, n-gram ban, bad words,
+    minimum length (MinLength when the total ``min_length`` is positive, MinNewTokensLength when ``min_new_tokens`` is: each bans the eos ids below
     ``min_length``), ``prefix`` (PrefixConstrained, for ``prefix_allowed_tokens_fn``), forced bos / eos,
     invalid values, exponential decay, suppression; then ``custom`` (the caller's processors, merged as ``merge``);
     when sampling temperature, top-h, top-k, top-p, min-p, typical, epsilon, eta; the watermark (over ``vocab_size``,

@@ -845,7 +845,8 @@ def _resolve_moe_string(model: nn.Module, targets: str, task_type: str | None, e
     moved = _peft_moe_targets(model)
     if targets.lower() == ALL_LINEAR:
         return sorted({n.rsplit(".", 1)[-1] for n in all_linear_targets(model, task_type)} | moved.keys())
-    excluded = exclude_modules if exclude_modules is None or isinstance(exclude_modules, str) else list(exclude_modules)
+    excluded = (exclude_modules if exclude_modules is None or isinstance(exclude_modules, str)
+                else list(exclude_modules))
     probe = LoraConfig(r=1, lora_alpha=1.0, lora_dropout=0.0, target_modules=targets, exclude_modules=excluded)
     key_map = model.family.key_map() if hasattr(model, "family") else None
     modules = [_hf_module_name(model, n) for n, _ in model.named_modules()]
@@ -1023,8 +1024,8 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     ``lora_B`` (merged into the base layer's bias). ``trainable_token_indices`` is PEFT's: a list of token ids
     trains those rows of the input embeddings (:class:`TrainableTokensEmbedding`; a tied output layer follows
     them, :class:`TiedTrainableTokensLinear`), an object ``{module name: ids}`` those of the named embeddings
-    (or untied output layers, :class:`TrainableTokensLinear`; :func:`token_targets`). ``target_parameters`` is PEFT's: Parameters named by the end of their full name
-    (``mlp.experts.gate_up_proj``) get an adapter of their own (:class:`LoraParameters`, the stacked experts of an
+    (or untied output layers, :class:`TrainableTokensLinear`; :func:`token_targets`). ``target_parameters`` is
+    PEFT's: Parameters named by the end of their full name (``mlp.experts.gate_up_proj``) get an adapter of their own (:class:`LoraParameters`, the stacked experts of an
     MoE), with or without ``target_modules`` (``[]``: none; ``None``: PEFT's default for the model type, where it
     has one and PEFT's MoE conversion does not empty it, :func:`_peft_converts`). Returns the model, which carries
     ``model.lora_config``.
