@@ -26,8 +26,9 @@ those of ``model.generate`` with the same settings, and so are sampled ids where
   the pad id from then on (when an eos id is set, as transformers); generation stops when every row has, at the
   maximum length, or past ``max_time`` seconds;
 - ``num_beams > 1`` runs ``_beam_search`` instead (``_beam_search`` below), beam sampling with ``do_sample``;
-- ``prompt_lookup_num_tokens`` runs ``_prompt_lookup`` (transformers' assisted decoding with prompt lookup's
-  candidates, one prompt), its KV cache a ``_DraftCache`` that crops the rejected candidates;
+- ``prompt_lookup_num_tokens`` and ``assistant_model`` run ``_assisted`` (transformers' assisted decoding, one
+  prompt) on prompt lookup's candidates or on an assistant model's (``assisted.AssistantDrafts``, speculative
+  sampling when sampling), the KV caches ``_DraftCache`` that crop the rejected candidates;
 - ``inputs_embeds`` prompts as ``_prepare_model_inputs`` takes them on a decoder: the embeddings feed the first
   forward alone (``prepare_inputs_for_generation``), the ids (none: an empty (B, 0) tensor) carry on, so that
   without ``input_ids`` only the new tokens come back; the cache always on (``_embedded_prompt``);
@@ -51,6 +52,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import io
+from .assisted import ASSISTANT_DEFAULTS, AssistantDrafts, check_assistant_config, speculative_sampling
 from .decoder import KVCache
 from .errors import ConfigError, InputError
 from .generation_processors import (Guidance, PrefixConstrained, StopStrings, apply, logits_processors, stop_hits,
@@ -202,7 +204,7 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     # beam search (GenerationMixin._beam_search)
     "num_beams": (_positive, "a positive integer"), "length_penalty": (_is_number, "a number"),
     "early_stopping": (lambda v: v is True or v is False or v == "never", "true, false or \"never\""),
-    # prompt lookup (transformers' assisted decoding with PromptLookupCandidateGenerator, _prompt_lookup below)
+    # prompt lookup (transformers' assisted decoding with PromptLookupCandidateGenerator, _assisted below)
     "prompt_lookup_num_tokens": (_positive, "a positive integer"),
     "max_matching_ngram_size": (_count, "a non-negative integer (0 or unset: 2)"),
 }
@@ -340,7 +342,11 @@ def _generation_config_dict(generation_config: Any) -> dict[str, Any]:
 
 def model_generation_config(model: torch.nn.Module) -> Any:
     """transformers' ``model.generation_config``, a ``GenerationConfig``: the checkpoint's ``generation_config.json``
-    (``read_generation_config``), else one made from config.json's special token ids (``from_model_config``)."""
+    (``read_generation_config``), else one made from config.json's special token ids (``from_model_config``); the one
+    kept on the model once its ``generation_config`` was read (and maybe edited)."""
+    kept = model.__dict__.get("_generation_config")
+    if kept is not None:
+        return kept
     from transformers import GenerationConfig
     data = read_generation_config(getattr(model, "source_root", None))
     if data is None:
@@ -368,6 +374,9 @@ def generation_settings(model: torch.nn.Module, max_new_tokens: int | None = Non
             if neutral(value):
                 continue
             raise InputError(f"{name}={value!r} asks for {what}, which flodl-hf's generate does not implement")
+        if name in ASSISTANT_DEFAULTS:
+            raise InputError(f"{name}={value!r}: transformers reads it from assistant_model.generation_config, not "
+                             "from generate's keywords (where it changes nothing); set it there")
         raise InputError(f"{name}={value!r}: flodl-hf's generate does not implement this keyword (transformers' "
                          "generate takes its generation settings and passes model inputs on to forward)")
     args = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "temperature": temperature, "top_k": top_k,
@@ -378,8 +387,12 @@ def generation_settings(model: torch.nn.Module, max_new_tokens: int | None = Non
     given = _generation_config_dict(generation_config)
     _check_fields(given, "generation_config", InputError)
     root = getattr(model, "source_root", None)
-    data = read_generation_config(root)
-    if data is None:  # GenerationConfig.from_model_config
+    kept = model.__dict__.get("_generation_config")  # model.generation_config, once read (and maybe edited)
+    data = read_generation_config(root) if kept is None else \
+        {k: v for k, v in kept.to_diff_dict().items() if k != "transformers_version"}
+    if kept is not None:
+        where = "model.generation_config"
+    elif data is None:  # GenerationConfig.from_model_config
         config = model.config
         data = {"eos_token_id": getattr(config, "eos_token_id", None),
                 "pad_token_id": getattr(config, "pad_token_id", None)}
@@ -589,6 +602,7 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
                  prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], Any] | None = None,
                  negative_prompt_ids: torch.Tensor | None = None,
                  negative_prompt_attention_mask: torch.Tensor | None = None,
+                 assistant_model: torch.nn.Module | None = None,
                  **options: Any) -> torch.Tensor | GenerateDecoderOnlyOutput | GenerateBeamDecoderOnlyOutput:
     """Prompt ids (B, S), left-padded, -> (B, S + n) ids: the prompts and up to ``max_new_tokens`` new tokens
     each, as transformers' ``generate`` returns them (``GenerateDecoderOnlyOutput`` with
@@ -604,7 +618,11 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     ``max_time``), and beam
     search (``num_beams``, ``length_penalty``, ``early_stopping``; a ``GenerateBeamDecoderOnlyOutput`` record), and
     prompt lookup (``prompt_lookup_num_tokens``, ``max_matching_ngram_size``: one prompt, greedy or sampled; see
-    ``_prompt_lookup``).
+    ``_assisted``).
+    ``assistant_model``: a smaller causal LM of ours over the same vocabulary drafts the candidates (one prompt,
+    greedy or speculative sampling; its ``generation_config`` holds ``num_assistant_tokens``, its schedule and
+    ``assistant_confidence_threshold``, as transformers reads them; see ``flodl_hf.assisted``); ignored with beams,
+    as transformers ignores it.
     Without ``attention_mask``, the pad id's positions are masked as transformers infers them.
     ``seed``: sample from a generator seeded with it; None samples from torch's global generator.
     ``logits_processor`` / ``stopping_criteria``: the caller's own (a LogitsProcessorList / StoppingCriteriaList or a
@@ -639,10 +657,13 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     custom_criteria = _hooks(stopping_criteria, "stopping_criteria")
     _check_streamer(streamer, settings)
     lookup = settings.prompt_lookup_num_tokens is not None and settings.num_beams == 1
-    if lookup and input_ids.shape[0] > 1:
-        raise InputError(f"input_ids {tuple(input_ids.shape)}: prompt_lookup_num_tokens="
-                         f"{settings.prompt_lookup_num_tokens} decodes one prompt at a time (transformers' assisted "
-                         "generate: batch size 1 only); pass input_ids[i:i + 1] per prompt")
+    assisted = assistant_model is not None and settings.num_beams == 1  # with beams transformers ignores it
+    if assisted:
+        _check_assistant(model, assistant_model, settings, inputs_embeds)
+    if (lookup or assisted) and input_ids.shape[0] > 1:
+        what = f"prompt_lookup_num_tokens={settings.prompt_lookup_num_tokens}" if lookup else "assistant_model"
+        raise InputError(f"input_ids {tuple(input_ids.shape)}: {what} decodes one prompt at a time (transformers' "
+                         "assisted generate: batch size 1 only); pass input_ids[i:i + 1] per prompt")
     eos, pad = settings.eos, settings.pad
     if attention_mask is None:  # inferred from the ids, or without any from the embeddings (all ones)
         attention_mask = infer_attention_mask(input_ids if input_ids.shape[1] > 0 else inputs_embeds, pad, eos)
@@ -687,9 +708,10 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     prefix = None if prefix_allowed_tokens_fn is None else PrefixConstrained(prefix_allowed_tokens_fn, expand)
     guidance = None
     if settings.guidance_scale is not None and settings.guidance_scale != 1:
-        if inputs_embeds is not None or lookup:
-            raise InputError(f"guidance_scale={settings.guidance_scale}: classifier-free guidance with "
-                             f"{'inputs_embeds' if inputs_embeds is not None else 'prompt lookup'} is not implemented")
+        if inputs_embeds is not None or lookup or assisted:
+            with_what = "inputs_embeds" if inputs_embeds is not None else "prompt lookup" if lookup else "an assistant"
+            raise InputError(f"guidance_scale={settings.guidance_scale}: classifier-free guidance with {with_what} "
+                             "is not implemented")
         guidance = Guidance(settings.guidance_scale, model, _on(negative_prompt_ids, device),
                             _on(negative_prompt_attention_mask, device), settings.use_cache)
     processors = logits_processors(settings, prompt_length, max_length, min_length, ignore, device,
@@ -702,14 +724,16 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
         stop_strings = StopStrings(tokenizer, settings.stop_strings)
     criteria = stopping_criteria_list(settings, max_length, stop_strings, device, custom_criteria)
     cache = model.backbone.new_cache() if settings.use_cache else None
-    if lookup:
+    if lookup or assisted:
         cache = _DraftCache(cache.windows)
     decoder = _Decoder(model, attention_mask, cache, settings.use_cache, inputs_embeds)
 
     if settings.num_beams > 1:
         return _beam_search(decoder, input_ids, settings, processors, criteria, max_length, generator)
-    if lookup:
-        return _prompt_lookup(decoder, input_ids, settings, processors, criteria, max_length, generator, streamer)
+    if lookup or assisted:
+        drafts = (_LookupDrafts(settings, processors, max_length, model.config.vocab_size) if lookup else
+                  _assistant_drafts(assistant_model, attention_mask, settings, processors, max_length, generator))
+        return _assisted(decoder, input_ids, settings, processors, criteria, max_length, generator, streamer, drafts)
     # _sample: finished rows get the pad id when a criterion has an eos_token_id (EosTokenCriteria: an eos is set)
     fill = any(hasattr(c, "eos_token_id") for c in criteria)
     if fill and pad is None:
@@ -742,6 +766,53 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
         if unfinished.max() == 0:
             break
     return _finish(input_ids, settings, scores_seen, logits_seen, decoder.cache, streamer)
+
+
+def _check_assistant(model: torch.nn.Module, assistant: Any, settings: GenerationSettings,
+                     inputs_embeds: torch.Tensor | None) -> None:
+    """What ``assistant_model`` takes: one of our causal LMs over the main model's vocabulary, with the cache, for
+    greedy or sampled decoding of one prompt; what transformers refuses, and what is not implemented, raise."""
+    if getattr(assistant, "task", None) != "causal_lm" or not hasattr(assistant, "backbone"):
+        raise InputError(f"assistant_model={type(assistant).__name__}: expected a flodl-hf causal_lm model "
+                         "(load_model(source, 'causal_lm'))")
+    ours, theirs = model.config.vocab_size, assistant.config.vocab_size
+    if ours != theirs:
+        raise InputError(f"assistant_model: its vocabulary has {theirs} ids and the model's {ours}; an assistant "
+                         "with another tokenizer (transformers' universal assisted decoding, assistant_tokenizer=) is "
+                         "not implemented")
+    s = settings
+    refusals = [
+        (s.prompt_lookup_num_tokens is not None, f"prompt_lookup_num_tokens={s.prompt_lookup_num_tokens}",
+         "prompt lookup and an assistant model are two sources of candidates (transformers takes prompt lookup's and "
+         "ignores the assistant); pass one"),
+        (not s.use_cache, "use_cache=False", "assisted decoding checks the candidates against the KV cache and crops "
+                                             "it (transformers raises: assisted decoding requires a cache)"),
+        (s.num_return_sequences > 1, f"num_return_sequences={s.num_return_sequences}",
+         "assisted generate makes one sequence per prompt (transformers raises)"),
+        (s.stop_strings is not None, f"stop_strings={s.stop_strings!r}", "transformers hands the assistant's "
+         "generate no tokenizer, and it raises there; stop on eos ids or a custom stopping criterion"),
+        (s.min_length > 0 or bool(s.min_new_tokens), f"min_length={s.min_length}, min_new_tokens={s.min_new_tokens}",
+         "a minimum length with an assistant model is not implemented"),
+        (inputs_embeds is not None, "inputs_embeds", "a prompt given as embeddings with an assistant model is not "
+                                                     "implemented; pass input_ids"),
+        (getattr(assistant.backbone, "drops_cache", None) is not None, f"assistant_model={type(assistant).__name__}",
+         "an assistant whose generation drops its KV cache at a length (Phi-3) is not implemented"),
+    ]
+    for refused, what, why in refusals:
+        if refused:
+            raise InputError(f"{what} with assistant_model: {why}")
+
+
+def _assistant_drafts(assistant: torch.nn.Module, attention_mask: torch.Tensor, settings: GenerationSettings,
+                      processors: list, max_length: int, generator: torch.Generator | None) -> AssistantDrafts:
+    """AssistedCandidateGenerator's start: the assistant's own decoder, begun on the prompt's mask with a cache that
+    can be cropped, and its ``generation_config`` (kept on the model, as transformers' ``model.generation_config``:
+    the heuristic schedule's count carries to the next call, and a caller sets the three settings there)."""
+    config = assistant.generation_config
+    check_assistant_config(config)
+    cache = _DraftCache(assistant.backbone.new_cache().windows)
+    decoder = _Decoder(assistant, attention_mask.to(assistant.device), cache, True)
+    return AssistantDrafts(decoder, config, settings, processors, max_length, generator, assistant.config.vocab_size)
 
 
 def _finish(input_ids: torch.Tensor, settings: GenerationSettings, scores_seen: tuple | None, logits_seen: Sequence,
@@ -804,6 +875,27 @@ class _Decoder:
             step_ids, step_pos = input_ids.clone(), self.position_ids.clone()
         self.prefilled = True
         out = self._forward(step_ids, self.attention_mask, step_pos, self.use_cache, 1)
+        self._grow(1)
+        return out.logits[:, -1].to(copy=True, dtype=torch.float32)
+
+    def catch_up(self, input_ids: torch.Tensor, last_length: int) -> torch.Tensor:
+        """An assistant's first forward of a round (AssistedCandidateGenerator._update_past_and_masks, then its
+        generate's prefill): after an earlier round the cache drops what that round drafted past ``input_ids`` (its
+        ``last_length`` ids), the mask and the positions are cut or run on to their length, and the tokens the cache
+        lacks run at once; the first round runs the prompt. Returns the next-token logits, as ``next_logits``."""
+        length = input_ids.shape[1]
+        fed = length
+        if self.prefilled:
+            if last_length - length >= 0:
+                self.cache.crop(last_length - length)
+            grow = length - self.attention_mask.shape[1]
+            if grow > 0:
+                self._grow(grow)
+            self.attention_mask, self.position_ids = self.attention_mask[:, :length], self.position_ids[..., :length]
+            fed = length - self.cache.get_seq_length()
+        self.prefilled = True
+        out = self._forward(input_ids[:, -fed:].clone(), self.attention_mask, self.position_ids[..., -fed:].clone(),
+                            True, 1)
         self._grow(1)
         return out.logits[:, -1].to(copy=True, dtype=torch.float32)
 
@@ -966,10 +1058,11 @@ def _beam_search(decoder: _Decoder, input_ids: torch.Tensor, settings: Generatio
 
 
 class _DraftCache(KVCache):
-    """The KV cache of prompt lookup: ``DynamicCache`` after ``activate_past_recording``, so that a forward's
-    rejected candidates can be cropped off. A sliding layer keeps every state of the forward until ``crop``
-    restricts it to its window again (``DynamicSlidingWindowLayer`` with ``record_past``); between forwards it holds
-    at most ``window - 1`` states, so a forward sees the same keys and values as without recording. ``recording``
+    """The KV cache of assisted decoding (the model's and an assistant's): ``DynamicCache`` after
+    ``activate_past_recording``, so that a forward's rejected candidates can be cropped off. A sliding layer keeps
+    every state until ``crop`` restricts it to its window again (``DynamicSlidingWindowLayer`` with
+    ``record_past``), and a forward sees the last ``window - 1`` of them before its own, as without recording (an
+    assistant runs several forwards between crops). ``recording``
     False: the cache a family's dropped cache is replaced with (Phi3: transformers' forward makes a new one, which
     does not record), whose sliding layers cannot be cropped once past their window (transformers raises)."""
 
@@ -979,8 +1072,12 @@ class _DraftCache(KVCache):
 
     def update(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         full_k, full_v = super().update(layer, key, value)
+        window = self.windows[layer]
         if self.recording:
             self.keys[layer], self.values[layer] = full_k, full_v
+            if window is not None:
+                visible = window - 1 + key.shape[-2]
+                return full_k[:, :, -visible:, :], full_v[:, :, -visible:, :]
         return full_k, full_v
 
     def crop(self, tokens: int) -> None:
@@ -1044,26 +1141,44 @@ def _lookup_candidates(input_ids: torch.Tensor, settings: GenerationSettings, pr
     return none
 
 
-def _prompt_lookup(decoder: _Decoder, input_ids: torch.Tensor, settings: GenerationSettings, processors: list,
-                   criteria: list, max_length: int, generator: torch.Generator | None,
-                   streamer: Any) -> torch.Tensor | GenerateDecoderOnlyOutput:
-    """GenerationMixin._assisted_decoding (generation/utils.py:3925) with prompt lookup's candidates, one prompt:
-    each step looks the candidates up in the sequence (``_lookup_candidates``), runs them through the model in one
-    forward with the cache, passes each position's logits through the processors (the sequence up to it), picks a
-    token at each (argmax; sampling: one ``multinomial`` over all positions), keeps the candidates up to the first
-    that differs from its pick plus the pick after them, cut to the maximum length, and crops the rest off the
-    cache. Scores and logits are recorded per kept token; the stopping criteria see each step's end; the streamer
-    gets each step's kept ids (1, k). The number of candidates stays fixed: ``num_assistant_tokens`` and its
-    heuristic schedule belong to an assistant model (transformers ignores them here; not taken)."""
+class _LookupDrafts:
+    """Prompt lookup's candidates (PromptLookupCandidateGenerator): no scores with them, nothing learnt from a step.
+    The number of candidates stays fixed: ``num_assistant_tokens`` and its heuristic schedule belong to an assistant
+    model (transformers ignores them here; not taken)."""
+
+    def __init__(self, settings: GenerationSettings, processors: list, max_length: int, vocab_size: int) -> None:
+        self.settings, self.processors, self.max_length, self.vocab_size = settings, processors, max_length, vocab_size
+
+    def candidates(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _lookup_candidates(input_ids, self.settings, self.processors, self.max_length, self.vocab_size), None
+
+    def update(self, scores: torch.Tensor, matches: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+def _assisted(decoder: _Decoder, input_ids: torch.Tensor, settings: GenerationSettings, processors: list,
+              criteria: list, max_length: int, generator: torch.Generator | None, streamer: Any,
+              drafts: Any) -> torch.Tensor | GenerateDecoderOnlyOutput:
+    """GenerationMixin._assisted_decoding (generation/utils.py:3925), one prompt: each step takes the candidates
+    of ``drafts`` (prompt lookup's, ``_LookupDrafts``, or an assistant model's, ``assisted.AssistantDrafts``), runs
+    them through the model in one forward with the cache, passes each position's logits through the processors
+    (the sequence up to it), and keeps the candidates up to the first that differs from the model's pick there, then
+    the pick after them (argmax; sampling: one ``multinomial`` over all positions, or speculative sampling where
+    the candidates come with the assistant's scores), cut to the maximum length and after an eos; the rest is
+    cropped off the cache and ``drafts`` learns how many were kept. Scores and logits are recorded per kept token;
+    the stopping criteria see each step's end; the streamer gets each step's kept ids (1, k)."""
     s = settings
-    vocab_size = decoder.model.config.vocab_size
     record = s.return_dict_in_generate
     scores_seen: tuple[torch.Tensor, ...] | None = () if record and s.output_scores else None
     logits_seen: tuple[torch.Tensor, ...] = ()
     unfinished = torch.ones(1, dtype=torch.long, device=input_ids.device)
+    eos = torch.tensor(s.eos, device=input_ids.device, dtype=torch.long) if s.eos_set else None
     while True:
         length = input_ids.shape[1]
-        chosen = _lookup_candidates(input_ids, s, processors, max_length, vocab_size)
+        chosen, drafted_scores = drafts.candidates(input_ids)
         drafted = chosen.shape[0]
         if drafted and decoder.inputs_embeds is not None:
             raise InputError(f"inputs_embeds with input_ids and prompt_lookup_num_tokens: the ids offer "
@@ -1075,20 +1190,27 @@ def _prompt_lookup(decoder: _Decoder, input_ids: torch.Tensor, settings: Generat
         logits = scores.clone()
         for i in range(drafted + 1):
             scores[:, i, :] = apply(processors, candidates[:, :length + i], scores[:, i, :])
-        if s.do_sample:
-            probs = scores.softmax(dim=-1)
-            picked = torch.multinomial(probs[0, :, :], num_samples=1, generator=generator).squeeze(1)[None, :]
+        if s.do_sample and drafted_scores is not None:
+            kept = speculative_sampling(chosen, drafted_scores, scores, generator)
         else:
-            picked = scores.argmax(dim=-1)
-        matches = ((~(chosen.unsqueeze(0) == picked[:, :-1])).cumsum(dim=-1) < 1).sum()
-        # cut to the maximum length; transformers also cuts after a kept eos, which can only be the last here (the
-        # candidates hold none)
-        kept = picked[:, :matches + 1][:, :max_length - length]
+            if s.do_sample:
+                probs = scores.softmax(dim=-1)
+                picked = torch.multinomial(probs[0, :, :], num_samples=1, generator=generator).squeeze(1)[None, :]
+            else:
+                picked = scores.argmax(dim=-1)
+            matches = ((~(chosen.unsqueeze(0) == picked[:, :-1])).cumsum(dim=-1) < 1).sum()
+            kept = picked[:, :matches + 1]
+        kept = kept[:, :max_length - length]
+        if eos is not None:  # cut after the first eos kept
+            hits = torch.isin(kept[0], eos).nonzero()
+            if hits.numel() > 0:
+                kept = kept[:, :hits[0].item() + 1]
         n = kept.shape[1]
         input_ids = torch.cat((input_ids, kept), dim=-1)
         if streamer is not None:
             streamer.put(kept.cpu())
         decoder.accept(n, drafted + 1 - n)
+        drafts.update(scores, n - 1)
         if scores_seen is not None:
             scores_seen += tuple(scores[:, i, :] for i in range(n))
         if record and s.output_logits:
@@ -1096,6 +1218,7 @@ def _prompt_lookup(decoder: _Decoder, input_ids: torch.Tensor, settings: Generat
         unfinished = unfinished & ~stop_hits(criteria, input_ids, scores_seen)
         if unfinished.max() == 0:
             break
+    drafts.finish()
     return _finish(input_ids, s, scores_seen, logits_seen, decoder.cache, streamer)
 
 
@@ -1106,7 +1229,7 @@ _PIPELINE_SAMPLING = {"temperature", "top_k", "top_p", "min_p", "top_h", "typica
 # keywords TextGenerationPipeline takes (its _sanitize_parameters, Pipeline.__call__) that generate() does not implement
 _PIPELINE_NOT_IMPLEMENTED = ("return_type", "prefix", "handle_long_generation", "truncation",
                              "tokenizer_encode_kwargs", "add_special_tokens", "padding", "batch_size", "num_workers",
-                             "assistant_model", "assistant_tokenizer")
+                             "assistant_tokenizer")
 # generate_ids' hooks and model inputs the pipeline hands, as given, to each prompt's generate call
 _HOOKS = ("logits_processor", "stopping_criteria", "streamer", "prefix_allowed_tokens_fn", "inputs_embeds")
 # generate() keywords that would make the pipeline add records' fields (scores, logits) that generate() does not write
@@ -1207,7 +1330,8 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
     with ``seed=s``, which leaves the global generator alone) the draws and lengths are the pipeline's. A
     ``streamer``, ``logits_processor``, ``stopping_criteria``, ``prefix_allowed_tokens_fn`` or ``inputs_embeds``
     goes as given to each prompt's ``generate_ids`` (one prompt at a time, as the pipeline hands them to each
-    prompt's generate, with its ids and mask).
+    prompt's generate, with its ids and mask), and so does ``assistant_model`` (one of our causal LMs, or a source
+    to load one from, over the model's vocabulary: see ``generate_ids``).
 
     ``prompts`` may also be a chat (a list of ``{"role", "content"}`` dicts) or a list of chats, as the pipeline
     takes them: each is rendered with the tokenizer's chat template (``apply_chat_template``, a generation
@@ -1227,6 +1351,7 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
     kind = _return_type(return_full_text, return_tensors, return_text)
     # the pipeline hands these to generate with each prompt: here too, one prompt at a time
     hooks = {name: options.pop(name) for name in _HOOKS if options.get(name) is not None}
+    assistant = options.pop("assistant_model", None)
     stop_sequence = options.pop("stop_sequence", None)
     if stop_sequence is not None:  # TextGenerationPipeline._sanitize_parameters: stop strings, with the tokenizer
         options["stop_strings"] = [stop_sequence] if isinstance(stop_sequence, str) else stop_sequence
@@ -1245,6 +1370,8 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
     tok, lm = loaded.tokenizer, loaded.model
     if getattr(lm, "task", None) != "causal_lm":
         raise InputError(f"generate needs a causal_lm model, not {type(lm).__name__}")
+    if assistant is not None:  # the pipeline's assistant_model: a model or where to load one from
+        hooks["assistant_model"] = load(assistant, "causal_lm", tok).model
     if getattr(lm.config, "prefix", None):
         raise ConfigError("config.json: prefix: the text-generation pipeline prepends it to each prompt; "
                           "flodl-hf's generate() does not implement it")

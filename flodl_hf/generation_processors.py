@@ -374,10 +374,11 @@ def logits_processors(settings: Any, prompt_length: int, max_length: int, min_le
                       guidance: Processor | None = None) -> list[Processor]:
     """``_get_logits_processor``'s list (generation/utils.py:1416-1663) for ``settings`` (a GenerationSettings),
     in its order: ``guidance`` (:class:`Guidance`), sequence bias, repetition penalty, n-gram ban, bad words,
-    minimum length (MinLength when the total ``min_length`` is positive, MinNewTokensLength when ``min_new_tokens`` is: each bans the eos ids below
-    ``min_length``), ``prefix`` (PrefixConstrained, for ``prefix_allowed_tokens_fn``), forced bos / eos,
-    invalid values, exponential decay, suppression; then ``custom`` (the caller's processors, merged as ``merge``);
-    when sampling temperature, top-h, top-k, top-p, min-p, typical, epsilon, eta; the watermark (over ``vocab_size``,
+    minimum length (MinLength when the total ``min_length`` is positive, MinNewTokensLength when ``min_new_tokens``
+    is: each bans the eos ids below ``min_length``), ``prefix`` (PrefixConstrained, for
+    ``prefix_allowed_tokens_fn``), forced bos / eos, invalid values, exponential decay, suppression; then ``custom``
+    (the caller's processors, merged as ``merge``); then ``final_steps``: when sampling temperature, top-h, top-k,
+    top-p, min-p, typical, epsilon, eta; the watermark (over ``vocab_size``,
     the model config's); renormalization last. Each built-in
     exists where transformers creates its class, so that a custom one of that class takes its place."""
     s = settings
@@ -431,7 +432,16 @@ def logits_processors(settings: Any, prompt_length: int, max_length: int, min_le
         at_begin = torch.tensor(list(s.begin_suppress_tokens), device=device)
         named.append(("SuppressTokensAtBeginLogitsProcessor",
                       lambda ids, x: ban_ids(x, at_begin) if ids.shape[-1] == begin else x))
-    steps = [_listed(p) for p in merge(named, custom, "logits_process")]
+    return [_listed(p) for p in merge(named, custom, "logits_process")] + final_steps(s, device, vocab_size)
+
+
+def final_steps(settings: Any, device: torch.device, vocab_size: int | None) -> list[Processor]:
+    """The end of ``_get_logits_processor``'s list, added after the merge with the caller's processors: when
+    sampling the warpers (temperature, top-h, top-k, top-p, min-p, typical, epsilon, eta), then the watermark,
+    then renormalization. An assistant model's generate adds them again after the main model's whole list, which
+    it takes as its caller's processors (``AssistedCandidateGenerator``)."""
+    s = settings
+    steps: list[Processor] = []
     if s.do_sample:
         # with beams, keep one more id than there are eos ids (two without an eos), so a beam can go on
         keep = 1 if s.num_beams == 1 else len(s.eos) + 1 if s.eos_set else 2
@@ -668,6 +678,18 @@ class EosToken:
 
     def __call__(self, input_ids: torch.Tensor, scores: Any = None) -> torch.Tensor:
         return torch.isin(input_ids[:, -1], self.eos_token_id)
+
+
+class Confidence:
+    """ConfidenceCriteria (:596): an assistant model's generate stops once the probability of its last token, under
+    the step's processed scores, is below ``threshold`` (one prompt)."""
+
+    def __init__(self, threshold: float) -> None:
+        self.threshold = threshold
+
+    def __call__(self, input_ids: torch.Tensor, scores: tuple) -> torch.Tensor:
+        p = scores[-1].softmax(-1)[0, input_ids[0, -1]].item()
+        return torch.full((input_ids.shape[0],), p < self.threshold, device=input_ids.device, dtype=torch.bool)
 
 
 def stopping_criteria_list(settings: Any, max_length: int, stop_strings: StopStrings | None, device: torch.device,

@@ -74,11 +74,22 @@ class ModelForCausalLM(TaskModel):
 
     @property
     def generation_config(self) -> Any:
-        """transformers' ``GenerationConfig`` of this checkpoint (its generation_config.json, else one made from
-        config.json, ``from_model_config``), read afresh at each access: edit it and pass it as
-        ``generate(generation_config=...)``."""
-        from flodl_hf.generate import model_generation_config
-        return model_generation_config(self)
+        """transformers' ``model.generation_config``: this checkpoint's ``GenerationConfig`` (its
+        generation_config.json, else one made from config.json, ``from_model_config``), read at the first access and
+        kept, so that edits to it, or one assigned in its place, are what later ``generate`` calls start from (and
+        what an assistant model's settings are read from), as in transformers."""
+        config = self.__dict__.get("_generation_config")
+        if config is None:
+            from flodl_hf.generate import model_generation_config
+            config = self.__dict__["_generation_config"] = model_generation_config(self)
+        return config
+
+    @generation_config.setter
+    def generation_config(self, value: Any) -> None:
+        from flodl_hf.errors import InputError
+        if not callable(getattr(value, "to_diff_dict", None)):
+            raise InputError(f"generation_config={type(value).__name__}: expected a transformers GenerationConfig")
+        self.__dict__["_generation_config"] = value
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config: Any = None, **kwargs: Any) -> Any:
         """transformers' ``model.generate``: the prompts and their new tokens, (B, S + n) ids (a

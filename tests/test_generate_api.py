@@ -92,6 +92,26 @@ def test_model_generate_and_generation_config_as_transformers(pair, tmp_path):
                        _theirs(theirs2, ids, mask, max_new_tokens=4))
 
 
+def test_an_edited_generation_config_is_what_generate_starts_from():
+    """``model.generation_config`` is kept once read, as transformers': an edit to it (or a new one assigned) is what
+    later calls start from, under the keywords; a wrong type assigned is refused."""
+    ours, theirs = _both(make_checkpoint(_fields(LLAMA), "causal_lm"))
+    ids, mask = _left_padded(ours.config.vocab_size)
+    assert ours.generation_config is ours.generation_config
+    for model in (ours, theirs):
+        model.generation_config.max_new_tokens = 3
+        model.generation_config.eos_token_id = []
+    reference = _theirs(theirs, ids, mask)
+    assert reference.shape[1] == ids.shape[1] + 3
+    assert torch.equal(_ours(ours, ids, mask), reference)
+    assert torch.equal(_ours(ours, ids, mask, max_new_tokens=5), _theirs(theirs, ids, mask, max_new_tokens=5))
+    fresh = quiet_transformers().GenerationConfig(max_new_tokens=2, do_sample=True, top_k=5)
+    ours.generation_config, theirs.generation_config = fresh, fresh
+    assert torch.equal(_ours(ours, ids, mask, seed=1), _theirs(theirs, ids, mask, seed=1))
+    with pytest.raises(InputError, match="generation_config=dict"):
+        ours.generation_config = {"max_new_tokens": 2}
+
+
 def test_generation_config_object_or_dict_sits_under_the_keywords(pair):
     GenerationConfig = quiet_transformers().GenerationConfig
     ours, theirs = pair

@@ -29,7 +29,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                        **{name: value for name, value in (("num_beams", args.num_beams),
                                                           ("repetition_penalty", args.repetition_penalty),
                                                           ("no_repeat_ngram_size", args.no_repeat_ngram_size),
-                                                          ("min_p", args.min_p), ("stop_sequence", args.stop))
+                                                          ("min_p", args.min_p), ("stop_sequence", args.stop),
+                                                          ("assistant_model", args.assistant))
                           if value is not None})
     if args.json:
         print(json.dumps(results, indent=2, ensure_ascii=False))
@@ -72,6 +73,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--min-p", type=float, default=None, help="min-p sampling (default: generation_config.json's)")
     p.add_argument("--stop", default=None, metavar="TEXT",
                    help="stop a row once its text ends with TEXT (the pipeline's stop_sequence)")
+    p.add_argument("--assistant", default=None, metavar="DIR",
+                   help="assisted generation: a smaller causal LM over the same vocabulary drafts tokens that the "
+                        "model checks (the pipeline's assistant_model; one prompt at a time)")
     p.add_argument("--eos-token-id", default=None,
                    help="comma-separated ids that end a row (default: the config's; '' for none)")
     p.add_argument("--full-text", action=argparse.BooleanOptionalAction, default=None,
