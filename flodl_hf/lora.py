@@ -1025,9 +1025,10 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     trains those rows of the input embeddings (:class:`TrainableTokensEmbedding`; a tied output layer follows
     them, :class:`TiedTrainableTokensLinear`), an object ``{module name: ids}`` those of the named embeddings
     (or untied output layers, :class:`TrainableTokensLinear`; :func:`token_targets`). ``target_parameters`` is
-    PEFT's: Parameters named by the end of their full name (``mlp.experts.gate_up_proj``) get an adapter of their own (:class:`LoraParameters`, the stacked experts of an
-    MoE), with or without ``target_modules`` (``[]``: none; ``None``: PEFT's default for the model type, where it
-    has one and PEFT's MoE conversion does not empty it, :func:`_peft_converts`). Returns the model, which carries
+    PEFT's: Parameters named by the end of their full name (``mlp.experts.gate_up_proj``) get an adapter of their
+    own (:class:`LoraParameters`, the stacked experts of an MoE), with or without ``target_modules`` (``[]``: none; ``None``: PEFT's default for the model type, where it
+    has one and PEFT's MoE conversion does not empty it, :func:`_peft_converts`; where it does, None without
+    ``target_parameters`` is refused, as PEFT refuses it). Returns the model, which carries
     ``model.lora_config``.
     """
     if is_lora(model):
@@ -1036,6 +1037,11 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     model_type = getattr(config, "model_type", None)
     if target_modules is None and target_parameters is not None and _peft_converts(model):
         targets: list[str] | str | None = []  # PEFT's MoE conversion turns None into an empty set: no default
+    elif target_modules is None and target_parameters is None and _peft_converts(model):
+        raise AdapterError(f"target_modules=None on model_type {model_type!r}: PEFT 0.21's MoE conversion of this "
+                           "model's LoRA config empties PEFT's default target_modules, so PEFT adapts nothing and "
+                           "raises (NoMatchingPeftModuleError); pass target_modules (e.g. ['q_proj', 'v_proj']) or "
+                           "target_parameters")
     elif target_modules is None and target_parameters is not None and str(model_type) not in PEFT_DEFAULT_TARGETS:
         targets = None  # PEFT targets no module then (check_target_module_exists)
     elif target_modules is None:

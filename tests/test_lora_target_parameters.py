@@ -320,3 +320,20 @@ def test_expert_names_in_target_modules_are_converted_as_peft_converts_them(case
             peft.get_peft_model(reference_model(source, TASK, "eager"), peft.LoraConfig(r=2, target_modules=["w1"]))
         with pytest.raises(AdapterError, match="w1 without w3"):
             lora.add_lora(load_model(source, TASK), r=2, target_modules=["w1"])
+
+
+@pytest.mark.parametrize("case_id", [MIXTRAL, "olmoe-hd24-4experts-norm-bias",
+                                     "qwen3_moe-hd24-4experts-norm-bias-dense1"])
+def test_no_target_modules_on_a_converted_moe_model_is_refused_as_peft_refuses_it(case_id):
+    """A LoraConfig without target_modules or target_parameters on the MoE models PEFT 0.21 converts: the
+    conversion empties PEFT's default target_modules (q_proj, v_proj for Mixtral), so PEFT raises
+    NoMatchingPeftModuleError; ours refuses with an AdapterError saying what to pass."""
+    source = _source(case_id)
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="No `target_modules` passed"):
+        warnings.simplefilter("ignore")
+        peft.get_peft_model(reference_model(source, TASK, "eager"), peft.LoraConfig(r=2, task_type="CAUSAL_LM"))
+    model = load_model(source, TASK)
+    assert lora._peft_converts(model)
+    with pytest.raises(AdapterError, match="target_modules=None.*pass target_modules"):
+        lora.add_lora(model, r=2)
+    assert not lora.is_lora(model)
