@@ -23,7 +23,8 @@ Cases (ratios are ours / transformers for times, ours ÷ theirs for throughput):
      with that model against the text-classification pipeline (batch_size=32).
   8. LLaMA decoder (8 layers, hidden 1024, 16 heads x 64, 4 KV heads, vocab 32000): a left-padded causal-LM
      forward 4 x 128 (logits torch.equal), greedy generation of 64 tokens for 4 left-padded prompts against
-     transformers' generate (identical tokens), and the KV cache's bytes after it (ours, transformers').
+     transformers' generate (identical tokens), the KV cache's bytes after it (ours, transformers'), and
+     assisted greedy generation of 64 tokens for one prompt with a 2-layer LLaMA as the assistant.
 
 The two sides always alternate in the same run (A B, B A, A B ...) so machine drift cancels and neither
 side always runs second; the figure is the median of the per-pair ratios (case 3: the ratio of total
@@ -283,12 +284,15 @@ def case_decoder(repeats: int, new_tokens: int = 64) -> dict:
     from flodl_hf.generate import generate_ids
     transformers = quiet_transformers()
     from flodl_hf.matrix import generate_checkpoint
-    directory = CACHE / f"llama-8l-1024-causal_lm-tf{transformers.__version__}"
-    if not (directory / "config.json").is_file():
-        say(f"  generating {directory.name} (once) ...")
-        work = directory.with_name(directory.name + f".tmp{os.getpid()}")
-        generate_checkpoint(LLAMA_8L, "causal_lm", work)
-        work.rename(directory)
+    def llama(fields: dict, stem: str) -> Path:
+        directory = CACHE / f"{stem}-causal_lm-tf{transformers.__version__}"
+        if not (directory / "config.json").is_file():
+            say(f"  generating {directory.name} (once) ...")
+            work = directory.with_name(directory.name + f".tmp{os.getpid()}")
+            generate_checkpoint(fields, "causal_lm", work)
+            work.rename(directory)
+        return directory
+    directory = llama(LLAMA_8L, "llama-8l-1024")
     ours = load_model(directory, "causal_lm")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
     ids, mask = left_padded(4, 128)
@@ -326,6 +330,28 @@ def case_decoder(repeats: int, new_tokens: int = 64) -> dict:
                            "ours_s": median(times["ours"]), "transformers_s": median(times["transformers"]),
                            "goal": same and median(ratios) <= 1.0,
                            "cache_bytes": {"ours": cache.nbytes(), "transformers": theirs_bytes}}
+        # assisted generation: a 2-layer LLaMA of the same width and vocabulary drafts, one unpadded prompt
+        small_dir = llama({**LLAMA_8L, "num_hidden_layers": 2}, "llama-2l-1024")
+        small = load_model(small_dir, "causal_lm")
+        small_theirs = transformers.AutoModelForCausalLM.from_pretrained(str(small_dir), dtype=torch.float32).eval()
+        one, one_mask = prompts[3:], pmask[3:]
+        assert bool(one_mask.all())
+
+        def assisted_ours():
+            made_ids["ours"] = generate_ids(ours, one, one_mask, max_new_tokens=new_tokens, eos_token_id=[],
+                                            pad_token_id=0, assistant_model=small)
+
+        def assisted_theirs():
+            made_ids["transformers"] = theirs.generate(input_ids=one, attention_mask=one_mask, do_sample=False,
+                                                       max_new_tokens=new_tokens, eos_token_id=[], pad_token_id=0,
+                                                       assistant_model=small_theirs)
+        made_ids: dict[str, Any] = {}
+        times = alternate({"ours": assisted_ours, "transformers": assisted_theirs}, repeats)
+        ratios = pair_ratios(times["ours"], times["transformers"])
+        same = torch.equal(made_ids["ours"], made_ids["transformers"])
+        out["assisted"] = {"identical": same, "times": times, "ratio": median(ratios),
+                           "ours_s": median(times["ours"]), "transformers_s": median(times["transformers"]),
+                           "goal": same and median(ratios) <= 1.0}
     return out
 
 
@@ -752,6 +778,11 @@ def table(results: dict) -> str:
         rows.append(f"| 8 LLaMA greedy {r['new_tokens']} tokens × 4 prompts | seconds (tokens identical: "
                     f"{g['identical']}) | {fmt(g['ours_s'], 3)} | {fmt(g['transformers_s'], 3)} | "
                     f"{fmt(g['ratio'], 3)} | ≤ 1.00, identical | {yes(g['goal'])} |")
+        if "assisted" in r:
+            a = r["assisted"]
+            rows.append(f"| 8 LLaMA greedy {r['new_tokens']} tokens × 1 prompt, a 2-layer assistant | seconds "
+                        f"(tokens identical: {a['identical']}) | {fmt(a['ours_s'], 3)} | {fmt(a['transformers_s'], 3)} "
+                        f"| {fmt(a['ratio'], 3)} | ≤ 1.00, identical | {yes(a['goal'])} |")
         mb = 1024 * 1024
         rows.append(f"| 8 LLaMA KV cache after generation | MiB | {g['cache_bytes']['ours'] / mb:.1f} | "
                     f"{g['cache_bytes']['transformers'] / mb:.1f} | "
