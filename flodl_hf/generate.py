@@ -658,8 +658,6 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     _check_streamer(streamer, settings)
     lookup = settings.prompt_lookup_num_tokens is not None and settings.num_beams == 1
     assisted = assistant_model is not None and settings.num_beams == 1  # with beams transformers ignores it
-    if assisted:
-        _check_assistant(model, assistant_model, settings, inputs_embeds)
     if (lookup or assisted) and input_ids.shape[0] > 1:
         what = f"prompt_lookup_num_tokens={settings.prompt_lookup_num_tokens}" if lookup else "assistant_model"
         raise InputError(f"input_ids {tuple(input_ids.shape)}: {what} decodes one prompt at a time (transformers' "
@@ -701,6 +699,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
         raise InputError(f"input_ids: the prompt has {prompt_length} tokens but the maximum length is "
                          f"{max_length} (max_length, of the arguments or {GENERATION_CONFIG}, or "
                          f"max_position_embeddings{less}); pass max_new_tokens")
+    if assisted:
+        _check_assistant(model, assistant_model, settings, inputs_embeds, max_length)
     min_length = (prompt_length + settings.min_new_tokens if settings.min_new_tokens is not None
                   else max(settings.min_length - embedded, 0) if embedded else settings.min_length)
     # the repetition penalty skips the left padding, which transformers reads off the mask unless it is all ones
@@ -769,7 +769,7 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
 
 
 def _check_assistant(model: torch.nn.Module, assistant: Any, settings: GenerationSettings,
-                     inputs_embeds: torch.Tensor | None) -> None:
+                     inputs_embeds: torch.Tensor | None, max_length: int) -> None:
     """What ``assistant_model`` takes: one of our causal LMs over the main model's vocabulary, with the cache, for
     greedy or sampled decoding of one prompt; what transformers refuses, and what is not implemented, raise."""
     if getattr(assistant, "task", None) != "causal_lm" or not hasattr(assistant, "backbone"):
@@ -781,6 +781,7 @@ def _check_assistant(model: torch.nn.Module, assistant: Any, settings: Generatio
                          "with another tokenizer (transformers' universal assisted decoding, assistant_tokenizer=) is "
                          "not implemented")
     s = settings
+    drops = getattr(assistant.backbone, "drops_cache", None)
     refusals = [
         (s.prompt_lookup_num_tokens is not None, f"prompt_lookup_num_tokens={s.prompt_lookup_num_tokens}",
          "prompt lookup and an assistant model are two sources of candidates (transformers takes prompt lookup's and "
@@ -795,8 +796,9 @@ def _check_assistant(model: torch.nn.Module, assistant: Any, settings: Generatio
          "a minimum length with an assistant model is not implemented"),
         (inputs_embeds is not None, "inputs_embeds", "a prompt given as embeddings with an assistant model is not "
                                                      "implemented; pass input_ids"),
-        (getattr(assistant.backbone, "drops_cache", None) is not None, f"assistant_model={type(assistant).__name__}",
-         "an assistant whose generation drops its KV cache at a length (Phi-3) is not implemented"),
+        (drops is not None and drops(max_length - 1, 0), f"assistant_model={type(assistant).__name__}",
+         f"the assistant drafts up to {max_length - 1} tokens, where its generation drops its KV cache (Phi-3 past "
+         "original_max_position_embeddings), which is not implemented for an assistant; generate fewer tokens"),
     ]
     for refused, what, why in refusals:
         if refused:

@@ -50,8 +50,8 @@ def _variant(source, out, noise: float, scale: float):
 class Assisted:
     """Our model and assistant, and transformers', each backbone's forwards counted, and a prompt."""
 
-    def __init__(self, family: str, root) -> None:
-        base = make_checkpoint({**_fields(SMALL[family]), "tie_word_embeddings": False}, "causal_lm")
+    def __init__(self, family: str, root, **fields) -> None:
+        base = make_checkpoint({**_fields(SMALL[family]), "tie_word_embeddings": False, **fields}, "causal_lm")
         main = _variant(base, root / "main", 0.0, 10.0)
         self.main, self.assistant = _both(main), _both(_variant(main, root / "assistant", 0.1, 1.0))
         self.forwards = [Forwards(self.main[0].backbone), Forwards(self.main[1].base_model),
@@ -133,6 +133,21 @@ def test_speculative_sampling_equals_transformers(assisted, settings):
         _, _, main, _ = assisted.same(seed=seed, max_new_tokens=20, eos_token_id=[], do_sample=True, **settings)
         kept += _kept(main, 20)
     assert kept > 0
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen2_moe", "phi3", "olmo2", "starcoder2"])
+def test_more_families(family, tmp_path):
+    """Other layouts: Gemma 3's sliding and full layers, an MoE, Phi-3 (whose cache drop lies past these lengths),
+    OLMo 2's norms after attention, StarCoder 2's biases: greedy and sampled, ids and forwards equal."""
+    pair = Assisted(family, tmp_path)
+    pair.same(max_new_tokens=16, eos_token_id=[])
+    pair.same(seed=1, max_new_tokens=16, eos_token_id=[], do_sample=True, temperature=0.7, top_k=10)
+    if family == "phi3":  # drafting past original_max_position_embeddings, where Phi-3 drops its cache: refused
+        short = Assisted(family, tmp_path / "short", original_max_position_embeddings=16)
+        generate_ids(short.main[0], short.ids, max_new_tokens=10, eos_token_id=[], assistant_model=short.assistant[0])
+        with pytest.raises(InputError, match="drops its KV cache"):
+            generate_ids(short.main[0], short.ids, max_new_tokens=11, eos_token_id=[],
+                         assistant_model=short.assistant[0])
 
 
 def test_sampling_with_seed_draws_from_its_own_generator(llama):
