@@ -233,6 +233,7 @@ class GPT2Block(nn.Module):
 class GPT2Model(LlamaModel):
     """``wte``, ``wpe``, ``drop``, the blocks ``h``, ``ln_f``; LLaMA's forward, masks and cache."""
 
+    exits_early = False  # its transformers forward runs every layer, whatever num_hidden_layers says
     attention_class = GPT2Attention
     layer_class = GPT2Block
     norm_class = nn.LayerNorm

@@ -170,6 +170,7 @@ class GPTNeoXLayer(nn.Module):
 class GPTNeoXModel(LlamaModel):
     """``embed_in``, ``emb_dropout``, ``layers``, ``final_layer_norm``; LLaMA's forward, RoPE, masks and cache."""
 
+    exits_early = False  # its transformers forward runs every layer, whatever num_hidden_layers says
     attention_class = GPTNeoXAttention
     layer_class = GPTNeoXLayer
     norm_class = nn.LayerNorm

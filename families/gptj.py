@@ -152,6 +152,7 @@ class GPTJModel(LlamaModel):
     """``wte``, ``drop``, the blocks ``h``, ``ln_f`` and the sinusoid table (``embed_positions``, non-persistent in
     transformers: a LazyBuffers here, rounded by casts as that buffer); LLaMA's forward, masks and cache."""
 
+    exits_early = False  # its transformers forward runs every layer, whatever num_hidden_layers says
     attention_class = GPTJAttention
     layer_class = GPTJBlock
     norm_class = nn.LayerNorm

@@ -246,6 +246,11 @@ class LlamaModel(Backbone):
                    "past_key_values")
     # checked in forward instead: with a cache the mask covers the past tokens too, not only the input's
     validates_inputs = False
+    # transformers' forward runs ``self.layers[: config.num_hidden_layers]``, so assisted decoding's early exit
+    # (``assistant_early_exit=k``, which lowers that count while the model drafts) runs the first k layers; a family
+    # whose forward runs every layer whatever the count says sets it False (transformers' early exit fails there on
+    # a cache of fewer layers: refused, flodl_hf.generate)
+    exits_early: ClassVar[bool] = True
 
     def __init__(self, config: LlamaConfig, add_pooling_layer: bool = False) -> None:
         super().__init__(config)
@@ -305,7 +310,9 @@ class LlamaModel(Backbone):
                                       hidden.device, cache, layer)
         keys = self.rope_keys()
         ropes = self.rotary_embeddings(keys, position_ids, hidden)
-        for layer, spec, key in zip(self.layers, specs, keys, strict=True):
+        count = self.__dict__.get("exit_after") if self.exits_early else None  # assisted decoding's early exit
+        layers = self.layers if count is None else list(self.layers)[:count]
+        for layer, spec, key in zip(layers, specs[:count], keys[:count], strict=True):
             if not self.drops_layer():
                 hidden = layer(hidden, ropes[key], masks[spec], cache)
         return self.norm(hidden)

@@ -197,6 +197,7 @@ class OPTDecoder(nn.Module):
 class OPTModel(LlamaModel):
     """``decoder`` (OPTModel's one child); LLaMA's forward, masks and cache, positions from the attention mask."""
 
+    exits_early = False  # its transformers forward runs every layer, whatever num_hidden_layers says
     attention_class = OPTAttention
     layer_class = OPTDecoderLayer
     norm_class = nn.LayerNorm

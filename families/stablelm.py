@@ -142,6 +142,7 @@ class StableLmDecoderLayer(nn.Module):
 
 
 class StableLmModel(LlamaModel):
+    exits_early = False  # its transformers forward runs every layer, whatever num_hidden_layers says
     attention_class = StableLmAttention
     layer_class = StableLmDecoderLayer
     norm_class = nn.LayerNorm

@@ -57,7 +57,10 @@ def _sklearn() -> bool:
 
 
 class AssistantDrafts:
-    """The candidates of an assistant model, round after round, with its cache kept between rounds.
+    """The candidates of an assistant model, round after round, with its cache kept between rounds; or, with
+    ``exit_after`` (``assistant_early_exit``, transformers' ``EarlyExitCandidateGenerator``), of the model itself
+    through its first ``exit_after`` layers (where its family's transformers forward honours the count:
+    ``exits_early``), with a cache of its own.
 
     ``decoder``: the assistant's side of the decoding loop (generate's ``_Decoder`` over a croppable cache, started
     on the prompt's mask); ``config``: the assistant's ``generation_config`` (read for the three settings above, and
@@ -65,9 +68,9 @@ class AssistantDrafts:
     list of processors; ``max_length``: the main call's."""
 
     def __init__(self, decoder: Any, config: Any, settings: Any, processors: list, max_length: int,
-                 generator: torch.Generator | None, vocab_size: int) -> None:
+                 generator: torch.Generator | None, vocab_size: int, exit_after: int | None = None) -> None:
         self.decoder, self.config, self.settings, self.max_length = decoder, config, settings, max_length
-        self.generator = generator
+        self.generator, self.exit_after = generator, exit_after
 
         def read(name: str) -> Any:
             value = getattr(config, name, None)
@@ -92,19 +95,25 @@ class AssistantDrafts:
         criteria = stopping_criteria_list(s, length + most, None, device)
         if self.threshold is not None and self.threshold > 0:
             criteria.append(Confidence(self.threshold))
-        logits = self.decoder.catch_up(input_ids, self.last_length)
-        ids, seen = input_ids, ()
-        while True:  # the assistant's _sample, one prompt
-            scores = apply(self.processors, ids, logits)
-            seen += (scores,)
-            if s.do_sample:
-                token = torch.multinomial(scores.softmax(dim=-1), num_samples=1, generator=self.generator)
-            else:
-                token = scores.argmax(dim=-1, keepdim=True)
-            ids = torch.cat([ids, token], dim=-1)
-            if stop_hits(criteria, ids, seen).all():
-                break
-            logits = self.decoder.next_logits(ids)
+        backbone = self.decoder.model.backbone
+        if self.exit_after is not None:  # EarlyExitCandidateGenerator: config.num_hidden_layers lowered meanwhile
+            backbone.__dict__["exit_after"] = self.exit_after
+        try:
+            logits = self.decoder.catch_up(input_ids, self.last_length)
+            ids, seen = input_ids, ()
+            while True:  # the assistant's _sample, one prompt
+                scores = apply(self.processors, ids, logits)
+                seen += (scores,)
+                if s.do_sample:
+                    token = torch.multinomial(scores.softmax(dim=-1), num_samples=1, generator=self.generator)
+                else:
+                    token = scores.argmax(dim=-1, keepdim=True)
+                ids = torch.cat([ids, token], dim=-1)
+                if stop_hits(criteria, ids, seen).all():
+                    break
+                logits = self.decoder.next_logits(ids)
+        finally:
+            backbone.__dict__.pop("exit_after", None)
         self.last_length = ids.shape[1]
         drafted = ids[0, length:]
         if self.roc and self.threshold:

@@ -206,6 +206,8 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     "early_stopping": (lambda v: v is True or v is False or v == "never", "true, false or \"never\""),
     # prompt lookup (transformers' assisted decoding with PromptLookupCandidateGenerator, _assisted below)
     "prompt_lookup_num_tokens": (_positive, "a positive integer"),
+    # early exit (assisted decoding whose drafts come from the model's first layers, flodl_hf.assisted)
+    "assistant_early_exit": (_positive, "a positive integer (the layers the drafts run)"),
     "max_matching_ngram_size": (_count, "a non-negative integer (0 or unset: 2)"),
 }
 # the fields above that name token ids, checked against the vocabulary (the processors index the scores with them)
@@ -265,6 +267,7 @@ class GenerationSettings:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     prompt_lookup_num_tokens: int | None = None  # candidates per step; None: no prompt lookup
+    assistant_early_exit: int | None = None  # the model drafts with its first layers; None: no early exit
     max_matching_ngram_size: int | None = None  # the longest n-gram looked up (None or 0: 2, as transformers)
 
     def reads_history(self) -> bool:
@@ -279,7 +282,7 @@ _PROCESSOR_FIELDS = ("min_p", "top_h", "guidance_scale", "watermarking_config", 
                      "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
                      "renormalize_logits", "stop_strings", "max_time")
 # the prompt lookup fields, copied like the processors' when set
-_LOOKUP_FIELDS = ("prompt_lookup_num_tokens", "max_matching_ngram_size")
+_LOOKUP_FIELDS = ("prompt_lookup_num_tokens", "max_matching_ngram_size", "assistant_early_exit")
 
 
 @dataclass
@@ -657,7 +660,19 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     custom_criteria = _hooks(stopping_criteria, "stopping_criteria")
     _check_streamer(streamer, settings)
     lookup = settings.prompt_lookup_num_tokens is not None and settings.num_beams == 1
-    assisted = assistant_model is not None and settings.num_beams == 1  # with beams transformers ignores it
+    early = settings.assistant_early_exit is not None and settings.num_beams == 1
+    # an assistant model, or the model's own first layers (early exit); with beams transformers ignores both
+    assisted = (assistant_model is not None or early) and settings.num_beams == 1
+    if early and settings.assistant_early_exit < model.config.num_hidden_layers and \
+            getattr(model.backbone, "exits_early", None) is not True:
+        raise InputError(f"assistant_early_exit={settings.assistant_early_exit}: transformers' "
+                         f"{type(model.backbone).__name__} runs every layer whatever num_hidden_layers says, and its "
+                         "early-exit drafts then fail (a cache of fewer layers: IndexError); early exit needs a model "
+                         "that honours it, such as LLaMA's")
+    if early and (lookup or assistant_model is not None):
+        other = "prompt_lookup_num_tokens" if lookup else "assistant_model"
+        raise InputError(f"assistant_early_exit={settings.assistant_early_exit} with {other}: two sources of "
+                         "candidates (transformers takes early exit's and ignores the other); pass one")
     if (lookup or assisted) and input_ids.shape[0] > 1:
         what = f"prompt_lookup_num_tokens={settings.prompt_lookup_num_tokens}" if lookup else "assistant_model"
         raise InputError(f"input_ids {tuple(input_ids.shape)}: {what} decodes one prompt at a time (transformers' "
@@ -700,7 +715,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
                          f"{max_length} (max_length, of the arguments or {GENERATION_CONFIG}, or "
                          f"max_position_embeddings{less}); pass max_new_tokens")
     if assisted:
-        _check_assistant(model, assistant_model, settings, inputs_embeds, max_length)
+        _check_assistant(model, model if early else assistant_model, settings, inputs_embeds, max_length,
+                         f"assistant_early_exit={settings.assistant_early_exit}" if early else "assistant_model")
     min_length = (prompt_length + settings.min_new_tokens if settings.min_new_tokens is not None
                   else max(settings.min_length - embedded, 0) if embedded else settings.min_length)
     # the repetition penalty skips the left padding, which transformers reads off the mask unless it is all ones
@@ -732,7 +748,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
         return _beam_search(decoder, input_ids, settings, processors, criteria, max_length, generator)
     if lookup or assisted:
         drafts = (_LookupDrafts(settings, processors, max_length, model.config.vocab_size) if lookup else
-                  _assistant_drafts(assistant_model, attention_mask, settings, processors, max_length, generator))
+                  _assistant_drafts(model if early else assistant_model, attention_mask, settings, processors,
+                                    max_length, generator))
         return _assisted(decoder, input_ids, settings, processors, criteria, max_length, generator, streamer, drafts)
     # _sample: finished rows get the pad id when a criterion has an eos_token_id (EosTokenCriteria: an eos is set)
     fill = any(hasattr(c, "eos_token_id") for c in criteria)
@@ -769,9 +786,10 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
 
 
 def _check_assistant(model: torch.nn.Module, assistant: Any, settings: GenerationSettings,
-                     inputs_embeds: torch.Tensor | None, max_length: int) -> None:
-    """What ``assistant_model`` takes: one of our causal LMs over the main model's vocabulary, with the cache, for
-    greedy or sampled decoding of one prompt; what transformers refuses, and what is not implemented, raise."""
+                     inputs_embeds: torch.Tensor | None, max_length: int, name: str) -> None:
+    """What ``assistant_model`` takes (or early exit, the model itself): one of our causal LMs over the main model's
+    vocabulary, with the cache, for greedy or sampled decoding of one prompt; what transformers refuses, and what
+    is not implemented, raise, naming ``name``."""
     if getattr(assistant, "task", None) != "causal_lm" or not hasattr(assistant, "backbone"):
         raise InputError(f"assistant_model={type(assistant).__name__}: expected a flodl-hf causal_lm model "
                          "(load_model(source, 'causal_lm'))")
@@ -802,7 +820,7 @@ def _check_assistant(model: torch.nn.Module, assistant: Any, settings: Generatio
     ]
     for refused, what, why in refusals:
         if refused:
-            raise InputError(f"{what} with assistant_model: {why}")
+            raise InputError(f"{what} with {name}: {why}")
 
 
 def _assistant_drafts(assistant: torch.nn.Module, attention_mask: torch.Tensor, settings: GenerationSettings,
@@ -814,7 +832,8 @@ def _assistant_drafts(assistant: torch.nn.Module, attention_mask: torch.Tensor, 
     check_assistant_config(config)
     cache = _DraftCache(assistant.backbone.new_cache().windows)
     decoder = _Decoder(assistant, attention_mask.to(assistant.device), cache, True)
-    return AssistantDrafts(decoder, config, settings, processors, max_length, generator, assistant.config.vocab_size)
+    return AssistantDrafts(decoder, config, settings, processors, max_length, generator, assistant.config.vocab_size,
+                           settings.assistant_early_exit)
 
 
 def _finish(input_ids: torch.Tensor, settings: GenerationSettings, scores_seen: tuple | None, logits_seen: Sequence,

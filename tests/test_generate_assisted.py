@@ -292,3 +292,48 @@ def test_the_cli_takes_an_assistant(tmp_path, capsys):
     assert main(["generate", *PROMPTS[:2], "-m", str(root), "--assistant", str(helper), "--max-new-tokens", "6",
                  "--sample", "--seed", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == reference
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_early_exit_drafts_with_the_model_s_first_layers(family, tmp_path):
+    """``assistant_early_exit=1`` (transformers' EarlyExitCandidateGenerator): the model drafts through its first
+    layer with a cache of its own and checks with all of them: ids and every forward of the backbone (drafts and
+    checks alike) equal to transformers', greedy and sampled; the model's generation config holds the assistant's
+    settings (3 drafts a round here, no confidence stop)."""
+    pair = Assisted(family, tmp_path)
+    ours, theirs = pair.main
+
+    def same(**kwargs):
+        torch.manual_seed(0)
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reference, their_lengths, _ = pair.run(1, lambda: theirs.generate(input_ids=pair.ids, **kwargs))
+        torch.manual_seed(0)
+        got, lengths, _ = pair.run(0, lambda: generate_ids(ours, pair.ids, **kwargs))
+        assert torch.equal(got, reference) and lengths == their_lengths, kwargs
+        return lengths
+    settings = dict(assistant_early_exit=1, max_new_tokens=16, eos_token_id=[])
+    lengths = same(**settings)
+    assert len(lengths) > 16  # drafts and checks through the one backbone
+    same(do_sample=True, temperature=0.7, **settings)
+    for model in pair.main:
+        model.generation_config.num_assistant_tokens = 3
+        model.generation_config.assistant_confidence_threshold = 0.0
+    same(**settings)
+
+
+def test_early_exit_refusals(llama, tmp_path):
+    """Early exit with an assistant model or prompt lookup (two sources of drafts), and on GPT-2, whose
+    transformers forward runs every layer whatever the count (its early-exit drafts fail there): InputErrors."""
+    ours = llama.main[0]
+    for kwargs, needle in ((dict(assistant_model=llama.assistant[0]), "with assistant_model"),
+                           (dict(prompt_lookup_num_tokens=2), "with prompt_lookup_num_tokens"),
+                           (dict(assistant_early_exit=0), "assistant_early_exit=0")):
+        with pytest.raises(InputError, match=needle):
+            generate_ids(ours, llama.ids, max_new_tokens=4, **{"assistant_early_exit": 1, **kwargs})
+    gpt2 = Assisted("gpt2", tmp_path)
+    with pytest.raises(InputError, match="runs every layer"):
+        generate_ids(gpt2.main[0], gpt2.ids, max_new_tokens=4, assistant_early_exit=1)
+    with warnings.catch_warnings(), pytest.raises(IndexError):
+        warnings.simplefilter("ignore")
+        gpt2.main[1].generate(input_ids=gpt2.ids, max_new_tokens=4, assistant_early_exit=1)
