@@ -674,7 +674,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
         raise InputError(f"assistant_early_exit={settings.assistant_early_exit} with {other}: two sources of "
                          "candidates (transformers takes early exit's and ignores the other); pass one")
     if (lookup or assisted) and input_ids.shape[0] > 1:
-        what = f"prompt_lookup_num_tokens={settings.prompt_lookup_num_tokens}" if lookup else "assistant_model"
+        what = (f"prompt_lookup_num_tokens={settings.prompt_lookup_num_tokens}" if lookup else
+                f"assistant_early_exit={settings.assistant_early_exit}" if early else "assistant_model")
         raise InputError(f"input_ids {tuple(input_ids.shape)}: {what} decodes one prompt at a time (transformers' "
                          "assisted generate: batch size 1 only); pass input_ids[i:i + 1] per prompt")
     eos, pad = settings.eos, settings.pad

@@ -328,9 +328,10 @@ def test_early_exit_refusals(llama, tmp_path):
     ours = llama.main[0]
     for kwargs, needle in ((dict(assistant_model=llama.assistant[0]), "with assistant_model"),
                            (dict(prompt_lookup_num_tokens=2), "with prompt_lookup_num_tokens"),
-                           (dict(assistant_early_exit=0), "assistant_early_exit=0")):
+                           (dict(assistant_early_exit=0), "assistant_early_exit=0"),
+                           (dict(input_ids=llama.ids.repeat(2, 1)), "assistant_early_exit=1 decodes one prompt")):
         with pytest.raises(InputError, match=needle):
-            generate_ids(ours, llama.ids, max_new_tokens=4, **{"assistant_early_exit": 1, **kwargs})
+            generate_ids(ours, **{"input_ids": llama.ids, "max_new_tokens": 4, "assistant_early_exit": 1, **kwargs})
     gpt2 = Assisted("gpt2", tmp_path)
     with pytest.raises(InputError, match="runs every layer"):
         generate_ids(gpt2.main[0], gpt2.ids, max_new_tokens=4, assistant_early_exit=1)
