@@ -1026,10 +1026,10 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     them, :class:`TiedTrainableTokensLinear`), an object ``{module name: ids}`` those of the named embeddings
     (or untied output layers, :class:`TrainableTokensLinear`; :func:`token_targets`). ``target_parameters`` is
     PEFT's: Parameters named by the end of their full name (``mlp.experts.gate_up_proj``) get an adapter of their
-    own (:class:`LoraParameters`, the stacked experts of an MoE), with or without ``target_modules`` (``[]``: none; ``None``: PEFT's default for the model type, where it
-    has one and PEFT's MoE conversion does not empty it, :func:`_peft_converts`; where it does, None without
-    ``target_parameters`` is refused, as PEFT refuses it). Returns the model, which carries
-    ``model.lora_config``.
+    own (:class:`LoraParameters`, the stacked experts of an MoE), with or without ``target_modules`` (``[]``: none;
+    ``None``: PEFT's default for the model type, where it has one and PEFT's MoE conversion does not empty it,
+    :func:`_peft_converts`; where it does, None without ``target_parameters`` is refused, as PEFT refuses it).
+    Returns the model, which carries ``model.lora_config``.
     """
     if is_lora(model):
         raise AdapterError(f"{type(model).__name__} already has LoRA adapters (one adapter per model)")
