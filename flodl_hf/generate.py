@@ -811,8 +811,6 @@ def _check_assistant(model: torch.nn.Module, assistant: Any, settings: Generatio
          "assisted generate makes one sequence per prompt (transformers raises)"),
         (s.stop_strings is not None, f"stop_strings={s.stop_strings!r}", "transformers hands the assistant's "
          "generate no tokenizer, and it raises there; stop on eos ids or a custom stopping criterion"),
-        (s.min_length > 0 or bool(s.min_new_tokens), f"min_length={s.min_length}, min_new_tokens={s.min_new_tokens}",
-         "a minimum length with an assistant model is not implemented"),
         (inputs_embeds is not None, "inputs_embeds", "a prompt given as embeddings with an assistant model is not "
                                                      "implemented; pass input_ids"),
         (drops is not None and drops(max_length - 1, 0), f"assistant_model={type(assistant).__name__}",

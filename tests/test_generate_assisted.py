@@ -204,6 +204,23 @@ def test_an_eos_in_the_drafts_ends_the_sequence(llama):
     assert got.shape[1] <= llama.ids.shape[1] + 6 and got[0, -1].item() == eos
 
 
+def test_a_minimum_length_bans_the_eos_in_drafts_and_checks(llama):
+    """``min_new_tokens`` / ``min_length`` with an eos the model reaches early: transformers drops the model's
+    MinLength processor from the assistant's list and gives it a MinNewTokens one for the round (or the model's, in
+    the adjacent place), which bans the eos below the same length; ids and forwards equal, greedy and sampled, and
+    the eos comes no earlier than the minimum."""
+    length = llama.ids.shape[1]
+    plain = generate_ids(llama.main[0], llama.ids, max_new_tokens=16, eos_token_id=[])
+    eos = plain[0, length + 1].item()
+    for kwargs in (dict(min_new_tokens=8), dict(min_length=length + 10), dict(min_new_tokens=12, min_length=length + 4),
+                   dict(min_new_tokens=8, do_sample=True, temperature=0.7)):
+        seed = 0 if kwargs.get("do_sample") else None
+        got, _, _, _ = llama.same(seed=seed, max_new_tokens=16, eos_token_id=eos, pad_token_id=0, **kwargs)
+        hits = (got[0, length:] == eos).nonzero().flatten().tolist()
+        least = max(kwargs.get("min_new_tokens", 0), kwargs.get("min_length", 0) - length)
+        assert all(h >= least for h in hits), (kwargs, hits)
+
+
 def test_with_beams_the_assistant_is_ignored(llama):
     """transformers takes beam search over an assistant (its generation mode); so does this."""
     beams = dict(max_new_tokens=8, eos_token_id=1, num_beams=3)
@@ -221,7 +238,6 @@ def test_refusals(llama):
              (dict(use_cache=False), "use_cache=False"),
              (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens=3"),
              (dict(stop_strings="x"), "stop_strings"),
-             (dict(min_new_tokens=3), "min_new_tokens=3"),
              (dict(num_assistant_tokens=5), "assistant_model.generation_config"),
              (dict(assistant_model=llama.assistant[1]), "expected a flodl-hf causal_lm model")]
     for kwargs, needle in cases:
