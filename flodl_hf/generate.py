@@ -69,7 +69,8 @@ GENERATION_CONFIG = "generation_config.json"
 GLOBAL_DEFAULTS: dict[str, Any] = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
                                    "repetition_penalty": 1.0, "num_return_sequences": 1, "use_cache": True,
                                    "min_length": 0, "return_dict_in_generate": False, "output_scores": False,
-                                   "output_logits": False, "num_beams": 1, "length_penalty": 1.0,
+                                   "output_logits": False, "output_hidden_states": False,
+                                   "output_attentions": False, "num_beams": 1, "length_penalty": 1.0,
                                    "early_stopping": False}
 DEFAULT_NEW_TOKENS = 20  # transformers' max_length=20 default, counted in new tokens (_prepare_generated_length)
 
@@ -122,7 +123,7 @@ _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "cache_implementation": (_off("dynamic", "hybrid", "dynamic_full"), "another cache"),
 }
 # keywords of transformers' generate that only shape what it records, accepted at these values
-_NEUTRAL_KEYWORDS = {"output_attentions": False, "output_hidden_states": False}
+_NEUTRAL_KEYWORDS: dict[str, Any] = {}
 
 
 def _count(value: Any) -> bool:
@@ -178,6 +179,7 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     "repetition_penalty": (lambda v: _is_number(v) and v > 0, "a positive number"),
     "num_return_sequences": (_positive, "a positive integer"), "use_cache": (_flag, "true or false"),
     "return_dict_in_generate": (_flag, "true or false"), "output_scores": (_flag, "true or false"),
+    "output_hidden_states": (_flag, "true or false"), "output_attentions": (_flag, "true or false"),
     "output_logits": (_flag, "true or false"),
     # the logits processors and warpers (generation_processors); the ranges where their classes raise
     "min_p": (lambda v: _is_number(v) and 0.0 <= v <= 1.0, "a number in [0, 1]"),
@@ -242,6 +244,8 @@ class GenerationSettings:
     return_dict_in_generate: bool = False
     output_scores: bool = False
     output_logits: bool = False
+    output_hidden_states: bool = False  # each forward's hidden states (and attentions) recorded per step
+    output_attentions: bool = False
     # the logits processors (generation_processors.logits_processors), None / False / 0: not applied
     min_p: float | None = None
     top_h: float | None = None
@@ -426,6 +430,7 @@ def generation_settings(model: torch.nn.Module, max_new_tokens: int | None = Non
         repetition_penalty=float(pick("repetition_penalty")), num_return_sequences=pick("num_return_sequences"),
         use_cache=pick("use_cache"), return_dict_in_generate=pick("return_dict_in_generate"),
         output_scores=pick("output_scores"), output_logits=pick("output_logits"),
+        output_hidden_states=pick("output_hidden_states"), output_attentions=pick("output_attentions"),
         eos_set=merged.get("eos_token_id") is not None, num_beams=pick("num_beams"),
         length_penalty=pick("length_penalty"), early_stopping=pick("early_stopping"),
         **{k: merged[k] for k in (*_PROCESSOR_FIELDS, *_LOOKUP_FIELDS) if merged.get(k) is not None})
@@ -744,6 +749,13 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     if lookup or assisted:
         cache = _DraftCache(cache.windows)
     decoder = _Decoder(model, attention_mask, cache, settings.use_cache, inputs_embeds)
+    if settings.output_hidden_states or settings.output_attentions:  # asked of every forward, as generate asks
+        if lookup or assisted:
+            raise InputError("output_hidden_states / output_attentions with assisted decoding (prompt lookup, an "
+                             "assistant model, early exit): transformers splits each forward's records per kept "
+                             "token, which is not implemented")
+        decoder.plain = {**PLAIN_RECORD, **{k: True for k in ("output_hidden_states", "output_attentions")
+                                            if getattr(settings, k)}}
 
     if settings.num_beams > 1:
         return _beam_search(decoder, input_ids, settings, processors, criteria, max_length, generator)
@@ -763,8 +775,10 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     record = settings.return_dict_in_generate
     scores_seen: tuple[torch.Tensor, ...] | None = () if record and settings.output_scores else None
     logits_seen: list[torch.Tensor] = []
+    seen = _Seen(settings)
     while True:
         logits = decoder.next_logits(input_ids)
+        seen.add(decoder.out)
         scores = apply(processors, input_ids, logits)
         if scores_seen is not None:
             scores_seen += (scores,)
@@ -783,7 +797,23 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
             streamer.put(next_tokens.cpu())
         if unfinished.max() == 0:
             break
-    return _finish(input_ids, settings, scores_seen, logits_seen, decoder.cache, streamer)
+    return _finish(input_ids, settings, scores_seen, logits_seen, decoder.cache, streamer, seen)
+
+
+class _Seen:
+    """Each forward's ``attentions`` and ``hidden_states`` (tuples over the layers), one entry per step, where
+    ``return_dict_in_generate`` asks for them, as ``_sample`` and ``_beam_search`` record them."""
+
+    def __init__(self, settings: GenerationSettings) -> None:
+        record = settings.return_dict_in_generate
+        self.attentions: tuple | None = () if record and settings.output_attentions else None
+        self.hidden_states: tuple | None = () if record and settings.output_hidden_states else None
+
+    def add(self, out: Any) -> None:
+        if self.attentions is not None:
+            self.attentions += (out.attentions,)
+        if self.hidden_states is not None:
+            self.hidden_states += (out.hidden_states,)
 
 
 def _check_assistant(model: torch.nn.Module, assistant: Any, settings: GenerationSettings,
@@ -836,7 +866,7 @@ def _assistant_drafts(assistant: torch.nn.Module, attention_mask: torch.Tensor, 
 
 
 def _finish(input_ids: torch.Tensor, settings: GenerationSettings, scores_seen: tuple | None, logits_seen: Sequence,
-            cache: Any, streamer: Any) -> torch.Tensor | GenerateDecoderOnlyOutput:
+            cache: Any, streamer: Any, seen: _Seen | None = None) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """The end of ``_sample`` and ``_assisted_decoding``: the streamer's ``end()``, then the ids, or with
     ``return_dict_in_generate`` the record (scores and logits per new token where asked for, the cache)."""
     if streamer is not None:
@@ -844,7 +874,9 @@ def _finish(input_ids: torch.Tensor, settings: GenerationSettings, scores_seen: 
     if not settings.return_dict_in_generate:
         return input_ids
     return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores_seen,
-                                     logits=tuple(logits_seen) if settings.output_logits else None, cache=cache)
+                                     logits=tuple(logits_seen) if settings.output_logits else None,
+                                     attentions=None if seen is None else seen.attentions,
+                                     hidden_states=None if seen is None else seen.hidden_states, cache=cache)
 
 
 class _Decoder:
@@ -862,6 +894,7 @@ class _Decoder:
         self.position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         self.prefilled = False
         self.plain = PLAIN_RECORD if config_sets_forward_defaults(model.config) else {}  # whatever config.json says
+        self.out: Any = None  # the last forward's output, for the hidden states and attentions a step records
 
     def _maybe_drop_cache(self, length: int) -> None:
         """A family's prepare_inputs_for_generation (Phi3) may drop the cache at ``length`` tokens: the whole
@@ -926,8 +959,9 @@ class _Decoder:
         embeds, self.inputs_embeds = self.inputs_embeds, None
         if embeds is not None:
             embeds, ids = embeds.clone(memory_format=torch.contiguous_format), None
-        return self.model(input_ids=ids, inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
-                          cache=self.cache, use_cache=use_cache, logits_to_keep=keep, **self.plain)
+        self.out = self.model(input_ids=ids, inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
+                              cache=self.cache, use_cache=use_cache, logits_to_keep=keep, **self.plain)
+        return self.out
 
     def draft_logits(self, input_ids: torch.Tensor, drafted: int) -> torch.Tensor:
         """The float32 logits (B, drafted + 1, V) of the last ``drafted + 1`` positions of ``input_ids`` (the
@@ -999,10 +1033,12 @@ def _beam_search(decoder: _Decoder, input_ids: torch.Tensor, settings: Generatio
     scores_seen: list[torch.Tensor] = []
     logits_seen: list[torch.Tensor] = []
     record_scores = s.return_dict_in_generate and s.output_scores
+    seen = _Seen(s)
     while True:
         if decoder.prefilled:
             flat_running = running[:, :, :cur_len].reshape(batch * num_beams, cur_len)
         logits = decoder.next_logits(flat_running)
+        seen.add(decoder.out)
         log_probs = apply(processors, flat_running, torch.nn.functional.log_softmax(logits, dim=-1))
         if s.return_dict_in_generate and s.output_logits:
             logits_seen.append(logits.clone())
@@ -1073,7 +1109,8 @@ def _beam_search(decoder: _Decoder, input_ids: torch.Tensor, settings: Generatio
     return GenerateBeamDecoderOnlyOutput(
         sequences=sequences, sequences_scores=beam_scores[:, :n].reshape(-1) if s.output_scores else None,
         scores=tuple(scores_seen) if s.output_scores else None, logits=tuple(logits_seen) if s.output_logits else None,
-        beam_indices=beam_indices[:, :generated], cache=decoder.cache)
+        beam_indices=beam_indices[:, :generated], attentions=seen.attentions, hidden_states=seen.hidden_states,
+        cache=decoder.cache)
 
 
 
@@ -1253,7 +1290,8 @@ _PIPELINE_NOT_IMPLEMENTED = ("return_type", "prefix", "handle_long_generation", 
 # generate_ids' hooks and model inputs the pipeline hands, as given, to each prompt's generate call
 _HOOKS = ("logits_processor", "stopping_criteria", "streamer", "prefix_allowed_tokens_fn", "inputs_embeds")
 # generate() keywords that would make the pipeline add records' fields (scores, logits) that generate() does not write
-_RECORD_KEYWORDS = ("return_dict_in_generate", "output_scores", "output_logits")
+_RECORD_KEYWORDS = ("return_dict_in_generate", "output_scores", "output_logits", "output_hidden_states",
+                    "output_attentions")
 
 
 def _return_type(return_full_text: Any, return_tensors: Any, return_text: Any) -> str:

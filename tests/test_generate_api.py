@@ -192,7 +192,7 @@ def test_keywords_we_do_not_implement_are_input_errors_naming_them(pair):
     ours, _ = pair
     ids, mask = _left_padded(ours.config.vocab_size)
     for kwargs, name in ((dict(num_beams=0), "num_beams=0"), (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size"),
-                         (dict(output_attentions=True), "output_attentions"), (dict(foo=1), "foo=1"),
+                         (dict(output_attentions="yes"), "output_attentions"), (dict(foo=1), "foo=1"),
                          (dict(repetition_penalty=0), "repetition_penalty=0"), (dict(use_cache="no"), "use_cache"),
                          (dict(max_length=0), "max_length=0"), (dict(min_new_tokens=-1), "min_new_tokens=-1")):
         with pytest.raises(InputError, match=name):
@@ -221,3 +221,31 @@ def test_causal_lm_loss_shift_labels_num_items_and_cache_position(pair):
         a = ours(input_ids=ids, attention_mask=mask, cache_position=position).logits
         assert torch.equal(a, theirs(input_ids=ids, attention_mask=mask, cache_position=position).logits)
         assert torch.equal(a, ours(input_ids=ids, attention_mask=mask).logits)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_hidden_states_and_attentions_per_step(impl):
+    """``output_hidden_states`` / ``output_attentions`` with ``return_dict_in_generate``: each step's forward records
+    (the prefill's over the prompt, then one token's), every tensor torch.equal to transformers', greedy, sampled
+    and with beams (3 beams: rows per beam), on a left-padded batch; attentions on the eager path (sdpa computes
+    none: transformers fails with an IndexError, ours raises an InputError saying so)."""
+    ours, theirs = _both(make_checkpoint(_fields(LLAMA), "causal_lm"), impl)
+    ids, mask = _left_padded(ours.config.vocab_size)
+    record = dict(return_dict_in_generate=True, output_hidden_states=True, output_attentions=impl == "eager")
+    for extra in (dict(eos_token_id=[]), dict(eos_token_id=[], do_sample=True), dict(eos_token_id=1, num_beams=3)):
+        reference = _theirs(theirs, ids, mask, 0, max_new_tokens=4, **record, **extra)
+        got = _ours(ours, ids, mask, 0, max_new_tokens=4, **record, **extra)
+        assert torch.equal(got.sequences, reference.sequences), extra
+        fields = ("hidden_states", "attentions") if impl == "eager" else ("hidden_states",)
+        for field in fields:
+            mine, theirs_steps = getattr(got, field), getattr(reference, field)
+            assert len(mine) == len(theirs_steps) == 4, (extra, field)
+            for step, (a, b) in enumerate(zip(mine, theirs_steps)):
+                assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)), (extra, field, step)
+        assert got.hidden_states[0][0].shape[1] == ids.shape[1] and got.hidden_states[1][0].shape[1] == 1
+        if impl == "sdpa":
+            assert got.attentions is None
+            with pytest.raises(InputError, match="computes no attention weights"):
+                generate_ids(ours, ids, mask, max_new_tokens=2, return_dict_in_generate=True, output_attentions=True)
+    with pytest.raises(InputError, match="with assisted decoding"):
+        generate_ids(ours, ids[:1], mask[:1], max_new_tokens=2, prompt_lookup_num_tokens=2, output_hidden_states=True)
