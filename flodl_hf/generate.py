@@ -617,7 +617,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     ``return_dict_in_generate=True``). Every setting left None takes transformers' default: ``generation_config``'s
     field, else the checkpoint's ``generation_config.json``, else its global default (see ``generation_settings``).
     ``options``: ``max_length``, ``min_new_tokens``, ``min_length``, ``repetition_penalty``,
-    ``num_return_sequences``, ``use_cache``, ``return_dict_in_generate``, ``output_scores``, ``output_logits``, the
+    ``num_return_sequences``, ``use_cache``, ``return_dict_in_generate``, ``output_scores``, ``output_logits``,
+    ``output_hidden_states``, ``output_attentions`` (each step's forward records; not with assisted decoding), the
     logits processors (``guidance_scale`` with ``negative_prompt_ids`` / ``negative_prompt_attention_mask``,
     ``watermarking_config``, ``no_repeat_ngram_size``, ``bad_words_ids``, ``sequence_bias``, ``suppress_tokens``,
     ``begin_suppress_tokens``, ``forced_bos_token_id``, ``forced_eos_token_id``, ``exponential_decay_length_penalty``,
