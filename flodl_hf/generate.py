@@ -618,7 +618,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     field, else the checkpoint's ``generation_config.json``, else its global default (see ``generation_settings``).
     ``options``: ``max_length``, ``min_new_tokens``, ``min_length``, ``repetition_penalty``,
     ``num_return_sequences``, ``use_cache``, ``return_dict_in_generate``, ``output_scores``, ``output_logits``,
-    ``output_hidden_states``, ``output_attentions`` (each step's forward records; not with assisted decoding), the
+    ``output_hidden_states``, ``output_attentions`` (each step's forward records, split per kept token when
+    assisted), the
     logits processors (``guidance_scale`` with ``negative_prompt_ids`` / ``negative_prompt_attention_mask``,
     ``watermarking_config``, ``no_repeat_ngram_size``, ``bad_words_ids``, ``sequence_bias``, ``suppress_tokens``,
     ``begin_suppress_tokens``, ``forced_bos_token_id``, ``forced_eos_token_id``, ``exponential_decay_length_penalty``,
@@ -751,10 +752,6 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
         cache = _DraftCache(cache.windows)
     decoder = _Decoder(model, attention_mask, cache, settings.use_cache, inputs_embeds)
     if settings.output_hidden_states or settings.output_attentions:  # asked of every forward, as generate asks
-        if lookup or assisted:
-            raise InputError("output_hidden_states / output_attentions with assisted decoding (prompt lookup, an "
-                             "assistant model, early exit): transformers splits each forward's records per kept "
-                             "token, which is not implemented")
         decoder.plain = {**PLAIN_RECORD, **{k: True for k in ("output_hidden_states", "output_attentions")
                                             if getattr(settings, k)}}
 
@@ -815,6 +812,25 @@ class _Seen:
             self.attentions += (out.attentions,)
         if self.hidden_states is not None:
             self.hidden_states += (out.hidden_states,)
+
+    def split(self, out: Any, length: int, added: int) -> None:
+        """``_split_model_outputs`` (generation/utils.py), after an assisted step that fed ``added`` tokens' worth
+        (the whole new length at the first step) from a sequence of ``length``: the first record is the prompt's
+        block, then one per kept token, each layer's rows ``i`` of the forward (``i`` counted from the forward's
+        first position at the first step too, as there) and an attention's keys up to ``length + i``."""
+        for name in ("attentions", "hidden_states"):
+            records, layers = getattr(self, name), getattr(out, name)
+            attention = name == "attentions"
+            if records is None or (attention and not (layers and layers[0] is not None)):
+                continue
+            cur, count = length, added
+            if len(records) == 0:
+                records += (tuple(x[..., :cur, :cur] if attention else x.narrow(1, 0, cur) for x in layers),)
+                cur += 1
+                count -= cur
+            for i in range(count):
+                records += (tuple(x[..., i:i + 1, :cur + i] if attention else x.narrow(1, i, 1) for x in layers),)
+            setattr(self, name, records)
 
 
 def _check_assistant(model: torch.nn.Module, assistant: Any, settings: GenerationSettings,
@@ -1234,6 +1250,7 @@ def _assisted(decoder: _Decoder, input_ids: torch.Tensor, settings: GenerationSe
     logits_seen: tuple[torch.Tensor, ...] = ()
     unfinished = torch.ones(1, dtype=torch.long, device=input_ids.device)
     eos = torch.tensor(s.eos, device=input_ids.device, dtype=torch.long) if s.eos_set else None
+    seen, first = _Seen(s), True
     while True:
         length = input_ids.shape[1]
         chosen, drafted_scores = drafts.candidates(input_ids)
@@ -1264,6 +1281,8 @@ def _assisted(decoder: _Decoder, input_ids: torch.Tensor, settings: GenerationSe
             if hits.numel() > 0:
                 kept = kept[:, :hits[0].item() + 1]
         n = kept.shape[1]
+        seen.split(decoder.out, length, length + n if first else n)
+        first = False
         input_ids = torch.cat((input_ids, kept), dim=-1)
         if streamer is not None:
             streamer.put(kept.cpu())
@@ -1277,7 +1296,7 @@ def _assisted(decoder: _Decoder, input_ids: torch.Tensor, settings: GenerationSe
         if unfinished.max() == 0:
             break
     drafts.finish()
-    return _finish(input_ids, s, scores_seen, logits_seen, decoder.cache, streamer)
+    return _finish(input_ids, s, scores_seen, logits_seen, decoder.cache, streamer, seen)
 
 
 # TextGenerationPipeline._default_generation_config: added by the pipeline for what neither the call nor the

@@ -228,7 +228,8 @@ def test_hidden_states_and_attentions_per_step(impl):
     """``output_hidden_states`` / ``output_attentions`` with ``return_dict_in_generate``: each step's forward records
     (the prefill's over the prompt, then one token's), every tensor torch.equal to transformers', greedy, sampled
     and with beams (3 beams: rows per beam), on a left-padded batch; attentions on the eager path (sdpa computes
-    none: transformers fails with an IndexError, ours raises an InputError saying so)."""
+    none: transformers fails with an IndexError, ours raises an InputError saying so). Assisted decoding's:
+    tests/test_generate_lookup.py and tests/test_generate_assisted.py."""
     ours, theirs = _both(make_checkpoint(_fields(LLAMA), "causal_lm"), impl)
     ids, mask = _left_padded(ours.config.vocab_size)
     record = dict(return_dict_in_generate=True, output_hidden_states=True, output_attentions=impl == "eager")
@@ -247,5 +248,3 @@ def test_hidden_states_and_attentions_per_step(impl):
             assert got.attentions is None
             with pytest.raises(InputError, match="computes no attention weights"):
                 generate_ids(ours, ids, mask, max_new_tokens=2, return_dict_in_generate=True, output_attentions=True)
-    with pytest.raises(InputError, match="with assisted decoding"):
-        generate_ids(ours, ids[:1], mask[:1], max_new_tokens=2, prompt_lookup_num_tokens=2, output_hidden_states=True)

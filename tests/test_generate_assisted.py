@@ -354,3 +354,20 @@ def test_early_exit_refusals(llama, tmp_path):
     with warnings.catch_warnings(), pytest.raises(IndexError):
         warnings.simplefilter("ignore")
         gpt2.main[1].generate(input_ids=gpt2.ids, max_new_tokens=4, assistant_early_exit=1)
+
+
+def _same_records(got, reference, field: str) -> None:
+    mine, theirs = getattr(got, field), getattr(reference, field)
+    assert mine is not None and len(mine) == len(theirs), field
+    for step, (a, b) in enumerate(zip(mine, theirs)):
+        assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)), (field, step)
+
+
+def test_hidden_states_per_kept_token(llama):
+    """``output_hidden_states`` with an assistant: each forward's records split per kept token as transformers'
+    ``_split_model_outputs`` splits them (the prompt's block first), every tensor equal, greedy and sampled."""
+    record = dict(return_dict_in_generate=True, output_hidden_states=True)
+    for extra in ({}, dict(do_sample=True)):
+        got, reference, main, _ = llama.same(seed=0, max_new_tokens=10, eos_token_id=[], **record, **extra)
+        _same_records(got, reference, "hidden_states")
+        assert len(got.hidden_states) == 10 and len(main) < 10  # one record per new token, fewer forwards

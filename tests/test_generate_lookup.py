@@ -238,3 +238,20 @@ def test_generate_runs_lookup_prompt_by_prompt_as_the_pipeline(model):
     root, pipe = model
     settings = dict(do_sample=False, max_new_tokens=8, prompt_lookup_num_tokens=3, return_tensors=True)
     assert generate(PROMPTS, root, **settings) == pipe(PROMPTS, **settings)
+
+
+def test_hidden_states_and_attentions_per_kept_token(llama):
+    """``output_hidden_states`` / ``output_attentions`` (eager) with prompt lookup: each forward's records split per
+    kept token as transformers' ``_split_model_outputs`` splits them (the prompt's block first, attention keys up to
+    each token), every tensor equal."""
+    from test_generate_assisted import _same_records
+    ours, theirs = _both(make_checkpoint(_fields(SMALL["llama"]), "causal_lm"), "eager")
+    kwargs = dict(prompt_lookup_num_tokens=3, max_new_tokens=10, eos_token_id=[], return_dict_in_generate=True,
+                  output_hidden_states=True, output_attentions=True)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = theirs.generate(input_ids=llama.ids, **kwargs)
+    got = generate_ids(ours, llama.ids, **kwargs)
+    assert torch.equal(got.sequences, reference.sequences)
+    for field in ("hidden_states", "attentions"):
+        _same_records(got, reference, field)
