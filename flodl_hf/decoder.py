@@ -393,6 +393,63 @@ class KVCache:
         return cache
 
 
+class StaticKVCache(KVCache):
+    """transformers' ``StaticCache``, what ``generate`` makes for ``cache_implementation="static"``; ``is_compileable``:
+    a one-token step always builds its mask (``create_causal_mask`` skips it only for a prefill).
+
+    A full layer (``StaticLayer``): zeros of (B, kv_heads, ``max_cache_len``, head_dim) from its first update,
+    written in place at the positions seen so far (``index_copy_``) and returned whole, so that every forward
+    attends over ``max_cache_len`` keys, the unwritten ones masked (``get_mask_sizes``: (``max_cache_len``, 0)).
+    A sliding layer (``StaticSlidingWindowLayer``) holds min(window, ``max_cache_len``) positions: written in place
+    until they are full, then a one-token step rolls them by one and writes the last, and a longer step attends
+    over the held ones and its own and keeps the last of them."""
+
+    is_compileable = True
+
+    def __init__(self, windows: Sequence[int | None], max_cache_len: int) -> None:
+        super().__init__(windows)
+        self.max_cache_len = max_cache_len
+        self.sizes = [max_cache_len if w is None else min(w, max_cache_len) for w in self.windows]
+
+    def update(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        size, current, n = self.sizes[layer], self.seen[layer], key.shape[-2]
+        if self.keys[layer] is None:  # lazy_initialization
+            self.keys[layer] = key.new_zeros((*key.shape[:2], size, key.shape[-1]))
+            self.values[layer] = value.new_zeros((*value.shape[:2], size, value.shape[-1]))
+        keys, values = self.keys[layer], self.values[layer]
+        self.seen[layer] += n
+        if self.windows[layer] is not None and current >= size:  # a full sliding layer
+            if n == 1:
+                new_k, new_v = keys.roll(-1, dims=-2), values.roll(-1, dims=-2)
+                last = torch.tensor([-1], dtype=torch.long, device=key.device)
+                new_k[:, :, last], new_v[:, :, last] = key, value
+                keys.copy_(new_k)
+                values.copy_(new_v)
+                return keys, values
+            full_k = torch.cat((keys[:, :, 1:, :], key), dim=-2)
+            full_v = torch.cat((values[:, :, 1:, :], value), dim=-2)
+        elif self.windows[layer] is not None and current + n > size:  # a sliding layer filling past its size
+            full_k = key if current == 0 else torch.cat((keys[:, :, :current, :], key), dim=-2)
+            full_v = value if current == 0 else torch.cat((values[:, :, :current, :], value), dim=-2)
+        else:
+            positions = torch.arange(n, device=key.device) + current
+            keys.index_copy_(2, positions, key)
+            values.index_copy_(2, positions, value)
+            return keys, values
+        keys.copy_(full_k[:, :, -size:, :])
+        values.copy_(full_v[:, :, -size:, :])
+        return full_k, full_v
+
+    def mask_sizes(self, query_length: int, layer: int) -> tuple[int, int]:
+        size, seen = self.sizes[layer], self.seen[layer]
+        if self.windows[layer] is None:
+            return size, 0
+        kv_offset = max(seen - size + 1, 0)
+        if seen >= size:
+            return size + query_length - 1, kv_offset
+        return (seen + query_length if seen + query_length > size else size), kv_offset
+
+
 def as_cache(past: Any, windows: Sequence[int | None], past_key_values: Any = None) -> KVCache | None:
     """The ``cache`` keyword as given (our KVCache, None, or a sequence of per-layer (keys, values)), or
     ``past_key_values``, transformers' name for it before 5.24, which still takes it; not both."""
@@ -445,7 +502,10 @@ def causal_mask(spec: MaskSpec, attention_mask: torch.Tensor | None, batch: int,
     padding = attention_mask  # masking_utils.prepare_padding_mask
     if padding is not None and (extra := kv_length + kv_offset - padding.shape[-1]) > 0:
         padding = F.pad(padding, (0, extra))
-    if impl == "sdpa" and _ignore_causal_mask_sdpa(padding, q_length, kv_length, q_offset, kv_offset, spec.window):
+    # create_causal_mask: no skip for a one-token step over a static cache (is_compileable)
+    skip = not (getattr(cache, "is_compileable", False) and q_length == 1)
+    if impl == "sdpa" and skip and _ignore_causal_mask_sdpa(padding, q_length, kv_length, q_offset, kv_offset,
+                                                            spec.window):
         return None
     # masking_utils.sdpa_mask (non-vmap): and_masks over broadcast indices, then expand
     b = torch.arange(batch, device=device)[:, None, None, None]

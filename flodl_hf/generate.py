@@ -53,7 +53,7 @@ import torch
 
 from . import io
 from .assisted import ASSISTANT_DEFAULTS, AssistantDrafts, check_assistant_config, speculative_sampling
-from .decoder import KVCache
+from .decoder import KVCache, StaticKVCache
 from .errors import ConfigError, InputError
 from .generation_processors import (Guidance, PrefixConstrained, StopStrings, apply, logits_processors, stop_hits,
                                     stopping_criteria_list, watermark_fields)
@@ -114,13 +114,16 @@ def _off(*neutral: Any):
     return lambda v: v is None or any(v == n and type(v) is not bool or v is n for n in neutral)
 
 
+# transformers 5.25's static cache implementations (ALL_STATIC_CACHE_IMPLEMENTATIONS) that generate implements: a
+# StaticCache sized max_length - 1 (decoder.StaticKVCache), the deprecated names inferring the same layers
+STATIC_CACHES = ("static", "sliding_window", "hybrid", "hybrid_chunked")
 _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "num_beam_groups": (_off(1), "group beam search"),
     "force_words_ids": (_off(), "constrained beam search"), "constraints": (_off(), "constrained beam search"),
     "penalty_alpha": (_off(), "contrastive search"), "dola_layers": (_off(), "DoLa decoding"),
     "token_healing": (_off(False), "token healing"),
     "use_mtp": (_off(False), "multi-token prediction"),
-    "cache_implementation": (_off("dynamic", "hybrid", "dynamic_full"), "another cache"),
+    "cache_implementation": (_off("dynamic", *STATIC_CACHES), "another cache"),
 }
 # keywords of transformers' generate that only shape what it records, accepted at these values
 _NEUTRAL_KEYWORDS: dict[str, Any] = {}
@@ -208,6 +211,9 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     "early_stopping": (lambda v: v is True or v is False or v == "never", "true, false or \"never\""),
     # prompt lookup (transformers' assisted decoding with PromptLookupCandidateGenerator, _assisted below)
     "prompt_lookup_num_tokens": (_positive, "a positive integer"),
+    # the cache: dynamic (the default) or static (decoder.StaticKVCache), sized at least max_cache_len
+    "cache_implementation": (lambda v: isinstance(v, str), "a string (\"dynamic\" or \"static\")"),
+    "max_cache_len": (_positive, "a positive integer"),
     # early exit (assisted decoding whose drafts come from the model's first layers, flodl_hf.assisted)
     "assistant_early_exit": (_positive, "a positive integer (the layers the drafts run)"),
     "max_matching_ngram_size": (_count, "a non-negative integer (0 or unset: 2)"),
@@ -272,6 +278,8 @@ class GenerationSettings:
     early_stopping: bool | str = False
     prompt_lookup_num_tokens: int | None = None  # candidates per step; None: no prompt lookup
     assistant_early_exit: int | None = None  # the model drafts with its first layers; None: no early exit
+    cache_implementation: str | None = None  # None or "dynamic": DynamicCache; STATIC_CACHES: a static cache
+    max_cache_len: int | None = None  # a static cache's least length
     max_matching_ngram_size: int | None = None  # the longest n-gram looked up (None or 0: 2, as transformers)
 
     def reads_history(self) -> bool:
@@ -286,7 +294,8 @@ _PROCESSOR_FIELDS = ("min_p", "top_h", "guidance_scale", "watermarking_config", 
                      "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
                      "renormalize_logits", "stop_strings", "max_time")
 # the prompt lookup fields, copied like the processors' when set
-_LOOKUP_FIELDS = ("prompt_lookup_num_tokens", "max_matching_ngram_size", "assistant_early_exit")
+_LOOKUP_FIELDS = ("prompt_lookup_num_tokens", "max_matching_ngram_size", "assistant_early_exit",
+                  "cache_implementation", "max_cache_len")
 
 
 @dataclass
@@ -619,7 +628,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     ``options``: ``max_length``, ``min_new_tokens``, ``min_length``, ``repetition_penalty``,
     ``num_return_sequences``, ``use_cache``, ``return_dict_in_generate``, ``output_scores``, ``output_logits``,
     ``output_hidden_states``, ``output_attentions`` (each step's forward records, split per kept token when
-    assisted), the
+    assisted), ``cache_implementation`` (``"static"``: transformers' StaticCache, ``_static_cache``) and
+    ``max_cache_len``, the
     logits processors (``guidance_scale`` with ``negative_prompt_ids`` / ``negative_prompt_attention_mask``,
     ``watermarking_config``, ``no_repeat_ngram_size``, ``bad_words_ids``, ``sequence_bias``, ``suppress_tokens``,
     ``begin_suppress_tokens``, ``forced_bos_token_id``, ``forced_eos_token_id``, ``exponential_decay_length_penalty``,
@@ -748,6 +758,10 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
         stop_strings = StopStrings(tokenizer, settings.stop_strings)
     criteria = stopping_criteria_list(settings, max_length, stop_strings, device, custom_criteria)
     cache = model.backbone.new_cache() if settings.use_cache else None
+    if settings.use_cache and settings.cache_implementation in STATIC_CACHES:
+        cache = _static_cache(model, cache.windows, settings, max_length,
+                              "prompt lookup" if lookup else "assisted decoding" if assisted else
+                              "inputs_embeds" if inputs_embeds is not None else None)
     if lookup or assisted:
         cache = _DraftCache(cache.windows)
     decoder = _Decoder(model, attention_mask, cache, settings.use_cache, inputs_embeds)
@@ -796,6 +810,20 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
         if unfinished.max() == 0:
             break
     return _finish(input_ids, settings, scores_seen, logits_seen, decoder.cache, streamer, seen)
+
+
+def _static_cache(model: torch.nn.Module, windows: list, settings: GenerationSettings, max_length: int,
+                  refused: str | None) -> StaticKVCache:
+    """GenerationMixin._prepare_static_cache: a static cache of ``max_length - 1`` positions (the last new token is
+    never fed), at least ``max_cache_len``, and at least the longest one this model made before (transformers keeps
+    ``_previous_max_cache_length`` on the model, so that a compiled step is reused)."""
+    if refused is not None:
+        raise InputError(f"cache_implementation={settings.cache_implementation!r} with {refused} is not implemented "
+                         "(the dynamic cache is)")
+    length = max(max_length - 1, settings.max_cache_len or 0, model.__dict__.get("_previous_max_cache_length", -1))
+    cache = StaticKVCache(windows, length)
+    model.__dict__["_previous_max_cache_length"] = length
+    return cache
 
 
 class _Seen:
