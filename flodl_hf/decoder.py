@@ -432,6 +432,11 @@ class StaticKVCache(KVCache):
             full_k = key if current == 0 else torch.cat((keys[:, :, :current, :], key), dim=-2)
             full_v = value if current == 0 else torch.cat((values[:, :, :current, :], value), dim=-2)
         else:
+            if current + n > size:  # transformers' index_copy_ raises an IndexError here
+                from .errors import InputError
+                raise InputError(f"cache_implementation='static': a forward writes positions {current} to "
+                                 f"{current + n - 1} of a static cache of {size} (assisted decoding's last drafts can "
+                                 "pass max_length - 1); pass a larger max_cache_len, or use the dynamic cache")
             positions = torch.arange(n, device=key.device) + current
             keys.index_copy_(2, positions, key)
             values.index_copy_(2, positions, value)
@@ -439,6 +444,12 @@ class StaticKVCache(KVCache):
         keys.copy_(full_k[:, :, -size:, :])
         values.copy_(full_v[:, :, -size:, :])
         return full_k, full_v
+
+    def crop(self, tokens: int) -> None:
+        """``StaticLayer.crop(-tokens)`` (assisted decoding's rejected candidates): each layer's count of positions
+        goes back by ``tokens``, the stale states stay where the next update overwrites them (masked till then).
+        Full layers only: a sliding one is refused where the cache is made."""
+        self.seen = [seen - tokens for seen in self.seen]
 
     def mask_sizes(self, query_length: int, layer: int) -> tuple[int, int]:
         size, seen = self.sizes[layer], self.seen[layer]

@@ -759,10 +759,12 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     criteria = stopping_criteria_list(settings, max_length, stop_strings, device, custom_criteria)
     cache = model.backbone.new_cache() if settings.use_cache else None
     if settings.use_cache and settings.cache_implementation in STATIC_CACHES:
+        drafted = lookup or assisted  # the rejected candidates cropped off: full layers only
+        sliding = drafted and any(w is not None for w in cache.windows)
         cache = _static_cache(model, cache.windows, settings, max_length,
-                              "prompt lookup" if lookup else "assisted decoding" if assisted else
-                              "inputs_embeds" if inputs_embeds is not None else None)
-    if lookup or assisted:
+                              "inputs_embeds" if inputs_embeds is not None else
+                              "assisted decoding on a model with sliding-window layers" if sliding else None)
+    elif lookup or assisted:
         cache = _DraftCache(cache.windows)
     decoder = _Decoder(model, attention_mask, cache, settings.use_cache, inputs_embeds)
     if settings.output_hidden_states or settings.output_attentions:  # asked of every forward, as generate asks

@@ -86,16 +86,42 @@ def test_static_differs_from_dynamic_at_real_width_and_the_names_transformers_ta
     assert fresh[0]._previous_max_cache_length == fresh[1]._previous_max_cache_length == 30
 
 
+def test_assisted_decoding_over_a_static_cache(tmp_path):
+    """Prompt lookup, an assistant model and early exit over the model's static cache (the rejected candidates
+    cropped by moving its count back, StaticLayer.crop): ids and every forward equal, greedy and sampled; where
+    transformers' last draft writes past the static length (a sampled lookup here: its IndexError), ours raises an
+    InputError naming the positions."""
+    from test_generate_assisted import Assisted
+    from test_generate_lookup import Lookup
+    lookup, static = Lookup("llama"), dict(max_new_tokens=12, eos_token_id=[], cache_implementation="static")
+    _, _, lengths = lookup.same(prompt_lookup_num_tokens=3, **static)
+    assert len(lengths) < 12  # candidates kept
+    with warnings.catch_warnings(), pytest.raises(IndexError):
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        lookup.theirs.generate(input_ids=lookup.ids, prompt_lookup_num_tokens=3, do_sample=True, **static)
+    torch.manual_seed(0)
+    with pytest.raises(InputError, match="writes positions .* of a static cache of"):
+        generate_ids(lookup.ours, lookup.ids, prompt_lookup_num_tokens=3, do_sample=True, **static)
+    pair = Assisted("llama", tmp_path)
+    for extra in ({}, dict(do_sample=True), dict(assistant_early_exit=1)):
+        if "assistant_early_exit" in extra:
+            got, reference = _generate(pair.main, pair.ids, None, **static, **extra)
+            assert torch.equal(got, reference)
+        else:
+            pair.same(seed=0, **static, **extra)
+
+
 def test_refusals():
-    """A static cache with prompt lookup, an assistant model or early exit, or with a prompt as embeddings, is not
-    implemented; "offloaded_static" and names transformers does not know are refused as other caches."""
+    """A static cache with a prompt as embeddings, or with assisted decoding on a model with sliding-window layers,
+    is not implemented; "offloaded_static" and names transformers does not know are refused as other caches."""
     ours, _ = _both(make_checkpoint(_fields(SMALL["llama"]), "causal_lm"))
     ids = torch.randint(3, ours.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
     embeds = ours.get_input_embeddings()(ids)
-    cases = [(dict(input_ids=ids, prompt_lookup_num_tokens=2), "with prompt lookup"),
-             (dict(input_ids=ids, assistant_model=ours), "with assisted decoding"),
-             (dict(input_ids=ids, assistant_early_exit=1), "with assisted decoding"),
-             (dict(inputs_embeds=embeds), "with inputs_embeds"),
+    mistral, _ = _both(make_checkpoint(_fields(SMALL["mistral"]), "causal_lm"))
+    with pytest.raises(InputError, match="sliding-window layers"):
+        generate_ids(mistral, ids, max_new_tokens=3, cache_implementation="static", prompt_lookup_num_tokens=2)
+    cases = [(dict(inputs_embeds=embeds), "with inputs_embeds"),
              (dict(input_ids=ids, cache_implementation="offloaded_static"), "another cache"),
              (dict(input_ids=ids, cache_implementation="dynamic_full"), "another cache")]
     for kwargs, needle in cases:
