@@ -761,8 +761,7 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     if settings.use_cache and settings.cache_implementation in STATIC_CACHES:
         drafted = lookup or assisted  # the rejected candidates cropped off: full layers only
         sliding = drafted and any(w is not None for w in cache.windows)
-        cache = _static_cache(model, cache.windows, settings, max_length,
-                              "inputs_embeds" if inputs_embeds is not None else
+        cache = _static_cache(model, cache.windows, settings, max_length + embedded,
                               "assisted decoding on a model with sliding-window layers" if sliding else None)
     elif lookup or assisted:
         cache = _DraftCache(cache.windows)
@@ -817,8 +816,9 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
 def _static_cache(model: torch.nn.Module, windows: list, settings: GenerationSettings, max_length: int,
                   refused: str | None) -> StaticKVCache:
     """GenerationMixin._prepare_static_cache: a static cache of ``max_length - 1`` positions (the last new token is
-    never fed), at least ``max_cache_len``, and at least the longest one this model made before (transformers keeps
-    ``_previous_max_cache_length`` on the model, so that a compiled step is reused)."""
+    never fed; ``max_length`` counts the positions of a prompt given as embeddings of another length than its ids,
+    as ``max_cache_length`` does there), at least ``max_cache_len``, and at least the longest one this model made
+    before (transformers keeps ``_previous_max_cache_length`` on the model, so that a compiled step is reused)."""
     if refused is not None:
         raise InputError(f"cache_implementation={settings.cache_implementation!r} with {refused} is not implemented "
                          "(the dynamic cache is)")

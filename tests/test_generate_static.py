@@ -112,17 +112,38 @@ def test_assisted_decoding_over_a_static_cache(tmp_path):
             pair.same(seed=0, **static, **extra)
 
 
+@pytest.mark.parametrize("variant", ["llama-1024-gqa", SMALL["mistral"]])
+def test_static_cache_with_a_prompt_as_embeddings(variant):
+    """``inputs_embeds`` into a static cache: without ids the cache also holds the embedded positions (transformers'
+    ``max_cache_length += inputs_tensor.shape[1]``), with ids of the same length it does not; ids, every step's
+    logits and the cache (torch.equal: shapes included) equal, greedy and sampled, at real width and with a window
+    of 4."""
+    pair = _both(make_checkpoint(_fields(variant), "causal_lm"))
+    ids, mask = _left_padded(pair[0].config.vocab_size)
+    other = _left_padded(pair[0].config.vocab_size, seed=1)[0]
+    with torch.inference_mode():
+        embeds = pair[1].get_input_embeddings()(other).clone()
+    for prompt in (None, ids):
+        for extra in (dict(max_new_tokens=5), dict(max_new_tokens=4, do_sample=True), dict(max_length=16)):
+            if prompt is None and "max_length" in extra:
+                extra = dict(max_length=16 + embeds.shape[1])
+            got, reference = _generate(pair, prompt, mask, inputs_embeds=embeds, eos_token_id=[],
+                                       cache_implementation="static", **RECORD, **extra)
+            _equal(got, reference)
+            for layer, theirs in enumerate(reference.cache.layers):
+                assert torch.equal(got.cache.keys[layer], theirs.keys), (prompt is None, extra)
+                assert torch.equal(got.cache.values[layer], theirs.values)
+
+
 def test_refusals():
-    """A static cache with a prompt as embeddings, or with assisted decoding on a model with sliding-window layers,
-    is not implemented; "offloaded_static" and names transformers does not know are refused as other caches."""
+    """Assisted decoding over a static cache on a model with sliding-window layers is not implemented;
+    "offloaded_static" and names transformers does not know are refused as other caches."""
     ours, _ = _both(make_checkpoint(_fields(SMALL["llama"]), "causal_lm"))
     ids = torch.randint(3, ours.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
-    embeds = ours.get_input_embeddings()(ids)
     mistral, _ = _both(make_checkpoint(_fields(SMALL["mistral"]), "causal_lm"))
     with pytest.raises(InputError, match="sliding-window layers"):
         generate_ids(mistral, ids, max_new_tokens=3, cache_implementation="static", prompt_lookup_num_tokens=2)
-    cases = [(dict(inputs_embeds=embeds), "with inputs_embeds"),
-             (dict(input_ids=ids, cache_implementation="offloaded_static"), "another cache"),
+    cases = [(dict(input_ids=ids, cache_implementation="offloaded_static"), "another cache"),
              (dict(input_ids=ids, cache_implementation="dynamic_full"), "another cache")]
     for kwargs, needle in cases:
         with pytest.raises(InputError, match=needle):
