@@ -367,7 +367,9 @@ def model_generation_config(model: torch.nn.Module) -> Any:
     data = read_generation_config(getattr(model, "source_root", None))
     if data is None:
         return GenerationConfig.from_model_config(model.config.to_dict())
-    return GenerationConfig.from_dict(data)
+    config = GenerationConfig.from_dict(data)
+    config._original_object_hash = hash(config)  # as GenerationConfig.from_pretrained: an edit is then seen
+    return config
 
 
 def generation_settings(model: torch.nn.Module, max_new_tokens: int | None = None, do_sample: bool | None = None,

@@ -7,6 +7,7 @@ linear tied to the input embeddings when ``tie_word_embeddings`` is true.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,6 +91,23 @@ class ModelForCausalLM(TaskModel):
         if not callable(getattr(value, "to_diff_dict", None)):
             raise InputError(f"generation_config={type(value).__name__}: expected a transformers GenerationConfig")
         self.__dict__["_generation_config"] = value
+
+    def save_pretrained(self, directory: str | Path, max_shard_size: int | str = "5GB") -> Path:
+        """``config.json``, the weights and ``generation_config.json``: this model's ``generation_config`` (edits
+        included), as transformers' ``save_pretrained`` writes it for a model that can generate. It is validated
+        first, strictly when it was edited (``GenerationConfig.save_pretrained``'s rule), and a configuration
+        transformers refuses to save is a ConfigError before anything is written."""
+        from flodl_hf.errors import ConfigError
+        config = self.generation_config
+        edited = getattr(config, "_original_object_hash", None) != hash(config)
+        try:
+            config.validate(strict=edited)
+        except ValueError as exc:
+            raise ConfigError(f"{Path(directory) / 'generation_config.json'}: model.generation_config does not "
+                              f"validate, nothing was written: {exc}") from None
+        directory = super().save_pretrained(directory, max_shard_size)
+        config.save_pretrained(directory)
+        return directory
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config: Any = None, **kwargs: Any) -> Any:
         """transformers' ``model.generate``: the prompts and their new tokens, (B, S + n) ids (a

@@ -222,3 +222,48 @@ def test_the_cli_leaves_unset_options_to_generation_config(monkeypatch):
                            (["hi", "--no-sample", "--max-new-tokens", "3"], (3, False, None, None, None))):
         assert main(["generate", *argv, "--model", "m"]) == 0
         assert tuple(calls[-1][k] for k in keys) == expected, argv
+
+
+@pytest.mark.parametrize("with_file", [True, False], ids=["generation_config.json", "from config.json"])
+def test_save_pretrained_writes_the_generation_config_as_transformers(tmp_path, with_file):
+    """``model.save_pretrained`` writes ``generation_config.json`` as transformers' does for a model that generates:
+    the checkpoint's (or one made from config.json), then with edits, byte for byte the file transformers writes
+    from the same edits; saved back, both generate the same tokens from it. An edit transformers refuses to save
+    (temperature without sampling, strict once edited) is a ConfigError naming the file, and nothing is written
+    (transformers has written config.json and the weights by then); unedited, the same file only warns there."""
+    root = _copy(LLAMA, tmp_path)
+    if not with_file:
+        (root / "generation_config.json").unlink()
+    ours, theirs = _both(root)
+    edits = [{}, dict(do_sample=True, temperature=0.7, top_k=5, max_new_tokens=5, eos_token_id=[2, 3])]
+    for i, edit in enumerate(edits):
+        for model in (ours, theirs):
+            for name, value in edit.items():
+                setattr(model.generation_config, name, value)
+        mine, reference = ours.save_pretrained(tmp_path / f"ours{i}"), tmp_path / f"theirs{i}"
+        theirs.save_pretrained(reference)
+        written = (mine / "generation_config.json").read_text()
+        assert written == (reference / "generation_config.json").read_text()
+        assert json.loads(written).get("temperature") == edit.get("temperature")
+    ids, mask = _left_padded(ours.config.vocab_size)
+    again, theirs_again = _both(mine)
+    torch.manual_seed(3)
+    got = generate_ids(again, ids, mask)
+    assert torch.equal(got, _theirs_generate(theirs_again, ids, mask, seed=3))
+    assert got.shape[1] == ids.shape[1] + 5
+
+    ours.generation_config.do_sample = False  # temperature 0.7 left: strict validation refuses it
+    theirs.generation_config.do_sample = False
+    with pytest.raises(ValueError, match="Fix these issues"):
+        theirs.save_pretrained(tmp_path / "theirs-bad")
+    assert (tmp_path / "theirs-bad" / "config.json").is_file()
+    with pytest.raises(ConfigError, match="generation_config.json: model.generation_config does not validate"):
+        ours.save_pretrained(tmp_path / "ours-bad")
+    assert not (tmp_path / "ours-bad").exists()
+    if with_file:  # the same values read from a file are not an edit: saved with a warning, as transformers
+        _edit(root / "generation_config.json", do_sample=False, temperature=0.7)
+        ours, theirs = _both(root)
+        theirs.save_pretrained(tmp_path / "theirs-read")
+        ours.save_pretrained(tmp_path / "ours-read")
+        assert (tmp_path / "ours-read" / "generation_config.json").read_text() == \
+            (tmp_path / "theirs-read" / "generation_config.json").read_text()
