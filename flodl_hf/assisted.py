@@ -91,6 +91,18 @@ class AssistantDrafts:
         most = min(int(self.tokens), self.max_length - length - 1)
         if most == 0:
             return input_ids[0, :0], None
+        ids, seen = self._draft(input_ids, most, self.last_length)
+        self.last_length = ids.shape[1]
+        drafted = ids[0, length:]
+        if self.roc and self.threshold:
+            picked = torch.cat(seen, dim=0).softmax(dim=-1)[range(drafted.shape[0]), drafted]
+            self.probs.extend(picked.tolist())
+        return drafted, torch.stack(seen, dim=1)
+
+    def _draft(self, input_ids: torch.Tensor, most: int, last_length: int) -> tuple[torch.Tensor, tuple]:
+        """The assistant's generate on ``input_ids`` (its cache cropped back from ``last_length`` ids first): up to
+        ``most`` new tokens; returns the ids with them and each step's processed scores."""
+        length = input_ids.shape[1]
         s, device = self.settings, input_ids.device
         criteria = stopping_criteria_list(s, length + most, None, device)
         if self.threshold is not None and self.threshold > 0:
@@ -99,7 +111,7 @@ class AssistantDrafts:
         if self.exit_after is not None:  # EarlyExitCandidateGenerator: config.num_hidden_layers lowered meanwhile
             backbone.__dict__["exit_after"] = self.exit_after
         try:
-            logits = self.decoder.catch_up(input_ids, self.last_length)
+            logits = self.decoder.catch_up(input_ids, last_length)
             ids, seen = input_ids, ()
             while True:  # the assistant's _sample, one prompt
                 scores = apply(self.processors, ids, logits)
@@ -114,12 +126,7 @@ class AssistantDrafts:
                 logits = self.decoder.next_logits(ids)
         finally:
             backbone.__dict__.pop("exit_after", None)
-        self.last_length = ids.shape[1]
-        drafted = ids[0, length:]
-        if self.roc and self.threshold:
-            picked = torch.cat(seen, dim=0).softmax(dim=-1)[range(drafted.shape[0]), drafted]
-            self.probs.extend(picked.tolist())
-        return drafted, torch.stack(seen, dim=1)
+        return ids, seen
 
     def update(self, scores: torch.Tensor, matches: int) -> None:
         """AssistedCandidateGenerator.update_candidate_strategy, after a step that kept ``matches`` candidates of
@@ -145,6 +152,122 @@ class AssistantDrafts:
         assistant's generation config, where its next call starts."""
         if self.schedule == "heuristic":
             self.config.num_assistant_tokens = self.tokens
+
+
+class TranslatedDrafts(AssistantDrafts):
+    """An assistant with another tokenizer, greedy: transformers 5.25's
+    ``AssistedCandidateGeneratorDifferentTokenizers`` (universal assisted decoding). Each round the model's ids since ``target_lookbehind`` ids before the last round
+    are decoded to text and encoded with the assistant's tokenizer, and the longest run they share with the
+    assistant's last ids (``_diagonal``) tells which of its tokens to replace and which to add; the assistant drafts
+    ``num_assistant_tokens`` after them (its mask inferred from the main call's pad id, as its generate infers it
+    there; the new ids are cut to the maximum length), and its ids from ``assistant_lookbehind`` before the round go
+    back to the model's tokenizer the same way. No candidate scores; the confidence threshold stays where the
+    assistant's config put it.
+
+    One departure: the assistant's cache keeps the states of the ids its new ids begin with and drops the rest.
+    transformers 5.25 crops it by the model's id count less the assistant's (``_last_ids_length`` counts the
+    model's ids), which leaves it holding states of replaced tokens, and once it holds as many as the new ids it is
+    fed nothing and fails (tests/test_generate_assisted_tokenizers.py shows both). The drafts only propose: the ids
+    are the model's greedy ones either way."""
+
+    def __init__(self, decoder: Any, config: Any, settings: Any, max_length: int, vocab_size: int, tokenizer: Any,
+                 assistant_tokenizer: Any) -> None:
+        super().__init__(decoder, config, settings, [], max_length, None, vocab_size)
+        self.roc = False  # transformers moves the threshold for AssistedCandidateGenerator itself only
+        self.tokenizer, self.assistant_tokenizer = tokenizer, assistant_tokenizer
+        self.target_lookbehind = _lookbehind(config, "target_lookbehind")
+        self.assistant_lookbehind = _lookbehind(config, "assistant_lookbehind")
+        self.target_length: int | None = None  # prev_target_ids_len
+        self.previous: torch.Tensor | None = None  # prev_assistant_ids
+        self.cached: torch.Tensor | None = None  # the ids whose states the assistant's cache holds
+
+    def candidates(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from .generate import infer_attention_mask
+        ids = self._assistant_ids(input_ids)
+        self.previous = ids
+        s, decoder = self.settings, self.decoder
+        decoder.attention_mask = infer_attention_mask(ids, s.pad, s.eos)  # the assistant's generate gets no mask
+        decoder.position_ids = (decoder.attention_mask.cumsum(-1) - 1).masked_fill(decoder.attention_mask == 0, 0)
+        keep = 0
+        if self.cached is not None:  # the shared start, short of the last id (at least one is fed)
+            n = min(self.cached.shape[1], ids.shape[1] - 1)
+            differ = (self.cached[0, :n] != ids[0, :n]).nonzero()
+            keep = differ[0].item() if differ.numel() else n
+        held = 0 if self.cached is None else self.cached.shape[1]
+        sequences, _ = self._draft(ids, int(self.tokens), ids.shape[1] + held - keep)
+        self.cached = sequences[:, :-1]
+        new = self._target_ids(input_ids, sequences)
+        self.target_length, self.previous = input_ids.shape[1], sequences
+        return new[0, input_ids.shape[1]:], None
+
+    def _convert(self, ids: torch.Tensor, to_assistant: bool) -> torch.Tensor:
+        """``convert_source_tokens_to_target_tokens``: decoded without special tokens, encoded with them."""
+        source, destination = ((self.tokenizer, self.assistant_tokenizer) if to_assistant else
+                               (self.assistant_tokenizer, self.tokenizer))
+        text = source.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=True)
+        return torch.as_tensor(destination(text, add_special_tokens=True, return_tensors="pt")["input_ids"],
+                               dtype=torch.long).to(ids.device)
+
+    def _assistant_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``_prepare_assistant_input_ids``: the assistant's ids for the model's ``input_ids``: its last ones with
+        the tokens after the shared run replaced, and the new ones added; or, early on, all of them converted."""
+        if self.previous is None or self.target_length <= self.target_lookbehind:
+            self.target_length = input_ids.shape[1]
+            return self._convert(input_ids, True)
+        fresh = self._convert(input_ids[:, self.target_length - self.target_lookbehind:], True)
+        ids = self.previous.clone()
+        found = _diagonal(ids[:, -fresh.shape[1]:], fresh)
+        if found is None:  # nothing in common: the whole window goes on
+            return torch.cat([ids, fresh], dim=-1)
+        replace, new, replacement = found
+        if replace > 0 and replacement.shape[1] > 0:
+            if replace > replacement.shape[1]:
+                ids = ids[:, :replacement.shape[1] - replace]
+            ids[:, -replacement.shape[1]:] = replacement
+        return torch.cat([ids, new], dim=-1) if new.shape[1] > 0 else ids
+
+    def _target_ids(self, input_ids: torch.Tensor, sequences: torch.Tensor) -> torch.Tensor:
+        """``_process_assistant_outputs``: the model's ids with the drafted ones after them, cut to the maximum
+        length."""
+        window = self._convert(sequences[:, self.previous.shape[1] - self.assistant_lookbehind:], False)
+        found = _diagonal(input_ids[:, -window.shape[1]:], window)
+        tail = window if found is None else found[1]
+        return torch.cat([input_ids, tail], dim=-1)[:, :self.max_length]
+
+
+def _lookbehind(config: Any, name: str) -> int:
+    value = getattr(config, name, None)
+    if value is None:
+        return 10  # GenerationConfig._get_default_generation_params
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InputError(f"assistant_model.generation_config: {name}={value!r}: expected a non-negative integer")
+    return value
+
+
+def _diagonal(old: torch.Tensor, new: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """``_get_tokens_diag``: the longest run of ``new`` (1, N) ids that ``old`` (1, P) holds too, the first found
+    in row-major order of its start among the equal pairs; None without a common id. Returns how many of ``old``'s
+    ids follow the run (to be replaced), ``new``'s ids past those, and ``new``'s that replace them."""
+    match = (old == new.T).tolist()  # [i][j]: new[i] == old[j]
+    rows, columns = len(match), len(match[0]) if match else 0
+    best, seen = None, set()
+    for i in range(rows):
+        for j in range(columns):
+            if not match[i][j] or (i, j) in seen:
+                continue
+            run, a, b = 1, i + 1, j + 1
+            while a < rows and b < columns:
+                seen.add((a, b))
+                if not match[a][b]:
+                    break
+                run, a, b = run + 1, a + 1, b + 1
+            if best is None or run > best[2]:
+                best = (i, j, run)
+    if best is None:
+        return None
+    i, j, run = best
+    start, replace = i + run, columns - (j + run)
+    return replace, new[:, start + replace:], new[:, start:start + replace]
 
 
 def speculative_sampling(drafted: torch.Tensor, drafted_scores: torch.Tensor, scores: torch.Tensor,

@@ -52,11 +52,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import io
-from .assisted import ASSISTANT_DEFAULTS, AssistantDrafts, check_assistant_config, speculative_sampling
+from .assisted import (ASSISTANT_DEFAULTS, AssistantDrafts, TranslatedDrafts, check_assistant_config,
+                       speculative_sampling)
 from .decoder import KVCache, StaticKVCache
 from .errors import ConfigError, InputError
-from .generation_processors import (Guidance, PrefixConstrained, StopStrings, apply, logits_processors, stop_hits,
-                                    stopping_criteria_list, watermark_fields)
+from .generation_processors import (Guidance, PrefixConstrained, StopStrings, apply, final_steps, logits_processors,
+                                    stop_hits, stopping_criteria_list, watermark_fields)
 from .modeling import PLAIN_RECORD, config_sets_forward_defaults
 from .outputs import ModelOutput
 
@@ -621,7 +622,7 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
                  prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], Any] | None = None,
                  negative_prompt_ids: torch.Tensor | None = None,
                  negative_prompt_attention_mask: torch.Tensor | None = None,
-                 assistant_model: torch.nn.Module | None = None,
+                 assistant_model: torch.nn.Module | None = None, assistant_tokenizer: Any = None,
                  **options: Any) -> torch.Tensor | GenerateDecoderOnlyOutput | GenerateBeamDecoderOnlyOutput:
     """Prompt ids (B, S), left-padded, -> (B, S + n) ids: the prompts and up to ``max_new_tokens`` new tokens
     each, as transformers' ``generate`` returns them (``GenerateDecoderOnlyOutput`` with
@@ -644,7 +645,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     ``assistant_model``: a smaller causal LM of ours over the same vocabulary drafts the candidates (one prompt,
     greedy or speculative sampling; its ``generation_config`` holds ``num_assistant_tokens``, its schedule and
     ``assistant_confidence_threshold``, as transformers reads them; see ``flodl_hf.assisted``); ignored with beams,
-    as transformers ignores it.
+    as transformers ignores it. ``assistant_tokenizer``: for an assistant over another vocabulary, with
+    ``tokenizer`` (the model's): its drafts go through text, greedy (``assisted.TranslatedDrafts``).
     Without ``attention_mask``, the pad id's positions are masked as transformers infers them.
     ``seed``: sample from a generator seeded with it; None samples from torch's global generator.
     ``logits_processor`` / ``stopping_criteria``: the caller's own (a LogitsProcessorList / StoppingCriteriaList or a
@@ -736,7 +738,11 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
                          f"max_position_embeddings{less}); pass max_new_tokens")
     if assisted:
         _check_assistant(model, model if early else assistant_model, settings, inputs_embeds, max_length,
-                         f"assistant_early_exit={settings.assistant_early_exit}" if early else "assistant_model")
+                         f"assistant_early_exit={settings.assistant_early_exit}" if early else "assistant_model",
+                         tokenizer, assistant_tokenizer)
+    elif assistant_tokenizer is not None and assistant_model is None:
+        raise InputError("assistant_tokenizer without assistant_model: it tokenizes an assistant's drafts; pass "
+                         "assistant_model too")
     min_length = (prompt_length + settings.min_new_tokens if settings.min_new_tokens is not None
                   else max(settings.min_length - embedded, 0) if embedded else settings.min_length)
     # the repetition penalty skips the left padding, which transformers reads off the mask unless it is all ones
@@ -776,8 +782,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
         return _beam_search(decoder, input_ids, settings, processors, criteria, max_length, generator)
     if lookup or assisted:
         drafts = (_LookupDrafts(settings, processors, max_length, model.config.vocab_size) if lookup else
-                  _assistant_drafts(model if early else assistant_model, attention_mask, settings, processors,
-                                    max_length, generator))
+                  _assistant_drafts(model, model if early else assistant_model, attention_mask, settings, processors,
+                                    max_length, generator, tokenizer, assistant_tokenizer))
         return _assisted(decoder, input_ids, settings, processors, criteria, max_length, generator, streamer, drafts)
     # _sample: finished rows get the pad id when a criterion has an eos_token_id (EosTokenCriteria: an eos is set)
     fill = any(hasattr(c, "eos_token_id") for c in criteria)
@@ -866,19 +872,30 @@ class _Seen:
 
 
 def _check_assistant(model: torch.nn.Module, assistant: Any, settings: GenerationSettings,
-                     inputs_embeds: torch.Tensor | None, max_length: int, name: str) -> None:
+                     inputs_embeds: torch.Tensor | None, max_length: int, name: str, tokenizer: Any = None,
+                     assistant_tokenizer: Any = None) -> None:
     """What ``assistant_model`` takes (or early exit, the model itself): one of our causal LMs over the main model's
-    vocabulary, with the cache, for greedy or sampled decoding of one prompt; what transformers refuses, and what
-    is not implemented, raise, naming ``name``."""
+    vocabulary, with the cache, for greedy or sampled decoding of one prompt, or over another vocabulary with both
+    tokenizers, greedy; what transformers refuses, and what is not implemented, raise, naming ``name``."""
     if getattr(assistant, "task", None) != "causal_lm" or not hasattr(assistant, "backbone"):
         raise InputError(f"assistant_model={type(assistant).__name__}: expected a flodl-hf causal_lm model "
                          "(load_model(source, 'causal_lm'))")
-    ours, theirs = model.config.vocab_size, assistant.config.vocab_size
-    if ours != theirs:
-        raise InputError(f"assistant_model: its vocabulary has {theirs} ids and the model's {ours}; an assistant "
-                         "with another tokenizer (transformers' universal assisted decoding, assistant_tokenizer=) is "
-                         "not implemented")
     s = settings
+    ours, theirs = model.config.vocab_size, assistant.config.vocab_size
+    if ours == theirs and assistant_tokenizer is not None:
+        raise InputError(f"assistant_tokenizer with {name}: the model and the assistant share a vocabulary of {ours} "
+                         "ids, so no second tokenizer is needed (transformers raises the same); omit it")
+    if ours != theirs:
+        if tokenizer is None or assistant_tokenizer is None:
+            raise InputError(f"assistant_model: its vocabulary has {theirs} ids and the model's {ours}: another "
+                             "tokenizer, whose drafts go through text (universal assisted decoding); pass tokenizer= "
+                             "and assistant_tokenizer= (transformers raises the same)")
+        for refused, what in ((s.do_sample, "do_sample=True (universal speculative decoding, which prunes the "
+                                            "assistant's LM head to the shared tokens)"),
+                              (bool(s.min_new_tokens) or bool(s.min_length), "a minimum length")):
+            if refused:
+                raise InputError(f"{what} with an assistant of another tokenizer is not implemented; greedy "
+                                 "decoding without a minimum length is")
     drops = getattr(assistant.backbone, "drops_cache", None)
     refusals = [
         (s.prompt_lookup_num_tokens is not None, f"prompt_lookup_num_tokens={s.prompt_lookup_num_tokens}",
@@ -901,15 +918,24 @@ def _check_assistant(model: torch.nn.Module, assistant: Any, settings: Generatio
             raise InputError(f"{what} with {name}: {why}")
 
 
-def _assistant_drafts(assistant: torch.nn.Module, attention_mask: torch.Tensor, settings: GenerationSettings,
-                      processors: list, max_length: int, generator: torch.Generator | None) -> AssistantDrafts:
+def _assistant_drafts(model: torch.nn.Module, assistant: torch.nn.Module, attention_mask: torch.Tensor,
+                      settings: GenerationSettings, processors: list, max_length: int,
+                      generator: torch.Generator | None, tokenizer: Any, assistant_tokenizer: Any) -> AssistantDrafts:
     """AssistedCandidateGenerator's start: the assistant's own decoder, begun on the prompt's mask with a cache that
     can be cropped, and its ``generation_config`` (kept on the model, as transformers' ``model.generation_config``:
-    the heuristic schedule's count carries to the next call, and a caller sets the three settings there)."""
+    the heuristic schedule's count carries to the next call, and a caller sets the three settings there). An
+    assistant of another vocabulary drafts through text (``TranslatedDrafts``)."""
     config = assistant.generation_config
     check_assistant_config(config)
     cache = _DraftCache(assistant.backbone.new_cache().windows)
     decoder = _Decoder(assistant, attention_mask.to(assistant.device), cache, True)
+    if assistant.config.vocab_size != model.config.vocab_size:
+        if processors or final_steps(settings, attention_mask.device, model.config.vocab_size):
+            raise InputError("assistant_model with assistant_tokenizer: the model's logits processors (here "
+                             f"{len(processors)} besides the final steps) would run on the assistant's scores over "
+                             "another vocabulary, which is not implemented; pass settings that add none")
+        return TranslatedDrafts(decoder, config, settings, max_length, assistant.config.vocab_size, tokenizer,
+                                assistant_tokenizer)
     return AssistantDrafts(decoder, config, settings, processors, max_length, generator, assistant.config.vocab_size,
                            settings.assistant_early_exit)
 
@@ -995,6 +1021,9 @@ class _Decoder:
                 self._grow(grow)
             self.attention_mask, self.position_ids = self.attention_mask[:, :length], self.position_ids[..., :length]
             fed = length - self.cache.get_seq_length()
+            if fed <= 0:  # an assistant with another tokenizer whose ids shrank: transformers feeds nothing and fails
+                raise InputError(f"assistant_model: its cache holds {self.cache.get_seq_length()} positions after the "
+                                 f"crop and its ids for this round are {length}, so there is nothing to feed")
         self.prefilled = True
         out = self._forward(input_ids[:, -fed:].clone(), self.attention_mask, self.position_ids[..., -fed:].clone(),
                             True, 1)
