@@ -1,6 +1,7 @@
 """Assisted generation with an assistant model: ``generate_ids(..., assistant_model=small)``, transformers 5.25's
 ``AssistedCandidateGenerator`` (generation/candidate_generator.py:73) feeding ``_assisted_decoding``
-(generation/utils.py:3925), one prompt at a time, the assistant sharing the main model's vocabulary.
+(generation/utils.py:3925), one prompt at a time, the assistant sharing the main model's vocabulary; or, greedy,
+over another tokenizer, its drafts going through text (``TranslatedDrafts``, universal assisted decoding).
 
 Each step the assistant drafts up to ``num_assistant_tokens`` candidates with its own cache, the main model checks
 them in one forward, and the candidates up to the first it disagrees with are kept, with its own next token after
