@@ -1021,9 +1021,6 @@ class _Decoder:
                 self._grow(grow)
             self.attention_mask, self.position_ids = self.attention_mask[:, :length], self.position_ids[..., :length]
             fed = length - self.cache.get_seq_length()
-            if fed <= 0:  # an assistant with another tokenizer whose ids shrank: transformers feeds nothing and fails
-                raise InputError(f"assistant_model: its cache holds {self.cache.get_seq_length()} positions after the "
-                                 f"crop and its ids for this round are {length}, so there is nothing to feed")
         self.prefilled = True
         out = self._forward(input_ids[:, -fed:].clone(), self.attention_mask, self.position_ids[..., -fed:].clone(),
                             True, 1)
