@@ -157,8 +157,8 @@ class AssistantDrafts:
 
 class TranslatedDrafts(AssistantDrafts):
     """An assistant with another tokenizer, greedy: transformers 5.25's
-    ``AssistedCandidateGeneratorDifferentTokenizers`` (universal assisted decoding). Each round the model's ids since ``target_lookbehind`` ids before the last round
-    are decoded to text and encoded with the assistant's tokenizer, and the longest run they share with the
+    ``AssistedCandidateGeneratorDifferentTokenizers`` (universal assisted decoding). Each round the model's ids
+    since ``target_lookbehind`` ids before the last round are decoded to text and encoded with the assistant's tokenizer, and the longest run they share with the
     assistant's last ids (``_diagonal``) tells which of its tokens to replace and which to add; the assistant drafts
     ``num_assistant_tokens`` after them (its mask inferred from the main call's pad id, as its generate infers it
     there; the new ids are cut to the maximum length), and its ids from ``assistant_lookbehind`` before the round go
@@ -187,8 +187,7 @@ class TranslatedDrafts(AssistantDrafts):
         ids = self._assistant_ids(input_ids)
         self.previous = ids
         s, decoder = self.settings, self.decoder
-        decoder.attention_mask = infer_attention_mask(ids, s.pad, s.eos)  # the assistant's generate gets no mask
-        decoder.position_ids = (decoder.attention_mask.cumsum(-1) - 1).masked_fill(decoder.attention_mask == 0, 0)
+        decoder.set_mask(infer_attention_mask(ids, s.pad, s.eos))  # the assistant's generate gets no mask
         keep = 0
         if self.cached is not None:  # the shared start, short of the last id (at least one is fed)
             n = min(self.cached.shape[1], ids.shape[1] - 1)

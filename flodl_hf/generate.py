@@ -963,13 +963,19 @@ class _Decoder:
 
     def __init__(self, model: torch.nn.Module, attention_mask: torch.Tensor, cache: Any, use_cache: bool,
                  inputs_embeds: torch.Tensor | None = None) -> None:
-        self.model, self.attention_mask, self.cache, self.use_cache = model, attention_mask, cache, use_cache
+        self.model, self.cache, self.use_cache = model, cache, use_cache
         self.inputs_embeds = inputs_embeds  # None once fed
-        # GenerationMixin._prepare_position_ids_for_generation: cumsum(mask) - 1, 0 on pads
-        self.position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        self.set_mask(attention_mask)
         self.prefilled = False
         self.plain = PLAIN_RECORD if config_sets_forward_defaults(model.config) else {}  # whatever config.json says
         self.out: Any = None  # the last forward's output, for the hidden states and attentions a step records
+
+    def set_mask(self, attention_mask: torch.Tensor) -> None:
+        """The mask, and the positions from it (GenerationMixin._prepare_position_ids_for_generation: cumsum(mask) - 1,
+        0 on pads): at the start, and where a generate call starts over on ids of its own (an assistant of another
+        tokenizer, whose generate infers its mask each round)."""
+        self.attention_mask = attention_mask
+        self.position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
 
     def _maybe_drop_cache(self, length: int) -> None:
         """A family's prepare_inputs_for_generation (Phi3) may drop the cache at ``length`` tokens: the whole
