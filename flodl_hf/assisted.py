@@ -158,8 +158,9 @@ class AssistantDrafts:
 class TranslatedDrafts(AssistantDrafts):
     """An assistant with another tokenizer, greedy: transformers 5.25's
     ``AssistedCandidateGeneratorDifferentTokenizers`` (universal assisted decoding). Each round the model's ids
-    since ``target_lookbehind`` ids before the last round are decoded to text and encoded with the assistant's tokenizer, and the longest run they share with the
-    assistant's last ids (``_diagonal``) tells which of its tokens to replace and which to add; the assistant drafts
+    since ``target_lookbehind`` ids before the last round are decoded to text and encoded with the assistant's
+    tokenizer, and the longest run they share with the assistant's last ids (``_diagonal``) tells which of its
+    tokens to replace and which to add; the assistant drafts
     ``num_assistant_tokens`` after them (its mask inferred from the main call's pad id, as its generate infers it
     there; the new ids are cut to the maximum length), and its ids from ``assistant_lookbehind`` before the round go
     back to the model's tokenizer the same way. No candidate scores; the confidence threshold stays where the
