@@ -1369,8 +1369,7 @@ PIPELINE_DEFAULTS: dict[str, Any] = {"max_new_tokens": 256, "do_sample": True, "
 _PIPELINE_SAMPLING = {"temperature", "top_k", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff"}
 # keywords TextGenerationPipeline takes (its _sanitize_parameters, Pipeline.__call__) that generate() does not implement
 _PIPELINE_NOT_IMPLEMENTED = ("return_type", "prefix", "handle_long_generation", "truncation",
-                             "tokenizer_encode_kwargs", "add_special_tokens", "padding", "batch_size", "num_workers",
-                             "assistant_tokenizer")
+                             "tokenizer_encode_kwargs", "add_special_tokens", "padding", "batch_size", "num_workers")
 # generate_ids' hooks and model inputs the pipeline hands, as given, to each prompt's generate call
 _HOOKS = ("logits_processor", "stopping_criteria", "streamer", "prefix_allowed_tokens_fn", "inputs_embeds")
 # generate() keywords that would make the pipeline add records' fields (scores, logits) that generate() does not write
@@ -1413,6 +1412,26 @@ def _pipeline_settings(model: torch.nn.Module, tok: Any, given: dict[str, Any]) 
     if not {**set_params, **added}.get("do_sample"):
         added = {k: v for k, v in added.items() if k not in _PIPELINE_SAMPLING}
     return {**given, **added}
+
+
+def _pipeline_assistant(lm: torch.nn.Module, tok: Any, assistant: Any, assistant_tok: Any) -> dict[str, Any]:
+    """The pipeline's ``load_assistant_model``: the assistant (a model, or a source to load it from), and, where its
+    config differs from the model's in the vocabulary size or the bos, eos or pad id, the assistant's tokenizer with
+    the model's, for universal assisted decoding (``generate_ids``' ``assistant_tokenizer=``, with ``tokenizer=``).
+    Loaded from a source, the tokenizer is the source's unless one is given (the pipeline always takes the
+    source's); a model of another vocabulary without one is an InputError, where the pipeline raises a ValueError.
+    Where the configs agree, a given assistant tokenizer is dropped, as there."""
+    from .tasks.runtime import load
+    model = load(assistant, "causal_lm", tok).model
+    if all(getattr(lm.config, f, None) == getattr(model.config, f, None)
+           for f in ("vocab_size", "eos_token_id", "pad_token_id", "bos_token_id")):
+        return {"assistant_model": model}
+    if assistant_tok is None:
+        if isinstance(assistant, torch.nn.Module):
+            raise InputError("assistant_model: its config's vocabulary size or special ids differ from the model's, "
+                             "so it has another tokenizer: pass assistant_tokenizer= (the pipeline raises the same)")
+        assistant_tok = load(assistant, "causal_lm").tokenizer
+    return {"assistant_model": model, "assistant_tokenizer": assistant_tok}
 
 
 def _is_message(value: Any) -> bool:
@@ -1473,7 +1492,9 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
     ``streamer``, ``logits_processor``, ``stopping_criteria``, ``prefix_allowed_tokens_fn`` or ``inputs_embeds``
     goes as given to each prompt's ``generate_ids`` (one prompt at a time, as the pipeline hands them to each
     prompt's generate, with its ids and mask), and so does ``assistant_model`` (one of our causal LMs, or a source
-    to load one from, over the model's vocabulary: see ``generate_ids``).
+    to load one from: see ``generate_ids``). An assistant of another tokenizer (its config's vocabulary size or
+    special ids differ, as the pipeline's ``load_assistant_model`` tells) drafts through text with
+    ``assistant_tokenizer`` (or, loaded from a source, the source's own), greedy (``do_sample=False``).
 
     ``prompts`` may also be a chat (a list of ``{"role", "content"}`` dicts) or a list of chats, as the pipeline
     takes them: each is rendered with the tokenizer's chat template (``apply_chat_template``, a generation
@@ -1512,8 +1533,12 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
     tok, lm = loaded.tokenizer, loaded.model
     if getattr(lm, "task", None) != "causal_lm":
         raise InputError(f"generate needs a causal_lm model, not {type(lm).__name__}")
+    assistant_tok = options.pop("assistant_tokenizer", None)
     if assistant is not None:  # the pipeline's assistant_model: a model or where to load one from
-        hooks["assistant_model"] = load(assistant, "causal_lm", tok).model
+        hooks.update(_pipeline_assistant(lm, tok, assistant, assistant_tok))
+    elif assistant_tok is not None:
+        raise InputError("assistant_tokenizer without assistant_model: it tokenizes an assistant's drafts; pass "
+                         "assistant_model= as well")
     if getattr(lm.config, "prefix", None):
         raise ConfigError("config.json: prefix: the text-generation pipeline prepends it to each prompt; "
                           "flodl-hf's generate() does not implement it")
@@ -1588,7 +1613,8 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
             # one prompt at a time, as the pipeline: the draws come in its order, and lengths are per prompt
             for r in rows:
                 ids = generate_ids(lm, torch.tensor([r]), torch.ones(1, len(r), dtype=torch.long),
-                                   tokenizer=tok if stop_sequence is not None else None, **hooks, **kwargs)
+                                   tokenizer=tok if stop_sequence is not None or "assistant_tokenizer" in hooks
+                                   else None, **hooks, **kwargs)
                 sequences.extend(ids.tolist())
         else:
             # Left padding by hand: LLaMA tokenizers often have no pad token. Padded positions are masked out of

@@ -67,6 +67,7 @@ class Pair:
             shutil.copytree(make_checkpoint({**fields, "vocab_size": 1003}, "causal_lm", seed=7), assistant)
             _with_tokenizer(assistant, "unigram")
         import transformers
+        self.paths = main, assistant
         self.main, self.assistant = _both(main), _both(assistant)
         self.theirs_tok = [transformers.AutoTokenizer.from_pretrained(str(p)) for p in (main, assistant)]
         self.ours_tok = [Tokenizer.from_pretrained(str(p)) for p in (main, assistant)]
@@ -221,3 +222,47 @@ def test_refusals(pair):
         with pytest.raises(InputError, match=needle):
             generate_ids(ours, ids, max_new_tokens=4, **kwargs)
         assert pair.forwards[0].lengths == []
+
+
+def test_the_pipeline_one_liner_takes_an_assistant_tokenizer(pair):
+    """``generate(prompts, model, assistant_model=..., do_sample=False)`` with an assistant of another tokenizer: the
+    pipeline's ``load_assistant_model`` (the source's own tokenizer, or ``assistant_tokenizer=`` with a model; a model
+    without one is refused, as there). The records equal the pipeline's with the same assistant (or, where
+    transformers' assisted generate fails, the pipeline's without one: greedy drafts change no id), and the assistant
+    drafted."""
+    from flodl_hf.generate import generate
+    from flodl_hf.parity import quiet_transformers
+    main, assistant = pair.paths
+    prompts, settings = [TEXT, "It was the"], dict(max_new_tokens=12, do_sample=False)
+    pipeline = quiet_transformers().pipeline
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            reference = pipeline("text-generation", model=str(main), assistant_model=str(assistant))(prompts,
+                                                                                                       **settings)
+        except RuntimeError:  # its assistant's cache crop (see TranslatedDrafts)
+            reference = pipeline("text-generation", model=str(main))(prompts, **settings)
+        with pytest.raises(ValueError, match="different tokenizer"):
+            pipeline("text-generation", model=str(main), assistant_model=pair.assistant[1])
+    from flodl_hf import assisted
+    start, used = assisted.TranslatedDrafts.__init__, []
+
+    def recorded(drafts, *args):
+        start(drafts, *args)
+        used.append((drafts.tokenizer, drafts.assistant_tokenizer))
+    assisted.TranslatedDrafts.__init__ = recorded
+    try:
+        for given in (dict(assistant_model=str(assistant)),
+                      dict(assistant_model=pair.assistant[0], assistant_tokenizer=pair.ours_tok[1])):
+            used.clear()
+            assert generate(prompts, str(main), **given, **settings) == reference
+            assert len(used) == len(prompts)  # one prompt at a time, each drafting through text
+            for tokenizers in used:  # the model's tokenizer and the assistant's own
+                for tok, own in zip(tokenizers, pair.ours_tok):
+                    assert torch.equal(torch.as_tensor(tok(TEXT)["input_ids"]), own(TEXT)["input_ids"])
+    finally:
+        assisted.TranslatedDrafts.__init__ = start
+    with pytest.raises(InputError, match="pass assistant_tokenizer="):
+        generate(prompts, str(main), assistant_model=pair.assistant[0], **settings)
+    with pytest.raises(InputError, match="without assistant_model"):
+        generate(prompts, str(main), assistant_tokenizer=pair.ours_tok[1], **settings)
