@@ -264,5 +264,7 @@ def test_the_pipeline_one_liner_takes_an_assistant_tokenizer(pair):
         assisted.TranslatedDrafts.__init__ = start
     with pytest.raises(InputError, match="pass assistant_tokenizer="):
         generate(prompts, str(main), assistant_model=pair.assistant[0], **settings)
+    with pytest.raises(InputError, match="pipeline's default.*pass do_sample=False"):
+        generate(prompts, str(main), assistant_model=str(assistant), max_new_tokens=4)
     with pytest.raises(InputError, match="without assistant_model"):
         generate(prompts, str(main), assistant_tokenizer=pair.ours_tok[1], **settings)
