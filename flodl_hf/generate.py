@@ -1554,8 +1554,8 @@ def generate(prompts: str | Sequence[str] | list[dict] | list[list[dict]], model
     if settings.do_sample and "assistant_tokenizer" in hooks:
         raise InputError("assistant_model has another tokenizer, and the call samples (do_sample=True: the "
                          "pipeline's default, or the model's generation config): sampling with it (universal "
-                         "speculative decoding) is not implemented; pass do_sample=False for greedy drafts through "
-                         "text")
+                         "speculative decoding) is not implemented; pass do_sample=False (flodl-hf generate: "
+                         "--no-sample) for greedy drafts through text")
     if settings.stop_strings is not None and stop_sequence is None:
         raise InputError(f"stop_strings={settings.stop_strings!r}: the text-generation pipeline hands generate no "
                          "tokenizer for them (transformers raises); pass stop_sequence=, which it does hand one")

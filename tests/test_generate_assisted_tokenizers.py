@@ -224,12 +224,12 @@ def test_refusals(pair):
         assert pair.forwards[0].lengths == []
 
 
-def test_the_pipeline_one_liner_takes_an_assistant_tokenizer(pair):
+def test_the_pipeline_one_liner_takes_an_assistant_tokenizer(pair, capsys):
     """``generate(prompts, model, assistant_model=..., do_sample=False)`` with an assistant of another tokenizer: the
     pipeline's ``load_assistant_model`` (the source's own tokenizer, or ``assistant_tokenizer=`` with a model; a model
     without one is refused, as there). The records equal the pipeline's with the same assistant (or, where
     transformers' assisted generate fails, the pipeline's without one: greedy drafts change no id), and the assistant
-    drafted."""
+    drafted; so do ``flodl-hf generate``'s with ``--assistant DIR --no-sample``."""
     from flodl_hf.generate import generate
     from flodl_hf.parity import quiet_transformers
     main, assistant = pair.paths
@@ -266,5 +266,10 @@ def test_the_pipeline_one_liner_takes_an_assistant_tokenizer(pair):
         generate(prompts, str(main), assistant_model=pair.assistant[0], **settings)
     with pytest.raises(InputError, match="pipeline's default.*pass do_sample=False"):
         generate(prompts, str(main), assistant_model=str(assistant), max_new_tokens=4)
+    from flodl_hf.cli import main as cli  # flodl-hf generate --assistant DIR --no-sample: the same records
+    capsys.readouterr()
+    assert cli(["generate", *prompts, "-m", str(main), "--assistant", str(assistant), "--no-sample",
+                "--max-new-tokens", "12", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == reference
     with pytest.raises(InputError, match="without assistant_model"):
         generate(prompts, str(main), assistant_tokenizer=pair.ours_tok[1], **settings)
