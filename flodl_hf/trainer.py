@@ -116,7 +116,7 @@ from torch import nn
 from .distributed import (NEST_GAP, Comm, DiLoCo, ElChe, OuterOptimizer, Plan, TrainerConfigError, TrainerError,
                           WorkerLostError, blocks, deal, inner_candidates, live_overrun_ms, nest_tiers, plan_window,
                           probe_tiers, split_by_speed)
-from . import checkpoint_schema, lora
+from . import checkpoint_schema, embedding_grads, lora
 from .errors import CheckpointFormatError, InputError
 from .validate import file_above
 
@@ -307,10 +307,13 @@ class Trainer:
         try:
             self._setup()
             self._log_event("start", **self._describe())
-            if self.sync == "el-che":
-                self._run_windows()
-            else:
-                self._run_steps()
+            # The CPU embeddings' gradient tables are kept between steps (embedding_grads: the same bits,
+            # no fresh zeroed table a step); not under DDP, whose reducer holds the gradients it averages.
+            with embedding_grads.reused(self.model, enabled=self.device.type == "cpu" and self.wrapped is self.model):
+                if self.sync == "el-che":
+                    self._run_windows()
+                else:
+                    self._run_steps()
             summary = self._finish()
             self._release_groups()
         except BaseException as exc:
