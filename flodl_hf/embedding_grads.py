@@ -9,10 +9,11 @@ where zeroing a table already in memory takes 1.1 ms; XLM-R's (250,002 x 768) is
 Within :func:`reused`, the embeddings of a model add their gradient into the table of the step
 before, zeroed in place, with ``index_add_``, which walks the tokens in the same order: the same
 sums, ``torch.equal`` to ``nn.Embedding``'s gradient (``tests/test_embedding_grads.py`` checks
-it against transformers). The table is taken only when it is no one else's: the weight has no
-gradient now (``zero_grad(set_to_none=True)`` ran), the table is the one this backward gave last
-time, and no tensor or Python name holds it or a view of it (a gradient sent in flight, one a
-caller kept). Otherwise a new table is made, as ``nn.Embedding`` does. The forward is
+it against transformers). A table is taken only when it is no one else's: it is the one this
+backward gave last time as the weight's gradient (taken again once ``zero_grad(set_to_none=True)``
+let go of it), or, where the weight has a gradient already (gradient accumulation), the one it gave
+to be added to it; and no tensor or Python name holds it or a view of it (a gradient sent in flight,
+one a caller kept). Otherwise a new table is made, as ``nn.Embedding`` does. The forward is
 ``F.embedding``'s, unchanged.
 """
 
@@ -29,13 +30,16 @@ from torch.autograd.function import once_differentiable
 
 
 class _Table:
-    """The table a weight's last backward made, while it is the weight's gradient or spare."""
+    """The tables a weight's backward made: the one that became its gradient (``tensor``, kept while it
+    is the gradient and after), and the one added to a gradient already there (``extra``: gradient
+    accumulation's later micro-batches, which ``nn.Embedding`` also gives as a table of their own)."""
 
-    __slots__ = ("tensor", "ptr")
+    __slots__ = ("tensor", "extra", "ptr")
 
     def __init__(self) -> None:
         self.tensor: torch.Tensor | None = None
-        self.ptr = 0  # data_ptr of the table the last backward returned
+        self.extra: torch.Tensor | None = None
+        self.ptr = 0  # data_ptr of the table the last backward gave as the weight's new gradient
 
     def keep(self, weight: torch.Tensor) -> None:
         """After the gradient landed on ``weight`` (post-accumulate hook): keep it if it is that table."""
@@ -45,14 +49,21 @@ class _Table:
         self.ptr = 0
 
     def take(self, weight: torch.Tensor) -> torch.Tensor:
-        """A zeroed table for ``weight``'s gradient: the kept one if no one else holds it, else a new one."""
-        table, self.tensor = self.tensor, None
-        if (table is not None and weight.grad is None and sys.getrefcount(table) == 2
-                and torch._C._storage_Use_Count(table.untyped_storage()._cdata) == 2):  # its own, and this call's
+        """A zeroed table for ``weight``'s gradient: a kept one if no one else holds it, else a new one."""
+        adding = weight.grad is not None  # then the table is added to the gradient, not stolen as it
+        if adding:
+            table, self.extra = self.extra, None
+        else:
+            table, self.tensor = self.tensor, None
+        if (table is not None and sys.getrefcount(table) == 2  # this name and the call's argument
+                and torch._C._storage_Use_Count(table.untyped_storage()._cdata) == 2):  # no view, no alias
             table.zero_()
         else:
             table = torch.zeros_like(weight, memory_format=torch.contiguous_format)
-        self.ptr = table.data_ptr()
+        if adding:
+            self.extra = table  # autograd reads it and lets it go; kept for the next micro-batch
+        else:
+            self.ptr = table.data_ptr()
         return table
 
     def __deepcopy__(self, memo: dict) -> "_Table":  # a copied model starts without one
@@ -62,7 +73,7 @@ class _Table:
         return {}
 
     def __setstate__(self, state: dict) -> None:
-        self.tensor, self.ptr = None, 0
+        self.tensor, self.extra, self.ptr = None, None, 0
 
 
 class _Lookup(torch.autograd.Function):

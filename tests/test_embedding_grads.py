@@ -9,6 +9,7 @@ that someone else still holds.
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 import torch
@@ -152,12 +153,18 @@ def test_a_table_someone_holds_is_never_written():
         kept.zero_grad(set_to_none=True)
         _backward(kept, *batches[3])
         assert kept.weight.grad.data_ptr() == third  # no one holds it: taken again
-        # Accumulation (the gradient is still there): added to it, as nn.Embedding's backward does.
-        _backward(kept, *batches[4])
+        # Accumulation (the gradient is still there): a table added to it, as nn.Embedding's backward
+        # gives; the next micro-batch's table is that one again.
+        added = []
+        kept.weight.register_hook(lambda g: added.append(weakref.ref(g)))  # a weak name: no hold
         plain.zero_grad(set_to_none=True)
         _backward(plain, *batches[3])
-        _backward(plain, *batches[4])
-        assert torch.equal(plain.weight.grad, kept.weight.grad)
+        for ids, upstream in batches[4:] + batches[:2]:
+            _backward(kept, ids, upstream)
+            _backward(plain, ids, upstream)
+            assert torch.equal(plain.weight.grad, kept.weight.grad)
+        assert len(added) == 3 and added[0]() is not None and all(r() is added[0]() for r in added)
+        assert added[0]().data_ptr() != kept.weight.grad.data_ptr()
     assert type(kept) is nn.Embedding
 
 
