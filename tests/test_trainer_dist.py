@@ -1133,3 +1133,67 @@ def test_torchrun_restart_resumes_from_last_checkpoint(tmp_path):
     assert summary["attempt"] == 1 and summary["step"] == 12
     assert "step-" in summary["resumed_from"]
     assert time.monotonic() - started < 120
+
+
+# ---- kept embedding gradient tables across workers (flodl_hf.embedding_grads) -----------------------
+
+class Bag(nn.Module):
+    """Each point's 8 coordinates as word ids (0 the padding id; words repeat), their embeddings' mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = nn.Embedding(40, 16, padding_idx=0), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x * 4).round().long().clamp(-19, 20) + 19
+        return self.out(self.emb(ids).mean(1))
+
+
+def _embedding_tables(rank: int, out: str) -> dict:
+    from flodl_hf import embedding_grads
+    made: list[bool] = []  # per backward: whether it took a kept table again
+    take = embedding_grads._Table.take
+
+    def counted(self, weight):
+        slot = self.extra if weight.grad is not None else self.tensor
+        had, was = slot is not None, id(slot)
+        del slot  # a name on it would keep it from being taken
+        table = take(self, weight)
+        made.append(had and id(table) == was)
+        return table
+
+    embedding_grads._Table.take = counted
+    runs = {
+        "lead": dict(sync=ElChe(anchor=2, adaptive=False, combine="lead"), opt=adamw),
+        "average": dict(sync=ElChe(anchor=3, adaptive=False), opt=adamw, outer=DiLoCo(lr=0.7, momentum=0.9)),
+        "accumulate": dict(sync="none", opt=adamw, gradient_accumulation_steps=2),  # each worker on its own
+    }
+    result: dict = {}
+    reused = embedding_grads.reused
+    for name, kw in runs.items():
+        made.clear()
+        kept = flat(run(Bag(), epochs=2, shuffle=False, verify_sync=True, **kw).model)
+        tables = (len(made), made.count(False))
+        embedding_grads.reused = lambda model, enabled=True: reused(model, False)  # nn.Embedding's own backward
+        try:
+            fresh = flat(run(Bag(), epochs=2, shuffle=False, verify_sync=True, **kw).model)
+        finally:
+            embedding_grads.reused = reused
+        result[name] = (kept, fresh, tables)
+    return result
+
+
+def test_kept_embedding_tables_give_the_same_bits_across_el_che_workers(tmp_path):
+    """El Che's one optimizer (gradients sent to the lead, the lead's own assigned from its receive
+    buffers), averaging with DiLoCo, and gradient accumulation (each worker on its own): the same
+    parameters with the embedding tables kept between steps as with nn.Embedding's fresh table a
+    step, on both workers."""
+    res = spawn(_embedding_tables, tmp_path, deadline=120.0)
+    for name in ("lead", "average", "accumulate"):
+        for r in range(2):
+            kept, fresh, (backwards, made) = res[r][name]
+            assert torch.equal(kept, fresh), (name, r)
+            assert backwards >= 8 and made <= 2, (name, r, backwards, made)  # taken again, not one a backward
+        assert name == "accumulate" or torch.equal(res[0][name][0], res[1][name][0]), name
+        assert not torch.equal(res[0][name][0], flat(Bag())), name  # it trained
