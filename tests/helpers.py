@@ -116,6 +116,18 @@ def assert_training_step_equal(ours, theirs, batch: dict) -> torch.Tensor:
     return losses[0]
 
 
+def assert_recorded_step_equal(theirs, batch: dict, loss: torch.Tensor, grads: dict) -> None:
+    """A loss and gradients recorded during our trainer's step on ``batch`` (gradients by parameter name)
+    torch.equal to transformers' model ``theirs`` on that batch (its names match ours here)."""
+    theirs.zero_grad(set_to_none=True)
+    ref = theirs(**batch)
+    ref.loss.backward()
+    assert torch.equal(loss, ref.loss.detach())
+    ref_grads = {n: p.grad for n, p in theirs.named_parameters() if p.grad is not None}
+    assert set(grads) == set(ref_grads)
+    assert [n for n in grads if not torch.equal(grads[n], ref_grads[n])] == []
+
+
 def dropout_acted(model, batch: dict, loss: torch.Tensor) -> bool:
     """Whether ``model`` in eval mode gives another loss on ``batch`` than ``loss`` (taken in train mode)."""
     model.eval()

@@ -20,7 +20,7 @@ from flodl_hf.auto import load_model
 from flodl_hf.parity import reference_model
 from flodl_hf.trainer import Trainer
 
-from helpers import make_checkpoint
+from helpers import assert_recorded_step_equal, make_checkpoint
 
 WIDE = {"model_type": "bert", "hidden_size": 384, "num_hidden_layers": 1, "num_attention_heads": 6,
         "intermediate_size": 1536, "vocab_size": 30522, "max_position_embeddings": 128, "num_labels": 2,
@@ -77,14 +77,7 @@ def test_each_step_equals_transformers_and_the_table_is_reused(task):
     t.fit()
     assert len(seen) == len(grads_seen) == 4
     for (batch, loss), grads in zip(seen, grads_seen):
-        theirs.zero_grad(set_to_none=True)
-        ref = theirs(**batch)
-        ref.loss.backward()
-        assert torch.equal(loss, ref.loss.detach())
-        ref_grads = {n: p.grad for n, p in theirs.named_parameters() if p.grad is not None}
-        assert set(grads) == set(ref_grads)
-        unequal = [n for n in grads if not torch.equal(grads[n], ref_grads[n])]
-        assert not unequal
+        assert_recorded_step_equal(theirs, batch, loss, grads)
     if task == "seqcls":  # one table for all steps; with the tied decoder the sum may land elsewhere
         assert len(set(tables)) == 1
     # After fit the modules are plain nn.Embedding again, holding no table.

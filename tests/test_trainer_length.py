@@ -18,7 +18,7 @@ from flodl_hf.auto import load_model
 from flodl_hf.parity import reference_model
 from flodl_hf.trainer import ElChe, Trainer, TrainerConfigError, length_batches
 
-from helpers import make_checkpoint
+from helpers import assert_recorded_step_equal, make_checkpoint
 
 SMALL = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
          "intermediate_size": 64, "vocab_size": 256, "max_position_embeddings": 64, "num_labels": 2,
@@ -89,13 +89,7 @@ def test_each_batch_loss_and_gradients_equal_transformers():
         assert batch["input_ids"].numel() <= 160 or len(batch["input_ids"]) == 1
         assert bool(batch["attention_mask"][:, -1].any())  # padded to its own longest text, no further
         widths.add(batch["input_ids"].shape[1])
-        theirs.zero_grad(set_to_none=True)
-        ref = theirs(**batch)
-        ref.loss.backward()
-        assert torch.equal(loss, ref.loss.detach())
-        ref_grads = {n: p.grad for n, p in theirs.named_parameters() if p.grad is not None}
-        assert set(grads) == set(ref_grads)
-        assert all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+        assert_recorded_step_equal(theirs, batch, loss, grads)
     assert len(widths) > 3  # batches of several lengths, not one padded width
 
 
