@@ -15,12 +15,12 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.config import Activation
+from flodl_hf.core.config import Activation
 from flodl_hf.families.bert import Bert, BertConfig, BertEmbeddings, BertModel, BertSelfAttention
-from flodl_hf.layers import activation
-from flodl_hf.modeling import HeadPart
-from flodl_hf.outputs import BaseModelOutput
-from flodl_hf.registry import register
+from flodl_hf.core.layers import activation
+from flodl_hf.core.modeling import HeadPart
+from flodl_hf.core.outputs import BaseModelOutput
+from flodl_hf.core.registry import register
 
 
 @dataclass

@@ -13,14 +13,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.config import Activation, BaseConfig
-from flodl_hf.errors import ConfigError
+from flodl_hf.core.config import Activation, BaseConfig
+from flodl_hf.core.errors import ConfigError
 from flodl_hf.heads import ModelForMaskedLM
-from flodl_hf.keys import LEGACY_LAYERNORM
-from flodl_hf.layers import activation, attend, split_heads
-from flodl_hf.modeling import Backbone, HeadPart, positional_order
-from flodl_hf.outputs import BaseModelOutputWithPoolingAndCrossAttentions
-from flodl_hf.registry import Family, register
+from flodl_hf.core.keys import LEGACY_LAYERNORM
+from flodl_hf.core.layers import activation, attend, split_heads
+from flodl_hf.core.modeling import Backbone, HeadPart, positional_order
+from flodl_hf.core.outputs import BaseModelOutputWithPoolingAndCrossAttentions
+from flodl_hf.core.registry import Family, register
 
 @dataclass
 class BertConfig(BaseConfig):

@@ -15,10 +15,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.decoder import KVCache, rotary_cos_sin
+from flodl_hf.core.decoder import KVCache, rotary_cos_sin
 from flodl_hf.heads.causal_lm import LMHead
-from flodl_hf.modeling import HeadPart
-from flodl_hf.registry import register
+from flodl_hf.core.modeling import HeadPart
+from flodl_hf.core.registry import register
 
 from .gptj import rotate_every_two
 from .llama import Llama, LlamaAttention, LlamaConfig, LlamaModel

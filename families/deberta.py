@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flodl_hf.errors import ConfigError
-from flodl_hf.layers import record_attention
-from flodl_hf.registry import register
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.core.layers import record_attention
+from flodl_hf.core.registry import register
 
 from .deberta_v2 import (DebertaV2, DebertaV2Attention, DebertaV2Config, DebertaV2Embeddings, DebertaV2Encoder,
                          DebertaV2Layer, DebertaV2Model, DisentangledSelfAttention, scaled_size_sqrt)

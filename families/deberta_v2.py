@@ -20,14 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flodl_hf.config import Activation
-from flodl_hf.errors import ConfigError
+from flodl_hf.core.config import Activation
+from flodl_hf.core.errors import ConfigError
 from flodl_hf.heads import PooledClassifier, TokenClassifier
-from flodl_hf.layers import activation, record_attention
-from flodl_hf.modeling import HeadPart, PreTrainedModel, mount_last
-from flodl_hf.outputs import BaseModelOutput
-from flodl_hf.keys import LEGACY_LAYERNORM
-from flodl_hf.registry import Family, register
+from flodl_hf.core.layers import activation, record_attention
+from flodl_hf.core.modeling import HeadPart, PreTrainedModel, mount_last
+from flodl_hf.core.outputs import BaseModelOutput
+from flodl_hf.core.keys import LEGACY_LAYERNORM
+from flodl_hf.core.registry import Family, register
 
 from .bert import (BertAttention, BertConfig, BertEncoder, BertLayer, BertLMPredictionHead, BertMLMHead,
                    BertModel, BertPredictionHeadTransform)

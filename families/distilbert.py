@@ -16,15 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flodl_hf.config import Activation, BaseConfig
-from flodl_hf.errors import ConfigError
+from flodl_hf.core.config import Activation, BaseConfig
+from flodl_hf.core.errors import ConfigError
 from flodl_hf.families.bert import BertEncoder
 from flodl_hf.heads import (ModelForMaskedLM, ModelForMultipleChoice, ModelForQuestionAnswering,
                             ModelForSequenceClassification, ModelForTokenClassification)
-from flodl_hf.keys import LEGACY_LAYERNORM
-from flodl_hf.layers import activation, attend, split_heads
-from flodl_hf.modeling import Backbone, HeadPart, positional_order
-from flodl_hf.registry import Family, register
+from flodl_hf.core.keys import LEGACY_LAYERNORM
+from flodl_hf.core.layers import activation, attend, split_heads
+from flodl_hf.core.modeling import Backbone, HeadPart, positional_order
+from flodl_hf.core.registry import Family, register
 
 EPS = 1e-12  # DistilBERT hard-codes it; there is no config field
 

@@ -21,16 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flodl_hf.config import Activation
-from flodl_hf.errors import ConfigError
+from flodl_hf.core.config import Activation
+from flodl_hf.core.errors import ConfigError
 from flodl_hf.families.bert import Bert, BertConfig, BertEmbeddings, BertModel
 from flodl_hf.families.roberta import RobertaClassificationHead, RobertaSequenceHead
 from flodl_hf.heads.multiple_choice import SequenceSummary
-from flodl_hf.layers import activation
-from flodl_hf.modeling import HeadPart, TaskModel, mount_last
-from flodl_hf.outputs import ModelOutput
-from flodl_hf.registry import register
-from flodl_hf.task_registry import Task, register_task
+from flodl_hf.core.layers import activation
+from flodl_hf.core.modeling import HeadPart, TaskModel, mount_last
+from flodl_hf.core.outputs import ModelOutput
+from flodl_hf.core.registry import register
+from flodl_hf.core.task_registry import Task, register_task
 
 SUMMARY_TYPES = ("first", "last", "mean", "cls_index")
 

@@ -12,10 +12,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.config import Activation
-from flodl_hf.errors import ConfigError
-from flodl_hf.layers import LazyBuffers, cast_lazy_buffers
-from flodl_hf.registry import register
+from flodl_hf.core.config import Activation
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.core.layers import LazyBuffers, cast_lazy_buffers
+from flodl_hf.core.registry import register
 
 from .llama import Llama, LlamaConfig, LlamaModel
 

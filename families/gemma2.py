@@ -15,13 +15,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.config import Activation
-from flodl_hf.decoder import KVCache, SwiGLU
-from flodl_hf.errors import ConfigError
+from flodl_hf.core.config import Activation
+from flodl_hf.core.decoder import KVCache, SwiGLU
+from flodl_hf.core.errors import ConfigError
 from flodl_hf.heads.causal_lm import LMHead
-from flodl_hf.layers import activation
-from flodl_hf.modeling import HeadPart
-from flodl_hf.registry import register
+from flodl_hf.core.layers import activation
+from flodl_hf.core.modeling import HeadPart
+from flodl_hf.core.registry import register
 
 from .gemma import Gemma, GemmaConfig, GemmaModel
 from .llama import FULL, SLIDING, LlamaAttention, LlamaConfig, LlamaDecoderLayer

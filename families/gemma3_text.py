@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 
-from flodl_hf.decoder import Rope
-from flodl_hf.errors import ConfigError
-from flodl_hf.registry import register
+from flodl_hf.core.decoder import Rope
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.core.registry import register
 
 from .gemma import GemmaRMSNorm
 from .gemma2 import Gemma2, Gemma2Attention, Gemma2Config, Gemma2Model

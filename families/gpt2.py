@@ -22,17 +22,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flodl_hf.config import Activation, BaseConfig
-from flodl_hf.errors import ConfigError, InputError
+from flodl_hf.core.config import Activation, BaseConfig
+from flodl_hf.core.errors import ConfigError, InputError
 from flodl_hf.heads import TokenClassifier
 from flodl_hf.heads.causal_lm import ModelForCausalLM
 from flodl_hf.heads.multiple_choice import SequenceSummary
-from flodl_hf.layers import Conv1D, Draw, activation, record_attention
-from flodl_hf.modeling import Backbone, HeadPart, TaskModel, record_last_hidden_state
-from flodl_hf.outputs import (BaseModelOutputWithPast, CausalLMOutput, ModelOutput, QuestionAnsweringModelOutput,
-                              SequenceClassifierOutputWithPast, TokenClassifierOutput)
-from flodl_hf.registry import register
-from flodl_hf.task_registry import Task, register_task
+from flodl_hf.core.layers import Conv1D, Draw, activation, record_attention
+from flodl_hf.core.modeling import Backbone, HeadPart, TaskModel, record_last_hidden_state
+from flodl_hf.core.outputs import (BaseModelOutputWithPast, CausalLMOutput, ModelOutput,
+                                   QuestionAnsweringModelOutput, SequenceClassifierOutputWithPast,
+                                   TokenClassifierOutput)
+from flodl_hf.core.registry import register
+from flodl_hf.core.task_registry import Task, register_task
 
 from .llama import (DecoderForQuestionAnswering, DecoderForSequenceClassification, DecoderForTokenClassification, FULL,
                     Llama, LlamaAttention, LlamaModel, token_dropout)

@@ -21,13 +21,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.config import Activation, BaseConfig
-from flodl_hf.decoder import ROPE_TYPES, KVCache, Rope, _number
+from flodl_hf.core.config import Activation, BaseConfig
+from flodl_hf.core.decoder import ROPE_TYPES, KVCache, Rope, _number
 from flodl_hf.heads import TokenClassifier
 from flodl_hf.heads.causal_lm import ModelForCausalLM
-from flodl_hf.layers import LazyBuffers, activation
-from flodl_hf.modeling import Backbone, HeadPart, positional_order
-from flodl_hf.registry import register
+from flodl_hf.core.layers import LazyBuffers, activation
+from flodl_hf.core.modeling import Backbone, HeadPart, positional_order
+from flodl_hf.core.registry import register
 
 from .gpt2 import GPT2ForQuestionAnswering, GPT2ForTokenClassification
 from .llama import (FULL, DecoderForSequenceClassification, Llama, LlamaAttention, LlamaModel,

@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flodl_hf.errors import ConfigError
+from flodl_hf.core.errors import ConfigError
 from flodl_hf.heads.causal_lm import LMHead, ModelForCausalLM
-from flodl_hf.layers import LazyBuffers, activation, record_attention
-from flodl_hf.modeling import Backbone, HeadPart
-from flodl_hf.outputs import BaseModelOutputWithPast, CausalLMOutput
-from flodl_hf.registry import register
+from flodl_hf.core.layers import LazyBuffers, activation, record_attention
+from flodl_hf.core.modeling import Backbone, HeadPart
+from flodl_hf.core.outputs import BaseModelOutputWithPast, CausalLMOutput
+from flodl_hf.core.registry import register
 
 from .gpt2 import GPT2, GPT2StyleConfig
 from .llama import Llama, LlamaAttention, LlamaModel

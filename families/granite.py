@@ -13,11 +13,11 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.decoder import KVCache
-from flodl_hf.errors import ConfigError
+from flodl_hf.core.decoder import KVCache
+from flodl_hf.core.errors import ConfigError
 from flodl_hf.heads.causal_lm import LMHead
-from flodl_hf.modeling import HeadPart
-from flodl_hf.registry import register
+from flodl_hf.core.modeling import HeadPart
+from flodl_hf.core.registry import register
 
 from .llama import Llama, LlamaAttention, LlamaConfig, LlamaDecoderLayer, LlamaModel
 

@@ -24,14 +24,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.config import Activation
-from flodl_hf.decoder import SwiGLU
+from flodl_hf.core.config import Activation
+from flodl_hf.core.decoder import SwiGLU
 from flodl_hf.families.nomic_bert import NomicBert, NomicBertConfig, NomicBertModel
 from flodl_hf.families.roberta import RobertaLMHead, RobertaMLMHead
-from flodl_hf.keys import FileLayout
-from flodl_hf.layers import activation
-from flodl_hf.modeling import HeadPart
-from flodl_hf.registry import register
+from flodl_hf.core.keys import FileLayout
+from flodl_hf.core.layers import activation
+from flodl_hf.core.modeling import HeadPart
+from flodl_hf.core.registry import register
 
 
 @dataclass

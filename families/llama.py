@@ -29,18 +29,18 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.config import Activation, BaseConfig
-from flodl_hf.decoder import (ROPE_TYPES, KVCache, Rope, RMSNorm, SwiGLU, apply_rotary_pos_emb, as_cache,
-                              causal_mask, grouped_attend, rotary_cos_sin)
-from flodl_hf.errors import ConfigError, InputError
+from flodl_hf.core.config import Activation, BaseConfig
+from flodl_hf.core.decoder import (ROPE_TYPES, KVCache, Rope, RMSNorm, SwiGLU, apply_rotary_pos_emb, as_cache,
+                                   causal_mask, grouped_attend, rotary_cos_sin)
+from flodl_hf.core.errors import ConfigError, InputError
 from flodl_hf.heads import (ModelForQuestionAnswering, ModelForSequenceClassification, ModelForTokenClassification,
                             SpanClassifier)
 from flodl_hf.heads.causal_lm import LMHead
-from flodl_hf.layers import MaskSpec, LazyBuffers, activation
-from flodl_hf.modeling import Backbone, HeadPart, TaskModel, check_forward_inputs
-from flodl_hf.outputs import (BaseModelOutputWithPast, QuestionAnsweringModelOutput, SequenceClassifierOutputWithPast,
-                              TokenClassifierOutput)
-from flodl_hf.registry import Family, register
+from flodl_hf.core.layers import MaskSpec, LazyBuffers, activation
+from flodl_hf.core.modeling import Backbone, HeadPart, TaskModel, check_forward_inputs
+from flodl_hf.core.outputs import (BaseModelOutputWithPast, QuestionAnsweringModelOutput,
+                                   SequenceClassifierOutputWithPast, TokenClassifierOutput)
+from flodl_hf.core.registry import Family, register
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -249,7 +249,7 @@ class LlamaModel(Backbone):
     # transformers' forward runs ``self.layers[: config.num_hidden_layers]``, so assisted decoding's early exit
     # (``assistant_early_exit=k``, which lowers that count while the model drafts) runs the first k layers; a family
     # whose forward runs every layer whatever the count says sets it False (transformers' early exit fails there on
-    # a cache of fewer layers: refused, flodl_hf.generate)
+    # a cache of fewer layers: refused, flodl_hf.generation.generate)
     exits_early: ClassVar[bool] = True
 
     def __init__(self, config: LlamaConfig, add_pooling_layer: bool = False) -> None:

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from flodl_hf.errors import ConfigError
-from flodl_hf.registry import register
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.core.registry import register
 
 from .llama import FULL, SLIDING, Llama
 from .mistral import Mistral, MistralConfig

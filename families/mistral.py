@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from flodl_hf.registry import register
+from flodl_hf.core.registry import register
 
 from .llama import DecoderForQuestionAnswering, Llama, LlamaConfig
 

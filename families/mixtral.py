@@ -28,12 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flodl_hf.errors import ConfigError, InputError
+from flodl_hf.core.errors import ConfigError, InputError
 from flodl_hf.heads.causal_lm import ModelForCausalLM, keep_last
-from flodl_hf.keys import Merge
-from flodl_hf.layers import activation
-from flodl_hf.outputs import BaseModelOutputWithPast, ModelOutput
-from flodl_hf.registry import register
+from flodl_hf.core.keys import Merge
+from flodl_hf.core.layers import activation
+from flodl_hf.core.outputs import BaseModelOutputWithPast, ModelOutput
+from flodl_hf.core.registry import register
 
 from .llama import LlamaModel
 from .mistral import Mistral, MistralConfig

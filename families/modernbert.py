@@ -22,15 +22,15 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.config import Activation, BaseConfig
-from flodl_hf.errors import ConfigError
-from flodl_hf.layers import (PADDING, Draw, MaskSpec, LazyBuffers, activation, apply_rotary, attend, rope_cos_sin,
-                             rope_inverse_frequencies)
+from flodl_hf.core.config import Activation, BaseConfig
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.core.layers import (PADDING, Draw, MaskSpec, LazyBuffers, activation, apply_rotary, attend,
+                                  rope_cos_sin, rope_inverse_frequencies)
 from flodl_hf.heads import (ModelForMaskedLM, ModelForMultipleChoice, ModelForQuestionAnswering,
                             ModelForSequenceClassification, ModelForTokenClassification)
-from flodl_hf.modeling import Backbone, HeadPart, positional_order
-from flodl_hf.outputs import MaskedLMOutput
-from flodl_hf.registry import Family, register
+from flodl_hf.core.modeling import Backbone, HeadPart, positional_order
+from flodl_hf.core.outputs import MaskedLMOutput
+from flodl_hf.core.registry import Family, register
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 DEFAULT_THETA = {FULL: 160_000.0, SLIDING: 10_000.0}  # ModernBertConfig.default_theta

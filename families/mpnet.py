@@ -26,10 +26,10 @@ from flodl_hf.families.bert import BertEncoder, BertLayer, BertModel
 from flodl_hf.families.roberta import Roberta, RobertaConfig, RobertaEmbeddings
 from flodl_hf.heads import (ModelForMaskedLM, ModelForMultipleChoice, ModelForQuestionAnswering,
                             ModelForSequenceClassification, ModelForTokenClassification)
-from flodl_hf.layers import record_attention, split_heads
-from flodl_hf.modeling import positional_order
-from flodl_hf.outputs import BaseModelOutput
-from flodl_hf.registry import register
+from flodl_hf.core.layers import record_attention, split_heads
+from flodl_hf.core.modeling import positional_order
+from flodl_hf.core.outputs import BaseModelOutput
+from flodl_hf.core.registry import register
 
 PADDING_IDX = 1  # MPNetEmbeddings.padding_idx, fixed
 

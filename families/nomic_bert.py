@@ -26,15 +26,15 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.config import Activation, BaseConfig
-from flodl_hf.decoder import ROPE_TYPES, Rope, SwiGLU
-from flodl_hf.errors import ConfigError
+from flodl_hf.core.config import Activation, BaseConfig
+from flodl_hf.core.decoder import ROPE_TYPES, Rope, SwiGLU
+from flodl_hf.core.errors import ConfigError
 from flodl_hf.families.bert import BertLMPredictionHead, BertMLMHead, BertPooler, BertPredictionHeadTransform
 from flodl_hf.families.llama import LlamaAttention, LlamaModel
-from flodl_hf.keys import FileLayout
-from flodl_hf.layers import LazyBuffers, activation, attend
-from flodl_hf.modeling import Backbone, HeadPart, PreTrainedModel
-from flodl_hf.registry import Family, register
+from flodl_hf.core.keys import FileLayout
+from flodl_hf.core.layers import LazyBuffers, activation, attend
+from flodl_hf.core.modeling import Backbone, HeadPart, PreTrainedModel
+from flodl_hf.core.registry import Family, register
 
 
 # ---- config ----------------------------------------------------------------------------------------------

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flodl_hf.decoder import _number
-from flodl_hf.errors import ConfigError
-from flodl_hf.registry import register
+from flodl_hf.core.decoder import _number
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.core.registry import register
 
 from .llama import Llama, LlamaAttention, LlamaConfig, LlamaModel
 from .olmo2 import Olmo2Attention, Olmo2Model

@@ -14,8 +14,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.decoder import KVCache, RMSNorm, apply_rotary_pos_emb, rotary_cos_sin
-from flodl_hf.registry import register
+from flodl_hf.core.decoder import KVCache, RMSNorm, apply_rotary_pos_emb, rotary_cos_sin
+from flodl_hf.core.registry import register
 
 from .llama import Llama, LlamaAttention, LlamaConfig, LlamaModel
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from flodl_hf.decoder import Rope
-from flodl_hf.errors import ConfigError
-from flodl_hf.registry import register
+from flodl_hf.core.decoder import Rope
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.core.registry import register
 
 from .llama import FULL, SLIDING
 from .gemma3_text import rope_per_kind

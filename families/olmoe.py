@@ -23,9 +23,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.decoder import RMSNorm
-from flodl_hf.errors import ConfigError
-from flodl_hf.registry import register
+from flodl_hf.core.decoder import RMSNorm
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.core.registry import register
 
 from .llama import Llama, LlamaAttention, LlamaConfig
 from .mixtral import MixtralForCausalLM, MixtralModel, alias_from_dict, check_routing

@@ -22,13 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flodl_hf.config import Activation, BaseConfig
-from flodl_hf.decoder import KVCache
-from flodl_hf.errors import ConfigError
+from flodl_hf.core.config import Activation, BaseConfig
+from flodl_hf.core.decoder import KVCache
+from flodl_hf.core.errors import ConfigError
 from flodl_hf.heads.causal_lm import ModelForCausalLM
-from flodl_hf.layers import activation
-from flodl_hf.modeling import Backbone, positional_order
-from flodl_hf.registry import register
+from flodl_hf.core.layers import activation
+from flodl_hf.core.modeling import Backbone, positional_order
+from flodl_hf.core.registry import register
 
 from .llama import (FULL, DecoderForQuestionAnswering, DecoderForSequenceClassification, Llama, LlamaAttention,
                     LlamaModel)

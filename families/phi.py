@@ -17,12 +17,12 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.config import Activation
-from flodl_hf.decoder import KVCache
-from flodl_hf.errors import ConfigError
-from flodl_hf.layers import LazyBuffers, activation
-from flodl_hf.modeling import Backbone, HeadPart
-from flodl_hf.registry import register
+from flodl_hf.core.config import Activation
+from flodl_hf.core.decoder import KVCache
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.core.layers import LazyBuffers, activation
+from flodl_hf.core.modeling import Backbone, HeadPart
+from flodl_hf.core.registry import register
 
 from .gptj import GPTJLMHead
 from .llama import Llama, LlamaAttention, LlamaConfig, LlamaModel

@@ -17,10 +17,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.decoder import KVCache, Rope, _factors, _number
-from flodl_hf.errors import ConfigError
-from flodl_hf.layers import activation
-from flodl_hf.registry import register
+from flodl_hf.core.decoder import KVCache, Rope, _factors, _number
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.core.layers import activation
+from flodl_hf.core.registry import register
 
 from .llama import LlamaAttention, LlamaConfig, LlamaDecoderLayer, LlamaModel
 from .mistral import Mistral, MistralConfig

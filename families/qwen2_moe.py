@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flodl_hf.decoder import SwiGLU
-from flodl_hf.errors import ConfigError
-from flodl_hf.keys import Merge
-from flodl_hf.layers import activation
-from flodl_hf.registry import register
+from flodl_hf.core.decoder import SwiGLU
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.core.keys import Merge
+from flodl_hf.core.layers import activation
+from flodl_hf.core.registry import register
 
 from .llama import FULL, SLIDING, DecoderForQuestionAnswering
 from .mixtral import MixtralExperts, MixtralForCausalLM, MixtralModel, MixtralTopKRouter, check_routing

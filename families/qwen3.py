@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 
-from flodl_hf.decoder import RMSNorm
-from flodl_hf.registry import register
+from flodl_hf.core.decoder import RMSNorm
+from flodl_hf.core.registry import register
 
 from .llama import LlamaAttention, LlamaModel
 from .qwen2 import Qwen2, Qwen2Config

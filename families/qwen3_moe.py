@@ -24,10 +24,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.decoder import SwiGLU
-from flodl_hf.errors import ConfigError
-from flodl_hf.layers import activation
-from flodl_hf.registry import register
+from flodl_hf.core.decoder import SwiGLU
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.core.layers import activation
+from flodl_hf.core.registry import register
 
 from .llama import FULL, SLIDING
 from .mixtral import MixtralExperts, MixtralForCausalLM, MixtralModel, alias_from_dict

@@ -18,8 +18,8 @@ from torch import nn
 
 from flodl_hf.families.bert import Bert, BertConfig, BertEmbeddings, BertForMaskedLM, BertModel
 from flodl_hf.heads import ModelForMultipleChoice
-from flodl_hf.modeling import HeadPart, mount_last, positional_order
-from flodl_hf.registry import register
+from flodl_hf.core.modeling import HeadPart, mount_last, positional_order
+from flodl_hf.core.registry import register
 
 
 @dataclass

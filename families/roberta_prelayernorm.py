@@ -18,9 +18,9 @@ from torch import nn
 
 from flodl_hf.families.bert import BertEncoder, BertLayer, BertSelfAttention
 from flodl_hf.families.roberta import Roberta, RobertaConfig, RobertaModel
-from flodl_hf.layers import activation
-from flodl_hf.modeling import mount_last
-from flodl_hf.registry import register
+from flodl_hf.core.layers import activation
+from flodl_hf.core.modeling import mount_last
+from flodl_hf.core.registry import register
 
 
 @dataclass

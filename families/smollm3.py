@@ -24,8 +24,8 @@ from typing import ClassVar
 
 import torch
 
-from flodl_hf.errors import ConfigError
-from flodl_hf.registry import register
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.core.registry import register
 
 from .llama import FULL, SLIDING, Llama, LlamaAttention, LlamaConfig, LlamaModel
 

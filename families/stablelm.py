@@ -17,10 +17,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.decoder import KVCache, _number
-from flodl_hf.errors import ConfigError
-from flodl_hf.modeling import HeadPart
-from flodl_hf.registry import register
+from flodl_hf.core.decoder import KVCache, _number
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.core.modeling import HeadPart
+from flodl_hf.core.registry import register
 
 from .llama import Llama, LlamaAttention, LlamaConfig, LlamaModel, ScoreHead, check_heads_from_hidden
 

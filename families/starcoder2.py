@@ -14,9 +14,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from flodl_hf.config import Activation
-from flodl_hf.layers import activation
-from flodl_hf.registry import register
+from flodl_hf.core.config import Activation
+from flodl_hf.core.layers import activation
+from flodl_hf.core.registry import register
 
 from .llama import Llama, LlamaAttention, LlamaConfig, LlamaModel
 

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from flodl_hf.families.roberta import Roberta, RobertaConfig
-from flodl_hf.registry import register
+from flodl_hf.core.registry import register
 
 
 @dataclass

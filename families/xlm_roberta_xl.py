@@ -18,7 +18,7 @@ from torch import nn
 from flodl_hf.families.bert import BertEncoder, BertIntermediate, BertLayer
 from flodl_hf.families.roberta import Roberta, RobertaConfig, RobertaEmbeddings, RobertaModel
 from flodl_hf.families.roberta_prelayernorm import RobertaPreLayerNormAttention
-from flodl_hf.registry import register
+from flodl_hf.core.registry import register
 
 
 @dataclass

@@ -15,14 +15,15 @@ from typing import Any
 
 import torch
 
-from . import io, keys
-from .config import Activation, BaseConfig
-from .errors import CheckpointFormatError, ConfigError, InputError, UnsupportedModelError, WeightsMismatchError
-from .keys import has_pooler
-from .layers import check_attn_implementation, init_weights
-from .modeling import PreTrainedModel, load_weights, meta_device
-from .registry import Family, get_family, parse_architecture
-from .task_registry import task_names, tasks
+from flodl_hf.core import io, keys
+from flodl_hf.core.config import Activation, BaseConfig
+from flodl_hf.core.errors import (CheckpointFormatError, ConfigError, InputError, UnsupportedModelError,
+                                  WeightsMismatchError)
+from flodl_hf.core.keys import has_pooler
+from flodl_hf.core.layers import check_attn_implementation, init_weights
+from flodl_hf.core.modeling import PreTrainedModel, load_weights, meta_device
+from flodl_hf.core.registry import Family, get_family, parse_architecture
+from flodl_hf.core.task_registry import task_names, tasks
 
 
 def config_from_dict(data: dict[str, Any], where: str = "config.json") -> BaseConfig:
@@ -35,7 +36,7 @@ def family_and_config(data: dict[str, Any], where: str = "config.json") -> tuple
     if "auto_map" in data:
         raise ConfigError(f"{where}: declares auto_map (custom code on the hub). flodl-hf never runs remote "
                           "code; use a checkpoint of a supported family without auto_map.")
-    from .validate import check_config_dict
+    from flodl_hf.core.validate import check_config_dict
     check_config_dict(data, where)
     model_type = data.get("model_type")
     if not model_type:
@@ -67,7 +68,7 @@ def _config_path(source: str | os.PathLike, revision: str | None = None, hub: di
     resolved checkpoint's (a hub id)."""
     path = Path(str(source)).expanduser() / ((hub or {}).get("subfolder") or "")
     if path.is_dir():
-        from .validate import is_within
+        from flodl_hf.core.validate import is_within
         if (path / io.CONFIG_NAME).is_symlink() and not is_within(path / io.CONFIG_NAME, io.link_root(path)):
             raise CheckpointFormatError(f"{path / io.CONFIG_NAME} is a link to a file outside {path}: nothing is read "
                                         "from there; copy the file in instead")
@@ -308,7 +309,7 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | s
     # transformers' (measured: ulps apart on a tied LLaMA head).
     with torch.inference_mode(False):
         tensors = io.load_tensors(ckpt, dtype)
-        from .validate import check_config_fits
+        from flodl_hf.core.validate import check_config_fits
         check_config_fits(config, tensors, str(ckpt.config_path))
         with meta_device():
             model = family.build(config, task, add_pooling_layer=has_pooler(tensors) and bool(add_pooling_layer))
@@ -333,7 +334,7 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | s
                       "before using it for predictions.", stacklevel=2)
     model.source_root = ckpt.root.absolute()  # the trainer records it, so an export of a fine-tune carries the source's card
     if adapter is not None:
-        from .lora import load_adapter
+        from flodl_hf.lora import load_adapter
         load_adapter(model, adapter)
     if device is not None:
         model.to(device)

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from .errors import FlodlHFError
+from flodl_hf.core.errors import FlodlHFError
 
 COMMAND_MODULES = (
     "flodl_hf.commands.parity",

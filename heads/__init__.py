@@ -3,7 +3,7 @@
 A task model is a backbone plus a HeadPart the family builds (``Family.sequence_head``
 and friends). The defaults here serve the BERT lineage; a family overrides a
 factory only where its head differs. Which task model runs which task is the task
-registry's (``flodl_hf.task_registry``) and the family's (``Family.task_models``).
+registry's (``flodl_hf.core.task_registry``) and the family's (``Family.task_models``).
 """
 
 from .masked_lm import ModelForMaskedLM

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flodl_hf.modeling import HeadPart, TaskModel
-from flodl_hf.outputs import CausalLMOutput
-from flodl_hf.task_registry import Task, register_task
+from flodl_hf.core.modeling import HeadPart, TaskModel
+from flodl_hf.core.outputs import CausalLMOutput
+from flodl_hf.core.task_registry import Task, register_task
 
 
 class LMHead(HeadPart):
@@ -81,13 +81,13 @@ class ModelForCausalLM(TaskModel):
         what an assistant model's settings are read from), as in transformers."""
         config = self.__dict__.get("_generation_config")
         if config is None:
-            from flodl_hf.generate import model_generation_config
+            from flodl_hf.generation.generate import model_generation_config
             config = self.__dict__["_generation_config"] = model_generation_config(self)
         return config
 
     @generation_config.setter
     def generation_config(self, value: Any) -> None:
-        from flodl_hf.errors import InputError
+        from flodl_hf.core.errors import InputError
         if not callable(getattr(value, "to_diff_dict", None)):
             raise InputError(f"generation_config={type(value).__name__}: expected a transformers GenerationConfig")
         self.__dict__["_generation_config"] = value
@@ -97,7 +97,7 @@ class ModelForCausalLM(TaskModel):
         included), as transformers' ``save_pretrained`` writes it for a model that can generate. It is validated
         first, strictly when it was edited (``GenerationConfig.save_pretrained``'s rule), and a configuration
         transformers refuses to save is a ConfigError before anything is written."""
-        from flodl_hf.errors import ConfigError
+        from flodl_hf.core.errors import ConfigError
         config = self.generation_config
         edited = getattr(config, "_original_object_hash", None) != hash(config)
         try:
@@ -111,10 +111,10 @@ class ModelForCausalLM(TaskModel):
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config: Any = None, **kwargs: Any) -> Any:
         """transformers' ``model.generate``: the prompts and their new tokens, (B, S + n) ids (a
-        ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate=True``); see ``flodl_hf.generate.generate_ids``
+        ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate=True``); see ``flodl_hf.generation.generate.generate_ids``
         for the keywords it takes. ``inputs`` is ``input_ids``, as transformers' first argument."""
-        from flodl_hf.errors import InputError
-        from flodl_hf.generate import generate_ids
+        from flodl_hf.core.errors import InputError
+        from flodl_hf.generation.generate import generate_ids
         input_ids = kwargs.pop("input_ids", None)
         if inputs is not None and input_ids is not None:
             raise InputError("generate: pass the prompts once, as inputs or as input_ids")

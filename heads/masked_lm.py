@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from flodl_hf.layers import gather_rows
-from flodl_hf.modeling import TaskModel
-from flodl_hf.outputs import MaskedLMOutput
+from flodl_hf.core.layers import gather_rows
+from flodl_hf.core.modeling import TaskModel
+from flodl_hf.core.outputs import MaskedLMOutput
 
 
 class ModelForMaskedLM(TaskModel):
@@ -36,7 +36,7 @@ class ModelForMaskedLM(TaskModel):
         """The vocabulary logits at tokens ``(rows[i], columns[i])`` only, (N, vocab): what
         ``forward(...).logits[rows, columns]`` holds, bit for bit. The LM head (a vocabulary-wide matrix
         product, a quarter of a BERT-base forward) runs on those tokens only where that was proven
-        bit-equal on this machine for this shape class (``flodl_hf.layers.gather_rows``); otherwise on
+        bit-equal on this machine for this shape class (``flodl_hf.core.layers.gather_rows``); otherwise on
         every token. ``exact=False`` (fast precisions) always takes the shortcut."""
         out = self.run_backbone(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                                 **inputs)

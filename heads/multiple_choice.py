@@ -7,9 +7,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from flodl_hf.layers import activation
-from flodl_hf.modeling import TaskModel
-from flodl_hf.outputs import MultipleChoiceModelOutput
+from flodl_hf.core.layers import activation
+from flodl_hf.core.modeling import TaskModel
+from flodl_hf.core.outputs import MultipleChoiceModelOutput
 
 
 def _flat(t: torch.Tensor | None, keep: int) -> torch.Tensor | None:

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flodl_hf.config import ProblemType
-from flodl_hf.modeling import HeadPart, TaskModel
-from flodl_hf.outputs import SequenceClassifierOutput
+from flodl_hf.core.config import ProblemType
+from flodl_hf.core.modeling import HeadPart, TaskModel
+from flodl_hf.core.outputs import SequenceClassifierOutput
 
 
 class PooledClassifier(HeadPart):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flodl_hf.modeling import HeadPart, TaskModel
-from flodl_hf.outputs import TokenClassifierOutput
+from flodl_hf.core.modeling import HeadPart, TaskModel
+from flodl_hf.core.outputs import TokenClassifierOutput
 
 
 class TokenClassifier(HeadPart):

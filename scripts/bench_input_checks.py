@@ -1,4 +1,4 @@
-"""Cost of the forward input checks (flodl_hf.modeling.check_forward_inputs) on a backbone forward.
+"""Cost of the forward input checks (flodl_hf.core.modeling.check_forward_inputs) on a backbone forward.
 
 The same model runs with its input-check hook and with the hook removed, alternating, and the ratio of
 median times is printed (checked / unchecked). Timings are noisy on shared machines: read the ratio.

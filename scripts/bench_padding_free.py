@@ -39,14 +39,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flodl_hf import batching  # noqa: E402
+from flodl_hf.tasks import batching  # noqa: E402
 
 MAX_LEN = 64
 MAX_GRAD_NORM = 1.0  # transformers.Trainer's default (max_grad_norm), so both sides clip: 17 ms a step on MiniLM
 
 
 def rows(n_train: int, n_held: int) -> tuple[list, list]:
-    from flodl_hf.samples import sample_path
+    from flodl_hf.core.samples import sample_path
     with open(sample_path("sms-spam") / "sms-spam.csv", newline="", encoding="utf-8") as f:
         found = list({r["text"]: (r["text"], int(r["spam"])) for r in csv.DictReader(f)}.values())
     random.Random(0).shuffle(found)
@@ -59,7 +59,7 @@ def encode(tok, items: list) -> list[dict]:
 
 
 def collate(items: list[dict]) -> dict:
-    """Padded to the batch's longest text with zeros (flodl_hf.batching.collate), and the labels."""
+    """Padded to the batch's longest text with zeros (flodl_hf.tasks.batching.collate), and the labels."""
     rows = [{"input_ids": x["input_ids"], "attention_mask": [1] * len(x["input_ids"])} for x in items]
     batch = batching.collate(rows, {"input_ids": 0, "attention_mask": 0})
     return {**batch, "labels": torch.tensor([x["label"] for x in items])}
@@ -94,8 +94,8 @@ def ours(train: list[dict], held: list[dict], args) -> dict:
 def theirs(train: list[dict], held: list[dict], args, group_by_length: bool) -> dict:
     import transformers
     transformers.logging.set_verbosity_error()
-    from flodl_hf.samples import sample_path  # noqa: F401  (samples/minilm resolves through our loader)
-    from flodl_hf import io
+    from flodl_hf.core.samples import sample_path  # noqa: F401  (samples/minilm resolves through our loader)
+    from flodl_hf.core import io
     source = str(io.resolve("samples/minilm").root)
     torch.manual_seed(args.seed)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(source, num_labels=2,

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flodl_hf.distributed import Comm  # noqa: E402
+from flodl_hf.training.sync import Comm  # noqa: E402
 
 
 def shapes(total: int) -> list[tuple[int, ...]]:

@@ -76,8 +76,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flodl_hf import batching  # noqa: E402
-from flodl_hf.records import load_tree  # noqa: E402
+from flodl_hf.tasks import batching  # noqa: E402
+from flodl_hf.training.records import load_tree  # noqa: E402
 
 COHORTS = {"2x": (1.0, 3.0), "3x": (1.0, 3.0, 12.0), "2x-netns": (1.0, 3.0)}  # each worker's slowdown k
 NETNS = {"2x-netns"}  # one network namespace per worker (flodl_hf.testing.netns), torchrun across them
@@ -96,7 +96,7 @@ CGROUP = Path("/sys/fs/cgroup")
 # ---- data ---------------------------------------------------------------------------------------
 
 def load_sms(n_train: int, n_held: int) -> tuple[list, list]:
-    from flodl_hf.samples import sample_path
+    from flodl_hf.core.samples import sample_path
     with open(sample_path("sms-spam") / "sms-spam.csv", newline="", encoding="utf-8") as f:
         rows = list({r["text"]: (r["text"], int(r["spam"])) for r in csv.DictReader(f)}.values())
     random.Random(0).shuffle(rows)
@@ -111,7 +111,7 @@ def encode(tok, rows: list) -> list[tuple[list[int], int]]:
 
 
 def collate(items: list) -> dict:
-    """Padded to the batch's longest text with zeros (flodl_hf.batching.collate), and the labels."""
+    """Padded to the batch's longest text with zeros (flodl_hf.tasks.batching.collate), and the labels."""
     rows = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids, _ in items]
     batch = batching.collate(rows, {"input_ids": 0, "attention_mask": 0})
     return {**batch, "labels": torch.tensor([y for _, y in items])}
@@ -287,8 +287,8 @@ def worker(rank: int, world: int, port: int, arm: str, ks: tuple[float, ...], se
 
 def nested_tiers(mode: str | None, ks: tuple[float, ...]):
     """ElChe's ``nested`` for ``--nested``: False, True (tiers found after the first window), or the
-    tiers :func:`flodl_hf.distributed.nest_tiers` cuts from the known slowdowns (False if none)."""
-    from flodl_hf.distributed import nest_tiers
+    tiers :func:`flodl_hf.training.sync.nest_tiers` cuts from the known slowdowns (False if none)."""
+    from flodl_hf.training.sync import nest_tiers
     if mode is None:
         return False
     return True if mode == "auto" else (nest_tiers(list(ks)) or False)

@@ -58,8 +58,8 @@ def parity(device: torch.device, quick: bool, match: str) -> None:
     from cases import CASES
     from helpers import make_checkpoint
     from flodl_hf.auto import load_model
-    from flodl_hf.parity import compare_outputs, make_batch, reference_model
-    from flodl_hf.registry import get_family
+    from flodl_hf.roundtrip.parity import compare_outputs, make_batch, reference_model
+    from flodl_hf.core.registry import get_family
 
     seen: set[str] = set()
     for case_id, task, fields in CASES:
@@ -90,7 +90,7 @@ def parity(device: torch.device, quick: bool, match: str) -> None:
 
 def forward_ratio(device: torch.device, layers: int, repeats: int) -> None:
     from flodl_hf import AutoModel
-    from flodl_hf.parity import quiet_transformers
+    from flodl_hf.roundtrip.parity import quiet_transformers
     transformers = quiet_transformers()
     torch.manual_seed(0)
     config = transformers.BertConfig(num_hidden_layers=layers)
@@ -131,7 +131,7 @@ def forward_ratio(device: torch.device, layers: int, repeats: int) -> None:
 def training_step(device: torch.device) -> None:
     from helpers import make_checkpoint
     from flodl_hf.auto import load_model
-    from flodl_hf.parity import make_batch, reference_model
+    from flodl_hf.roundtrip.parity import make_batch, reference_model
     fields = {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
               "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 64, "num_labels": 2}
     source = make_checkpoint(fields, "seqcls")
@@ -170,8 +170,8 @@ def training_steps(device: torch.device, match: str) -> None:
     from cases import CASES
     from helpers import make_checkpoint, seeded_backward
     from flodl_hf.auto import load_model
-    from flodl_hf.parity import make_batch, reference_model
-    from flodl_hf.registry import get_family
+    from flodl_hf.roundtrip.parity import make_batch, reference_model
+    from flodl_hf.core.registry import get_family
 
     chosen: dict[str, tuple[str, str, dict]] = {}
     for preferred in ("seqcls", "causal_lm", "mlm"):
@@ -221,9 +221,9 @@ def generation(device: torch.device, match: str) -> None:
     from cases import CASES
     from helpers import left_padded, make_checkpoint
     from flodl_hf.auto import load_model
-    from flodl_hf.generate import generate_ids
-    from flodl_hf.parity import reference_model
-    from flodl_hf.registry import get_family
+    from flodl_hf.generation.generate import generate_ids
+    from flodl_hf.roundtrip.parity import reference_model
+    from flodl_hf.core.registry import get_family
 
     seen: set[str] = set()
     for case_id, task, fields in CASES:

@@ -29,8 +29,8 @@ import torch  # noqa: E402
 import test_bad_input as t  # noqa: E402
 from flodl_hf import classify, fill_mask  # noqa: E402
 from flodl_hf.auto import load_model  # noqa: E402
-from flodl_hf.export import export  # noqa: E402
-from flodl_hf.validate import tree_hash  # noqa: E402
+from flodl_hf.roundtrip.export import export  # noqa: E402
+from flodl_hf.core.validate import tree_hash  # noqa: E402
 from helpers import quiet_transformers  # noqa: E402
 
 transformers = quiet_transformers()

@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:  # one run, in a process of its own
         print(json.dumps(replay(args.one[0], int(args.one[1]), pattern, args.target_loss, args.max_batches)))
         return 0
-    from flodl_hf.samples import sample_path
+    from flodl_hf.core.samples import sample_path
     sample_path("minilm"), sample_path("sms-spam")  # fails early, with its message, when not fetched
     args.out.mkdir(parents=True, exist_ok=True)
     jobs = [(v, s) for s in range(args.seeds) for v in args.variants]

@@ -28,7 +28,7 @@ import torch
 
 from flodl_hf import AutoModelForSequenceClassification, AutoTokenizer, classify, fill_mask, rank
 from flodl_hf.cli import main as cli
-from flodl_hf.samples import sample_path
+from flodl_hf.core.samples import sample_path
 
 
 def step(title: str) -> None:
@@ -43,7 +43,7 @@ def run(*argv: str) -> None:
 
 
 def fine_tune(work: Path) -> Path:
-    from flodl_hf.trainer import Trainer
+    from flodl_hf.training.trainer import Trainer
 
     with open(sample_path("sms-spam") / "sms-spam.csv", newline="", encoding="utf-8") as f:
         rows = list({r["text"]: (r["text"], int(r["spam"])) for r in csv.DictReader(f)}.values())

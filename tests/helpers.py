@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodl_hf.parity import REFERENCE_CLASSES, quiet_transformers, reference_model
-from flodl_hf.matrix import generate_checkpoint
+from flodl_hf.roundtrip.parity import REFERENCE_CLASSES, quiet_transformers, reference_model
+from flodl_hf.roundtrip.matrix import generate_checkpoint
 
 CACHE = Path(os.environ.get("FLODL_HF_TEST_CACHE", Path(__file__).resolve().parent.parent / ".test-cache"))
 
 
 def make_checkpoint(config_fields: dict, task: str, seed: int = 0, root: Path | None = None,
                     perturb: float = 0.05) -> Path:
-    """flodl_hf.matrix.generate_checkpoint, cached by (config, task, seed, transformers version)."""
+    """flodl_hf.roundtrip.matrix.generate_checkpoint, cached by (config, task, seed, transformers version)."""
     transformers = quiet_transformers()
     key = hashlib.sha1(json.dumps([config_fields, task, seed, perturb, transformers.__version__],
                                   sort_keys=True).encode()).hexdigest()[:16]
@@ -64,7 +64,7 @@ def assert_config_defaults_equal(model_type: str, skip=(), present=(), ours_valu
     value; ``ours_value`` reads ours), ``present`` among them. Returns our config, transformers' and the names."""
     from dataclasses import fields
 
-    from flodl_hf.registry import get_family
+    from flodl_hf.core.registry import get_family
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = quiet_transformers().AutoConfig.for_model(model_type)
@@ -137,7 +137,7 @@ def dropout_acted(model, batch: dict, loss: torch.Tensor) -> bool:
 
 def assert_generate_equal(ours, theirs, ids: torch.Tensor, mask: torch.Tensor, **settings) -> None:
     """transformers' generate and ours from the same seed give the same ids (pad 0, eos 2, 8 new tokens)."""
-    from flodl_hf.generate import generate_ids
+    from flodl_hf.generation.generate import generate_ids
     settings = {"max_new_tokens": 8, "pad_token_id": 0, "eos_token_id": 2, **settings}
     torch.manual_seed(7)
     reference = theirs.generate(input_ids=ids, attention_mask=mask, **settings)
@@ -161,7 +161,7 @@ def assert_model_generate_equal(ours, theirs, ids: torch.Tensor, mask: torch.Ten
 def transformers_loaded(source, task: str):
     """transformers' model of ``source`` for ``task`` (sdpa, float32, eval) and its loading info (missing,
     unexpected and mismatched keys)."""
-    from flodl_hf.parity import REFERENCE_CLASSES as classes
+    from flodl_hf.roundtrip.parity import REFERENCE_CLASSES as classes
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, info = getattr(quiet_transformers(), classes[task]).from_pretrained(
@@ -171,7 +171,7 @@ def transformers_loaded(source, task: str):
 
 def assert_same_output(ours, theirs, task: str) -> None:
     """On the parity batch of ``task``: the logits (causal_lm) or the last hidden state (base) torch.equal."""
-    from flodl_hf.parity import make_batch
+    from flodl_hf.roundtrip.parity import make_batch
     batch = make_batch(ours.config, task)
     key = "logits" if task == "causal_lm" else "last_hidden_state"
     assert torch.equal(getattr(ours(**batch), key), getattr(theirs(**batch), key))
@@ -181,8 +181,8 @@ def export_as_save_pretrained(source, out: Path) -> tuple[set[str], object]:
     """Export ``source`` (a causal LM) to ``out``: the written keys equal those transformers' save_pretrained
     writes for the same checkpoint, and verify-export passes at diff 0. Returns the keys and the export result."""
     from safetensors.torch import load_file
-    from flodl_hf.export import export
-    from flodl_hf.verify import verify_export
+    from flodl_hf.roundtrip.export import export
+    from flodl_hf.roundtrip.verify import verify_export
     result = export(source, out / "ours")
     written = set(load_file(str(result.out / "model.safetensors")))
     with warnings.catch_warnings():

@@ -23,9 +23,9 @@ peft = pytest.importorskip("peft")
 
 from flodl_hf import lora
 from flodl_hf.auto import AutoModel
-from flodl_hf.errors import AdapterError, InputError
-from flodl_hf.generate import generate
-from flodl_hf.parity import make_batch, quiet_transformers, reference_model
+from flodl_hf.core.errors import AdapterError, InputError
+from flodl_hf.generation.generate import generate
+from flodl_hf.roundtrip.parity import make_batch, quiet_transformers, reference_model
 
 from cases import CASES
 from helpers import make_checkpoint, one_thread  # noqa: F401  (fixture)

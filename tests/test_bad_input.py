@@ -28,14 +28,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flodl_hf import AutoConfig, AutoTokenizer, answer, classify, embed, fill_mask, rank, tag, zero_shot
-from flodl_hf import io
+from flodl_hf.core import io
 from flodl_hf.auto import AutoModelForMaskedLM, load_model
-from flodl_hf.convert import convert
-from flodl_hf.errors import (CheckpointFormatError, ConfigError, InputError, MissingHeadError, OutputExistsError,
-                             RegistryError, SourceNotFoundError, UnsupportedModelError, WeightsMismatchError)
-from flodl_hf.export import KILL_ENV, STAGES, export, export_checkpoint, recover_scratch
-from flodl_hf.validate import tree_hash
-from flodl_hf.matrix import tiny_config
+from flodl_hf.roundtrip.convert import convert
+from flodl_hf.core.errors import (CheckpointFormatError, ConfigError, InputError, MissingHeadError,
+                                  OutputExistsError, RegistryError, SourceNotFoundError, UnsupportedModelError,
+                                  WeightsMismatchError)
+from flodl_hf.roundtrip.export import KILL_ENV, STAGES, export, export_checkpoint, recover_scratch
+from flodl_hf.core.validate import tree_hash
+from flodl_hf.roundtrip.matrix import tiny_config
 from helpers import CACHE as CACHE_DIR, make_checkpoint, quiet_transformers
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -568,7 +569,7 @@ def _trainer(payload: Callable[[dict, dict], Any]):
         state = load_file(orig / "model.safetensors")
         config = json.loads((orig / "config.json").read_text())
         path = tmp / "ckpt.pt"
-        # the trainer's header (flodl_hf.checkpoint_schema): a file without it is not a trainer checkpoint
+        # the trainer's header (flodl_hf.core.checkpoint_schema): a file without it is not a trainer checkpoint
         torch.save({"format": "flodl-hf/trainer-checkpoint", "version": 1, **payload(state, config)}, path)
         return path
     return make
@@ -966,7 +967,7 @@ def test_empty_task_inputs_give_empty_results() -> None:
 
 
 def test_registry_fails_loudly_every_time(monkeypatch) -> None:
-    from flodl_hf import registry
+    from flodl_hf.core import registry
     monkeypatch.setattr(registry, "_loaded", False)
     monkeypatch.setitem(sys.modules, "flodl_hf.families", None)  # importing it now raises ImportError
     for _ in range(2):

@@ -1,4 +1,4 @@
-"""Padding-free batching (flodl_hf.batching) and the fast paths of the tasks.
+"""Padding-free batching (flodl_hf.tasks.batching) and the fast paths of the tasks.
 
 The planner is checked on its own (every text once, longest first, equal lengths together, limits
 kept, cuts optimal for its cost model). Then exactness: the batches the tasks form, padded or not,
@@ -18,8 +18,9 @@ import sys
 import pytest
 import torch
 
-from flodl_hf import InputError, answer, batching, classify, embed, fill_mask, tag
-from flodl_hf.batching import BatchPolicy, padded_tokens, plan
+from flodl_hf import InputError, answer, classify, embed, fill_mask, tag
+from flodl_hf.tasks import batching
+from flodl_hf.tasks.batching import BatchPolicy, padded_tokens, plan
 from flodl_hf.tasks.runtime import _encode
 from flodl_hf.tasks import load
 from cases import CASES
@@ -248,7 +249,7 @@ def test_loading_and_tasks_do_not_import_transformers():
 
 
 def test_meta_construction_skips_initialisers_only_on_meta():
-    from flodl_hf.modeling import meta_device
+    from flodl_hf.core.modeling import meta_device
     with meta_device():
         layer = torch.nn.Linear(4, 3)
         real = torch.zeros(5, device="cpu")
@@ -269,8 +270,8 @@ def test_logits_at_equal_transformers_full_head(fields):
     path) and then served from its verdict: the shortcut where this machine proved it equal, the full
     head where it did not. Both must give transformers' bits."""
     from flodl_hf.auto import load_model
-    from flodl_hf.layers import PROVE_AT_SIGHTING, ROW_PROOFS
-    from flodl_hf.parity import make_batch
+    from flodl_hf.core.layers import PROVE_AT_SIGHTING, ROW_PROOFS
+    from flodl_hf.roundtrip.parity import make_batch
     transformers = quiet_transformers()
     source = make_checkpoint(fields, "mlm")
     ours = load_model(source, "mlm").eval()
@@ -297,7 +298,7 @@ def test_row_proofs_agree_with_a_direct_check_on_this_machine():
     """The verdicts come from this machine, not from a rule: for F.linear at BERT-base widths, the proof's
     verdict for each (full rows, gathered rows) class equals an independent check of every row at every
     block position."""
-    from flodl_hf.layers import PROVE_AT_SIGHTING, RowProofs, gather_rows
+    from flodl_hf.core.layers import PROVE_AT_SIGHTING, RowProofs, gather_rows
     gen = torch.Generator().manual_seed(1)
     weight, bias = torch.randn(30522, 768, generator=gen) * 0.02, torch.randn(30522, generator=gen)
     module = torch.nn.Linear(768, 30522)

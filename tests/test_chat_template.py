@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from flodl_hf import AutoTokenizer
-from flodl_hf.errors import ConfigError, InputError
-from flodl_hf.generate import generate
-from flodl_hf.parity import quiet_transformers
-from flodl_hf.chat import ChatTemplateError
+from flodl_hf.core.errors import ConfigError, InputError
+from flodl_hf.generation.generate import generate
+from flodl_hf.roundtrip.parity import quiet_transformers
+from flodl_hf.tokenization.chat import ChatTemplateError
 
 from test_decoder import _text_model
 

@@ -14,14 +14,14 @@ from safetensors.torch import load_file, save_file
 
 from flodl_hf import InputError, UnsupportedModelError, load_model
 from flodl_hf.auto import AutoConfig, auto_classes
-from flodl_hf.export import export
+from flodl_hf.roundtrip.export import export
 from flodl_hf.families.bert import Bert
-from flodl_hf.keys import KeyMap, expected
-from flodl_hf.parity import make_batch, quiet_transformers
-from flodl_hf.registry import get_family, parse_architecture, supported_model_types
-from flodl_hf.task_registry import get_task, hf_mapping, task_names
-from flodl_hf.matrix import cell_gate, matrix_pairs
-from flodl_hf.verify import verify_export
+from flodl_hf.core.keys import KeyMap, expected
+from flodl_hf.roundtrip.parity import make_batch, quiet_transformers
+from flodl_hf.core.registry import get_family, parse_architecture, supported_model_types
+from flodl_hf.core.task_registry import get_task, hf_mapping, task_names
+from flodl_hf.roundtrip.matrix import cell_gate, matrix_pairs
+from flodl_hf.roundtrip.verify import verify_export
 
 from cases import CASES
 from helpers import make_checkpoint
@@ -173,9 +173,9 @@ def test_parity_cli_head_choices_read_the_registry(capsys):
     {"format": "flodl-hf/trainer-checkpoint", "version": 99, "model": {}, "config": {}},  # newer
 ], ids=["no-format", "other-format", "newer-version"])
 def test_trainer_and_export_read_checkpoints_by_one_schema(data, tmp_path):
-    from flodl_hf.errors import CheckpointFormatError
-    from flodl_hf.export import export_checkpoint
-    from flodl_hf.trainer import load_checkpoint
+    from flodl_hf.core.errors import CheckpointFormatError
+    from flodl_hf.roundtrip.export import export_checkpoint
+    from flodl_hf.training.trainer import load_checkpoint
     path = tmp_path / "step-00000001.pt"
     torch.save(data, path)
     with pytest.raises(CheckpointFormatError) as by_trainer:
@@ -189,7 +189,7 @@ def test_trainer_and_export_read_checkpoints_by_one_schema(data, tmp_path):
 def test_a_load_looks_the_family_up_once(monkeypatch):
     """Loading resolves the family once; the forward (with a sequence loss) never looks it up again."""
     import flodl_hf.auto as auto
-    import flodl_hf.registry as registry
+    import flodl_hf.core.registry as registry
     calls = []
     real = registry.get_family
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flodl_hf import io
+from flodl_hf.core import io
 from flodl_hf.cli import main
-from flodl_hf.convert import convert
-from flodl_hf.errors import CheckpointFormatError, OutputExistsError
-from flodl_hf.parity import make_batch
+from flodl_hf.roundtrip.convert import convert
+from flodl_hf.core.errors import CheckpointFormatError, OutputExistsError
+from flodl_hf.roundtrip.parity import make_batch
 from flodl_hf.auto import AutoConfig
-from flodl_hf.matrix import tiny_config
+from flodl_hf.roundtrip.matrix import tiny_config
 from helpers import make_checkpoint, quiet_transformers
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -100,7 +100,7 @@ def test_convert_sharded_bin(tmp_path, capsys):
 
 
 def test_bitwise_check_catches_a_bad_write(tmp_path, monkeypatch):
-    convert_module = importlib.import_module("flodl_hf.convert")  # not a re-exported function
+    convert_module = importlib.import_module("flodl_hf.roundtrip.convert")  # not a re-exported function
     real = convert_module.io.save_safetensors
 
     def corrupting(tensors, directory, max_shard_size="5GB", metadata=None):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flodl_hf.auto import load_model
-from flodl_hf.parity import compare_outputs, make_batch, reference_model
+from flodl_hf.roundtrip.parity import compare_outputs, make_batch, reference_model
 
 from helpers import make_checkpoint
 

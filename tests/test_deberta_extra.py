@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from flodl_hf.auto import AutoConfig, load_model
-from flodl_hf.errors import ConfigError
+from flodl_hf.core.errors import ConfigError
 from flodl_hf.families.deberta_v2 import PosAttType
-from flodl_hf.parity import check_parity, make_batch, reference_model
+from flodl_hf.roundtrip.parity import check_parity, make_batch, reference_model
 
 from cases.deberta_v2 import CONFIGS
 from helpers import make_checkpoint

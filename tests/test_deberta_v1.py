@@ -10,8 +10,8 @@ import pytest
 
 from flodl_hf import AutoTokenizer, fill_mask, zero_shot
 from flodl_hf.auto import AutoConfig
-from flodl_hf.errors import ConfigError
-from flodl_hf.parity import check_parity, make_batch
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.roundtrip.parity import check_parity, make_batch
 
 from cases.deberta import CONFIGS
 from helpers import make_checkpoint, one_thread, quiet_transformers  # noqa: F401  (the fixture)
@@ -34,8 +34,8 @@ def test_talking_heads(task):
 def test_talking_heads_export_verifies(tmp_path):
     """verify-export loads transformers' model of the source as it loads the export's (outside inference mode):
     with talking heads, a model loaded inside it computed 1e-9 away from the same weights loaded outside."""
-    from flodl_hf.export import export
-    from flodl_hf.verify import verify_export
+    from flodl_hf.roundtrip.export import export
+    from flodl_hf.roundtrip.verify import verify_export
 
     source = make_checkpoint({**CONFIGS["deberta1-hd24"], "pos_att_type": "p2c", "talking_head": True}, "seqcls")
     report = verify_export(export(source, tmp_path / "out").out)

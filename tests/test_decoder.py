@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from flodl_hf.auto import load_model
-from flodl_hf.decoder import KVCache
-from flodl_hf.generate import generate, generate_ids
-from flodl_hf.parity import check_parity, quiet_transformers, reference_model
-from flodl_hf.samples import sample_path
+from flodl_hf.core.decoder import KVCache
+from flodl_hf.generation.generate import generate, generate_ids
+from flodl_hf.roundtrip.parity import check_parity, quiet_transformers, reference_model
+from flodl_hf.core.samples import sample_path
 
 from cases import CASES
 from decoder_checks import NARROW
@@ -126,13 +126,13 @@ def test_cache_is_transformers_5_24s_name_and_past_key_values_its_older_one():
     old = ours(input_ids=nxt, attention_mask=mask2, past_key_values=a.cache.to_legacy())
     new = ours(input_ids=nxt, attention_mask=mask2, cache=a.cache.to_legacy())
     assert torch.equal(old.logits, new.logits)
-    from flodl_hf.errors import InputError
+    from flodl_hf.core.errors import InputError
     for model in (ours, ours.backbone):
         with pytest.raises(InputError, match="cache and past_key_values"):
             model(input_ids=nxt, attention_mask=mask2, cache=a.cache, past_key_values=a.cache)
     with pytest.raises(InputError, match="cache: expected a KVCache"):
         ours(input_ids=nxt, attention_mask=mask2, cache="a cache")
-    from flodl_hf.outputs import SequenceClassifierOutput
+    from flodl_hf.core.outputs import SequenceClassifierOutput
     assert not hasattr(SequenceClassifierOutput(logits=b.logits), "past_key_values")  # a record with no cache
 
 
@@ -164,7 +164,7 @@ def test_past_key_values_in_as_per_layer_tuples_and_logits_to_keep():
     assert torch.equal(via_cache.logits, via_tuples.logits)
     assert isinstance(via_tuples.past_key_values, KVCache)
     assert ours(input_ids=ids, attention_mask=mask, use_cache=False).past_key_values is None
-    from flodl_hf.errors import InputError
+    from flodl_hf.core.errors import InputError
     with pytest.raises(InputError, match="cached tokens"):  # the mask must cover the past and the step
         ours(input_ids=nxt, attention_mask=mask, past_key_values=first.past_key_values.to_legacy())
     from flodl_hf import AutoModelForCausalLM
@@ -271,7 +271,7 @@ def _spm_llama_dir(tmp_path):
 
 def _assert_same_tokens(ours_dir, reference_dir=None):
     transformers = quiet_transformers()
-    from flodl_hf.tokenizer import AutoTokenizer
+    from flodl_hf.tokenization.tokenizer import AutoTokenizer
     ours = AutoTokenizer.from_pretrained(ours_dir)
     theirs = transformers.AutoTokenizer.from_pretrained(str(reference_dir or ours_dir))
     a = ours(TEXTS, return_offsets_mapping=True, return_tensors=None)
@@ -359,7 +359,7 @@ def test_generate_texts_and_the_command(tmp_path, capsys):
 
 
 def test_generate_refuses_a_model_that_is_not_a_causal_lm():
-    from flodl_hf.errors import InputError
+    from flodl_hf.core.errors import InputError
     source = make_checkpoint(_fields(SMALL["llama"]), "causal_lm")
     base = load_model(source, "base")
     with pytest.raises(InputError, match="causal_lm"):
@@ -369,7 +369,7 @@ def test_generate_refuses_a_model_that_is_not_a_causal_lm():
 def test_trainer_fine_tunes_a_decoder_with_the_causal_lm_loss(tmp_path):
     """A few AdamW steps on one repeated batch with the causal-LM loss: the loss falls, and the loss the
     trainer minimises is transformers' on the same weights."""
-    from flodl_hf.trainer import Trainer
+    from flodl_hf.training.trainer import Trainer
     source = make_checkpoint(_fields(SMALL["llama"]), "causal_lm")
     model = load_model(source, "causal_lm", dtype=torch.float32)
     ids, mask = _left_padded(model.config.vocab_size)
@@ -393,8 +393,8 @@ def test_trainer_fine_tunes_a_decoder_with_the_causal_lm_loss(tmp_path):
 
 def test_export_and_verify_a_decoder_whose_tokenizer_has_no_pad_token(tmp_path):
     """LLaMA tokenizers often have no pad token: verify-export pads its prompts with EOS, on both sides."""
-    from flodl_hf.export import export
-    from flodl_hf.verify import verify_export
+    from flodl_hf.roundtrip.export import export
+    from flodl_hf.roundtrip.verify import verify_export
     root = _text_model(tmp_path)
     (root / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
     assert quiet_transformers().AutoTokenizer.from_pretrained(str(root)).pad_token is None
@@ -425,7 +425,7 @@ def test_gemma3_text_reads_the_older_rope_and_pattern_spelling(tmp_path):
     for impl in ("sdpa", "eager"):
         result = check_parity(root, "causal_lm", impl)
         assert result.exact, (impl, result.diffs)
-    from flodl_hf.errors import ConfigError
+    from flodl_hf.core.errors import ConfigError
     for bad in ({"rope_parameters": {"rope_type": "default", "rope_theta": 1.0}},
                 {"use_bidirectional_attention": True}):
         (root / "config.json").write_text(json.dumps({**config, **bad}))

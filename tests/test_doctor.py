@@ -7,7 +7,7 @@ import json
 import torch
 
 from flodl_hf.cli import main
-from flodl_hf.doctor import PROOF_FULL_ROWS, PROOF_GATHERED, Report, machine
+from flodl_hf.roundtrip.doctor import PROOF_FULL_ROWS, PROOF_GATHERED, Report, machine
 
 
 def test_doctor_reports_machine_proofs_and_exact_parity(capsys):

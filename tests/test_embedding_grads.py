@@ -1,4 +1,4 @@
-"""The trainer's embedding gradients, added into the table of the step before (flodl_hf.embedding_grads).
+"""The trainer's embedding gradients, added into the table of the step before (flodl_hf.training.embedding_grads).
 
 Each step's gradients are compared with transformers' on the same batch (torch.equal), at MiniLM's
 width (30,522 x 384) where the saving is real, with a sequence classifier (untied embeddings, the
@@ -15,10 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-from flodl_hf import batching, embedding_grads
+from flodl_hf.tasks import batching
+from flodl_hf.training import embedding_grads
 from flodl_hf.auto import load_model
-from flodl_hf.parity import reference_model
-from flodl_hf.trainer import Trainer
+from flodl_hf.roundtrip.parity import reference_model
+from flodl_hf.training.trainer import Trainer
 
 from helpers import assert_recorded_step_equal, make_checkpoint
 

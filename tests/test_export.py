@@ -1,7 +1,7 @@
 """Round trip: export then verify-export for every registered family x head, and every bad input.
 
 Checkpoints are generated locally with transformers (``helpers.make_checkpoint``), from each
-family's parity configs (``tests/cases``) shrunk to tiny sizes by ``flodl_hf.matrix.tiny_config``:
+family's parity configs (``tests/cases``) shrunk to tiny sizes by ``flodl_hf.roundtrip.matrix.tiny_config``:
 the first variant of a family with every head, the other variants with seqcls and mlm.
 """
 
@@ -21,17 +21,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import cases
-from flodl_hf import io
+from flodl_hf.core import io
 from flodl_hf.auto import load_model
 from flodl_hf.cli import main
-from flodl_hf.errors import (CheckpointFormatError, ConfigError, OutputExistsError, SourceNotFoundError,
-                             UnsupportedModelError)
-from flodl_hf.export import export, export_checkpoint, sha256_file
-from flodl_hf.parity import REFERENCE_CLASSES
-from flodl_hf.registry import get_family, supported_model_types
-from flodl_hf.matrix import tiny_config, verify_matrix
-from flodl_hf.validate import tree_hash
-from flodl_hf.verify import FAIL, PASS, SKIP, verify_export
+from flodl_hf.core.errors import (CheckpointFormatError, ConfigError, OutputExistsError, SourceNotFoundError,
+                                  UnsupportedModelError)
+from flodl_hf.roundtrip.export import export, export_checkpoint, sha256_file
+from flodl_hf.roundtrip.parity import REFERENCE_CLASSES
+from flodl_hf.core.registry import get_family, supported_model_types
+from flodl_hf.roundtrip.matrix import tiny_config, verify_matrix
+from flodl_hf.core.validate import tree_hash
+from flodl_hf.roundtrip.verify import FAIL, PASS, SKIP, verify_export
 from helpers import make_checkpoint, quiet_transformers
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -71,7 +71,7 @@ def _loading_info(directory: Path, task: str) -> dict:
 
 
 def _module(name: str):
-    """The module itself: ``import flodl_hf.export as m`` would give a function if the package re-exports one."""
+    """The module itself: ``import flodl_hf.roundtrip.export as m`` would give a function if the package re-exports one."""
     return importlib.import_module(name)
 
 
@@ -261,7 +261,7 @@ def test_failure_leaves_nothing(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("injected failure after the weights were written")
 
-    monkeypatch.setattr(_module("flodl_hf.export"), "write_tokenizer", boom)
+    monkeypatch.setattr(_module("flodl_hf.roundtrip.export"), "write_tokenizer", boom)
     with pytest.raises(RuntimeError, match="injected"):
         export(_tiny("qa"), tmp_path / "out")
     assert not (tmp_path / "out").exists() and _no_scratch(tmp_path)
@@ -269,7 +269,7 @@ def test_failure_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.undo()
     export(_tiny("seqcls"), tmp_path / "out")
     before = tree_hash(tmp_path / "out")
-    monkeypatch.setattr(_module("flodl_hf.export"), "write_tokenizer", boom)
+    monkeypatch.setattr(_module("flodl_hf.roundtrip.export"), "write_tokenizer", boom)
     with pytest.raises(RuntimeError, match="injected"):
         export(_tiny("qa"), tmp_path / "out", force=True)
     assert tree_hash(tmp_path / "out") == before and _no_scratch(tmp_path)
@@ -279,7 +279,7 @@ def test_kill_leaves_no_dir(tmp_path):
     out, src = tmp_path / "out", _tiny("qa")
     script = f"""
 import importlib, os, signal
-e = importlib.import_module("flodl_hf.export")  # the module, even if flodl_hf re-exports a function named export
+e = importlib.import_module("flodl_hf.roundtrip.export")  # the module, even if flodl_hf re-exports a function named export
 def die(*a, **k):
     os.kill(os.getpid(), signal.SIGKILL)
 e.write_tokenizer = die
@@ -477,7 +477,7 @@ def test_verify_matrix_reports_a_broken_cell(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(_module("flodl_hf.matrix"), "export", broken)
+    monkeypatch.setattr(_module("flodl_hf.roundtrip.matrix"), "export", broken)
     result = verify_matrix(families=["bert"], heads=["base"], out_dir=tmp_path / "m", progress=False)
     assert not result.ok and result.cells[0].status == "ERROR" and "injected" in result.cells[0].detail
     assert "ERROR" in result.html_path.read_text()

@@ -1,5 +1,5 @@
 """Export keeps the whole checkpoint: the model card, the sentence-transformers layout and the
-tokenizer's own files are carried byte-identical (flodl_hf.carry), and nothing else.
+tokenizer's own files are carried byte-identical (flodl_hf.roundtrip.carry), and nothing else.
 
 The sentence-transformers models are real ones: samples/minilm (when fetched) and one built and
 saved here by sentence-transformers itself on a tiny checkpoint generated with transformers.
@@ -17,15 +17,16 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 
-from flodl_hf import carry, samples
+from flodl_hf.roundtrip import carry
+from flodl_hf.core import samples
 from flodl_hf.auto import load_model
 from flodl_hf.cli import main
-from flodl_hf.errors import CheckpointFormatError, ConfigError
-from flodl_hf.export import export, export_checkpoint
-from flodl_hf.parity import quiet_transformers
-from flodl_hf.trainer import Trainer
-from flodl_hf.matrix import tiny_config
-from flodl_hf.verify import PASS, SKIP, verify_export
+from flodl_hf.core.errors import CheckpointFormatError, ConfigError
+from flodl_hf.roundtrip.export import export, export_checkpoint
+from flodl_hf.roundtrip.parity import quiet_transformers
+from flodl_hf.training.trainer import Trainer
+from flodl_hf.roundtrip.matrix import tiny_config
+from flodl_hf.roundtrip.verify import PASS, SKIP, verify_export
 from helpers import make_checkpoint
 
 pytest.importorskip("sentence_transformers")

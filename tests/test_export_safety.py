@@ -12,15 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodl_hf import checkpoint_schema, lora
+from flodl_hf.core import checkpoint_schema
+from flodl_hf import lora
 from flodl_hf.auto import load_model
 from flodl_hf.cli import main
-from flodl_hf.convert import convert
-from flodl_hf.errors import CheckpointFormatError, InputError, OutputExistsError
-from flodl_hf.export import export, export_checkpoint
-from flodl_hf.matrix import tiny_config
-from flodl_hf.validate import tree_hash
-from flodl_hf.verify import FAIL, PASS, verify_export
+from flodl_hf.roundtrip.convert import convert
+from flodl_hf.core.errors import CheckpointFormatError, InputError, OutputExistsError
+from flodl_hf.roundtrip.export import export, export_checkpoint
+from flodl_hf.roundtrip.matrix import tiny_config
+from flodl_hf.core.validate import tree_hash
+from flodl_hf.roundtrip.verify import FAIL, PASS, verify_export
 from helpers import make_checkpoint, one_thread, quiet_transformers  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_thread")]
@@ -89,7 +90,7 @@ def test_merge_refuses_to_replace_its_base_when_the_checkpoint_names_no_source(t
 # ---- 3: without force, what appears at --out during the write is never replaced --------------------------
 
 def test_a_directory_appearing_at_out_during_the_write_is_left_alone(tmp_path, monkeypatch):
-    m = _module("flodl_hf.export")
+    m = _module("flodl_hf.roundtrip.export")
     out = tmp_path / "out"
     written, real_check, real_stage = [], m.check_out, m._stage
 
@@ -112,7 +113,7 @@ def test_a_directory_appearing_at_out_during_the_write_is_left_alone(tmp_path, m
 
 
 def test_no_replace_rename_refuses_even_an_empty_directory(tmp_path):
-    m = _module("flodl_hf.export")
+    m = _module("flodl_hf.roundtrip.export")
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "f").write_text("x")
     (tmp_path / "b").mkdir()
@@ -158,7 +159,7 @@ def test_long_out_names(tmp_path):
     assert _no_scratch(tmp_path)
     with pytest.raises(InputError, match="--out"):
         export(src, tmp_path / ("y" * 256))
-    m = _module("flodl_hf.export")
+    m = _module("flodl_hf.roundtrip.export")
     stem = m._scratch_stem(out.name)
     dead = tmp_path / f".{stem}.partial-{2**22 + 1}-0badc0de"  # beyond pid_max: a dead writer's
     dead.mkdir()

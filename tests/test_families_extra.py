@@ -12,8 +12,8 @@ from safetensors import safe_open
 
 from flodl_hf import load_model
 from flodl_hf.cli import main
-from flodl_hf.parity import check_parity, make_batch, reference_model
-from flodl_hf.registry import get_family, parse_architecture
+from flodl_hf.roundtrip.parity import check_parity, make_batch, reference_model
+from flodl_hf.core.registry import get_family, parse_architecture
 
 from cases import CASES
 from helpers import make_checkpoint

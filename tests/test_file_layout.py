@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from flodl_hf.errors import CheckpointFormatError
-from flodl_hf.keys import FileLayout, KeyMap, normalise
-from flodl_hf.registry import Family
+from flodl_hf.core.errors import CheckpointFormatError
+from flodl_hf.core.keys import FileLayout, KeyMap, normalise
+from flodl_hf.core.registry import Family
 
 LAYOUT = FileLayout(renames=(("encoder.layers", "layers"), ("emb_ln", "embeddings.LayerNorm")),
                     fused=(("attn.Wqkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),),

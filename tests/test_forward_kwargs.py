@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from flodl_hf.auto import load_model
-from flodl_hf.errors import InputError
-from flodl_hf.parity import make_batch, reference_model
-from flodl_hf.registry import get_family
+from flodl_hf.core.errors import InputError
+from flodl_hf.roundtrip.parity import make_batch, reference_model
+from flodl_hf.core.registry import get_family
 
 from cases import CASES
 from helpers import make_checkpoint, one_thread  # noqa: F401  (fixture)

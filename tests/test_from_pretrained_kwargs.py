@@ -13,8 +13,8 @@ import torch
 from flodl_hf import (AutoModel, AutoModelForSequenceClassification, CheckpointFormatError, ConfigError, InputError,
                       SourceNotFoundError, WeightsMismatchError)
 from flodl_hf.auto import AutoConfig
-from flodl_hf.parity import make_batch, quiet_transformers
-from flodl_hf.registry import get_family
+from flodl_hf.roundtrip.parity import make_batch, quiet_transformers
+from flodl_hf.core.registry import get_family
 
 from cases.deberta_v2 import CONFIGS as DEBERTA
 from helpers import make_checkpoint, one_thread  # noqa: F401  (the fixture)

@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from flodl_hf import io
+from flodl_hf.core import io
 from flodl_hf.auto import AutoConfig, build_model
-from flodl_hf.errors import FlodlHFError
-from flodl_hf.modeling import meta_device
-from flodl_hf.registry import supported_model_types
+from flodl_hf.core.errors import FlodlHFError
+from flodl_hf.core.modeling import meta_device
+from flodl_hf.core.registry import supported_model_types
 
 FUZZ = settings(max_examples=150, derandomize=True, database=None, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])

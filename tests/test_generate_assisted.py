@@ -15,8 +15,8 @@ import warnings
 import pytest
 import torch
 
-from flodl_hf.errors import InputError
-from flodl_hf.generate import generate_ids
+from flodl_hf.core.errors import InputError
+from flodl_hf.generation.generate import generate_ids
 
 from helpers import make_checkpoint, one_thread  # noqa: F401  (the fixture)
 from test_decoder import SMALL, _fields
@@ -270,8 +270,8 @@ def test_the_pipeline_one_liner_takes_an_assistant(tmp_path):
     """``generate(prompts, model, assistant_model=...)``: the text-generation pipeline's ``assistant_model`` (our
     model, or a directory to load it from), each prompt alone: the records equal the pipeline's, greedy and sampled
     (its defaults)."""
-    from flodl_hf.generate import generate
-    from flodl_hf.parity import quiet_transformers
+    from flodl_hf.generation.generate import generate
+    from flodl_hf.roundtrip.parity import quiet_transformers
     from test_decoder import _text_model
     from test_generate_pipeline import PROMPTS
     root = _text_model(tmp_path / "model")
@@ -294,7 +294,7 @@ def test_the_cli_takes_an_assistant(tmp_path, capsys):
     import json
 
     from flodl_hf.cli import main
-    from flodl_hf.parity import quiet_transformers
+    from flodl_hf.roundtrip.parity import quiet_transformers
     from test_decoder import _text_model
     from test_generate_pipeline import PROMPTS
     root = _text_model(tmp_path / "model")

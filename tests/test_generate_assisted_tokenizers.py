@@ -19,10 +19,10 @@ import warnings
 import pytest
 import torch
 
-from flodl_hf.errors import InputError
-from flodl_hf.generate import generate_ids
-from flodl_hf.samples import sample_path
-from flodl_hf.tokenizer import Tokenizer
+from flodl_hf.core.errors import InputError
+from flodl_hf.generation.generate import generate_ids
+from flodl_hf.core.samples import sample_path
+from flodl_hf.tokenization.tokenizer import Tokenizer
 
 from helpers import make_checkpoint, one_thread  # noqa: F401  (the fixture)
 from test_decoder import SMALL, _fields
@@ -81,7 +81,7 @@ class Pair:
         """Ours against transformers' plain greedy generate, and against its assisted generate where that runs;
         every round's drafts against the assistant's own greedy generate. Returns ours, the model's forward lengths
         and whether transformers' assisted generate failed."""
-        from flodl_hf import assisted
+        from flodl_hf.generation import assisted
         rounds = []
         draft = assisted.TranslatedDrafts._draft
 
@@ -230,8 +230,8 @@ def test_the_pipeline_one_liner_takes_an_assistant_tokenizer(pair, capsys):
     without one is refused, as there). The records equal the pipeline's with the same assistant (or, where
     transformers' assisted generate fails, the pipeline's without one: greedy drafts change no id), and the assistant
     drafted; so do ``flodl-hf generate``'s with ``--assistant DIR --no-sample``."""
-    from flodl_hf.generate import generate
-    from flodl_hf.parity import quiet_transformers
+    from flodl_hf.generation.generate import generate
+    from flodl_hf.roundtrip.parity import quiet_transformers
     main, assistant = pair.paths
     prompts, settings = [TEXT, "It was the"], dict(max_new_tokens=12, do_sample=False)
     pipeline = quiet_transformers().pipeline
@@ -244,7 +244,7 @@ def test_the_pipeline_one_liner_takes_an_assistant_tokenizer(pair, capsys):
             reference = pipeline("text-generation", model=str(main))(prompts, **settings)
         with pytest.raises(ValueError, match="different tokenizer"):
             pipeline("text-generation", model=str(main), assistant_model=pair.assistant[1])
-    from flodl_hf import assisted
+    from flodl_hf.generation import assisted
     start, used = assisted.TranslatedDrafts.__init__, []
 
     def recorded(drafts, *args):

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from flodl_hf.auto import load_model
-from flodl_hf.decoder import Rope
-from flodl_hf.errors import ConfigError, InputError
-from flodl_hf.generate import generate_ids
-from flodl_hf.parity import quiet_transformers, reference_model
+from flodl_hf.core.decoder import Rope
+from flodl_hf.core.errors import ConfigError, InputError
+from flodl_hf.generation.generate import generate_ids
+from flodl_hf.roundtrip.parity import quiet_transformers, reference_model
 
 from helpers import make_checkpoint, one_thread  # noqa: F401  (the fixture)
 from test_decoder import _fields, _left_padded

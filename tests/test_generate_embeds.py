@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flodl_hf.errors import InputError
-from flodl_hf.generate import generate, generate_ids
-from flodl_hf.parity import quiet_transformers
+from flodl_hf.core.errors import InputError
+from flodl_hf.generation.generate import generate, generate_ids
+from flodl_hf.roundtrip.parity import quiet_transformers
 
 from helpers import make_checkpoint, one_thread  # noqa: F401  (the fixture)
 from test_decoder import SMALL, _fields, _left_padded

@@ -14,8 +14,8 @@ import warnings
 import pytest
 import torch
 
-from flodl_hf.errors import InputError
-from flodl_hf.parity import quiet_transformers
+from flodl_hf.core.errors import InputError
+from flodl_hf.roundtrip.parity import quiet_transformers
 
 from helpers import one_thread  # noqa: F401  (the fixture)
 from test_decoder import _left_padded
@@ -332,7 +332,7 @@ def test_a_custom_criterion_with_an_eos_id_pads_finished_rows(pair, tmp_path):
 def test_the_pipeline_hands_the_hooks_to_each_prompt(model):
     """generate(prompts, ...) as pipeline(prompts, ...) with a streamer, a processor and a criterion: the
     records, and the streamer's puts (each prompt, its steps, an end() per prompt)."""
-    from flodl_hf.generate import generate
+    from flodl_hf.generation.generate import generate
     root, pipe = model
     records, streamers = [], []
     for run in (lambda **kw: pipe(PROMPTS, **kw), lambda **kw: generate(PROMPTS, root, **kw)):

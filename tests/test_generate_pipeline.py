@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flodl_hf.errors import InputError
-from flodl_hf.generate import generate
-from flodl_hf.parity import quiet_transformers
+from flodl_hf.core.errors import InputError
+from flodl_hf.generation.generate import generate
+from flodl_hf.roundtrip.parity import quiet_transformers
 
 from test_decoder import _text_model
 

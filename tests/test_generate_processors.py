@@ -12,9 +12,9 @@ import shutil
 import pytest
 import torch
 
-from flodl_hf.errors import ConfigError, InputError
-from flodl_hf.generate import generate, generate_ids
-from flodl_hf.parity import quiet_transformers
+from flodl_hf.core.errors import ConfigError, InputError
+from flodl_hf.generation.generate import generate, generate_ids
+from flodl_hf.roundtrip.parity import quiet_transformers
 
 from helpers import make_checkpoint, one_thread  # noqa: F401  (the fixture)
 from test_decoder import SMALL, _fields, _left_padded
@@ -354,8 +354,8 @@ def test_stop_string_matching_equals_stop_string_criteria(kind, request):
     token can end them), an InputError."""
     from transformers.generation.stopping_criteria import StopStringCriteria
 
-    from flodl_hf.generation_processors import StopStrings
-    from flodl_hf.tokenizer import AutoTokenizer
+    from flodl_hf.generation.processors import StopStrings
+    from flodl_hf.tokenization.tokenizer import AutoTokenizer
     from test_tokenizer_dirs import bpe_vocab_dir, saved_dir, wordpiece_vocab_dir
     root = {"byte-level BPE": lambda: saved_dir(bpe_vocab_dir()), "WordPiece": lambda: saved_dir(wordpiece_vocab_dir()),
             "SentencePiece byte fallback": lambda: request.getfixturevalue("model")[0]}[kind]()

@@ -11,8 +11,8 @@ import warnings
 import pytest
 import torch
 
-from flodl_hf.errors import InputError
-from flodl_hf.generate import generate_ids
+from flodl_hf.core.errors import InputError
+from flodl_hf.generation.generate import generate_ids
 
 from helpers import make_checkpoint, one_thread  # noqa: F401  (the fixture)
 from test_decoder import SMALL, _fields, _left_padded

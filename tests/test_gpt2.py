@@ -17,9 +17,9 @@ from safetensors.torch import load_file, save_file
 
 from flodl_hf import AutoTokenizer
 from flodl_hf.auto import AutoConfig, load_model
-from flodl_hf.errors import ConfigError, InputError
-from flodl_hf.generate import generate_ids
-from flodl_hf.parity import make_batch, quiet_transformers
+from flodl_hf.core.errors import ConfigError, InputError
+from flodl_hf.generation.generate import generate_ids
+from flodl_hf.roundtrip.parity import make_batch, quiet_transformers
 
 from decoder_checks import assert_left_padded_generate_equal, case_fields, generate_settings
 from helpers import (  # noqa: F401  (one_thread: a fixture)
@@ -167,7 +167,7 @@ def test_tokenizer_equals_transformers(name):
 def test_generate_texts_equal_the_text_generation_pipeline(tmp_path):
     """The GPT-2 tokenizer has no pad token: our prompts are left-padded by hand, and the records equal the
     pipeline's (which runs each prompt alone), greedy and with a pad token set."""
-    from flodl_hf.generate import generate
+    from flodl_hf.generation.generate import generate
     from flodl_hf.tasks.runtime import clear_cache
     root = tmp_path / "model"
     shutil.copytree(make_checkpoint(SMALL, "causal_lm"), root)
@@ -222,7 +222,7 @@ def test_double_heads_train_step_equals_transformers(summary, impl):
     """In train mode (every dropout on, the same seed): logits, mc_logits, the LM loss and the choice loss
     torch.equal to transformers' GPT2DoubleHeadsModel, with mc_token_ids (each choice's last real token) and without
     (the last position), and the gradients of loss + mc_loss equal."""
-    from flodl_hf.parity import reference_model
+    from flodl_hf.roundtrip.parity import reference_model
     fields = {**DOUBLE, **SUMMARIES[summary]} if summary != "real-width" else SUMMARIES[summary]
     source = make_checkpoint(fields, "double_heads")
     ours = load_model(source, "double_heads", dtype=torch.float32, attn_implementation=impl).train()
@@ -267,7 +267,7 @@ def test_double_heads_records_as_transformers():
     """The record's fields in transformers' order; with output_hidden_states / output_attentions the states (the
     last one viewed to (batch, choices, seq, hidden), as GPT2Model views it) and weights equal; the cache (the
     choices flattened into the batch) holds transformers' keys and values; none with use_cache=False."""
-    from flodl_hf.parity import reference_model
+    from flodl_hf.roundtrip.parity import reference_model
     source = make_checkpoint(DOUBLE, "double_heads")
     ours = load_model(source, "double_heads", dtype=torch.float32, attn_implementation="eager")
     theirs = reference_model(source, "double_heads", "eager")
@@ -287,7 +287,7 @@ def test_double_heads_architecture_picks_the_task(tmp_path):
     """A config.json whose architectures names GPT2DoubleHeadsModel loads as the double_heads task (auto), through
     the Auto class the registry makes for it, and exports under that name."""
     from flodl_hf.auto import auto_classes
-    from flodl_hf.export import architecture_name
+    from flodl_hf.roundtrip.export import architecture_name
     source = make_checkpoint(DOUBLE, "double_heads")
     assert json.loads((source / "config.json").read_text())["architectures"] == ["GPT2DoubleHeadsModel"]
     model = load_model(source)
@@ -326,7 +326,7 @@ def test_double_heads_lora_equals_peft(tmp_path):
     import peft
 
     from flodl_hf import lora
-    from flodl_hf.parity import reference_model
+    from flodl_hf.roundtrip.parity import reference_model
     warnings.simplefilter("ignore")
     source = make_checkpoint(DOUBLE, "double_heads")
     batch = make_batch(AutoConfig.from_pretrained(source), "double_heads")

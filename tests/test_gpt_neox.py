@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from flodl_hf import AutoTokenizer
 from flodl_hf.auto import AutoConfig, load_model
-from flodl_hf.errors import ConfigError, InputError
-from flodl_hf.parity import check_parity, make_batch, quiet_transformers
+from flodl_hf.core.errors import ConfigError, InputError
+from flodl_hf.roundtrip.parity import check_parity, make_batch, quiet_transformers
 
 from decoder_checks import (assert_left_padded_generate_equal, assert_rotary_equal,
                             assert_training_with_dropouts_equal, case_fields, generate_settings, with_top_level_rope)
@@ -191,7 +191,7 @@ def _neox_vocab_dir():
 def test_tokenizer_equals_transformers(name):
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
-    from flodl_hf.tokenizer import CLASS_FOR_MODEL_TYPE
+    from flodl_hf.tokenization.tokenizer import CLASS_FOR_MODEL_TYPE
     assert CLASS_FOR_MODEL_TYPE["gpt_neox"] == TOKENIZER_MAPPING_NAMES["gpt_neox"]
     plain = _neox_vocab_dir()
     directory = {"vocab+merges": plain, "tokenizer.json": saved_dir(plain, "gpt_neox-saved"),
@@ -208,7 +208,7 @@ def test_tokenizer_equals_transformers(name):
 def test_generate_texts_equal_the_text_generation_pipeline(tmp_path):
     """Pythia's tokenizer layout (tokenizer.json, ``<|padding|>`` as the pad token): the records equal the
     pipeline's, greedy, for a list of prompts (left-padded into one batch here, one at a time there)."""
-    from flodl_hf.generate import generate
+    from flodl_hf.generation.generate import generate
     from flodl_hf.tasks.runtime import clear_cache
     root = tmp_path / "model"
     shutil.copytree(make_checkpoint(SMALL, "causal_lm"), root)

@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flodl_hf.auto import AutoConfig, load_model
-from flodl_hf.errors import ConfigError
-from flodl_hf.export import export
-from flodl_hf.parity import make_batch, quiet_transformers
-from flodl_hf.verify import verify_export
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.roundtrip.export import export
+from flodl_hf.roundtrip.parity import make_batch, quiet_transformers
+from flodl_hf.roundtrip.verify import verify_export
 
 from decoder_checks import (assert_left_padded_generate_equal, assert_training_with_dropouts_equal, case_fields,
                             generate_settings)
@@ -41,7 +41,7 @@ def test_rotation_is_gptjs_interleaved_form(fields):
     GPTJAttention's slices turned with rotate_every_two; LLaMA's rotate_half on the same dimensions differs."""
     from transformers.models.gptj import modeling_gptj as theirs_module
 
-    from flodl_hf.decoder import apply_rotary_pos_emb as rotate_half_form
+    from flodl_hf.core.decoder import apply_rotary_pos_emb as rotate_half_form
     ours, theirs = model_pair(make_checkpoint(fields, "causal_lm"))
     rotary = theirs.transformer.rotary_emb
     assert torch.equal(ours.backbone.embed_positions(None, None), rotary.embed_positions)
@@ -166,8 +166,8 @@ def test_tokenizer_class_and_lora_default_are_transformers_and_pefts():
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
     from flodl_hf import lora
-    from flodl_hf.registry import get_family
-    from flodl_hf.tokenizer import CLASS_FOR_MODEL_TYPE
+    from flodl_hf.core.registry import get_family
+    from flodl_hf.tokenization.tokenizer import CLASS_FOR_MODEL_TYPE
     assert CLASS_FOR_MODEL_TYPE["gptj"] == TOKENIZER_MAPPING_NAMES["gptj"] == "GPT2Tokenizer"
     assert lora.default_targets("gptj") == list(PEFT["gptj"]) == ["q_proj", "v_proj"]
     transformers = quiet_transformers()

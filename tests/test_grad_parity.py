@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from flodl_hf.auto import load_model
-from flodl_hf.parity import make_batch, reference_model
-from flodl_hf.registry import get_family
+from flodl_hf.roundtrip.parity import make_batch, reference_model
+from flodl_hf.core.registry import get_family
 
 from cases import CASES
 from helpers import make_checkpoint, seeded_backward

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from flodl_hf import (AutoConfig, AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification,
                       CheckpointFormatError, ConfigError, SourceNotFoundError, UnsupportedModelError,
                       WeightsMismatchError)
-from flodl_hf.parity import check_parity, make_batch, reference_model
+from flodl_hf.roundtrip.parity import check_parity, make_batch, reference_model
 
 from helpers import make_checkpoint
 
@@ -69,7 +69,7 @@ def test_single_weights_file_and_bin_and_sharded(mlm_dir, tmp_path):
     sharded = tmp_path / "sharded"
     sharded.mkdir()
     shutil.copy(mlm_dir / "config.json", sharded)
-    from flodl_hf.io import save_safetensors
+    from flodl_hf.core.io import save_safetensors
     paths = save_safetensors(tensors, sharded, max_shard_size=20_000)
     assert len(paths) > 1 and (sharded / "model.safetensors.index.json").is_file()
     from_shards = AutoModelForMaskedLM.from_pretrained(sharded)

@@ -15,10 +15,9 @@ peft = pytest.importorskip("peft")
 
 from flodl_hf import lora
 from flodl_hf.auto import AutoConfig, load_model
-from flodl_hf.errors import (AdapterBaseMismatchError, AdapterError, UnsupportedAdapterError,
-                             WeightsMismatchError)
-from flodl_hf.parity import make_batch, reference_model
-from flodl_hf.registry import supported_model_types
+from flodl_hf.core.errors import AdapterBaseMismatchError, AdapterError, UnsupportedAdapterError, WeightsMismatchError
+from flodl_hf.roundtrip.parity import make_batch, reference_model
+from flodl_hf.core.registry import supported_model_types
 
 from cases import CASES
 from helpers import make_checkpoint
@@ -428,7 +427,7 @@ def test_garbage_adapter_weights_and_base_stamp_are_typed_errors(tmp_path):
 
 def _lora_checkpoint(tmp_path, lora_entry):
     """A trainer checkpoint file (the trainer's schema) of a LoRA model, with its 'lora' entry replaced."""
-    from flodl_hf import checkpoint_schema
+    from flodl_hf.core import checkpoint_schema
     source = make_checkpoint(next(f for c, t, f in CASES if c == "bert-hd24-seqcls"), "seqcls")
     model = lora.add_lora(load_model(source, "seqcls"), r=4, alpha=8, target_modules=["query", "value"])
     good = lora.trainer_entry(model)
@@ -459,7 +458,7 @@ _BAD_LORA_ENTRIES = [
 @pytest.mark.parametrize("entry,expected", [pytest.param(e, x, id=i) for i, e, x in _BAD_LORA_ENTRIES])
 def test_malformed_checkpoint_lora_entry_is_a_checkpoint_format_error(entry, expected, tmp_path):
     from flodl_hf.cli import main
-    from flodl_hf.errors import CheckpointFormatError
+    from flodl_hf.core.errors import CheckpointFormatError
     path, model, _ = _lora_checkpoint(tmp_path, entry)
     data = torch.load(str(path), weights_only=True)
     for call in (lambda: lora.checkpoint_entry(data, path),

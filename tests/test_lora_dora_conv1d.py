@@ -15,9 +15,10 @@ peft = pytest.importorskip("peft")
 
 from safetensors.torch import load_file
 
-from flodl_hf import checkpoint_schema, lora
+from flodl_hf.core import checkpoint_schema
+from flodl_hf import lora
 from flodl_hf.auto import load_model
-from flodl_hf.parity import make_batch, reference_model
+from flodl_hf.roundtrip.parity import make_batch, reference_model
 
 from cases import CASES
 from helpers import make_checkpoint

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from flodl_hf import lora
 from flodl_hf.auto import load_model
-from flodl_hf.errors import AdapterBaseMismatchError, AdapterError, UnsupportedAdapterError
-from flodl_hf.parity import make_batch, reference_model
+from flodl_hf.core.errors import AdapterBaseMismatchError, AdapterError, UnsupportedAdapterError
+from flodl_hf.roundtrip.parity import make_batch, reference_model
 
 from cases import CASES
 from helpers import make_checkpoint
@@ -392,7 +392,7 @@ def test_selection_fields_survive_a_trainer_checkpoint(tmp_path):
     """A LoRA trainer checkpoint records the selection fields and DoRA: export --checkpoint --adapter rebuilds the same
     modules and ranks, and PEFT loads the adapter it writes (outputs equal). An entry written before the
     fields existed still reads, with PEFT's defaults."""
-    from flodl_hf import checkpoint_schema
+    from flodl_hf.core import checkpoint_schema
     source, task = _source(BERT)
     model = lora.add_lora(load_model(source, task), r=4, alpha=8, target_modules=["query", "value"],
                           rank_pattern={"value": 2}, exclude_modules=r".*layer\.0\.attention\.self\.query",
@@ -509,7 +509,7 @@ def test_lora_bias_on_a_layer_without_bias_cannot_merge_and_survives_a_checkpoin
     """A trainer checkpoint records lora_bias and export --checkpoint --adapter writes an adapter PEFT reloads equal
     (an entry written before the field reads as false); a lora_B bias on a bias-free layer cannot merge, typed
     (PEFT: a RuntimeError)."""
-    from flodl_hf import checkpoint_schema
+    from flodl_hf.core import checkpoint_schema
     source, task = _source(LLAMA_TIED)
     model = lora.add_lora(load_model(source, task), r=4, alpha=8, target_modules=["q_proj", "gate_proj"],
                           lora_bias=True)

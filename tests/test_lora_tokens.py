@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 
 from flodl_hf import lora
 from flodl_hf.auto import AutoConfig, load_model
-from flodl_hf.errors import AdapterError, UnsupportedAdapterError
-from flodl_hf.parity import make_batch, reference_model
+from flodl_hf.core.errors import AdapterError, UnsupportedAdapterError
+from flodl_hf.roundtrip.parity import make_batch, reference_model
 
 from cases import CASES
 from helpers import make_checkpoint, one_thread  # noqa: F401 (a fixture)
@@ -237,8 +237,8 @@ def test_trainer_checkpoint_exports_the_rows_as_peft_reads_them(tmp_path):
     that peft loads with outputs equal to ours, and merged as a directory that verify-export passes."""
     warnings.simplefilter("ignore")
     from flodl_hf.cli import main
-    from flodl_hf.trainer import Trainer, latest_checkpoint, load_checkpoint
-    from flodl_hf.verify import verify_export
+    from flodl_hf.training.trainer import Trainer, latest_checkpoint, load_checkpoint
+    from flodl_hf.roundtrip.verify import verify_export
     task, fields = _case("bert-hd24-seqcls")
     source = make_checkpoint(fields, task)
     model = load_model(source, task)

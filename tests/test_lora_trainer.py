@@ -14,10 +14,10 @@ peft = pytest.importorskip("peft")
 from flodl_hf import lora
 from flodl_hf.auto import load_model
 from flodl_hf.cli import main
-from flodl_hf.errors import AdapterBaseMismatchError
-from flodl_hf.parity import make_batch, reference_model
-from flodl_hf.trainer import Trainer, latest_checkpoint, load_checkpoint
-from flodl_hf.verify import verify_export
+from flodl_hf.core.errors import AdapterBaseMismatchError
+from flodl_hf.roundtrip.parity import make_batch, reference_model
+from flodl_hf.training.trainer import Trainer, latest_checkpoint, load_checkpoint
+from flodl_hf.roundtrip.verify import verify_export
 
 from cases import CASES
 from helpers import make_checkpoint

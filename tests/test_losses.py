@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flodl_hf.auto import load_model
-from flodl_hf.parity import make_batch, reference_model
+from flodl_hf.roundtrip.parity import make_batch, reference_model
 
 from cases import CASES
 from helpers import make_checkpoint

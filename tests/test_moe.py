@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flodl_hf.auto import load_model
-from flodl_hf.errors import CheckpointFormatError, ConfigError, InputError
-from flodl_hf.parity import make_batch, quiet_transformers, reference_model
-from flodl_hf.registry import get_family
+from flodl_hf.core.errors import CheckpointFormatError, ConfigError, InputError
+from flodl_hf.roundtrip.parity import make_batch, quiet_transformers, reference_model
+from flodl_hf.core.registry import get_family
 
 from decoder_checks import case_fields
 from helpers import (assert_config_defaults_equal, assert_model_generate_equal,  # noqa: F401  (one_thread: a fixture)

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodl_hf.records import load_tree
+from flodl_hf.training.records import load_tree
 from flodl_hf.testing import netns
-from flodl_hf.trainer import launch
+from flodl_hf.training.trainer import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 _WHY = netns.available()
@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent('''
     from pathlib import Path
     import torch
     from torch import nn
-    from flodl_hf.trainer import DiLoCo, ElChe, Trainer
+    from flodl_hf.training.trainer import DiLoCo, ElChe, Trainer
 
     cfg, out = json.loads(sys.argv[1]), Path(sys.argv[2])
     rank, node = int(os.environ["RANK"]), int(os.environ.get("GROUP_RANK", "0"))

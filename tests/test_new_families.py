@@ -13,7 +13,7 @@ import torch
 
 from flodl_hf import AutoTokenizer, classify, detect_replaced, embed, fill_mask, load_model
 from flodl_hf.auto import AutoConfig
-from flodl_hf.parity import check_parity, make_batch, quiet_transformers
+from flodl_hf.roundtrip.parity import check_parity, make_batch, quiet_transformers
 
 from cases import CASES
 from helpers import CACHE, make_checkpoint, one_thread  # noqa: F401  (the fixture)

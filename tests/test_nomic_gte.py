@@ -25,12 +25,12 @@ import test_output_attentions
 import test_positional_order
 from cases import CASES
 from flodl_hf.auto import load_model
-from flodl_hf.errors import CheckpointFormatError, ConfigError
+from flodl_hf.core.errors import CheckpointFormatError, ConfigError
 from flodl_hf.families.gte import Gte
 from flodl_hf.families.nomic_bert import NomicBertLayer
-from flodl_hf.keys import FileLayout
-from flodl_hf.parity import check_parity, make_batch, quiet_transformers, reference_model
-from flodl_hf.registry import get_family
+from flodl_hf.core.keys import FileLayout
+from flodl_hf.roundtrip.parity import check_parity, make_batch, quiet_transformers, reference_model
+from flodl_hf.core.registry import get_family
 from helpers import make_checkpoint, model_pair, one_thread  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -289,7 +289,7 @@ TOKENIZERS = {"nomic_bert": "bert/tokenizer.json", "gte": "xlm-roberta/unigram/t
 
 def test_tokenizer_class_is_transformers():
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
-    from flodl_hf.tokenizer import CLASS_FOR_MODEL_TYPE
+    from flodl_hf.tokenization.tokenizer import CLASS_FOR_MODEL_TYPE
     for model_type in TOKENIZERS:
         assert CLASS_FOR_MODEL_TYPE[model_type] == TOKENIZER_MAPPING_NAMES[model_type]
 
@@ -322,7 +322,7 @@ def test_fill_mask_equals_the_pipeline(monkeypatch, model_type):
 
 def test_verify_matrix_passes_on_every_head(tmp_path):
     """export then verify-export (diff 0 against transformers) for both families and every head they have."""
-    from flodl_hf.matrix import verify_matrix
+    from flodl_hf.roundtrip.matrix import verify_matrix
     result = verify_matrix(families=["nomic_bert", "gte"], out_dir=tmp_path / "m", progress=False)
     assert result.ok, result.format_table()
     ran = sorted((c.model_type, c.head) for c in result.cells if c.status != "n/a")

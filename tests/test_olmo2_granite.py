@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from flodl_hf.auto import load_model
-from flodl_hf.errors import AdapterError, ConfigError
-from flodl_hf.parity import make_batch
+from flodl_hf.core.errors import AdapterError, ConfigError
+from flodl_hf.roundtrip.parity import make_batch
 
 from decoder_checks import assert_tokenizer_class_from_the_model_type, byte_level_tokenizer_dir, case_fields, case_pair
 from helpers import assert_config_defaults_equal, assert_model_generate_equal, make_checkpoint

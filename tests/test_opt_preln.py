@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from flodl_hf.auto import AutoConfig, load_model
-from flodl_hf.errors import ConfigError
-from flodl_hf.parity import make_batch, quiet_transformers
-from flodl_hf.registry import get_family
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.roundtrip.parity import make_batch, quiet_transformers
+from flodl_hf.core.registry import get_family
 
 from decoder_checks import (assert_left_padded_generate_equal, assert_tokenizer_class_from_the_model_type,
                             assert_training_with_dropouts_equal, case_fields)
@@ -208,7 +208,7 @@ def test_tokenizer_class_from_the_model_type(tmp_path):
     from test_tokenizer_dirs import _done, _write_config, assert_byte_level_tokenizer_equal, byte_level_bpe
 
     from flodl_hf import AutoTokenizer
-    from flodl_hf.tokenizer import CLASS_FOR_MODEL_TYPE
+    from flodl_hf.tokenization.tokenizer import CLASS_FOR_MODEL_TYPE
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
     assert CLASS_FOR_MODEL_TYPE["opt"] == TOKENIZER_MAPPING_NAMES["opt"] == "GPT2Tokenizer"
     plain, done = byte_level_bpe("opt-vocab-merges", ["<s>", "<pad>", "</s>", "<unk>"])

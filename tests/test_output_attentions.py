@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from flodl_hf.auto import load_model
-from flodl_hf.errors import InputError
-from flodl_hf.layers import _ATTENTIONS, record_attention
-from flodl_hf.modeling import _with_field
-from flodl_hf.outputs import ModelOutput
-from flodl_hf.parity import make_batch, reference_model
-from flodl_hf.registry import get_family
+from flodl_hf.core.errors import InputError
+from flodl_hf.core.layers import _ATTENTIONS, record_attention
+from flodl_hf.core.modeling import _with_field
+from flodl_hf.core.outputs import ModelOutput
+from flodl_hf.roundtrip.parity import make_batch, reference_model
+from flodl_hf.core.registry import get_family
 
 from cases import CASES
 from helpers import make_checkpoint, one_thread  # noqa: F401  (fixture)

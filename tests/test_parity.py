@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from flodl_hf.parity import check_parity
-from flodl_hf.registry import get_family
+from flodl_hf.roundtrip.parity import check_parity
+from flodl_hf.core.registry import get_family
 
 from cases import CASES
 from helpers import make_checkpoint

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from flodl_hf.auto import load_model
-from flodl_hf.errors import ConfigError
-from flodl_hf.generate import generate_ids
-from flodl_hf.parity import check_parity, quiet_transformers, reference_model
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.generation.generate import generate_ids
+from flodl_hf.roundtrip.parity import check_parity, quiet_transformers, reference_model
 
 from cases import CASES
 from cases.phi3 import LONGROPE
@@ -135,7 +135,7 @@ def test_frequencies_and_attention_factor_are_transformers():
     factor / attention_factor."""
     from transformers import Phi3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from flodl_hf.registry import get_family
+    from flodl_hf.core.registry import get_family
     compute = ROPE_INIT_FUNCTIONS["longrope"]
     fields = {k: v for k, v in _fields().items() if k != "model_type"}
     for extra in ({}, {"factor": 2.0}, {"attention_factor": 1.25}, {"factor": 0.5}, {"rope_theta": 500000}):
@@ -386,8 +386,8 @@ def test_generate_texts_equal_the_pipeline_across_the_switch(tmp_path, monkeypat
     cache dropped at the padded length, the long frequencies for every row: shown first on ids): such prompts run
     one at a time, as the text-generation pipeline runs them, and the records equal the pipeline's; a run that
     cannot get there stays one batch."""
-    generation = importlib.import_module("flodl_hf.generate")  # the package exports a function of that name
-    from flodl_hf.samples import sample_path
+    generation = importlib.import_module("flodl_hf.generation.generate")  # the package exports a function of that name
+    from flodl_hf.core.samples import sample_path
     ours, _ = _load(_source(), "causal_lm", "sdpa")
     ids, mask = _prompt((6, 3))
     batched = generate_ids(ours, ids, mask, do_sample=False, max_new_tokens=12, eos_token_id=[], pad_token_id=0)

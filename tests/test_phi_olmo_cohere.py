@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from flodl_hf.auto import AutoConfig, load_model
-from flodl_hf.errors import AdapterError, ConfigError
-from flodl_hf.parity import check_parity, make_batch, quiet_transformers
+from flodl_hf.core.errors import AdapterError, ConfigError
+from flodl_hf.roundtrip.parity import check_parity, make_batch, quiet_transformers
 
 from decoder_checks import (assert_left_padded_generate_equal, assert_rotary_equal,
                             assert_tokenizer_class_from_the_model_type, assert_training_with_dropouts_equal,

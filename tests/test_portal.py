@@ -17,9 +17,9 @@ httpx = pytest.importorskip("httpx", reason="the API tests use httpx")
 from starlette.testclient import TestClient  # noqa: E402
 
 from flodl_hf.cli import main  # noqa: E402
-from flodl_hf.errors import InputError  # noqa: E402
-from flodl_hf.portal import create_app, start_portal, stream_message  # noqa: E402
-from flodl_hf.records import TreeWriter, host_names, load_tree, read_records, tree_paths  # noqa: E402
+from flodl_hf.core.errors import InputError  # noqa: E402
+from flodl_hf.training.portal import create_app, start_portal, stream_message  # noqa: E402
+from flodl_hf.training.records import TreeWriter, host_names, load_tree, read_records, tree_paths  # noqa: E402
 
 
 def synthetic_run(run: Path, hosts: int, per_host: int, windows: int, seed: int = 0) -> TreeWriter:
@@ -255,7 +255,7 @@ def test_root_stream_costs_the_same_for_300_ranks_as_for_3(tmp_path):
 def test_trainer_portal_serves_the_run_while_it_trains(tmp_path, capsys):
     import torch
 
-    from flodl_hf.trainer import Trainer, TrainerConfigError
+    from flodl_hf.training.trainer import Trainer, TrainerConfigError
 
     seen: list[list[str]] = []
 

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here (apt-
 SCRIPT = textwrap.dedent('''
     import sys, time
     import torch
-    from flodl_hf.trainer import Trainer
+    from flodl_hf.training.trainer import Trainer
 
     out, port, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     torch.manual_seed(0)
@@ -206,8 +206,8 @@ def test_saved_page_renders_offline(browser, live_run):
 
 def test_statuses_token_and_time_axis_on_a_synthetic_tree(browser, tmp_path):
     """A served tree with a lost rank, an idle one and a slow host, behind a token."""
-    from flodl_hf.portal import start_portal
-    from flodl_hf.records import TreeWriter
+    from flodl_hf.training.portal import start_portal
+    from flodl_hf.training.records import TreeWriter
 
     names = ["a", "a", "a", "b", "b"]
     writer = TreeWriter(tmp_path / "run", names)
@@ -247,8 +247,8 @@ def test_statuses_token_and_time_axis_on_a_synthetic_tree(browser, tmp_path):
 def test_a_crafted_fragment_injects_nothing(browser, tmp_path):
     """The node path comes from the URL's fragment, which any page can link to: it is escaped where it is
     shown, and a path that is not the tree's shows the root."""
-    from flodl_hf.portal import start_portal
-    from flodl_hf.records import TreeWriter
+    from flodl_hf.training.portal import start_portal
+    from flodl_hf.training.records import TreeWriter
 
     writer = TreeWriter(tmp_path / "run", ["a"])
     writer.window({"step": 4, "epoch": 0, "time": 0.5}, [{"samples": 32, "loss": 1.0}])

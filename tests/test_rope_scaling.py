@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from flodl_hf.auto import AutoConfig, load_model
-from flodl_hf.decoder import Rope
-from flodl_hf.errors import ConfigError
-from flodl_hf.generate import generate_ids
-from flodl_hf.parity import quiet_transformers, reference_model
+from flodl_hf.core.decoder import Rope
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.generation.generate import generate_ids
+from flodl_hf.roundtrip.parity import quiet_transformers, reference_model
 
 from cases import CASES
 from helpers import left_padded, make_checkpoint, one_thread  # noqa: F401  (fixture)

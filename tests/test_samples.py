@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from flodl_hf import AutoTokenizer, embed, fill_mask, io, load_model, samples
-from flodl_hf.errors import SourceNotFoundError
-from flodl_hf.samples import Sample, SampleError
+from flodl_hf import AutoTokenizer, embed, fill_mask, load_model
+from flodl_hf.core import io, samples
+from flodl_hf.core.errors import SourceNotFoundError
+from flodl_hf.core.samples import Sample, SampleError
 from helpers import make_checkpoint, quiet_transformers, one_thread  # noqa: F401  (the fixture)
 from test_tokenizer_dirs import saved_dir, wordpiece_vocab_dir
 

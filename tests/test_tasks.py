@@ -28,7 +28,7 @@ import torch
 
 import flodl_hf
 from flodl_hf import InputError, answer, classify, embed, fill_mask, rank, tag
-from flodl_hf.registry import supported_model_types
+from flodl_hf.core.registry import supported_model_types
 from flodl_hf.tasks import clear_cache, load
 from helpers import CACHE, make_checkpoint, quiet_transformers, one_thread  # noqa: F401  (the fixture)
 from test_tokenizer_dirs import all_dirs
@@ -136,8 +136,8 @@ def test_fill_mask_without_mask_is_a_clear_error():
 
 
 def test_fill_mask_default_model_offline_says_what_to_do(monkeypatch):
-    from flodl_hf import io
-    from flodl_hf.errors import SourceNotFoundError
+    from flodl_hf.core import io
+    from flodl_hf.core.errors import SourceNotFoundError
 
     def offline(repo_id, revision, subfolder="", **hub_options):
         raise SourceNotFoundError(f"cannot resolve '{repo_id}': offline")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flodl_hf import AutoTokenizer, InputError
-from flodl_hf.tokenizer import RECIPES, Tokenizer
+from flodl_hf.tokenization.tokenizer import RECIPES, Tokenizer
 from helpers import quiet_transformers
 from test_tokenizer_dirs import PAIRS, SAMPLES, all_dirs, saved_dir, wordpiece_vocab_dir
 
@@ -106,7 +106,7 @@ def test_every_recipe_is_exercised():
 
 def test_tokenizer_json_loads_without_transformers_conversion(monkeypatch):
     """A directory with tokenizer.json and a known class is built by our recipe, not by transformers."""
-    import flodl_hf.tokenizer as module
+    import flodl_hf.tokenization.tokenizer as module
 
     def refuse(*args, **kwargs):
         raise AssertionError("transformers was asked to convert a tokenizer.json directory")
@@ -164,7 +164,7 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("model_name", ["botchan_en_unigram_1000.model", "botchan_en_bpe_1000.model"])
 def test_real_sentencepiece_models(tmp_path, model_name):
     """The real SentencePiece models of the sentencepiece sources (`flodl-hf samples fetch botchan`)."""
-    from flodl_hf import samples
+    from flodl_hf.core import samples
     botchan = samples.local_path("botchan")
     if botchan is None:
         pytest.skip("samples/botchan is not in the cache (run `flodl-hf samples fetch botchan`)")

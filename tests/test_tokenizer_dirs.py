@@ -19,8 +19,8 @@ from typing import Callable
 import pytest
 
 from flodl_hf import AutoTokenizer
-from flodl_hf.errors import ConfigError
-from flodl_hf.tokenizer import VERY_LARGE_INTEGER
+from flodl_hf.core.errors import ConfigError
+from flodl_hf.tokenization.tokenizer import VERY_LARGE_INTEGER
 from helpers import CACHE, quiet_transformers
 
 BUILD_VERSION = "1"  # bump when a builder changes

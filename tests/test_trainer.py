@@ -11,14 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from flodl_hf.distributed import (ElChe, Plan, deal, inner_candidates, nest_tiers, plan_window, probe_tiers,
-                                  split_by_speed)
-from flodl_hf.records import load_tree
-from flodl_hf.report import write_report
-from flodl_hf.errors import CheckpointFormatError, FlodlHFError, InputError
+from flodl_hf.training.sync import (ElChe, Plan, deal, inner_candidates, nest_tiers, plan_window, probe_tiers,
+                                    split_by_speed)
+from flodl_hf.training.records import load_tree
+from flodl_hf.training.report import write_report
+from flodl_hf.core.errors import CheckpointFormatError, FlodlHFError, InputError
 from flodl_hf.commands.train import register_cli
-from flodl_hf.trainer import (DiLoCo, Trainer, TrainerConfigError, TrainerError, latest_checkpoint, launch,
-                              load_checkpoint)
+from flodl_hf.training.trainer import (DiLoCo, Trainer, TrainerConfigError, TrainerError, latest_checkpoint, launch,
+                                       load_checkpoint)
 
 
 # ---- El Che plan (pure) --------------------------------------------------------------------------
@@ -59,7 +59,7 @@ def test_plan_does_not_shrink_into_windows_that_whole_batches_cannot_fill():
     # Measured on MiniLM: fast 801 ms, slow 2773 ms per batch, sync 139 ms. At anchor 2 the fast worker
     # runs 7 batches and the sync is 2.4% of the window (under 2.5%: a shrink). At anchor 1 it would run 3
     # (3.46 fit) and wait 370 ms: with the sync that is 17% of the window, over the 10% target.
-    from flodl_hf.distributed import rounding_wait
+    from flodl_hf.training.sync import rounding_wait
     assert rounding_wait(1, [801.0, 2773.0]) == pytest.approx(2773 - 3 * 801)
     assert rounding_wait(2, [801.0, 2773.0]) == pytest.approx(7 * 801 - 2 * 2773)
     kept = plan_window([801.0, 2773.0], 139.0, Plan(2, (7, 2)), ElChe(anchor=2))
@@ -74,7 +74,7 @@ def test_live_overrun_is_where_one_more_batch_stops_paying():
     # Measured on MiniLM at 3 : 1: fast 801 ms, slow 2773 ms per batch, sync 139 ms. A window of one slow
     # batch holds 2773/801 + 1 batches in 2773 + 139 ms; one more batch that overruns the slowest's end by
     # d raises batches per second exactly while d is under the window's time per batch.
-    from flodl_hf.distributed import live_overrun_ms
+    from flodl_hf.training.sync import live_overrun_ms
     ms, sync = [801.0, 2773.0], 139.0
     allowed = live_overrun_ms(ms, sync, 1)
     batches, length = 2773 / 801 + 1, 2773 + sync
@@ -158,7 +158,7 @@ def test_elche_rejects_inconsistent_bounds():
 
 
 def test_window_timing_splits_collective_into_sync_and_idle():
-    from flodl_hf.trainer import _window_timing
+    from flodl_hf.training.trainer import _window_timing
     # (collective, window, pause) ms: worker 1 arrived last (its collective is the averaging itself);
     # worker 0 also paused 10 ms to evaluate, which worker 1 waited out inside its collective.
     timing = _window_timing(torch.tensor([[30.0, 100.0, 10.0], [15.0, 110.0, 0.0]], dtype=torch.float64))
@@ -508,7 +508,7 @@ def test_evaluations_sit_on_the_training_clock_between_log_points(tmp_path):
 def test_compressed_pack_of_a_given_change_leaves_it_untouched():
     """ElChe(overlap=True, compress="bf16") hands the packer the worker's own change, which it goes on
     training from: a weight other than 1 is applied to a copy, and the remainder carries the rest."""
-    from flodl_hf.distributed import _pack_carried
+    from flodl_hf.training.sync import _pack_carried
     change = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e-3
     kept, residual = change.clone(), torch.zeros(1000)
     view = torch.empty(1000, dtype=torch.bfloat16)
@@ -521,7 +521,7 @@ def test_lead_gradients_widen_once_landed_in_the_watching_thread():
     """ElChe(combine="lead", compress="bf16"), on the lead: the thread watching the others' gradients
     widens them into the float32 buffers it was given once they have landed (exact, once), so the
     lead's sync finds them summable; a failed receive leaves them as they came."""
-    from flodl_hf.distributed import LeadGradients
+    from flodl_hf.training.sync import LeadGradients
 
     class Work:
         def __init__(self, fail: bool = False):
@@ -714,7 +714,7 @@ def test_eval_fn_results_are_checked_and_the_model_goes_back_to_training(tmp_pat
 
 
 def test_a_failed_checkpoint_write_leaves_no_temporary_file(tmp_path, monkeypatch):
-    import flodl_hf.trainer as trainer_module
+    import flodl_hf.training.trainer as trainer_module
 
     def full_disk(obj, f):
         f.write(b"partial")

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flodl_hf.distributed import ElChe
-from flodl_hf.trainer import Trainer, TrainerConfigError, TrainerError, load_checkpoint
+from flodl_hf.training.sync import ElChe
+from flodl_hf.training.trainer import Trainer, TrainerConfigError, TrainerError, load_checkpoint
 
 from test_trainer_dist import Points, flat, mlp, mse_step, sgd, spawn
 
@@ -198,7 +198,7 @@ def test_length_batches_accumulate_k_consecutive_batches():
 
     t = fit(mlp(), data, step=step, batching="length", max_tokens=24, lengths=lengths,
             gradient_accumulation_steps=2, epochs=1, seed=2, opt=sgd)
-    from flodl_hf.trainer import length_batches
+    from flodl_hf.training.trainer import length_batches
     batches = length_batches(lengths, 24, 2)
     order = perm(len(batches), 2, 0)
     assert seen == [batches[b].tolist() for b in order]
@@ -375,7 +375,7 @@ def tiny(task: str, transformers_model: bool = False):
     from helpers import make_checkpoint
     source = make_checkpoint(TINY_LLAMA, task)
     if transformers_model:
-        from flodl_hf.parity import reference_model
+        from flodl_hf.roundtrip.parity import reference_model
         return reference_model(source, task, "sdpa").train()
     return load_model(source, task, dtype=torch.float32)
 
@@ -560,7 +560,7 @@ def test_length_batches_and_el_che_pass_the_count():
 
     t = fit(tiny("causal_lm"), data, step=step, batching="length", max_tokens=16, lengths=[8] * 12,
             gradient_accumulation_steps=2, epochs=1, seed=2)
-    from flodl_hf.trainer import length_batches
+    from flodl_hf.training.trainer import length_batches
     batches = length_batches([8] * 12, 16, 2)
     order = perm(len(batches), 2, 0)
     expected = [int(sum(shifted(collate([data[i] for i in batches[b].tolist()])) for b in order[s:s + 2]))

@@ -22,10 +22,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from flodl_hf.distributed import Comm, ElChe, deal
-from flodl_hf.errors import TrainerConfigError
-from flodl_hf.records import load_tree
-from flodl_hf.trainer import DiLoCo, Trainer, WorkerLostError, launch
+from flodl_hf.training.sync import Comm, ElChe, deal
+from flodl_hf.core.errors import TrainerConfigError
+from flodl_hf.training.records import load_tree
+from flodl_hf.training.trainer import DiLoCo, Trainer, WorkerLostError, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -260,7 +260,7 @@ def _nested(rank: int, out: str) -> dict:
     """Three workers at 1 : 1/3 : 1/12 (sleeps) with nested windows, plain and with DiLoCo; and
     Comm.lead_exchange with two workers sending to the lead."""
     result: dict = {}
-    import flodl_hf.distributed as distributed_module
+    import flodl_hf.training.sync as distributed_module
     distributed_module.BLOCK = 4  # bfloat16 changes taken in blocks, a ragged last one: the exact values below
     comm = Comm(rank, 3, rank, None, torch.device("cpu"), 30.0)
     params, grads = _exchange_tensors(rank)
@@ -550,7 +550,7 @@ def _lead(rank: int, out: str) -> dict:
     """ElChe(combine="lead"): planned windows against the one-process replay (SGD and AdamW), a
     checkpoint and resume, and live windows on an uneven pair."""
     result: dict = {}
-    import flodl_hf.distributed as distributed_module
+    import flodl_hf.training.sync as distributed_module
     distributed_module.BLOCK = 7  # the look-ahead and bfloat16 changes in blocks, a ragged last one: the same bits
     el_che = ElChe(anchor=2, adaptive=False, combine="lead")
     for name, make in (("sgd", sgd), ("adamw", adamw)):
@@ -1082,7 +1082,7 @@ RESTART_SCRIPT = textwrap.dedent('''
     from pathlib import Path
     import torch
     from torch import nn
-    from flodl_hf.trainer import ElChe, Trainer
+    from flodl_hf.training.trainer import ElChe, Trainer
 
     out = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
@@ -1135,7 +1135,7 @@ def test_torchrun_restart_resumes_from_last_checkpoint(tmp_path):
     assert time.monotonic() - started < 120
 
 
-# ---- kept embedding gradient tables across workers (flodl_hf.embedding_grads) -----------------------
+# ---- kept embedding gradient tables across workers (flodl_hf.training.embedding_grads) -----------------------
 
 class Bag(nn.Module):
     """Each point's 8 coordinates as word ids (0 the padding id; words repeat), their embeddings' mean."""
@@ -1151,7 +1151,7 @@ class Bag(nn.Module):
 
 
 def _embedding_tables(rank: int, out: str) -> dict:
-    from flodl_hf import embedding_grads
+    from flodl_hf.training import embedding_grads
     made: list[bool] = []  # per backward: whether it took a kept table again
     take = embedding_grads._Table.take
 

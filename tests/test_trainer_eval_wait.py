@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flodl_hf.distributed import ElChe
-from flodl_hf.trainer import WorkerLostError
+from flodl_hf.training.sync import ElChe
+from flodl_hf.training.trainer import WorkerLostError
 from test_trainer_dist import flat, mlp, run, spawn
 
 TIMEOUT = 4.0  # the process group's and the trainer's

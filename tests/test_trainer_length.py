@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from flodl_hf import batching
+from flodl_hf.tasks import batching
 from flodl_hf.auto import load_model
-from flodl_hf.parity import reference_model
-from flodl_hf.trainer import ElChe, Trainer, TrainerConfigError, length_batches
+from flodl_hf.roundtrip.parity import reference_model
+from flodl_hf.training.trainer import ElChe, Trainer, TrainerConfigError, length_batches
 
 from helpers import assert_recorded_step_equal, make_checkpoint
 
@@ -35,7 +35,7 @@ def texts(n: int, seed: int = 0) -> list[dict]:
 
 
 def collate(items: list[dict]) -> dict:
-    """Padded to the batch's longest text with zeros (flodl_hf.batching.collate), and the labels."""
+    """Padded to the batch's longest text with zeros (flodl_hf.tasks.batching.collate), and the labels."""
     rows = [{"input_ids": x["input_ids"], "attention_mask": [1] * len(x["input_ids"])} for x in items]
     batch = batching.collate(rows, {"input_ids": 0, "attention_mask": 0})
     return {**batch, "labels": torch.tensor([x["label"] for x in items])}

@@ -15,9 +15,9 @@ NEEDS = {"01": ("minilm", "sms-spam"), "02": ("splade", "botchan"), "03": ("mini
 
 def _missing_samples(names: tuple[str, ...]) -> list[str]:
     try:
-        from flodl_hf.samples import local_path
+        from flodl_hf.core.samples import local_path
     except ImportError as exc:  # the samples module is not there yet
-        return [f"flodl_hf.samples ({exc})"]
+        return [f"flodl_hf.core.samples ({exc})"]
     return [n for n in names if local_path(n) is None]
 
 

@@ -18,8 +18,9 @@ import shutil
 import pytest
 import torch
 
-from flodl_hf import InputError, batching, zero_shot
-from flodl_hf.batching import BatchPolicy
+from flodl_hf import InputError, zero_shot
+from flodl_hf.tasks import batching
+from flodl_hf.tasks.batching import BatchPolicy
 from flodl_hf.tasks import load
 from flodl_hf.tasks.runtime import _MODEL_KEYS, _accepted, _encode, _rows
 from helpers import one_thread, quiet_transformers  # noqa: F401  (the fixture)

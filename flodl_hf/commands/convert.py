@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..convert import convert
+from flodl_hf.roundtrip.convert import convert
 
 
 def run_convert(args: argparse.Namespace) -> int:

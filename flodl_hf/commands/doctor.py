@@ -7,7 +7,7 @@ import json
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..doctor import doctor
+    from flodl_hf.roundtrip.doctor import doctor
     report = doctor(parity=not args.no_parity)
     if args.json:
         print(json.dumps({"machine": report.machine, "proofs": report.proofs, "parity": report.parity,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..errors import InputError
-from ..export import DTYPES, export, export_checkpoint
-from ..task_registry import task_names
+from flodl_hf.core.errors import InputError
+from flodl_hf.roundtrip.export import DTYPES, export, export_checkpoint
+from flodl_hf.core.task_registry import task_names
 
 
 def _human(n: int) -> str:
@@ -22,7 +22,7 @@ def run_export(args: argparse.Namespace) -> int:
     common = dict(head=args.head, dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,
                   tokenizer=args.tokenizer, like=args.like)
     if args.adapter or args.merge:
-        from ..lora import export_adapter, require_lora_checkpoint
+        from flodl_hf.lora import export_adapter, require_lora_checkpoint
         if not args.checkpoint:
             raise InputError("--adapter and --merge take --checkpoint CKPT (a LoRA trainer checkpoint), not --hub")
         if args.adapter:

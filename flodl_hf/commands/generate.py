@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..errors import InputError
-from ..generate import generate
-from .tasks import _texts
+from flodl_hf.core.errors import InputError
+from flodl_hf.generation.generate import generate
+from flodl_hf.commands.tasks import _texts
 
 
 def _ids(text: str) -> list[int]:

@@ -6,10 +6,10 @@ import argparse
 import json
 from dataclasses import asdict
 
-from ..auto import task_of
-from ..parity import check_parity
-from ..registry import get_family
-from ..task_registry import task_names
+from flodl_hf.auto import task_of
+from flodl_hf.roundtrip.parity import check_parity
+from flodl_hf.core.registry import get_family
+from flodl_hf.core.task_registry import task_names
 
 
 def _tasks_for(family, head: str) -> list[str]:
@@ -19,7 +19,7 @@ def _tasks_for(family, head: str) -> list[str]:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from ..auto import AutoConfig
+    from flodl_hf.auto import AutoConfig
     config = AutoConfig.from_pretrained(args.source, revision=args.revision)
     family = get_family(config.model_type)
     impls = list(family.attn_implementations) if args.attn == "all" else [args.attn]

@@ -1,12 +1,12 @@
-"""The ``portal`` command: serve a training run's live records and page (``flodl_hf.portal``)."""
+"""The ``portal`` command: serve a training run's live records and page (``flodl_hf.training.portal``)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from ..errors import SourceNotFoundError
-from ..portal import DEFAULT_HOST, DEFAULT_PORT, serve
+from flodl_hf.core.errors import SourceNotFoundError
+from flodl_hf.training.portal import DEFAULT_HOST, DEFAULT_PORT, serve
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
@@ -25,7 +25,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_portal(args: argparse.Namespace) -> int:
     if args.save:
-        from ..report import write_report
+        from flodl_hf.training.report import write_report
         if not Path(args.run).is_dir():
             raise SourceNotFoundError(f"{args.run}: no such run directory")
         print(write_report(args.run, args.save, force=args.force))

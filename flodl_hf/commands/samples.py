@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..samples import PREFIX, SAMPLES, cache_dir, fetch, listing, sample_path
-from ..samples import __doc__ as samples_doc
+from flodl_hf.core.samples import PREFIX, SAMPLES, cache_dir, fetch, listing, sample_path
+from flodl_hf.core.samples import __doc__ as samples_doc
 
 
 def _cmd_fetch(args: argparse.Namespace) -> int:

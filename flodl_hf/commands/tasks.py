@@ -7,15 +7,15 @@ import json
 import sys
 from typing import Any, Sequence
 
-from ..errors import InputError
-from ..tasks.answer import answer
-from ..tasks.classify import classify
-from ..tasks.detect_replaced import detect_replaced
-from ..tasks.embed import embed, rank
-from ..tasks.fill_mask import DEFAULT_FILL_MASK_MODEL, fill_mask
-from ..tasks.runtime import PRECISIONS
-from ..tasks.tag import AGGREGATIONS, tag
-from ..tasks.zero_shot import DEFAULT_HYPOTHESIS_TEMPLATE, zero_shot
+from flodl_hf.core.errors import InputError
+from flodl_hf.tasks.answer import answer
+from flodl_hf.tasks.classify import classify
+from flodl_hf.tasks.detect_replaced import detect_replaced
+from flodl_hf.tasks.embed import embed, rank
+from flodl_hf.tasks.fill_mask import DEFAULT_FILL_MASK_MODEL, fill_mask
+from flodl_hf.tasks.runtime import PRECISIONS
+from flodl_hf.tasks.tag import AGGREGATIONS, tag
+from flodl_hf.tasks.zero_shot import DEFAULT_HYPOTHESIS_TEMPLATE, zero_shot
 
 
 def _texts(args: argparse.Namespace) -> list[str]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..matrix import verify_matrix
-from ..task_registry import task_names
-from ..verify import verify_export
+from flodl_hf.roundtrip.matrix import verify_matrix
+from flodl_hf.core.task_registry import task_names
+from flodl_hf.roundtrip.verify import verify_export
 
 
 def run_verify_export(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ pipelines' own numpy/torch operations, in their order, so scores are equal, not 
 
 Beyond the pipelines: models and tokenizers are loaded once per process (keyed by source), many
 texts are batched automatically without padding (sorted by length, equal lengths together:
-``flodl_hf.batching``), and texts longer than the model's maximum are truncated with a warning
+``flodl_hf.tasks.batching``), and texts longer than the model's maximum are truncated with a warning
 instead of failing inside the model. ``precision="exact"`` (the default) is float32, bit-identical
 to transformers on every batch; ``"bf16"`` and ``"int8"`` are faster and change scores (opt-in,
 measured in docs/benchmarks.md).
@@ -19,15 +19,15 @@ the forward loop). The commands are in ``flodl_hf.commands.tasks``.
 
 from __future__ import annotations
 
-from .answer import answer
-from .classify import classify
-from .detect_replaced import detect_replaced
-from .embed import embed, rank
-from .fill_mask import DEFAULT_FILL_MASK_MODEL, MASK_SPELLINGS, fill_mask
-from .runtime import (BATCH_SIZE, PRECISIONS, BatchSize, Loaded, Source, clear_cache, load, max_input_length,
-                      quantize_int8)
-from .tag import AGGREGATIONS, tag
-from .zero_shot import zero_shot
+from flodl_hf.tasks.answer import answer
+from flodl_hf.tasks.classify import classify
+from flodl_hf.tasks.detect_replaced import detect_replaced
+from flodl_hf.tasks.embed import embed, rank
+from flodl_hf.tasks.fill_mask import DEFAULT_FILL_MASK_MODEL, MASK_SPELLINGS, fill_mask
+from flodl_hf.tasks.runtime import (BATCH_SIZE, PRECISIONS, BatchSize, Loaded, Source, clear_cache, load,
+                                    max_input_length, quantize_int8)
+from flodl_hf.tasks.tag import AGGREGATIONS, tag
+from flodl_hf.tasks.zero_shot import zero_shot
 
 __all__ = [
     "AGGREGATIONS", "BATCH_SIZE", "DEFAULT_FILL_MASK_MODEL", "MASK_SPELLINGS", "PRECISIONS", "BatchSize", "Loaded",

@@ -7,9 +7,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import InputError
-from ..tokenizer import Tokenizer, check_text
-from .runtime import BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _as_list, _check_texts, _check_top_k, _run, load
+from flodl_hf.core.errors import InputError
+from flodl_hf.tokenization.tokenizer import Tokenizer, check_text
+from flodl_hf.tasks.runtime import (BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _as_list, _check_texts, _check_top_k,
+                                    _run, load)
 
 
 def _decode_spans(start: np.ndarray, end: np.ndarray, topk: int, max_answer_len: int,

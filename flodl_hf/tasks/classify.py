@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from ..errors import InputError
-from ..tokenizer import Tokenizer, check_text
-from .runtime import BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _as_list, _check_texts, _check_top_k, _encode, _np_sigmoid, _np_softmax, _rows, _run, load
+from flodl_hf.core.errors import InputError
+from flodl_hf.tokenization.tokenizer import Tokenizer, check_text
+from flodl_hf.tasks.runtime import (BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _as_list, _check_texts, _check_top_k,
+                                    _encode, _np_sigmoid, _np_softmax, _rows, _run, load)
 
 
 def _split_pairs(texts: list) -> tuple[list[str], list[str | None]]:

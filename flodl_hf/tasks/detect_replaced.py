@@ -9,9 +9,10 @@ from typing import Sequence
 
 import torch
 
-from ..errors import InputError
-from ..tokenizer import Tokenizer
-from .runtime import BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _as_list, _check_texts, _encode, _rows, _run, load
+from flodl_hf.core.errors import InputError
+from flodl_hf.tokenization.tokenizer import Tokenizer
+from flodl_hf.tasks.runtime import (BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _as_list, _check_texts, _encode,
+                                    _rows, _run, load)
 
 
 def _check_threshold(threshold: object) -> None:

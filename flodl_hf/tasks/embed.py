@@ -9,9 +9,10 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..errors import ConfigError, InputError
-from ..tokenizer import Tokenizer
-from .runtime import BATCH_SIZE, BatchSize, Loaded, Source, _MODEL_KEYS, _as_list, _check_texts, _check_top_k, _encode, _rows, _run, load
+from flodl_hf.core.errors import ConfigError, InputError
+from flodl_hf.tokenization.tokenizer import Tokenizer
+from flodl_hf.tasks.runtime import (BATCH_SIZE, BatchSize, Loaded, Source, _MODEL_KEYS, _as_list, _check_texts,
+                                    _check_top_k, _encode, _rows, _run, load)
 
 
 # ---- the sentence-transformers layout: modules.json and the module folders ----------------------------
@@ -176,7 +177,7 @@ def _activation(name: object, where: Path) -> nn.Module:
 def _dense(folder: Path, name: str) -> dict:
     """A sentence_transformers Dense module: its config and weights (cast to float32, as loading them into
     sentence-transformers' float32 nn.Linear does)."""
-    from .. import io
+    from flodl_hf.core import io
     where = folder / "config.json"
     config = _read_object(where, f"{name}/config.json")
     unknown = sorted(set(config) - _DENSE_KEYS)
@@ -228,7 +229,7 @@ def _modules(root: Path | None) -> list[dict] | None:
     """The steps after the encoder, read from ``root``'s modules.json (None: no modules.json there).
 
     Each step: {"kind": "Pooling", "modes"}, {"kind": "Dense", ...} or {"kind": "Normalize"}."""
-    from .. import carry
+    from flodl_hf.roundtrip import carry
     if root is None or not ((root / carry.MODULES_NAME).exists() or (root / carry.MODULES_NAME).is_symlink()):
         return None
     where = root / carry.MODULES_NAME
@@ -302,7 +303,7 @@ def embed(texts: str | Sequence[str], model: Source, pooling: str | None = None,
             raise InputError(f"pooling={pooling!r}: expected one of {', '.join(repr(m) for m in POOLING_MODES)}")
     root = None
     if not isinstance(model, nn.Module):
-        from ..tokenizer import tokenizer_directory
+        from flodl_hf.tokenization.tokenizer import tokenizer_directory
         root = tokenizer_directory(model)
     steps = _modules(root)
     if steps is None:  # no modules.json: the Transformer, then the pooling that 1_Pooling/config.json names

@@ -9,9 +9,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..errors import InputError, SourceNotFoundError
-from ..tokenizer import Tokenizer
-from .runtime import BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _as_list, _check_texts, _check_top_k, _encode, _rows, _run, load
+from flodl_hf.core.errors import InputError, SourceNotFoundError
+from flodl_hf.tokenization.tokenizer import Tokenizer
+from flodl_hf.tasks.runtime import (BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _as_list, _check_texts, _check_top_k,
+                                    _encode, _rows, _run, load)
 
 
 DEFAULT_FILL_MASK_MODEL = "bert-base-uncased"

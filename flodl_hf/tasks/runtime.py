@@ -1,5 +1,5 @@
 """The tasks' runtime: models and tokenizers loaded once per process, automatic padding-free
-batching (``flodl_hf.batching``), precisions, and the forward loop every task shares.
+batching (``flodl_hf.tasks.batching``), precisions, and the forward loop every task shares.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import batching
-from ..errors import InputError, MissingHeadError, WeightsMismatchError
-from ..modeling import PLAIN_RECORD, config_sets_forward_defaults
-from ..tokenizer import LARGE_INTEGER, AutoTokenizer, BatchEncoding, Tokenizer, check_text
+from flodl_hf.tasks import batching
+from flodl_hf.core.errors import InputError, MissingHeadError, WeightsMismatchError
+from flodl_hf.core.modeling import PLAIN_RECORD, config_sets_forward_defaults
+from flodl_hf.tokenization.tokenizer import LARGE_INTEGER, AutoTokenizer, BatchEncoding, Tokenizer, check_text
 
 
 # Rows per forward pass, at most; None (the default): automatic, padding-free batches; or a
-# flodl_hf.batching.BatchPolicy for full control.
+# flodl_hf.tasks.batching.BatchPolicy for full control.
 BATCH_SIZE: int | None = None
 
 
@@ -78,7 +78,7 @@ def _load_with_head(source: str, task: str, function: str) -> nn.Module:
     """``load_model`` for a task one-liner (``function``, named in the errors): a checkpoint without the task's
     head is refused (the Auto classes would initialise one at random, with a warning; a one-liner would then
     predict noise)."""
-    from ..auto import load_model
+    from flodl_hf.auto import load_model
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -117,7 +117,7 @@ def _wrong_task(source: str, function: str, trained_for: str) -> MissingHeadErro
 
 def _raw_config(source: str) -> dict | None:
     """``source``'s config.json, or None where it cannot be read (the load's own error stands then)."""
-    from .. import io
+    from flodl_hf.core import io
     try:
         return io.read_json(io.resolve(source).config_path, "config.json")
     except Exception:  # noqa: BLE001 - only a hint for a better error; the original one is raised otherwise
@@ -126,8 +126,8 @@ def _raw_config(source: str) -> dict | None:
 
 def _architecture_task(raw: dict | None) -> str | None:
     """The task of a config's ``architectures[0]`` (``BertForSequenceClassification``: seqcls), if known."""
-    from ..registry import parse_architecture
-    from ..errors import UnsupportedModelError
+    from flodl_hf.core.registry import parse_architecture
+    from flodl_hf.core.errors import UnsupportedModelError
     names = (raw if isinstance(raw, dict) else {}).get("architectures") or []
     try:
         return parse_architecture(names[0])[1] if isinstance(names, list) and names and isinstance(names[0], str) \
@@ -269,7 +269,7 @@ def _run(loaded: Loaded, rows: list[dict[str, list]], batch_size: BatchSize, fie
     one value per token?), per-token ones cut back to the row's own length, and to the token
     ``positions(i)`` of row ``i`` when given (so a batch's outputs are not all kept alive).
 
-    Rows are grouped by ``flodl_hf.batching``: sorted by length, equal lengths together, at most
+    Rows are grouped by ``flodl_hf.tasks.batching``: sorted by length, equal lengths together, at most
     ``batch_size`` per forward pass (None: as many as its token budget allows; a ``BatchPolicy``:
     exactly that policy)."""
     if isinstance(batch_size, batching.BatchPolicy):

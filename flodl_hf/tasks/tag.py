@@ -8,9 +8,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import InputError
-from ..tokenizer import LARGE_INTEGER, Tokenizer
-from .runtime import BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _as_list, _check_texts, _encode, _rows, _run, load
+from flodl_hf.core.errors import InputError
+from flodl_hf.tokenization.tokenizer import LARGE_INTEGER, Tokenizer
+from flodl_hf.tasks.runtime import (BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _as_list, _check_texts, _encode,
+                                    _rows, _run, load)
 
 
 AGGREGATIONS = ("none", "simple", "first", "average", "max")

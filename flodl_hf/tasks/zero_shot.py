@@ -3,7 +3,7 @@
 An NLI model (a sequence classifier whose ``label2id`` has an entailment label) scores each
 (sequence, hypothesis) pair, the hypothesis being ``hypothesis_template`` filled with a candidate
 label. The pipeline forwards the pairs one at a time; we forward all of them, every sequence with
-every label, through the padding-free batch planner (``flodl_hf.batching``), then regroup them per
+every label, through the padding-free batch planner (``flodl_hf.tasks.batching``), then regroup them per
 sequence and apply the pipeline's own numpy post-processing. With ``batch_size=1`` each pair runs
 alone, as in the pipeline, and the output is equal to it.
 """
@@ -16,9 +16,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import InputError
-from ..tokenizer import Tokenizer, check_text
-from .runtime import BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _as_list, _check_texts, _encode, _rows, _run, load
+from flodl_hf.core.errors import InputError
+from flodl_hf.tokenization.tokenizer import Tokenizer, check_text
+from flodl_hf.tasks.runtime import (BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _as_list, _check_texts, _encode,
+                                    _rows, _run, load)
 
 DEFAULT_HYPOTHESIS_TEMPLATE = "This example is {}."
 

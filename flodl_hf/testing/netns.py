@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from ..errors import FlodlHFError
-from ..io import pid_alive
+from flodl_hf.core.errors import FlodlHFError
+from flodl_hf.core.io import pid_alive
 
 __all__ = ["Cluster", "NetnsError", "available", "cleanup_stale", "PREFIX", "SUBNET"]
 

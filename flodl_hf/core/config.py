@@ -1,0 +1,249 @@
+"""Config dataclasses with HF's ``config.json`` field names.
+
+Each family subclasses :class:`BaseConfig` and declares only the fields it reads.
+Every field of the source JSON, known or not, is kept and written back, so a
+config round-trips losslessly. String options become enums when loaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from pathlib import Path
+from typing import Any, ClassVar
+
+from flodl_hf.core.errors import ConfigError
+
+
+class Activation(str, Enum):
+    """The ``hidden_act`` values we implement, spelled as transformers' ``ACT2FN`` keys."""
+
+    GELU = "gelu"
+    GELU_NEW = "gelu_new"
+    GELU_PYTORCH_TANH = "gelu_pytorch_tanh"
+    GELU_FAST = "gelu_fast"
+    GELU_PYTHON = "gelu_python"
+    QUICK_GELU = "quick_gelu"
+    RELU = "relu"
+    SILU = "silu"
+    SWISH = "swish"
+    TANH = "tanh"
+    LINEAR = "linear"
+
+    @classmethod
+    def parse(cls, value: Any, where: str = "hidden_act") -> "Activation":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            known = ", ".join(a.value for a in cls)
+            raise ConfigError(f"config field {where}={value!r} is not supported (known: {known})") from None
+
+
+class ProblemType(str, Enum):
+    REGRESSION = "regression"
+    SINGLE_LABEL = "single_label_classification"
+    MULTI_LABEL = "multi_label_classification"
+
+
+_RUNTIME_FIELDS = {"raw", "attn_implementation"}
+
+# Value checks by field name, for whichever family declares the field (HF's names; DistilBERT has its own).
+POSITIVE_FIELDS = ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "max_position_embeddings",
+                   "embedding_size", "num_hidden_groups", "inner_group_num", "n_heads", "dim", "hidden_dim",
+                   "pooler_hidden_size")
+NON_NEGATIVE_FIELDS = ("num_hidden_layers", "n_layers", "type_vocab_size", "conv_kernel_size")
+HEAD_SPLITS = (("hidden_size", "num_attention_heads"), ("dim", "n_heads"))
+# No real checkpoint has a dimension near 2**31; a larger one would overflow size computations.
+MAX_SIZE = 2**31 - 1
+
+
+def _plain_type(annotation: Any) -> tuple[type | None, bool]:
+    """('int | None') -> (int, True): the scalar type a field's annotation names, and whether None is allowed."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    parts = [p.strip() for p in text.split("|")]
+    optional = "None" in parts
+    parts = [p for p in parts if p != "None"]
+    scalar = {"int": int, "float": float, "bool": bool, "str": str}
+    return (scalar.get(parts[0]) if len(parts) == 1 else None), optional
+
+
+def validate_config(config: "BaseConfig") -> None:
+    """Typed checks of a config's values, each a ConfigError naming the field: integers are ints (not
+    floats, strings or lists), sizes are positive and fit, heads divide the width, ``pad_token_id`` is
+    in the vocabulary, ``layer_norm_eps`` is finite and positive, dropouts lie in [0, 1]."""
+    import math
+    where = f"config ({config.model_type or type(config).__name__})"
+    for f in fields(config):
+        if f.name in _RUNTIME_FIELDS or f.name in config.enum_fields:
+            continue
+        kind, optional = _plain_type(f.type)
+        value = getattr(config, f.name)
+        if kind is None or (value is None and optional):
+            continue
+        if value is None:
+            raise ConfigError(f"{where}: field {f.name} is null, expected {kind.__name__}")
+        ok = {int: isinstance(value, int) and not isinstance(value, bool),
+              float: isinstance(value, (int, float)) and not isinstance(value, bool),
+              bool: isinstance(value, bool), str: isinstance(value, str)}[kind]
+        if not ok:
+            raise ConfigError(f"{where}: field {f.name}={value!r} is a {type(value).__name__}, expected "
+                              f"{'an' if kind is int else 'a'} {kind.__name__}")
+    names = {f.name for f in fields(config)}
+    for name in POSITIVE_FIELDS + NON_NEGATIVE_FIELDS:
+        value = getattr(config, name, None) if name in names else None
+        if value is None:
+            continue
+        low = 1 if name in POSITIVE_FIELDS else 0
+        if value < low or value > MAX_SIZE:
+            raise ConfigError(f"{where}: field {name}={value} must be {'> 0' if low else '>= 0'} and at most {MAX_SIZE}")
+    for width, heads in HEAD_SPLITS:
+        if width in names and heads in names and getattr(config, width) % getattr(config, heads):
+            raise ConfigError(f"{where}: field {width}={getattr(config, width)} is not a multiple of "
+                              f"{heads}={getattr(config, heads)}")
+    vocab = getattr(config, "vocab_size", None)
+    pad = config.pad_token_id
+    if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool) or pad < 0
+                            or (vocab is not None and pad >= vocab)):
+        raise ConfigError(f"{where}: field pad_token_id={pad!r} must be an id in [0, vocab_size={vocab})")
+    eps = getattr(config, "layer_norm_eps", None)
+    if eps is not None and not (math.isfinite(eps) and eps > 0):
+        raise ConfigError(f"{where}: field layer_norm_eps={eps!r} must be finite and > 0")
+    for name in sorted(n for n in names if "dropout" in n):
+        value = getattr(config, name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{where}: field {name}={value!r} is a dropout probability: it must lie in [0, 1]")
+    if not (isinstance(config.initializer_range, (int, float)) and math.isfinite(config.initializer_range)):
+        raise ConfigError(f"{where}: field initializer_range={config.initializer_range!r} must be a finite number")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+@dataclass
+class BaseConfig:
+    """Fields every family shares. Subclasses add theirs, with HF's names and defaults."""
+
+    model_type: ClassVar[str] = ""
+    # Enum-typed fields: name -> enum class; parsed in __post_init__, written back as strings.
+    enum_fields: ClassVar[dict[str, type]] = {}
+
+    architectures: list[str] | None = None
+    id2label: dict[int, str] | None = None
+    label2id: dict[str, int] | None = None
+    problem_type: ProblemType | None = None
+    pad_token_id: int | None = 0
+    tie_word_embeddings: bool = True
+    classifier_dropout: float | None = None
+    initializer_range: float = 0.02
+    # Runtime choice, not part of config.json: "sdpa" (default) or "eager".
+    attn_implementation: str = field(default="sdpa", compare=False)
+    # The whole source JSON, unknown fields included: the base that to_dict writes back.
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.id2label is None:
+            self.id2label = {0: "LABEL_0", 1: "LABEL_1"}
+        try:
+            self.id2label = {int(k): str(v) for k, v in self.id2label.items()}
+            if self.label2id is not None and not isinstance(self.label2id, dict):
+                raise TypeError
+        except (TypeError, ValueError, AttributeError, OverflowError):
+            raise ConfigError(f"config field id2label={self.id2label!r} must map integer ids to names") from None
+        if self.label2id is None:
+            self.label2id = {v: k for k, v in self.id2label.items()}
+        if self.problem_type is not None:
+            try:
+                self.problem_type = ProblemType(self.problem_type)
+            except ValueError:
+                raise ConfigError(f"config field problem_type={self.problem_type!r} is not one of "
+                                  + ", ".join(p.value for p in ProblemType)) from None
+        for name, enum_cls in self.enum_fields.items():
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    parsed = enum_cls.parse(value, name) if hasattr(enum_cls, "parse") else enum_cls(value)
+                except (ValueError, TypeError):
+                    raise ConfigError(f"config field {name}={value!r} is not one of "
+                                      + ", ".join(str(getattr(e, "value", e)) for e in enum_cls)) from None
+                setattr(self, name, parsed)
+        validate_config(self)
+
+    # ---- labels -------------------------------------------------------------------------
+    @property
+    def num_labels(self) -> int:
+        return len(self.id2label or {})
+
+    @num_labels.setter
+    def num_labels(self, n: int) -> None:
+        if n != self.num_labels:
+            self.id2label = {i: f"LABEL_{i}" for i in range(n)}
+            self.label2id = {v: k for k, v in self.id2label.items()}
+
+    # ---- (de)serialisation --------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "BaseConfig":
+        known = {f.name for f in fields(cls) if f.name not in _RUNTIME_FIELDS}
+        kwargs = {k: copy.deepcopy(v) for k, v in data.items() if k in known}
+        try:
+            config = cls(**kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"config.json does not fit {cls.__name__}: {exc}") from exc
+        # As transformers: without id2label, num_labels sets the labels (LABEL_0...); with it, id2label wins
+        n = data.get("num_labels")
+        if data.get("id2label") is None and n is not None:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ConfigError(f"config field num_labels={n!r} must be a positive integer")
+            config.num_labels = n
+        config.raw = copy.deepcopy(dict(data))
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        """The source JSON with our current values laid over it; unknown fields unchanged."""
+        out = copy.deepcopy(self.raw)
+        defaults = type(self)()
+        for f in fields(self):
+            if f.name in _RUNTIME_FIELDS:
+                continue
+            value = getattr(self, f.name)
+            if f.name in out or value != getattr(defaults, f.name):
+                out[f.name] = _jsonable(value)
+        # The label maps are written where the source had them or they differ from the 2-label
+        # default; transformers 5 leaves the default out too.
+        default = {0: "LABEL_0", 1: "LABEL_1"}
+        if "id2label" in self.raw or self.id2label != default:
+            out["id2label"] = _jsonable(self.id2label)
+        if "label2id" in self.raw or self.id2label != default:
+            out["label2id"] = _jsonable(self.label2id)
+        out["model_type"] = self.model_type or out.get("model_type")
+        return out
+
+    def to_json_string(self) -> str:
+        import json
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        Path(directory, "config.json").write_text(self.to_json_string())
+
+    def replace(self, **changes: Any) -> "BaseConfig":
+        new = dataclasses.replace(self, **changes)
+        new.raw = copy.deepcopy(self.raw)
+        return new
+
+    @classmethod
+    def from_pretrained(cls, source: str | Path, revision: str | None = None) -> "BaseConfig":
+        from flodl_hf.auto import AutoConfig
+        config = AutoConfig.from_pretrained(source, revision=revision)
+        if cls is not BaseConfig and not isinstance(config, cls):
+            raise ConfigError(f"{source}: model_type {config.model_type!r} is not a {cls.__name__}")
+        return config
