@@ -34,7 +34,8 @@ from flodl_hf.roundtrip.convert import convert
 from flodl_hf.core.errors import (CheckpointFormatError, ConfigError, InputError, MissingHeadError,
                                   OutputExistsError, RegistryError, SourceNotFoundError, UnsupportedModelError,
                                   WeightsMismatchError)
-from flodl_hf.roundtrip.export import KILL_ENV, STAGES, export, export_checkpoint, recover_scratch
+from flodl_hf.core.fs import KILL_ENV, STAGES, recover_scratch
+from flodl_hf.roundtrip.export import export, export_checkpoint
 from flodl_hf.core.validate import tree_hash
 from flodl_hf.roundtrip.matrix import tiny_config
 from helpers import CACHE as CACHE_DIR, make_checkpoint, quiet_transformers

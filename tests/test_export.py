@@ -26,7 +26,8 @@ from flodl_hf.auto import load_model
 from flodl_hf.cli import main
 from flodl_hf.core.errors import (CheckpointFormatError, ConfigError, OutputExistsError, SourceNotFoundError,
                                   UnsupportedModelError)
-from flodl_hf.roundtrip.export import export, export_checkpoint, sha256_file
+from flodl_hf.core.fs import sha256_file
+from flodl_hf.roundtrip.export import export, export_checkpoint
 from flodl_hf.roundtrip.parity import REFERENCE_CLASSES
 from flodl_hf.core.registry import get_family, supported_model_types
 from flodl_hf.roundtrip.matrix import tiny_config, verify_matrix

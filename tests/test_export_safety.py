@@ -90,9 +90,9 @@ def test_merge_refuses_to_replace_its_base_when_the_checkpoint_names_no_source(t
 # ---- 3: without force, what appears at --out during the write is never replaced --------------------------
 
 def test_a_directory_appearing_at_out_during_the_write_is_left_alone(tmp_path, monkeypatch):
-    m = _module("flodl_hf.roundtrip.export")
+    m = _module("flodl_hf.core.fs")
     out = tmp_path / "out"
-    written, real_check, real_stage = [], m.check_out, m._stage
+    written, real_check, real_stage = [], m.check_out, m.stage
 
     def stage(name):
         written.append(name == "written")
@@ -105,7 +105,7 @@ def test_a_directory_appearing_at_out_during_the_write_is_left_alone(tmp_path, m
             (out / "someone_elses.txt").write_text("precious")
         return result
 
-    monkeypatch.setattr(m, "_stage", stage)
+    monkeypatch.setattr(m, "stage", stage)
     monkeypatch.setattr(m, "check_out", check_out)
     with pytest.raises(OutputExistsError, match="appeared"):
         export(_tiny("seqcls"), out)

@@ -65,10 +65,11 @@ from torch import nn
 from flodl_hf.core.errors import (AdapterBaseMismatchError, AdapterError, CheckpointFormatError,
                                   UnsupportedAdapterError, WeightsMismatchError)
 from flodl_hf.core.layers import LazyBuffers, cast_lazy_buffers
+from flodl_hf.core.fs import ADAPTER_MARK
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-BASE_STAMP = "flodl_hf_base.json"   # our side file: the task and the base's weight sha256 (PEFT ignores it)
+BASE_STAMP = ADAPTER_MARK   # our side file: the task and the base's weight sha256 (PEFT ignores it)
 PEFT_PREFIX = "base_model.model."
 ALL_LINEAR = "all-linear"   # PEFT's INCLUDE_LINEAR_LAYERS_SHORTHAND
 MIN_TARGET_MODULES_FOR_OPTIMIZATION = 20   # peft.utils.constants: longer target lists are condensed
@@ -1342,7 +1343,7 @@ def save_adapter(model: nn.Module, out: str | os.PathLike, force: bool = False,
                  protect: list[tuple[Path, bool]] | None = None) -> Path:
     """Write ``model``'s adapter as a PEFT adapter directory (atomically). ``out`` may not be, contain or lie
     inside the base model the adapter depends on, nor any path in ``protect``."""
-    from flodl_hf.roundtrip.export import atomic_directory, check_out, written_files_list
+    from flodl_hf.core.fs import atomic_directory, check_out, written_files_list
     ref = getattr(model, "lora_base", None) or {}
     base = str(base) if base is not None else ref.get("source")
     protect = list(protect or []) + _base_protect(ref.get("source"), base, getattr(model, "source_root", None))
@@ -1732,7 +1733,7 @@ def base_reference(model: nn.Module) -> dict[str, Any] | None:
     root = getattr(model, "source_root", None)
     if not root:
         return None
-    from flodl_hf.roundtrip.export import sha256_file
+    from flodl_hf.core.fs import sha256_file
     from flodl_hf.core.io import resolve
     ckpt = resolve(root)
     return {"source": str(root), "weights_sha256": {f.name: sha256_file(f) for f in ckpt.weight_files}}
@@ -1844,7 +1845,7 @@ def export_adapter(checkpoint: str | os.PathLike, out: str | os.PathLike, force:
     """``flodl-hf export --checkpoint CKPT --adapter``: a trainer checkpoint's adapter as a PEFT directory."""
     from flodl_hf.core import checkpoint_schema
     path = Path(checkpoint).expanduser().absolute()
-    from flodl_hf.roundtrip.export import check_out
+    from flodl_hf.core.fs import check_out
     protect = [(path, True)]
     check_out(out, force, protect)
     data = checkpoint_schema.read(path)

@@ -22,8 +22,9 @@ import torch
 
 from flodl_hf.core import io
 from flodl_hf.core.errors import CheckpointFormatError
-from flodl_hf.roundtrip.export import (WRITTEN_MARK, _version, atomic_directory, check_out, local_source,
-                                       protected_paths, same_bytes, written_files_list)
+from flodl_hf.core.fs import (WRITTEN_MARK, atomic_directory, check_out, local_source, protected_paths,
+                              written_files_list)
+from flodl_hf.roundtrip.export import _version, same_bytes
 
 
 @dataclass

@@ -243,7 +243,7 @@ def verify_matrix(families: list[str] | None = None, heads: list[str] | None = N
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
     import transformers
-    from flodl_hf import __version__
+    from flodl_hf.core.version import __version__
     result = MatrixResult(model_types, heads, cells, time.perf_counter() - start, versions={
         "flodl_hf": __version__, "torch": torch.__version__, "transformers": transformers.__version__})
     if out is not None:

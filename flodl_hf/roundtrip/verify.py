@@ -37,8 +37,8 @@ from flodl_hf.core import io
 from flodl_hf.auto import build_model, config_from_dict
 from flodl_hf.core.config import BaseConfig
 from flodl_hf.core.errors import ConfigError, FlodlHFError, InputError, SourceNotFoundError, UnsupportedModelError
-from flodl_hf.roundtrip.export import (STAMP_KEY, architecture_task, has_tokenizer, read_trainer_checkpoint,
-                                       same_bytes, sha256_file, written_files)
+from flodl_hf.core.fs import STAMP_KEY, sha256_file, written_files
+from flodl_hf.roundtrip.export import architecture_task, has_tokenizer, read_trainer_checkpoint, same_bytes
 from flodl_hf.core.keys import expected, has_pooler, normalise
 from flodl_hf.roundtrip.parity import REFERENCE_CLASSES, check_parity, compare_outputs, make_batch, quiet_transformers
 from flodl_hf.core.registry import get_family
