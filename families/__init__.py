@@ -3,5 +3,7 @@
 import importlib
 import pkgutil
 
+import flodl_hf.heads  # noqa: F401  (the default task models register themselves first)
+
 for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
     importlib.import_module(f"{__name__}.{_info.name}")

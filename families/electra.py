@@ -30,7 +30,7 @@ from flodl_hf.core.layers import activation
 from flodl_hf.core.modeling import HeadPart, TaskModel, mount_last
 from flodl_hf.core.outputs import ModelOutput
 from flodl_hf.core.registry import register
-from flodl_hf.core.task_registry import Task, register_task
+from flodl_hf.core.registry import Task, register_task, register_task_model
 
 SUMMARY_TYPES = ("first", "last", "mean", "cls_index")
 
@@ -186,6 +186,7 @@ def replaced_token_loss(model: TaskModel, logits: torch.Tensor, labels: torch.Te
     return F.binary_cross_entropy_with_logits(logits.view(-1, length), labels.float())
 
 
+@register_task_model
 class ElectraForPreTraining(TaskModel):
     """The discriminator: is each token the original (0) or a generator's replacement (1)?"""
 

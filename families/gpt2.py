@@ -33,7 +33,7 @@ from flodl_hf.core.outputs import (BaseModelOutputWithPast, CausalLMOutput, Mode
                                    QuestionAnsweringModelOutput, SequenceClassifierOutputWithPast,
                                    TokenClassifierOutput)
 from flodl_hf.core.registry import register
-from flodl_hf.core.task_registry import Task, register_task
+from flodl_hf.core.registry import Task, register_task, register_task_model
 
 from .llama import (DecoderForQuestionAnswering, DecoderForSequenceClassification, DecoderForTokenClassification, FULL,
                     Llama, LlamaAttention, LlamaModel, token_dropout)
@@ -415,6 +415,7 @@ def _rows(t: torch.Tensor | None, keep: int) -> torch.Tensor | None:
     return None if t is None else t.reshape(-1, *t.shape[t.dim() - keep:])
 
 
+@register_task_model
 class GPT2DoubleHeadsModel(TaskModel):
     """The LM and a multiple-choice score from one pass: the choices are flattened into the batch (as GPT2Model
     views its inputs), the last hidden state viewed back to (batch, choices, seq, hidden)."""

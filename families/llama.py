@@ -542,7 +542,7 @@ class Llama(Family):
     tasks = ("base", "causal_lm", "seqcls", "tokcls", "qa")
     task_models = {**DECODER_TASK_MODELS, "qa": LlamaForQuestionAnswering}
     # the heads whose transformers loss reads num_items_in_batch (self.loss_function(..., **kwargs)): QA and the
-    # causal LM; the generic sequence and token classifiers call theirs without it (task_registry.counted_items)
+    # causal LM; the generic sequence and token classifiers call theirs without it (losses.counted_items)
     num_items_tasks = frozenset({"qa", "causal_lm"})
 
     @classmethod

@@ -23,7 +23,7 @@ from flodl_hf.core.keys import has_pooler
 from flodl_hf.core.layers import check_attn_implementation, init_weights
 from flodl_hf.core.modeling import PreTrainedModel, load_weights, meta_device
 from flodl_hf.core.registry import Family, get_family, parse_architecture
-from flodl_hf.core.task_registry import task_names, tasks
+from flodl_hf.core.registry import task_names, tasks
 
 
 def config_from_dict(data: dict[str, Any], where: str = "config.json") -> BaseConfig:
@@ -239,6 +239,12 @@ def _device(device_map: Any) -> torch.device | None:
         return torch.device(device_map)
     except (RuntimeError, ValueError) as exc:
         raise InputError(f"device_map={device_map!r}: not a device, nor 'auto' ({exc})") from None
+
+
+def model_from_pretrained(cls: type, source: str | Path, model_args: tuple, kwargs: dict[str, Any]) -> PreTrainedModel:
+    """``PreTrainedModel.from_pretrained`` (core's ``slots.LOAD_MODEL``): ``source`` loaded into ``cls``'s task,
+    transformers' keywords as ``load_model`` takes them."""
+    return load_model(source, cls.task, expect=cls, **from_pretrained_kwargs(cls, model_args, kwargs))
 
 
 def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | str | None = None,

@@ -3,17 +3,17 @@
 A task model is a backbone plus a HeadPart the family builds (``Family.sequence_head``
 and friends). The defaults here serve the BERT lineage; a family overrides a
 factory only where its head differs. Which task model runs which task is the task
-registry's (``flodl_hf.core.task_registry``) and the family's (``Family.task_models``).
+registry's (``flodl_hf.core.registry``) and the family's (``Family.task_models``).
 """
 
 from .masked_lm import ModelForMaskedLM
 from .multiple_choice import ModelForMultipleChoice
 from .question_answering import ModelForQuestionAnswering, SpanClassifier
-from .sequence_classification import ModelForSequenceClassification, PooledClassifier, sequence_classification_loss
+from .sequence_classification import ModelForSequenceClassification, PooledClassifier
 from .token_classification import ModelForTokenClassification, TokenClassifier
 
 __all__ = [
     "ModelForMaskedLM", "ModelForMultipleChoice", "ModelForQuestionAnswering",
     "ModelForSequenceClassification", "ModelForTokenClassification", "PooledClassifier", "SpanClassifier",
-    "TokenClassifier", "sequence_classification_loss",
+    "TokenClassifier",
 ]

@@ -16,7 +16,7 @@ from torch import nn
 
 from flodl_hf.core.modeling import HeadPart, TaskModel
 from flodl_hf.core.outputs import CausalLMOutput
-from flodl_hf.core.task_registry import Task, register_task
+from flodl_hf.core.registry import Task, register_task, register_task_model
 
 
 class LMHead(HeadPart):
@@ -144,6 +144,7 @@ class ModelForCausalLM(TaskModel):
         return CausalLMOutput(loss=loss, logits=logits, cache=out.cache)
 
 
+register_task_model(ModelForCausalLM)
 CAUSAL_LM = register_task(Task(
     "causal_lm", "ForCausalLM", "AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", CausalLMOutput,
     "causal_lm_head", "flodl_hf.heads.causal_lm:ModelForCausalLM", causal_lm_loss, core=False))

@@ -11,8 +11,10 @@ import torch
 from flodl_hf.core.layers import gather_rows
 from flodl_hf.core.modeling import TaskModel
 from flodl_hf.core.outputs import MaskedLMOutput
+from flodl_hf.core.registry import register_task_model
 
 
+@register_task_model
 class ModelForMaskedLM(TaskModel):
     task = "mlm"
 
@@ -24,7 +26,7 @@ class ModelForMaskedLM(TaskModel):
                 inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
                 num_items_in_batch: torch.Tensor | int | None = None) -> MaskedLMOutput:
         """``num_items_in_batch`` (transformers' gradient-accumulation count) changes the loss only where the
-        family's transformers head reads it (``Family.num_items_tasks``; ``task_registry.counted_items``)."""
+        family's transformers head reads it (``Family.num_items_tasks``; ``losses.counted_items``)."""
         logits, loss = self.logits_and_loss(labels, num_items_in_batch, input_ids=input_ids,
                                             attention_mask=attention_mask, token_type_ids=token_type_ids,
                                             position_ids=position_ids, inputs_embeds=inputs_embeds)

@@ -8,16 +8,24 @@ import torch
 from torch import nn
 
 from flodl_hf.core.layers import activation
-from flodl_hf.core.modeling import TaskModel
+from flodl_hf.core.modeling import HeadPart, TaskModel
 from flodl_hf.core.outputs import MultipleChoiceModelOutput
+from flodl_hf.core.registry import register_task_model
+from flodl_hf.heads.sequence_classification import PooledClassifier
 
 
 def _flat(t: torch.Tensor | None, keep: int) -> torch.Tensor | None:
     return None if t is None else t.reshape(-1, *t.shape[-keep:])
 
 
+@register_task_model
 class ModelForMultipleChoice(TaskModel):
     task = "mc"
+
+    @classmethod
+    def default_head(cls, family, config) -> HeadPart:
+        """BERT's choice head: one score per choice from the pooled output, ``classifier(dropout(pooler_output))``."""
+        return PooledClassifier(config.hidden_size, 1, family.classifier_dropout(config))
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,

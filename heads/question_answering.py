@@ -7,6 +7,7 @@ from torch import nn
 
 from flodl_hf.core.modeling import HeadPart, TaskModel
 from flodl_hf.core.outputs import QuestionAnsweringModelOutput
+from flodl_hf.core.registry import register_task_model
 
 
 class SpanClassifier(HeadPart):
@@ -23,8 +24,14 @@ class SpanClassifier(HeadPart):
         return self.qa_outputs(self.dropout(hidden_states))
 
 
+@register_task_model
 class ModelForQuestionAnswering(TaskModel):
     task = "qa"
+
+    @classmethod
+    def default_head(cls, family, config) -> HeadPart:
+        """``qa_outputs`` over every token, ``num_labels`` (2: start, end) wide."""
+        return SpanClassifier(config.hidden_size, config.num_labels)
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from flodl_hf.core.config import ProblemType
 from flodl_hf.core.modeling import HeadPart, TaskModel
 from flodl_hf.core.outputs import SequenceClassifierOutput
+from flodl_hf.core.registry import register_task_model
 
 
 class PooledClassifier(HeadPart):
@@ -26,28 +25,14 @@ class PooledClassifier(HeadPart):
         return self.classifier(self.dropout(pooler_output))
 
 
-def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor,
-                                 problem_type: ProblemType | None) -> torch.Tensor:
-    """transformers' rule: regression for one label, single-label for integer labels, else multi-label."""
-    num_labels = logits.size(-1)
-    if problem_type is None:
-        if num_labels == 1:
-            problem_type = ProblemType.REGRESSION
-        elif labels.dtype in (torch.long, torch.int):
-            problem_type = ProblemType.SINGLE_LABEL
-        else:
-            problem_type = ProblemType.MULTI_LABEL
-    if problem_type == ProblemType.REGRESSION:
-        if num_labels == 1:
-            return F.mse_loss(logits.squeeze(), labels.squeeze())
-        return F.mse_loss(logits, labels)
-    if problem_type == ProblemType.SINGLE_LABEL:
-        return F.cross_entropy(logits.view(-1, num_labels), labels.view(-1))
-    return F.binary_cross_entropy_with_logits(logits, labels)
-
-
+@register_task_model
 class ModelForSequenceClassification(TaskModel):
     task = "seqcls"
+
+    @classmethod
+    def default_head(cls, family, config) -> HeadPart:
+        """BERT's head, ``classifier(dropout(pooler_output))``, dropout from ``Family.classifier_dropout``."""
+        return PooledClassifier(config.hidden_size, config.num_labels, family.classifier_dropout(config))
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,

@@ -7,6 +7,7 @@ from torch import nn
 
 from flodl_hf.core.modeling import HeadPart, TaskModel
 from flodl_hf.core.outputs import TokenClassifierOutput
+from flodl_hf.core.registry import register_task_model
 
 
 class TokenClassifier(HeadPart):
@@ -22,8 +23,14 @@ class TokenClassifier(HeadPart):
         return self.classifier(self.dropout(hidden_states))
 
 
+@register_task_model
 class ModelForTokenClassification(TaskModel):
     task = "tokcls"
+
+    @classmethod
+    def default_head(cls, family, config) -> HeadPart:
+        """``classifier(dropout(hidden_states))``, dropout from ``Family.classifier_dropout``."""
+        return TokenClassifier(config.hidden_size, config.num_labels, family.classifier_dropout(config))
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,

@@ -19,7 +19,7 @@ from flodl_hf.families.bert import Bert
 from flodl_hf.core.keys import KeyMap, expected
 from flodl_hf.roundtrip.parity import make_batch, quiet_transformers
 from flodl_hf.core.registry import get_family, parse_architecture, supported_model_types
-from flodl_hf.core.task_registry import get_task, hf_mapping, task_names
+from flodl_hf.core.registry import get_task, hf_mapping, task_names
 from flodl_hf.roundtrip.matrix import cell_gate, matrix_pairs
 from flodl_hf.roundtrip.verify import verify_export
 

@@ -16,7 +16,7 @@ import torch
 
 from flodl_hf.auto import AutoConfig, AutoModel, AutoModelForCausalLM, auto_classes, load_model
 from flodl_hf.roundtrip.parity import quiet_transformers
-from flodl_hf.core.task_registry import get_task
+from flodl_hf.core.registry import get_task
 
 from cases import CASES
 from helpers import make_checkpoint

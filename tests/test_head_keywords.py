@@ -22,7 +22,7 @@ import torch
 from flodl_hf.core.errors import InputError
 from flodl_hf.roundtrip.parity import make_batch, quiet_transformers
 from flodl_hf.core.registry import get_family
-from flodl_hf.core.task_registry import get_task
+from flodl_hf.core.registry import get_task
 
 from decoder_checks import NARROW as DECODERS, case_fields
 from helpers import make_checkpoint, model_pair

@@ -18,7 +18,7 @@ from flodl_hf.auto import load_model
 from flodl_hf.core.errors import InputError
 from flodl_hf.roundtrip.parity import make_batch, quiet_transformers, reference_model
 from flodl_hf.core.registry import get_family
-from flodl_hf.core.task_registry import get_task
+from flodl_hf.core.registry import get_task
 
 from cases import CASES
 from helpers import make_checkpoint, one_thread  # noqa: F401  (fixture)

@@ -7,7 +7,7 @@ import json
 
 from flodl_hf.core.errors import InputError
 from flodl_hf.roundtrip.export import DTYPES, export, export_checkpoint
-from flodl_hf.core.task_registry import task_names
+from flodl_hf.core.registry import task_names
 
 
 def _human(n: int) -> str:

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from flodl_hf.auto import task_of
 from flodl_hf.roundtrip.parity import check_parity
 from flodl_hf.core.registry import get_family
-from flodl_hf.core.task_registry import task_names
+from flodl_hf.core.registry import task_names
 
 
 def _tasks_for(family, head: str) -> list[str]:

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from flodl_hf.roundtrip.matrix import verify_matrix
-from flodl_hf.core.task_registry import task_names
+from flodl_hf.core.registry import task_names
 from flodl_hf.roundtrip.verify import verify_export
 
 

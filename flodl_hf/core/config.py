@@ -14,6 +14,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar
 
+from flodl_hf.core import slots
 from flodl_hf.core.errors import ConfigError
 
 
@@ -242,8 +243,7 @@ class BaseConfig:
 
     @classmethod
     def from_pretrained(cls, source: str | Path, revision: str | None = None) -> "BaseConfig":
-        from flodl_hf.auto import AutoConfig
-        config = AutoConfig.from_pretrained(source, revision=revision)
+        config = slots.LOAD_CONFIG(source, revision=revision)  # flodl_hf.auto.AutoConfig.from_pretrained
         if cls is not BaseConfig and not isinstance(config, cls):
             raise ConfigError(f"{source}: model_type {config.model_type!r} is not a {cls.__name__}")
         return config

@@ -27,16 +27,16 @@ from typing import TYPE_CHECKING, ClassVar, Iterator
 import torch
 from torch import nn
 
-from flodl_hf.core import io, keys
+from flodl_hf.core import io, keys, slots
 from flodl_hf.core.config import BaseConfig
-from flodl_hf.core.errors import CheckpointFormatError, InputError, WeightsMismatchError
+from flodl_hf.core.errors import CheckpointFormatError, InputError, UnsupportedModelError, WeightsMismatchError
 from flodl_hf.core.layers import (PADDING, MaskSpec, build_masks, cast_lazy_buffers, check_attn_implementation,
                                   recording_attentions)
 from flodl_hf.core.outputs import BaseModelOutput
 
 if TYPE_CHECKING:
     from flodl_hf.core.registry import Family
-    from flodl_hf.core.task_registry import Task
+    from flodl_hf.core.registry import Task
 
 
 # The initialisers modules call in reset_parameters(); on the meta device they compute nothing.
@@ -77,6 +77,8 @@ class PreTrainedModel(nn.Module):
     fresh_ok_prefixes: ClassVar[tuple[str, ...]] = ("pooler.",)
     # Backbones check their forward inputs (check_forward_inputs); a task model leaves it to its backbone.
     validates_inputs: ClassVar[bool] = True
+    # A task model is built from its family (``TaskModel(config, family=)``); a backbone is not.
+    takes_family: ClassVar[bool] = False
 
     def __init__(self, config: BaseConfig) -> None:
         super().__init__()
@@ -157,8 +159,7 @@ class PreTrainedModel(nn.Module):
     def from_pretrained(cls, source: str | Path, *model_args, **kwargs) -> "PreTrainedModel":
         """Load ``source`` (a directory, a weights file, or a hub id) into this class; transformers' keywords, as
         ``flodl_hf.auto.load_model`` takes them."""
-        from flodl_hf.auto import from_pretrained_kwargs, load_model
-        return load_model(source, cls.task, expect=cls, **from_pretrained_kwargs(cls, model_args, kwargs))
+        return slots.LOAD_MODEL(cls, source, model_args, kwargs)  # flodl_hf.auto.model_from_pretrained
 
     # ---- saving -----------------------------------------------------------------------
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
@@ -571,8 +572,15 @@ class TaskModel(PreTrainedModel):
     """A backbone plus one head part. Subclasses (in ``flodl_hf.heads``) write each head shape once."""
 
     validates_inputs: ClassVar[bool] = False
+    takes_family: ClassVar[bool] = True
     # Where this task model mounts its backbone when it is not the family's prefix.
     backbone_prefix: ClassVar[str | None] = None
+
+    @classmethod
+    def default_head(cls, family: type["Family"], config: BaseConfig) -> "HeadPart":
+        """The head part a family gets for this task unless it declares its own (``Family.sequence_head`` and
+        friends ask the task's default model for it); the heads in flodl_hf.heads give theirs."""
+        raise UnsupportedModelError(f"{family.model_type}: no {cls.task!r} head part is declared for this family")
 
     def __init__(self, config: BaseConfig, family: type["Family"] | None = None) -> None:
         super().__init__(config)
@@ -618,7 +626,7 @@ class TaskModel(PreTrainedModel):
     @property
     def spec(self) -> "Task":
         """This task's entry in the task registry."""
-        from flodl_hf.core.task_registry import get_task
+        from flodl_hf.core.registry import get_task
         return get_task(self.task)
 
     @property

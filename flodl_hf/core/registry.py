@@ -1,4 +1,22 @@
-"""Families register under their HF ``model_type``; the registry owns dispatch.
+"""The registries: every task a model can be built for, and every model family, each declared once.
+
+## Tasks
+
+A task is its name (as the CLI and the Auto classes spell it), transformers' class-name
+suffix (``ForMaskedLM``), transformers' Auto class and Auto mapping (for parity, export and
+the verify matrix), our output record, its loss, and the default task model with the
+``Family`` factory that builds its head part. Everything that lists tasks reads this table:
+the registry's architecture names, ``auto``, ``parity``, ``export``, ``verify``, the CLI's
+``--head`` choices and the parity tests.
+
+The six core tasks are registered here. A family may add its own (ELECTRA's
+``pretraining``) with :func:`register_task` and list it in ``Family.tasks``; such a task
+belongs to the families that declare it (``core=False``), so the verify matrix only asks
+those families for it.
+
+## Families
+
+Families register under their HF ``model_type``; the registry owns dispatch.
 
 A family is a small class: its config class, its backbone class, the prefix its
 head models put the backbone under, and the head parts where it differs from
@@ -8,19 +26,150 @@ overrides only what differs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
+import torch
+
+from flodl_hf.core import slots
 from flodl_hf.core.errors import RegistryError, UnsupportedModelError
-from flodl_hf.core.task_registry import CORE_TASKS, get_task
+from flodl_hf.core.losses import choice_loss, sequence_classification_loss, sequence_loss, span_loss, token_loss
+from flodl_hf.core.outputs import (BaseModelOutput, MaskedLMOutput, ModelOutput, MultipleChoiceModelOutput,
+                                   QuestionAnsweringModelOutput, SequenceClassifierOutput, TokenClassifierOutput)
 
 if TYPE_CHECKING:
-    import torch
-
     from flodl_hf.core.config import BaseConfig
     from flodl_hf.core.keys import FileLayout, KeyMap, Merge
     from flodl_hf.core.modeling import HeadPart, PreTrainedModel
 
-# The core task names (the task registry, flodl_hf.core.task_registry, holds every task and its facts).
+
+# loss(model, logits, num_items_in_batch=None, **labels) -> scalar; the labels are the task model's keyword
+# arguments. Every loss takes num_items_in_batch (transformers' gradient-accumulation count) and honours it only
+# where the model's family lists the task in ``num_items_tasks`` (``counted_items``); elsewhere it is ignored,
+# as transformers ignores it there.
+Loss = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task: names on both sides, output record, loss, and the default model that runs it."""
+
+    name: str                      # "mlm": the CLI's and our Auto classes' spelling
+    suffix: str                    # "ForMaskedLM": arch + suffix is transformers' class name
+    auto_class: str                # "AutoModelForMaskedLM": transformers' Auto class (parity reference)
+    hf_mapping: str                # transformers.models.auto.modeling_auto mapping of model_type -> class
+    output: type[ModelOutput]
+    head_factory: str | None       # the Family classmethod that builds the head part (None: bare backbone)
+    model: str | None = None       # "package.module:Class" of the default task model (None: the backbone)
+    loss: Loss | None = None
+    core: bool = True              # False: added by a family; only families declaring it have the cell
+    # (model_type, class name) pairs for a task transformers has no Auto mapping for (GPT2DoubleHeadsModel)
+    classes: tuple[tuple[str, str], ...] = ()
+
+    def model_class(self) -> type["PreTrainedModel"]:
+        """The default task model. Task models register under their "module:Class" name when their module is
+        imported (``register_task_model``: flodl_hf.heads and the families), so core never imports them."""
+        if self.model is None:
+            raise UnsupportedModelError(f"task {self.name!r} runs the family's backbone, not a task model")
+        if self.model not in _TASK_MODELS:
+            _ensure_loaded()  # the families import the heads
+        try:
+            return _TASK_MODELS[self.model]
+        except KeyError:
+            raise UnsupportedModelError(f"task {self.name!r}: its task model {self.model} is not registered "
+                                        "(its module registers it with register_task_model)") from None
+
+
+_TASKS: dict[str, Task] = {}
+_TASK_MODELS: dict[str, type] = {}
+
+
+def register_task_model(cls: type) -> type:
+    """Class decorator: make a task model reachable by the "module:Class" name a ``Task`` gives as its model."""
+    _TASK_MODELS[f"{cls.__module__}:{cls.__qualname__}"] = cls
+    return cls
+
+
+def register_task(task: Task) -> Task:
+    """Add a task (a family adding its own calls this at import). Re-registering the same task is a no-op."""
+    known = _TASKS.get(task.name)
+    if known is not None and known != task:
+        raise ValueError(f"task {task.name!r} is already registered differently")
+    _TASKS[task.name] = task
+    return task
+
+
+def get_task(name: str) -> Task:
+    _ensure_loaded()  # families register their own tasks when imported
+    try:
+        return _TASKS[name]
+    except KeyError:
+        raise UnsupportedModelError(f"task {name!r} is not known; known tasks: {', '.join(task_names())}") from None
+
+
+def task_names(core_only: bool = False) -> tuple[str, ...]:
+    """Every registered task name (core first, then those families added), or the core ones only."""
+    _ensure_loaded()  # families register their own tasks when imported
+    return tuple(t.name for t in _TASKS.values() if t.core or not core_only)
+
+
+def tasks() -> tuple[Task, ...]:
+    _ensure_loaded()  # families register their own tasks when imported
+    return tuple(_TASKS.values())
+
+_HEADS = "flodl_hf.heads"
+for _task in (
+    Task("base", "Model", "AutoModel", "MODEL_MAPPING_NAMES", BaseModelOutput, None),
+    Task("seqcls", "ForSequenceClassification", "AutoModelForSequenceClassification",
+         "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", SequenceClassifierOutput, "sequence_head",
+         f"{_HEADS}.sequence_classification:ModelForSequenceClassification", sequence_loss),
+    Task("tokcls", "ForTokenClassification", "AutoModelForTokenClassification",
+         "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", TokenClassifierOutput, "token_head",
+         f"{_HEADS}.token_classification:ModelForTokenClassification", token_loss),
+    Task("qa", "ForQuestionAnswering", "AutoModelForQuestionAnswering",
+         "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", QuestionAnsweringModelOutput, "span_head",
+         f"{_HEADS}.question_answering:ModelForQuestionAnswering", span_loss),
+    Task("mlm", "ForMaskedLM", "AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", MaskedLMOutput,
+         "lm_head", f"{_HEADS}.masked_lm:ModelForMaskedLM", token_loss),
+    Task("mc", "ForMultipleChoice", "AutoModelForMultipleChoice", "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES",
+         MultipleChoiceModelOutput, "multiple_choice_head",
+         f"{_HEADS}.multiple_choice:ModelForMultipleChoice", choice_loss),
+):
+    register_task(_task)
+
+CORE_TASKS = tuple(_TASKS)
+
+
+def hf_mapping(task: str) -> dict[str, str]:
+    """transformers' model_type -> class name mapping for ``task`` ({} where transformers has none)."""
+    from transformers.models.auto import modeling_auto
+    spec = get_task(task)
+    return dict(spec.classes) if spec.classes else getattr(modeling_auto, spec.hf_mapping, {})
+
+
+class TaskField(Mapping):
+    """A read-only view ``task name -> one field of its Task`` over the live registry (for code that
+    wants a table, such as ``parity.REFERENCE_CLASSES``)."""
+
+    def __init__(self, field: str) -> None:
+        self._field = field
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in task_names():
+            raise KeyError(name)
+        return getattr(get_task(name), self._field)
+
+    def __iter__(self):
+        return iter(task_names())
+
+    def __len__(self) -> int:
+        return len(task_names())
+
+
+# ---- families -------------------------------------------------------------------------------------------
+
+# The core task names (the task table above holds every task and its facts).
 TASKS = CORE_TASKS
 
 _FAMILIES: dict[str, type["Family"]] = {}
@@ -51,7 +200,7 @@ class Family:
     # Attention paths transformers has for this family, declared once (DeBERTa has only its own, "eager").
     # Parity runs each; a model asked for a path its family lacks runs the first one.
     attn_implementations: ClassVar[tuple[str, ...]] = ("sdpa", "eager")
-    # The tasks this family supports (names in flodl_hf.core.task_registry), and its own task models
+    # The tasks this family supports (names in flodl_hf.core.registry), and its own task models
     # where the registry's default does not fit.
     tasks: ClassVar[tuple[str, ...]] = CORE_TASKS
     task_models: ClassVar[dict[str, type["PreTrainedModel"]]] = {}
@@ -59,7 +208,7 @@ class Family:
     # otherwise they are an InputError naming position_ids.
     float_position_ids: ClassVar[bool] = False
     # The tasks whose transformers head hands num_items_in_batch to its loss (self.loss_function(..., **kwargs)):
-    # there the loss is the sum over the batch divided by it (task_registry.counted_items); every other head
+    # there the loss is the sum over the batch divided by it (losses.counted_items); every other head
     # takes it and ignores it, as transformers' do.
     num_items_tasks: ClassVar[frozenset[str]] = frozenset()
     # What an explicit output_hidden_states=None / output_attentions=None means. transformers 5's models that
@@ -91,7 +240,7 @@ class Family:
         """A model of this family for ``task``, uninitialised. The family is passed in, not looked up, so a
         family that is not registered builds too."""
         model_cls = cls.model_class(task)
-        if issubclass(model_cls, _task_model_base()):
+        if model_cls.takes_family:  # a task model builds its backbone from the family; a backbone is one
             return model_cls(config, family=cls)
         model = model_cls(config, add_pooling_layer=add_pooling_layer)
         model.bind_family(cls)
@@ -111,30 +260,27 @@ class Family:
         value = getattr(config, "classifier_dropout", None)
         return value if value is not None else getattr(config, "hidden_dropout_prob", 0.0)
 
+    # The defaults are the default task model's own head part and loss (``default_head``, in flodl_hf.heads): the
+    # task model is asked, so core never imports the heads.
     @classmethod
     def sequence_head(cls, config: "BaseConfig") -> "HeadPart":
-        from flodl_hf.heads import PooledClassifier
-        return PooledClassifier(config.hidden_size, config.num_labels, cls.classifier_dropout(config))
+        return get_task("seqcls").model_class().default_head(cls, config)
 
     @classmethod
     def multiple_choice_head(cls, config: "BaseConfig") -> "HeadPart":
-        from flodl_hf.heads import PooledClassifier
-        return PooledClassifier(config.hidden_size, 1, cls.classifier_dropout(config))
+        return get_task("mc").model_class().default_head(cls, config)
 
     @classmethod
     def token_head(cls, config: "BaseConfig") -> "HeadPart":
-        from flodl_hf.heads import TokenClassifier
-        return TokenClassifier(config.hidden_size, config.num_labels, cls.classifier_dropout(config))
+        return get_task("tokcls").model_class().default_head(cls, config)
 
     @classmethod
     def span_head(cls, config: "BaseConfig") -> "HeadPart":
-        from flodl_hf.heads import SpanClassifier
-        return SpanClassifier(config.hidden_size, config.num_labels)
+        return get_task("qa").model_class().default_head(cls, config)
 
     @classmethod
     def sequence_loss(cls, logits: "torch.Tensor", labels: "torch.Tensor", config: "BaseConfig") -> "torch.Tensor":
         """Sequence-classification loss; transformers' shared rule unless a family has its own."""
-        from flodl_hf.heads import sequence_classification_loss
         return sequence_classification_loss(logits, labels, config.problem_type)
 
     @classmethod
@@ -162,11 +308,6 @@ class Family:
         return (cls.model_type, *cls.aliases)
 
 
-def _task_model_base() -> type:
-    from flodl_hf.core.modeling import TaskModel
-    return TaskModel
-
-
 def register(family: type[Family]) -> type[Family]:
     """Class decorator: make a family reachable by its model_type and aliases."""
     for name in family.model_types():
@@ -175,13 +316,14 @@ def register(family: type[Family]) -> type[Family]:
 
 
 def _ensure_loaded() -> None:
-    """Import every family once. The flag is set only after the import succeeded: a family that fails to
-    import raises here on every call, never leaving a silently partial registry behind."""
+    """Import every family once (through ``slots.IMPORT_FAMILIES``, which the package facade fills). The flag is
+    set only after the import succeeded: a family that fails to import raises here on every call, never leaving a
+    silently partial registry behind."""
     global _loaded
     if _loaded:
         return
     try:
-        import flodl_hf.families  # noqa: F401  (importing registers every family)
+        slots.IMPORT_FAMILIES()  # importing flodl_hf.families registers every family
     except Exception as exc:
         raise RegistryError(f"flodl_hf.families failed to import, so no model family is available "
                             f"({type(exc).__name__}: {exc}); reinstall flodl-hf or fix the family named above") from exc

@@ -1540,7 +1540,7 @@ def _check_base_record(base: Any, where: str, error: type[Exception]) -> None:
 
 
 def _check_task(task: Any, where: str, error: type[Exception], field_name: str = "task") -> None:
-    from flodl_hf.core.task_registry import task_names
+    from flodl_hf.core.registry import task_names
     if not isinstance(task, str) or task not in task_names():
         raise error(f"{where}: field {field_name!r} is {_show(task)} ({type(task).__name__}); expected one of "
                     f"{', '.join(task_names())}")
@@ -1870,7 +1870,7 @@ def verify_adapter(directory: str | os.PathLike, base: str | None = None):
     LoRA model's eval outputs are ``torch.equal`` to PeftModel's. Returns a ``flodl_hf.roundtrip.verify.VerifyReport``."""
     from flodl_hf.auto import load_model
     from flodl_hf.roundtrip.parity import compare_outputs, make_batch, quiet_transformers
-    from flodl_hf.core.task_registry import get_task
+    from flodl_hf.core.registry import get_task
     from flodl_hf.roundtrip.verify import FAIL, PASS, SKIP, Check
     directory = Path(directory).expanduser().absolute()
     data = read_adapter_config(directory)

@@ -24,17 +24,15 @@ absolute or has ``..`` is refused. Every check runs in :func:`plan`, before anyt
 from __future__ import annotations
 
 import fnmatch
-import json
 import os
 import shutil
-import stat
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from flodl_hf.core import io
 from flodl_hf.core.errors import CheckpointFormatError, ConfigError
+from flodl_hf.core.source_files import MODULES_NAME, allowed_roots, checked_file, inside, module_path, read_modules
 
-MODULES_NAME = "modules.json"
 CARD_NAME = "README.md"
 # Root files that describe the model (fnmatch patterns), taken from the description source.
 DESCRIPTION_NAMES = ("README.md", "LICENSE", "LICENSE.*", "NOTICE", MODULES_NAME, "config_sentence_transformers.json",
@@ -71,7 +69,7 @@ class CarryPlan:
     def copy_into(self, directory: Path) -> list[str]:
         """Copy every planned file into ``directory`` (each re-checked first); returns the names copied."""
         for item in self.files:
-            source = _checked_file(item.root, item.name)
+            source = checked_file(item.root, item.name)
             target = directory / item.name
             try:
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -107,40 +105,6 @@ def _summary(names: list[str]) -> str:
     return ", ".join(k if not k.endswith("/") else f"{k} ({n} file{'s' * (n > 1)})" for k, n in sorted(top.items()))
 
 
-# ---- containment: only regular files inside the source ----------------------------------------------
-
-def _allowed_roots(root: Path) -> list[Path]:
-    """Where a file of ``root`` may really live: ``root``, and the blobs of a hub cache snapshot."""
-    real = root.resolve()
-    allowed = [real]
-    if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
-        allowed.append((real.parent.parent / "blobs").resolve())
-    return allowed
-
-
-def _inside(path: Path, roots: list[Path]) -> bool:
-    return any(path == r or path.is_relative_to(r) for r in roots)
-
-
-def _checked_file(root: Path, name: str) -> Path:
-    """The real path of ``root/name`` if it is a regular file inside the source; else a typed error."""
-    path = root / name
-    real = path.resolve()
-    try:
-        mode = os.lstat(path).st_mode
-        real_mode = os.stat(real).st_mode
-    except OSError as exc:
-        raise CheckpointFormatError(f"{path}: cannot be read ({exc})") from exc
-    if stat.S_ISLNK(mode) and not _inside(real, _allowed_roots(root)):
-        raise CheckpointFormatError(f"{path}: is a symlink to {real}, outside the source {root}: refused "
-                                    "(copy the file in, or remove the link)")
-    if not _inside(real, _allowed_roots(root)):  # a folder on the way is a link out
-        raise CheckpointFormatError(f"{path}: resolves to {real}, outside the source {root}: refused")
-    if not stat.S_ISREG(real_mode):
-        raise CheckpointFormatError(f"{path}: is not a regular file: refused")
-    return real
-
-
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
@@ -149,38 +113,9 @@ def _root_files(root: Path, patterns: tuple[str, ...], kind: str) -> list[Carrie
     out = []
     for entry in sorted(os.listdir(root)):
         if not entry.startswith(".") and _matches(entry, patterns):
-            _checked_file(root, entry)
+            checked_file(root, entry)
             out.append(Carried(entry, root, kind))
     return out
-
-
-# ---- modules.json ------------------------------------------------------------------------------------
-
-def module_path(entry: object, index: int, where: Path) -> PurePosixPath | None:
-    """A module's folder, relative to the model root (None: the root itself). ConfigError unless it is
-    a plain relative path with no ``..``."""
-    if not isinstance(entry, dict) or not isinstance(entry.get("path", ""), str):
-        raise ConfigError(f"{where}: entry {index} is not an object with a string 'path' ({entry!r})")
-    text = entry.get("path", "")
-    pure = PurePosixPath(text)
-    if "\\" in text or pure.is_absolute() or ".." in pure.parts or (len(text) > 1 and text[1] == ":"):
-        raise ConfigError(f"{where}: entry {index} ({entry.get('name', index)!r}) has module path {text!r}, "
-                          "which leaves the model directory (absolute, a drive, or '..'): refused")
-    parts = [p for p in pure.parts if p != "."]
-    return PurePosixPath(*parts) if parts else None
-
-
-def read_modules(root: Path) -> list[dict]:
-    """modules.json of ``root`` as a list of entries (checked to be one)."""
-    path = root / MODULES_NAME
-    _checked_file(root, MODULES_NAME)
-    try:
-        data = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(data, list):
-        raise ConfigError(f"{path}: expected a list of modules, found a {type(data).__name__}")
-    return data
 
 
 def _is_transformer(entry: dict) -> bool:
@@ -200,14 +135,14 @@ def _module_files(root: Path) -> tuple[list[Carried], list[str]]:
         # writes: carrying it would carry old weights, leaving it out would break the layout.
         return [], [f"{where} places the Transformer in {moved[0]}/, not at the model root that the export "
                     "writes: the sentence-transformers layout (modules.json and its folders) is not carried"]
-    allowed = _allowed_roots(root)
+    allowed = allowed_roots(root)
     files: list[Carried] = []
     for index, rel in enumerate(paths):
         if rel is None:
             continue  # the root: only its named files (DESCRIPTION_NAMES) are carried
         folder = root / rel
         for step in [root / p for p in reversed(rel.parents[:-1])] + [folder]:
-            if step.is_symlink() and not _inside(step.resolve(), [root.resolve()]):
+            if step.is_symlink() and not inside(step.resolve(), [root.resolve()]):
                 raise CheckpointFormatError(f"{where}: entry {index}'s folder {step} is a symlink to "
                                             f"{step.resolve()}, outside the source: refused, nothing was written")
         if not folder.exists():
@@ -215,7 +150,7 @@ def _module_files(root: Path) -> tuple[list[Carried], list[str]]:
         if not folder.is_dir():
             raise ConfigError(f"{where}: entry {index}'s path {rel.as_posix()!r} is a file, not a module folder; "
                               "nothing was written")
-        if not _inside(folder.resolve(), allowed):
+        if not inside(folder.resolve(), allowed):
             raise CheckpointFormatError(f"{where}: entry {index}'s folder {folder} resolves outside the source; "
                                         "refused, nothing was written")
         for current, dirs, names in os.walk(folder):
@@ -225,7 +160,7 @@ def _module_files(root: Path) -> tuple[list[Carried], list[str]]:
                                                 f"folder {rel.as_posix()}: refused, nothing was written")
             for name in sorted(names):
                 relname = Path(current, name).relative_to(root).as_posix()
-                _checked_file(root, relname)
+                checked_file(root, relname)
                 files.append(Carried(relname, root, "module"))
     return files, []
 
@@ -287,7 +222,7 @@ def fine_tune_card(plan: CarryPlan, checkpoint: Path, data: dict, architecture: 
     meta: dict = {}
     if base_card is not None:
         try:
-            meta = ModelCard(_checked_file(base_card.root, CARD_NAME).read_text(encoding="utf-8")).data.to_dict()
+            meta = ModelCard(checked_file(base_card.root, CARD_NAME).read_text(encoding="utf-8")).data.to_dict()
         except (ValueError, UnicodeDecodeError, OSError) as exc:  # a card whose YAML does not parse
             plan.notes.append(f"{base / CARD_NAME}: its metadata could not be read ({exc}); the card names no licence")
         plan.files = [f for f in plan.files if f is not base_card]

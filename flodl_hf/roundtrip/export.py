@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,7 +40,7 @@ from flodl_hf.core.keys import expected, has_pooler, init_fresh, normalise
 from flodl_hf.core.modeling import PreTrainedModel, load_weights
 from flodl_hf.roundtrip.parity import quiet_transformers
 from flodl_hf.core.registry import get_family, parse_architecture
-from flodl_hf.core.task_registry import TaskField, hf_mapping, task_names
+from flodl_hf.core.registry import TaskField, hf_mapping, task_names
 
 DTYPES = {"keep": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # transformers' Auto mapping per task (the class name it writes into ``architectures`` for a
@@ -411,8 +410,3 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, head: str
              "format": "flodl-checkpoint", "weights_sha256": {path.name: sha256_file(path)}}
     return _write(model, out_path, force, task, stamp, cast, max_shard_size, tok_root, fresh,
                   _hf_names(model, report.unused), carried, protect)
-
-
-if __name__ == "__main__":
-    from flodl_hf.cli import main
-    sys.exit(main(["export", *sys.argv[1:]]))

@@ -26,7 +26,7 @@ from flodl_hf.core.errors import InputError, UnsupportedModelError
 from flodl_hf.roundtrip.export import export
 from flodl_hf.roundtrip.parity import quiet_transformers
 from flodl_hf.core.registry import get_family, supported_model_types
-from flodl_hf.core.task_registry import get_task, task_names
+from flodl_hf.core.registry import get_task, task_names
 from flodl_hf.roundtrip.verify import FAIL, PASS, verify_export
 
 
@@ -169,7 +169,7 @@ def cell_gate(model_type: str, head: str, fields: dict) -> tuple[str | None, str
     """(None, "") when the cell runs. ("n/a", why) only where transformers itself has no class for it;
     ("FAIL", why) where transformers has one and the family does not declare the task or cannot build it
     (a family that forgets a head fails the matrix instead of passing it)."""
-    from flodl_hf.core.task_registry import hf_mapping
+    from flodl_hf.core.registry import hf_mapping
     theirs = hf_mapping(head).get(model_type)
     if not theirs:
         return "n/a", f"transformers has no {head} class for {model_type}"

@@ -8,7 +8,6 @@ the family has them.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ from flodl_hf.auto import AutoConfig, load_model, task_of
 from flodl_hf.core.errors import WeightsMismatchError
 from flodl_hf.core.config import BaseConfig
 from flodl_hf.core.registry import get_family
-from flodl_hf.core.task_registry import TaskField, get_task
+from flodl_hf.core.registry import TaskField, get_task
 
 # task -> transformers' Auto class name, read from the task registry
 REFERENCE_CLASSES = TaskField("auto_class")
@@ -132,8 +131,3 @@ def check_parity(source: str | Path, task: str = "auto", attn_implementation: st
     out_theirs = theirs(**batch)
     diffs, equal = compare_outputs(out_ours, out_theirs, out_ours.keys())
     return ParityResult(str(source), task, attn_implementation, diffs, equal)
-
-
-if __name__ == "__main__":
-    from flodl_hf.cli import main
-    sys.exit(main(["parity", *sys.argv[1:]]))

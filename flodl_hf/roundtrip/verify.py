@@ -42,7 +42,7 @@ from flodl_hf.roundtrip.export import architecture_task, has_tokenizer, read_tra
 from flodl_hf.core.keys import expected, has_pooler, normalise
 from flodl_hf.roundtrip.parity import REFERENCE_CLASSES, check_parity, compare_outputs, make_batch, quiet_transformers
 from flodl_hf.core.registry import get_family
-from flodl_hf.core.task_registry import get_task
+from flodl_hf.core.registry import get_task
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 DEFAULT_PROMPTS = ("The quick brown fox jumps over the lazy dog near the river bank.", "Hello world!")
@@ -470,16 +470,3 @@ def _check_files(directory: Path, stamp: dict) -> Check:
     if problems:
         return Check(7, name, FAIL, "; ".join(problems) + " (since the export)")
     return Check(7, name, PASS, f"{len(now)} files as the export wrote them")
-
-
-# The verify-matrix builder (tiny_config, generate_checkpoint, verify_matrix ...) lives in flodl_hf.roundtrip.matrix;
-# its names stay reachable here for code written against the old location.
-_MOVED_TO_MATRIX = frozenset({"TINY", "TASK_LABELS", "tiny_config", "generate_checkpoint", "Cell", "MatrixResult",
-                              "cell_gate", "matrix_pairs", "verify_matrix", "render_html"})
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_MATRIX:
-        from flodl_hf.roundtrip import matrix
-        return getattr(matrix, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -229,12 +229,12 @@ def _modules(root: Path | None) -> list[dict] | None:
     """The steps after the encoder, read from ``root``'s modules.json (None: no modules.json there).
 
     Each step: {"kind": "Pooling", "modes"}, {"kind": "Dense", ...} or {"kind": "Normalize"}."""
-    from flodl_hf.roundtrip import carry
-    if root is None or not ((root / carry.MODULES_NAME).exists() or (root / carry.MODULES_NAME).is_symlink()):
+    from flodl_hf.core import source_files
+    if root is None or not ((root / source_files.MODULES_NAME).exists() or (root / source_files.MODULES_NAME).is_symlink()):
         return None
-    where = root / carry.MODULES_NAME
-    entries = carry.read_modules(root)
-    paths = [carry.module_path(e, i, where) for i, e in enumerate(entries)]
+    where = root / source_files.MODULES_NAME
+    entries = source_files.read_modules(root)
+    paths = [source_files.module_path(e, i, where) for i, e in enumerate(entries)]
     steps: list[dict] = []
     for index, (entry, rel) in enumerate(zip(entries, paths)):
         kind = str(entry.get("type", ""))
