@@ -508,7 +508,7 @@ def test_evaluations_sit_on_the_training_clock_between_log_points(tmp_path):
 def test_compressed_pack_of_a_given_change_leaves_it_untouched():
     """ElChe(overlap=True, compress="bf16") hands the packer the worker's own change, which it goes on
     training from: a weight other than 1 is applied to a copy, and the remainder carries the rest."""
-    from flodl_hf.training.sync import _pack_carried
+    from flodl_hf.training.sync.packing import _pack_carried
     change = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e-3
     kept, residual = change.clone(), torch.zeros(1000)
     view = torch.empty(1000, dtype=torch.bfloat16)

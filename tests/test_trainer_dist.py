@@ -260,7 +260,7 @@ def _nested(rank: int, out: str) -> dict:
     """Three workers at 1 : 1/3 : 1/12 (sleeps) with nested windows, plain and with DiLoCo; and
     Comm.lead_exchange with two workers sending to the lead."""
     result: dict = {}
-    import flodl_hf.training.sync as distributed_module
+    import flodl_hf.training.sync.packing as distributed_module
     distributed_module.BLOCK = 4  # bfloat16 changes taken in blocks, a ragged last one: the exact values below
     comm = Comm(rank, 3, rank, None, torch.device("cpu"), 30.0)
     params, grads = _exchange_tensors(rank)
@@ -550,7 +550,7 @@ def _lead(rank: int, out: str) -> dict:
     """ElChe(combine="lead"): planned windows against the one-process replay (SGD and AdamW), a
     checkpoint and resume, and live windows on an uneven pair."""
     result: dict = {}
-    import flodl_hf.training.sync as distributed_module
+    import flodl_hf.training.sync.packing as distributed_module
     distributed_module.BLOCK = 7  # the look-ahead and bfloat16 changes in blocks, a ragged last one: the same bits
     el_che = ElChe(anchor=2, adaptive=False, combine="lead")
     for name, make in (("sgd", sgd), ("adamw", adamw)):
