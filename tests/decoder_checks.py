@@ -139,7 +139,7 @@ def assert_tokenizer_class_from_the_model_type(root: Path, model_type: str, clas
     from test_tokenizer import compare
     from test_tokenizer_dirs import PAIRS, SAMPLES
 
-    from flodl_hf.tokenization.tokenizer import CLASS_FOR_MODEL_TYPE, AutoTokenizer
+    from flodl_hf.tokenization import CLASS_FOR_MODEL_TYPE, AutoTokenizer
     mapped = TOKENIZER_MAPPING_NAMES.get(model_type)
     assert CLASS_FOR_MODEL_TYPE.get(model_type) == mapped and mapped in (class_name, None)
     assert "tokenizer_class" not in json.loads((root / "tokenizer_config.json").read_text())

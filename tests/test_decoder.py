@@ -271,7 +271,7 @@ def _spm_llama_dir(tmp_path):
 
 def _assert_same_tokens(ours_dir, reference_dir=None):
     transformers = quiet_transformers()
-    from flodl_hf.tokenization.tokenizer import AutoTokenizer
+    from flodl_hf.tokenization import AutoTokenizer
     ours = AutoTokenizer.from_pretrained(ours_dir)
     theirs = transformers.AutoTokenizer.from_pretrained(str(reference_dir or ours_dir))
     a = ours(TEXTS, return_offsets_mapping=True, return_tensors=None)

@@ -22,7 +22,7 @@ import torch
 from flodl_hf.core.errors import InputError
 from flodl_hf.generation.generate import generate_ids
 from flodl_hf.core.samples import sample_path
-from flodl_hf.tokenization.tokenizer import Tokenizer
+from flodl_hf.tokenization import Tokenizer
 
 from helpers import make_checkpoint, one_thread  # noqa: F401  (the fixture)
 from test_decoder import SMALL, _fields

@@ -355,7 +355,7 @@ def test_stop_string_matching_equals_stop_string_criteria(kind, request):
     from transformers.generation.stopping_criteria import StopStringCriteria
 
     from flodl_hf.generation.processors import StopStrings
-    from flodl_hf.tokenization.tokenizer import AutoTokenizer
+    from flodl_hf.tokenization import AutoTokenizer
     from test_tokenizer_dirs import bpe_vocab_dir, saved_dir, wordpiece_vocab_dir
     root = {"byte-level BPE": lambda: saved_dir(bpe_vocab_dir()), "WordPiece": lambda: saved_dir(wordpiece_vocab_dir()),
             "SentencePiece byte fallback": lambda: request.getfixturevalue("model")[0]}[kind]()

@@ -191,7 +191,7 @@ def _neox_vocab_dir():
 def test_tokenizer_equals_transformers(name):
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
-    from flodl_hf.tokenization.tokenizer import CLASS_FOR_MODEL_TYPE
+    from flodl_hf.tokenization import CLASS_FOR_MODEL_TYPE
     assert CLASS_FOR_MODEL_TYPE["gpt_neox"] == TOKENIZER_MAPPING_NAMES["gpt_neox"]
     plain = _neox_vocab_dir()
     directory = {"vocab+merges": plain, "tokenizer.json": saved_dir(plain, "gpt_neox-saved"),

@@ -167,7 +167,7 @@ def test_tokenizer_class_and_lora_default_are_transformers_and_pefts():
 
     from flodl_hf import lora
     from flodl_hf.core.registry import get_family
-    from flodl_hf.tokenization.tokenizer import CLASS_FOR_MODEL_TYPE
+    from flodl_hf.tokenization import CLASS_FOR_MODEL_TYPE
     assert CLASS_FOR_MODEL_TYPE["gptj"] == TOKENIZER_MAPPING_NAMES["gptj"] == "GPT2Tokenizer"
     assert lora.default_targets("gptj") == list(PEFT["gptj"]) == ["q_proj", "v_proj"]
     transformers = quiet_transformers()

@@ -289,7 +289,7 @@ TOKENIZERS = {"nomic_bert": "bert/tokenizer.json", "gte": "xlm-roberta/unigram/t
 
 def test_tokenizer_class_is_transformers():
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
-    from flodl_hf.tokenization.tokenizer import CLASS_FOR_MODEL_TYPE
+    from flodl_hf.tokenization import CLASS_FOR_MODEL_TYPE
     for model_type in TOKENIZERS:
         assert CLASS_FOR_MODEL_TYPE[model_type] == TOKENIZER_MAPPING_NAMES[model_type]
 

@@ -208,7 +208,7 @@ def test_tokenizer_class_from_the_model_type(tmp_path):
     from test_tokenizer_dirs import _done, _write_config, assert_byte_level_tokenizer_equal, byte_level_bpe
 
     from flodl_hf import AutoTokenizer
-    from flodl_hf.tokenization.tokenizer import CLASS_FOR_MODEL_TYPE
+    from flodl_hf.tokenization import CLASS_FOR_MODEL_TYPE
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
     assert CLASS_FOR_MODEL_TYPE["opt"] == TOKENIZER_MAPPING_NAMES["opt"] == "GPT2Tokenizer"
     plain, done = byte_level_bpe("opt-vocab-merges", ["<s>", "<pad>", "</s>", "<unk>"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flodl_hf import AutoTokenizer, InputError
-from flodl_hf.tokenization.tokenizer import RECIPES, Tokenizer
+from flodl_hf.tokenization import RECIPES, Tokenizer
 from helpers import quiet_transformers
 from test_tokenizer_dirs import PAIRS, SAMPLES, all_dirs, saved_dir, wordpiece_vocab_dir
 
@@ -106,7 +106,7 @@ def test_every_recipe_is_exercised():
 
 def test_tokenizer_json_loads_without_transformers_conversion(monkeypatch):
     """A directory with tokenizer.json and a known class is built by our recipe, not by transformers."""
-    import flodl_hf.tokenization.tokenizer as module
+    import flodl_hf.tokenization.loading as module
 
     def refuse(*args, **kwargs):
         raise AssertionError("transformers was asked to convert a tokenizer.json directory")

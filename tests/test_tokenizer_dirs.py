@@ -20,7 +20,7 @@ import pytest
 
 from flodl_hf import AutoTokenizer
 from flodl_hf.core.errors import ConfigError
-from flodl_hf.tokenization.tokenizer import VERY_LARGE_INTEGER
+from flodl_hf.tokenization import VERY_LARGE_INTEGER
 from helpers import CACHE, quiet_transformers
 
 BUILD_VERSION = "1"  # bump when a builder changes

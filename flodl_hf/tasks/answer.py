@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from flodl_hf.core.errors import InputError
-from flodl_hf.tokenization.tokenizer import Tokenizer, check_text
+from flodl_hf.tokenization import Tokenizer, check_text
 from flodl_hf.tasks.runtime import (BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _as_list, _check_texts, _check_top_k,
                                     _run, load)
 

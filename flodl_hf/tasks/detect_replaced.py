@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from flodl_hf.core.errors import InputError
-from flodl_hf.tokenization.tokenizer import Tokenizer
+from flodl_hf.tokenization import Tokenizer
 from flodl_hf.tasks.runtime import (BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _as_list, _check_texts, _encode,
                                     _rows, _run, load)
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from flodl_hf.core.errors import ConfigError, InputError
-from flodl_hf.tokenization.tokenizer import Tokenizer
+from flodl_hf.tokenization import Tokenizer
 from flodl_hf.tasks.runtime import (BATCH_SIZE, BatchSize, Loaded, Source, _MODEL_KEYS, _as_list, _check_texts,
                                     _check_top_k, _encode, _rows, _run, load)
 
@@ -303,7 +303,7 @@ def embed(texts: str | Sequence[str], model: Source, pooling: str | None = None,
             raise InputError(f"pooling={pooling!r}: expected one of {', '.join(repr(m) for m in POOLING_MODES)}")
     root = None
     if not isinstance(model, nn.Module):
-        from flodl_hf.tokenization.tokenizer import tokenizer_directory
+        from flodl_hf.tokenization import tokenizer_directory
         root = tokenizer_directory(model)
     steps = _modules(root)
     if steps is None:  # no modules.json: the Transformer, then the pooling that 1_Pooling/config.json names

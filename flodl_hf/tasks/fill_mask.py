@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from flodl_hf.core.errors import InputError, SourceNotFoundError
-from flodl_hf.tokenization.tokenizer import Tokenizer
+from flodl_hf.tokenization import Tokenizer
 from flodl_hf.tasks.runtime import (BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _as_list, _check_texts, _check_top_k,
                                     _encode, _rows, _run, load)
 

@@ -19,7 +19,7 @@ from torch import nn
 from flodl_hf.tasks import batching
 from flodl_hf.core.errors import InputError, MissingHeadError, WeightsMismatchError
 from flodl_hf.core.modeling import PLAIN_RECORD, config_sets_forward_defaults
-from flodl_hf.tokenization.tokenizer import LARGE_INTEGER, AutoTokenizer, BatchEncoding, Tokenizer, check_text
+from flodl_hf.tokenization import LARGE_INTEGER, AutoTokenizer, BatchEncoding, Tokenizer, check_text
 
 
 # Rows per forward pass, at most; None (the default): automatic, padding-free batches; or a

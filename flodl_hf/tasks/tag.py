@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from flodl_hf.core.errors import InputError
-from flodl_hf.tokenization.tokenizer import LARGE_INTEGER, Tokenizer
+from flodl_hf.tokenization import LARGE_INTEGER, Tokenizer
 from flodl_hf.tasks.runtime import (BATCH_SIZE, BatchSize, Source, _MODEL_KEYS, _as_list, _check_texts, _encode,
                                     _rows, _run, load)
 

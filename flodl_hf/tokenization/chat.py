@@ -4,7 +4,7 @@ A template is jinja2 in a sandboxed environment with transformers' settings (``t
 ``lstrip_blocks``, loop controls) and helpers (``raise_exception``, ``tojson``, ``strftime_now``, the
 ``{% generation %}`` block); ``render_chat`` passes it transformers' variables (``messages``,
 ``add_generation_prompt``, the special tokens, ``tools``, ``documents``) and handles
-``continue_final_message``. Where a tokenizer's templates come from is read in ``flodl_hf.tokenization.tokenizer``.
+``continue_final_message``. Where a tokenizer's templates come from is read in ``flodl_hf.tokenization.loading``.
 """
 
 from __future__ import annotations
