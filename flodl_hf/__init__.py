@@ -26,8 +26,8 @@ _EXPORTS = {
     "Trainer": "flodl_hf.training.trainer",
     "ElChe": "flodl_hf.training.sync",
     "DiLoCo": "flodl_hf.training.sync",
-    "AutoTokenizer": "flodl_hf.tokenization.tokenizer",
-    "Tokenizer": "flodl_hf.tokenization.tokenizer",
+    "AutoTokenizer": "flodl_hf.tokenization",
+    "Tokenizer": "flodl_hf.tokenization",
     "generate": "flodl_hf.generation.generate",
     **dict.fromkeys(("answer", "classify", "detect_replaced", "embed", "fill_mask", "rank", "tag", "zero_shot"),
                     "flodl_hf.tasks"),
@@ -87,6 +87,6 @@ if TYPE_CHECKING:  # the names, for type checkers and editors
                                       SourceNotFoundError, UnsupportedModelError, WeightsMismatchError)
     from flodl_hf.generation.generate import generate
     from flodl_hf.tasks import answer, classify, detect_replaced, embed, fill_mask, rank, tag, zero_shot
-    from flodl_hf.tokenization.tokenizer import AutoTokenizer, Tokenizer
+    from flodl_hf.tokenization import AutoTokenizer, Tokenizer
     from flodl_hf.training.sync import DiLoCo, ElChe
     from flodl_hf.training.trainer import Trainer
