@@ -28,7 +28,7 @@ _EXPORTS = {
     "DiLoCo": "flodl_hf.training.sync",
     "AutoTokenizer": "flodl_hf.tokenization",
     "Tokenizer": "flodl_hf.tokenization",
-    "generate": "flodl_hf.generation.generate",
+    "generate": "flodl_hf.tasks.generate",
     **dict.fromkeys(("answer", "classify", "detect_replaced", "embed", "fill_mask", "rank", "tag", "zero_shot"),
                     "flodl_hf.tasks"),
 }
@@ -85,8 +85,7 @@ if TYPE_CHECKING:  # the names, for type checkers and editors
                                AutoModelForSequenceClassification, AutoModelForTokenClassification, load_model)
     from flodl_hf.core.errors import (CheckpointFormatError, ConfigError, FlodlHFError, InputError,
                                       SourceNotFoundError, UnsupportedModelError, WeightsMismatchError)
-    from flodl_hf.generation.generate import generate
-    from flodl_hf.tasks import answer, classify, detect_replaced, embed, fill_mask, rank, tag, zero_shot
+    from flodl_hf.tasks import answer, classify, detect_replaced, embed, fill_mask, generate, rank, tag, zero_shot
     from flodl_hf.tokenization import AutoTokenizer, Tokenizer
     from flodl_hf.training.sync import DiLoCo, ElChe
     from flodl_hf.training.trainer import Trainer

@@ -2,12 +2,13 @@
 
 The task (``causal_lm``, transformers' ``AutoModelForCausalLM``) is registered here, as a task the decoder
 families declare (``core=False``: the verify matrix asks only them). The head is ``lm_head``, a bias-free
-linear tied to the input embeddings when ``tie_word_embeddings`` is true.
+linear tied to the input embeddings when ``tie_word_embeddings`` is true. Generation (``generate``,
+``generation_config``, and the generation_config.json that ``save_pretrained`` writes) is inherited from
+``flodl_hf.generation.GenerationMixin``, as transformers' causal LMs inherit its ``GenerationMixin``.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from flodl_hf.core.modeling import HeadPart, TaskModel
 from flodl_hf.core.outputs import CausalLMOutput
 from flodl_hf.core.registry import Task, register_task, register_task_model
+from flodl_hf.generation import GenerationMixin
 
 
 class LMHead(HeadPart):
@@ -67,59 +69,11 @@ def keep_last(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch
     return hidden[:, logits_to_keep, :]
 
 
-class ModelForCausalLM(TaskModel):
+class ModelForCausalLM(GenerationMixin, TaskModel):
     task = "causal_lm"
 
     def get_output_embeddings(self) -> nn.Module:
         return self.head.output_embeddings()
-
-    @property
-    def generation_config(self) -> Any:
-        """transformers' ``model.generation_config``: this checkpoint's ``GenerationConfig`` (its
-        generation_config.json, else one made from config.json, ``from_model_config``), read at the first access and
-        kept, so that edits to it, or one assigned in its place, are what later ``generate`` calls start from (and
-        what an assistant model's settings are read from), as in transformers."""
-        config = self.__dict__.get("_generation_config")
-        if config is None:
-            from flodl_hf.generation.generate import model_generation_config
-            config = self.__dict__["_generation_config"] = model_generation_config(self)
-        return config
-
-    @generation_config.setter
-    def generation_config(self, value: Any) -> None:
-        from flodl_hf.core.errors import InputError
-        if not callable(getattr(value, "to_diff_dict", None)):
-            raise InputError(f"generation_config={type(value).__name__}: expected a transformers GenerationConfig")
-        self.__dict__["_generation_config"] = value
-
-    def save_pretrained(self, directory: str | Path, max_shard_size: int | str = "5GB") -> Path:
-        """``config.json``, the weights and ``generation_config.json``: this model's ``generation_config`` (edits
-        included), as transformers' ``save_pretrained`` writes it for a model that can generate. It is validated
-        first, strictly when it was edited (``GenerationConfig.save_pretrained``'s rule), and a configuration
-        transformers refuses to save is a ConfigError before anything is written."""
-        from flodl_hf.core.errors import ConfigError
-        config = self.generation_config
-        edited = getattr(config, "_original_object_hash", None) != hash(config)
-        try:
-            config.validate(strict=edited)
-        except ValueError as exc:
-            raise ConfigError(f"{Path(directory) / 'generation_config.json'}: model.generation_config does not "
-                              f"validate, nothing was written: {exc}") from None
-        directory = super().save_pretrained(directory, max_shard_size)
-        config.save_pretrained(directory)
-        return directory
-
-    def generate(self, inputs: torch.Tensor | None = None, generation_config: Any = None, **kwargs: Any) -> Any:
-        """transformers' ``model.generate``: the prompts and their new tokens, (B, S + n) ids (a
-        ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate=True``); see ``flodl_hf.generation.generate.generate_ids``
-        for the keywords it takes. ``inputs`` is ``input_ids``, as transformers' first argument."""
-        from flodl_hf.core.errors import InputError
-        from flodl_hf.generation.generate import generate_ids
-        input_ids = kwargs.pop("input_ids", None)
-        if inputs is not None and input_ids is not None:
-            raise InputError("generate: pass the prompts once, as inputs or as input_ids")
-        return generate_ids(self, input_ids if inputs is None else inputs, kwargs.pop("attention_mask", None),
-                            generation_config=generation_config, **kwargs)
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: Any = None,

@@ -24,7 +24,7 @@ peft = pytest.importorskip("peft")
 from flodl_hf import lora
 from flodl_hf.auto import AutoModel
 from flodl_hf.core.errors import AdapterError, InputError
-from flodl_hf.generation.generate import generate
+from flodl_hf.tasks.generate import generate
 from flodl_hf.roundtrip.parity import make_batch, quiet_transformers, reference_model
 
 from cases import CASES

@@ -14,7 +14,7 @@ import torch
 
 from flodl_hf import AutoTokenizer
 from flodl_hf.core.errors import ConfigError, InputError
-from flodl_hf.generation.generate import generate
+from flodl_hf.tasks.generate import generate
 from flodl_hf.roundtrip.parity import quiet_transformers
 from flodl_hf.tokenization.chat import ChatTemplateError
 

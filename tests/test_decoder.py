@@ -20,7 +20,8 @@ import torch
 
 from flodl_hf.auto import load_model
 from flodl_hf.core.decoder import KVCache
-from flodl_hf.generation.generate import generate, generate_ids
+from flodl_hf.generation.generate import generate_ids
+from flodl_hf.tasks.generate import generate
 from flodl_hf.roundtrip.parity import check_parity, quiet_transformers, reference_model
 from flodl_hf.core.samples import sample_path
 

@@ -270,7 +270,7 @@ def test_the_pipeline_one_liner_takes_an_assistant(tmp_path):
     """``generate(prompts, model, assistant_model=...)``: the text-generation pipeline's ``assistant_model`` (our
     model, or a directory to load it from), each prompt alone: the records equal the pipeline's, greedy and sampled
     (its defaults)."""
-    from flodl_hf.generation.generate import generate
+    from flodl_hf.tasks.generate import generate
     from flodl_hf.roundtrip.parity import quiet_transformers
     from test_decoder import _text_model
     from test_generate_pipeline import PROMPTS

@@ -230,7 +230,7 @@ def test_the_pipeline_one_liner_takes_an_assistant_tokenizer(pair, capsys):
     without one is refused, as there). The records equal the pipeline's with the same assistant (or, where
     transformers' assisted generate fails, the pipeline's without one: greedy drafts change no id), and the assistant
     drafted; so do ``flodl-hf generate``'s with ``--assistant DIR --no-sample``."""
-    from flodl_hf.generation.generate import generate
+    from flodl_hf.tasks.generate import generate
     from flodl_hf.roundtrip.parity import quiet_transformers
     main, assistant = pair.paths
     prompts, settings = [TEXT, "It was the"], dict(max_new_tokens=12, do_sample=False)

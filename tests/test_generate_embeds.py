@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from flodl_hf.core.errors import InputError
-from flodl_hf.generation.generate import generate, generate_ids
+from flodl_hf.generation.generate import generate_ids
+from flodl_hf.tasks.generate import generate
 from flodl_hf.roundtrip.parity import quiet_transformers
 
 from helpers import make_checkpoint, one_thread  # noqa: F401  (the fixture)

@@ -332,7 +332,7 @@ def test_a_custom_criterion_with_an_eos_id_pads_finished_rows(pair, tmp_path):
 def test_the_pipeline_hands_the_hooks_to_each_prompt(model):
     """generate(prompts, ...) as pipeline(prompts, ...) with a streamer, a processor and a criterion: the
     records, and the streamer's puts (each prompt, its steps, an end() per prompt)."""
-    from flodl_hf.generation.generate import generate
+    from flodl_hf.tasks.generate import generate
     root, pipe = model
     records, streamers = [], []
     for run in (lambda **kw: pipe(PROMPTS, **kw), lambda **kw: generate(PROMPTS, root, **kw)):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flodl_hf.core.errors import InputError
-from flodl_hf.generation.generate import generate
+from flodl_hf.tasks.generate import generate
 from flodl_hf.roundtrip.parity import quiet_transformers
 
 from test_decoder import _text_model

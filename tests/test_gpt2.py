@@ -167,7 +167,7 @@ def test_tokenizer_equals_transformers(name):
 def test_generate_texts_equal_the_text_generation_pipeline(tmp_path):
     """The GPT-2 tokenizer has no pad token: our prompts are left-padded by hand, and the records equal the
     pipeline's (which runs each prompt alone), greedy and with a pad token set."""
-    from flodl_hf.generation.generate import generate
+    from flodl_hf.tasks.generate import generate
     from flodl_hf.tasks.runtime import clear_cache
     root = tmp_path / "model"
     shutil.copytree(make_checkpoint(SMALL, "causal_lm"), root)

@@ -208,7 +208,7 @@ def test_tokenizer_equals_transformers(name):
 def test_generate_texts_equal_the_text_generation_pipeline(tmp_path):
     """Pythia's tokenizer layout (tokenizer.json, ``<|padding|>`` as the pad token): the records equal the
     pipeline's, greedy, for a list of prompts (left-padded into one batch here, one at a time there)."""
-    from flodl_hf.generation.generate import generate
+    from flodl_hf.tasks.generate import generate
     from flodl_hf.tasks.runtime import clear_cache
     root = tmp_path / "model"
     shutil.copytree(make_checkpoint(SMALL, "causal_lm"), root)

@@ -386,7 +386,7 @@ def test_generate_texts_equal_the_pipeline_across_the_switch(tmp_path, monkeypat
     cache dropped at the padded length, the long frequencies for every row: shown first on ids): such prompts run
     one at a time, as the text-generation pipeline runs them, and the records equal the pipeline's; a run that
     cannot get there stays one batch."""
-    generation = importlib.import_module("flodl_hf.generation.generate")  # the package exports a function of that name
+    generation = importlib.import_module("flodl_hf.tasks.generate")  # the package exports a function of that name
     from flodl_hf.core.samples import sample_path
     ours, _ = _load(_source(), "causal_lm", "sdpa")
     ids, mask = _prompt((6, 3))

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from flodl_hf.core.errors import InputError
-from flodl_hf.generation.generate import generate
+from flodl_hf.tasks.generate import generate
 from flodl_hf.commands.tasks import _texts
 
 

@@ -21,6 +21,10 @@ along the way is done here in the same order, so the ids are transformers':
 The three settings come from the assistant's ``generation_config`` (its ``generation_config.json``, else
 transformers' defaults 20, ``"constant"``, 0.4), as transformers reads them from ``assistant_model.
 generation_config``, not from the call's keywords.
+
+The decoding loop that checks the candidates, ``_assisted`` (``_assisted_decoding``), is here too, with what an
+assistant may be (``_check_assistant``) and its start (``_assistant_drafts``); it runs prompt lookup's candidates
+(``flodl_hf.generation.lookup``) and early exit's alike.
 """
 
 from __future__ import annotations
@@ -30,11 +34,10 @@ from typing import Any
 import torch
 
 from flodl_hf.core.errors import InputError
+from flodl_hf.generation.decoding import _Decoder, _DraftCache, _finish, _Seen, infer_attention_mask
 from flodl_hf.generation.processors import Confidence, apply, final_steps, stop_hits, stopping_criteria_list
+from flodl_hf.generation.settings import ASSISTANT_DEFAULTS, GenerateDecoderOnlyOutput, GenerationSettings
 
-# GenerationConfig._get_default_generation_params, for the fields an assistant reads
-ASSISTANT_DEFAULTS = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
-                      "assistant_confidence_threshold": 0.4}
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 
 
@@ -184,7 +187,6 @@ class TranslatedDrafts(AssistantDrafts):
         self.cached: torch.Tensor | None = None  # the ids whose states the assistant's cache holds
 
     def candidates(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from flodl_hf.generation.generate import infer_attention_mask
         ids = self._assistant_ids(input_ids)
         self.previous = ids
         s, decoder = self.settings, self.decoder
@@ -293,3 +295,138 @@ def speculative_sampling(drafted: torch.Tensor, drafted_scores: torch.Tensor, sc
         after.div_(after.sum())
     token = torch.multinomial(after, num_samples=1, generator=generator).squeeze(1)[None, :]
     return torch.cat((new[:, :kept], token), dim=-1) if kept > 0 else token
+
+
+def _check_assistant(model: torch.nn.Module, assistant: Any, settings: GenerationSettings,
+                     inputs_embeds: torch.Tensor | None, max_length: int, name: str, tokenizer: Any = None,
+                     assistant_tokenizer: Any = None) -> None:
+    """What ``assistant_model`` takes (or early exit, the model itself): one of our causal LMs over the main model's
+    vocabulary, with the cache, for greedy or sampled decoding of one prompt, or over another vocabulary with both
+    tokenizers, greedy; what transformers refuses, and what is not implemented, raise, naming ``name``."""
+    if getattr(assistant, "task", None) != "causal_lm" or not hasattr(assistant, "backbone"):
+        raise InputError(f"assistant_model={type(assistant).__name__}: expected a flodl-hf causal_lm model "
+                         "(load_model(source, 'causal_lm'))")
+    s = settings
+    ours, theirs = model.config.vocab_size, assistant.config.vocab_size
+    if ours == theirs and assistant_tokenizer is not None:
+        raise InputError(f"assistant_tokenizer with {name}: the model and the assistant share a vocabulary of {ours} "
+                         "ids, so no second tokenizer is needed (transformers raises the same); omit it")
+    if ours != theirs:
+        if tokenizer is None or assistant_tokenizer is None:
+            raise InputError(f"assistant_model: its vocabulary has {theirs} ids and the model's {ours}: another "
+                             "tokenizer, whose drafts go through text (universal assisted decoding); pass tokenizer= "
+                             "and assistant_tokenizer= (transformers raises the same)")
+        for refused, what in ((s.do_sample, "do_sample=True (universal speculative decoding, which prunes the "
+                                            "assistant's LM head to the shared tokens)"),
+                              (bool(s.min_new_tokens) or bool(s.min_length), "a minimum length")):
+            if refused:
+                raise InputError(f"{what} with an assistant of another tokenizer is not implemented; greedy "
+                                 "decoding without a minimum length is")
+    drops = getattr(assistant.backbone, "drops_cache", None)
+    refusals = [
+        (s.prompt_lookup_num_tokens is not None, f"prompt_lookup_num_tokens={s.prompt_lookup_num_tokens}",
+         "prompt lookup and an assistant model are two sources of candidates (transformers takes prompt lookup's and "
+         "ignores the assistant); pass one"),
+        (not s.use_cache, "use_cache=False", "assisted decoding checks the candidates against the KV cache and crops "
+                                             "it (transformers raises: assisted decoding requires a cache)"),
+        (s.num_return_sequences > 1, f"num_return_sequences={s.num_return_sequences}",
+         "assisted generate makes one sequence per prompt (transformers raises)"),
+        (s.stop_strings is not None, f"stop_strings={s.stop_strings!r}", "transformers hands the assistant's "
+         "generate no tokenizer, and it raises there; stop on eos ids or a custom stopping criterion"),
+        (inputs_embeds is not None, "inputs_embeds", "a prompt given as embeddings with an assistant model is not "
+                                                     "implemented; pass input_ids"),
+        (drops is not None and drops(max_length - 1, 0), f"assistant_model={type(assistant).__name__}",
+         f"the assistant drafts up to {max_length - 1} tokens, where its generation drops its KV cache (Phi-3 past "
+         "original_max_position_embeddings), which is not implemented for an assistant; generate fewer tokens"),
+    ]
+    for refused, what, why in refusals:
+        if refused:
+            raise InputError(f"{what} with {name}: {why}")
+
+
+def _assistant_drafts(model: torch.nn.Module, assistant: torch.nn.Module, attention_mask: torch.Tensor,
+                      settings: GenerationSettings, processors: list, max_length: int,
+                      generator: torch.Generator | None, tokenizer: Any, assistant_tokenizer: Any) -> AssistantDrafts:
+    """AssistedCandidateGenerator's start: the assistant's own decoder, begun on the prompt's mask with a cache that
+    can be cropped, and its ``generation_config`` (kept on the model, as transformers' ``model.generation_config``:
+    the heuristic schedule's count carries to the next call, and a caller sets the three settings there). An
+    assistant of another vocabulary drafts through text (``TranslatedDrafts``)."""
+    config = assistant.generation_config
+    check_assistant_config(config)
+    cache = _DraftCache(assistant.backbone.new_cache().windows)
+    decoder = _Decoder(assistant, attention_mask.to(assistant.device), cache, True)
+    if assistant.config.vocab_size != model.config.vocab_size:
+        if processors or final_steps(settings, attention_mask.device, model.config.vocab_size):
+            raise InputError("assistant_model with assistant_tokenizer: the model's logits processors (here "
+                             f"{len(processors)} besides the final steps) would run on the assistant's scores over "
+                             "another vocabulary, which is not implemented; pass settings that add none")
+        return TranslatedDrafts(decoder, config, settings, max_length, assistant.config.vocab_size, tokenizer,
+                                assistant_tokenizer)
+    return AssistantDrafts(decoder, config, settings, processors, max_length, generator, assistant.config.vocab_size,
+                           settings.assistant_early_exit)
+
+
+def _assisted(decoder: _Decoder, input_ids: torch.Tensor, settings: GenerationSettings, processors: list,
+              criteria: list, max_length: int, generator: torch.Generator | None, streamer: Any,
+              drafts: Any) -> torch.Tensor | GenerateDecoderOnlyOutput:
+    """GenerationMixin._assisted_decoding (generation/utils.py:3925), one prompt: each step takes the candidates
+    of ``drafts`` (prompt lookup's, ``_LookupDrafts``, or an assistant model's, ``assisted.AssistantDrafts``), runs
+    them through the model in one forward with the cache, passes each position's logits through the processors
+    (the sequence up to it), and keeps the candidates up to the first that differs from the model's pick there, then
+    the pick after them (argmax; sampling: one ``multinomial`` over all positions, or speculative sampling where
+    the candidates come with the assistant's scores), cut to the maximum length and after an eos; the rest is
+    cropped off the cache and ``drafts`` learns how many were kept. Scores and logits are recorded per kept token;
+    the stopping criteria see each step's end; the streamer gets each step's kept ids (1, k)."""
+    s = settings
+    record = s.return_dict_in_generate
+    scores_seen: tuple[torch.Tensor, ...] | None = () if record and s.output_scores else None
+    logits_seen: tuple[torch.Tensor, ...] = ()
+    unfinished = torch.ones(1, dtype=torch.long, device=input_ids.device)
+    eos = torch.tensor(s.eos, device=input_ids.device, dtype=torch.long) if s.eos_set else None
+    seen, first = _Seen(s), True
+    while True:
+        length = input_ids.shape[1]
+        chosen, drafted_scores = drafts.candidates(input_ids)
+        drafted = chosen.shape[0]
+        if drafted and decoder.inputs_embeds is not None:
+            raise InputError(f"inputs_embeds with input_ids and prompt_lookup_num_tokens: the ids offer "
+                             f"{drafted} candidates at the first step, and transformers' first forward takes the "
+                             "embeddings alone, its mask and positions running on over the candidates it drops (its "
+                             "tokens are not the prompt's); pass inputs_embeds without input_ids")
+        candidates = torch.cat((input_ids, chosen.unsqueeze(0)), dim=1)
+        scores = decoder.draft_logits(candidates, drafted)
+        logits = scores.clone()
+        for i in range(drafted + 1):
+            scores[:, i, :] = apply(processors, candidates[:, :length + i], scores[:, i, :])
+        if s.do_sample and drafted_scores is not None:
+            kept = speculative_sampling(chosen, drafted_scores, scores, generator)
+        else:
+            if s.do_sample:
+                probs = scores.softmax(dim=-1)
+                picked = torch.multinomial(probs[0, :, :], num_samples=1, generator=generator).squeeze(1)[None, :]
+            else:
+                picked = scores.argmax(dim=-1)
+            matches = ((~(chosen.unsqueeze(0) == picked[:, :-1])).cumsum(dim=-1) < 1).sum()
+            kept = picked[:, :matches + 1]
+        kept = kept[:, :max_length - length]
+        if eos is not None:  # cut after the first eos kept
+            hits = torch.isin(kept[0], eos).nonzero()
+            if hits.numel() > 0:
+                kept = kept[:, :hits[0].item() + 1]
+        n = kept.shape[1]
+        seen.split(decoder.out, length, length + n if first else n)
+        first = False
+        input_ids = torch.cat((input_ids, kept), dim=-1)
+        if streamer is not None:
+            streamer.put(kept.cpu())
+        decoder.accept(n, drafted + 1 - n)
+        drafts.update(scores, n - 1)
+        if scores_seen is not None:
+            scores_seen += tuple(scores[:, i, :] for i in range(n))
+        if record and s.output_logits:
+            logits_seen += tuple(logits[:, i, :] for i in range(n))
+        unfinished = unfinished & ~stop_hits(criteria, input_ids, scores_seen)
+        if unfinished.max() == 0:
+            break
+    drafts.finish()
+    return _finish(input_ids, s, scores_seen, logits_seen, decoder.cache, streamer, seen)

@@ -13,7 +13,7 @@ to transformers on every batch; ``"bf16"`` and ``"int8"`` are faster and change 
 measured in docs/benchmarks.md).
 
 One module per task (``fill_mask``, ``classify``, ``zero_shot``, ``tag``, ``answer``, ``embed`` with
-``rank``, and ELECTRA's ``detect_replaced``) over a shared runtime (``runtime``: loading, batching, precisions,
+``rank``, ELECTRA's ``detect_replaced``, and the text-generation pipeline ``generate``) over a shared runtime (``runtime``: loading, batching, precisions,
 the forward loop). The commands are in ``flodl_hf.commands.tasks``.
 """
 
@@ -24,6 +24,7 @@ from flodl_hf.tasks.classify import classify
 from flodl_hf.tasks.detect_replaced import detect_replaced
 from flodl_hf.tasks.embed import embed, rank
 from flodl_hf.tasks.fill_mask import DEFAULT_FILL_MASK_MODEL, MASK_SPELLINGS, fill_mask
+from flodl_hf.tasks.generate import generate
 from flodl_hf.tasks.runtime import (BATCH_SIZE, PRECISIONS, BatchSize, Loaded, Source, clear_cache, load,
                                     max_input_length, quantize_int8)
 from flodl_hf.tasks.tag import AGGREGATIONS, tag
@@ -31,7 +32,7 @@ from flodl_hf.tasks.zero_shot import zero_shot
 
 __all__ = [
     "AGGREGATIONS", "BATCH_SIZE", "DEFAULT_FILL_MASK_MODEL", "MASK_SPELLINGS", "PRECISIONS", "BatchSize", "Loaded",
-    "Source", "answer", "classify", "clear_cache", "detect_replaced", "embed", "fill_mask", "load",
+    "Source", "answer", "classify", "clear_cache", "detect_replaced", "embed", "fill_mask", "generate", "load",
     "max_input_length", "quantize_int8", "rank", "tag", "zero_shot",
 ]
 
