@@ -36,13 +36,3 @@ __all__ = [
     "max_input_length", "quantize_int8", "rank", "tag", "zero_shot",
 ]
 
-
-def __getattr__(name: str):
-    """Names of the former single ``tasks`` module (helpers such as ``_run`` or ``_logits_at``), reachable
-    here for code written against it; each lives in one of this package's modules now."""
-    import importlib
-    for module in ("runtime", "fill_mask", "classify", "tag", "answer", "embed", "detect_replaced"):
-        found = importlib.import_module(f"{__name__}.{module}")
-        if hasattr(found, name):
-            return getattr(found, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
