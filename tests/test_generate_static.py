@@ -73,9 +73,12 @@ def test_static_differs_from_dynamic_at_real_width_and_the_names_transformers_ta
     pair = _both(make_checkpoint(_fields("llama-1024-gqa"), "causal_lm"))
     ids, mask = _left_padded(pair[0].config.vocab_size)
     static = generate_ids(pair[0], ids, mask, max_new_tokens=4, eos_token_id=[], cache_implementation="static",
-                          **RECORD)
+                          max_cache_len=30, **RECORD)
     dynamic = generate_ids(pair[0], ids, mask, max_new_tokens=4, eos_token_id=[], **RECORD)
-    assert not any(torch.equal(a, b) for a, b in zip(static.logits, dynamic.logits))
+    # The static cache attends over its whole length, the dynamic one over the tokens so far. On an AMD EPYC their
+    # logits differ at this width; on an Intel Xeon (AVX-512) they are the same bits, so what shows on every CPU
+    # that the static path ran is its cache, as long as max_cache_len, where the dynamic one holds the tokens.
+    assert static.cache.keys[0].shape[-2] == 30 > dynamic.cache.keys[0].shape[-2]
     fresh = _both(make_checkpoint(_fields("llama-1024-gqa"), "causal_lm"))
     for kwargs in (dict(max_new_tokens=3, cache_implementation="hybrid"), dict(max_new_tokens=8),
                    dict(max_new_tokens=3), dict(max_new_tokens=3, max_cache_len=30)):
