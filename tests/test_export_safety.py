@@ -114,7 +114,7 @@ def test_a_directory_appearing_at_out_during_the_write_is_left_alone(tmp_path, m
 
 
 def test_no_replace_rename_refuses_even_an_empty_directory(tmp_path):
-    m = _module("flodl_hf.roundtrip.export")
+    m = _module("flodl_hf.core.fs")
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "f").write_text("x")
     (tmp_path / "b").mkdir()
@@ -160,7 +160,7 @@ def test_long_out_names(tmp_path):
     assert _no_scratch(tmp_path)
     with pytest.raises(InputError, match="--out"):
         export(src, tmp_path / ("y" * 256))
-    m = _module("flodl_hf.roundtrip.export")
+    m = _module("flodl_hf.core.fs")
     stem = m._scratch_stem(out.name)
     dead = tmp_path / f".{stem}.partial-{2**22 + 1}-0badc0de"  # beyond pid_max: a dead writer's
     dead.mkdir()
