@@ -170,7 +170,7 @@ class MixtralSparseMoeBlock(nn.Module):
 
     # PEFT 0.21's transformers-5 conversion for "mixtral": transformers 4's expert names in target_modules become
     # target_parameters (w1 and w3 together, fused at twice the rank); a string target_modules is resolved to
-    # leaf names first (flodl_hf.lora._resolve_moe_string)
+    # leaf names first (flodl_hf.lora.targets._resolve_moe_string)
     peft_moe_targets = {"gate": "gate.weight", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}
     peft_moe_fused = {"gate_up_proj": ("w1", "w3")}
 

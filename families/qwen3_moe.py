@@ -83,7 +83,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
     # PEFT 0.21's MoE conversion ("qwen3_moe" and "olmoe" map to "qwen2_moe"'s): these target_modules names become
     # target_parameters (gate_proj and up_proj together, fused at twice the rank); a string target_modules is
-    # resolved to leaf names first (flodl_hf.lora._resolve_moe_string)
+    # resolved to leaf names first (flodl_hf.lora.targets._resolve_moe_string)
     peft_moe_targets = {"gate": "gate.weight", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
                         "down_proj": "down_proj"}
     peft_moe_fused = {"gate_up_proj": ("gate_proj", "up_proj")}

@@ -16,6 +16,7 @@ from flodl_hf.core import checkpoint_schema
 from flodl_hf import lora
 from flodl_hf.auto import load_model
 from flodl_hf.cli import main
+from flodl_hf.roundtrip.adapters import export_adapter
 from flodl_hf.roundtrip.convert import convert
 from flodl_hf.core.errors import CheckpointFormatError, InputError, OutputExistsError
 from flodl_hf.roundtrip.export import export, export_checkpoint
@@ -71,12 +72,12 @@ def test_adapter_export_refuses_to_replace_its_base(tmp_path):
     base, ckpt = _lora_checkpoint(tmp_path, str)
     before = tree_hash(base)
     with pytest.raises(OutputExistsError, match="basemodel"):
-        lora.export_adapter(ckpt, base, force=True)
+        export_adapter(ckpt, base, force=True)
     with pytest.raises(OutputExistsError):
-        lora.export_adapter(ckpt, base / "adapter", force=True)  # nor write inside it
+        export_adapter(ckpt, base / "adapter", force=True)  # nor write inside it
     assert main(["export", "--checkpoint", str(ckpt), "--adapter", "--out", str(base), "--force"]) == 2
     assert tree_hash(base) == before and _no_scratch(tmp_path)
-    assert lora.export_adapter(ckpt, tmp_path / "adapter").is_dir()  # elsewhere it works
+    assert export_adapter(ckpt, tmp_path / "adapter").is_dir()  # elsewhere it works
 
 
 def test_merge_refuses_to_replace_its_base_when_the_checkpoint_names_no_source(tmp_path):
@@ -113,7 +114,7 @@ def test_a_directory_appearing_at_out_during_the_write_is_left_alone(tmp_path, m
 
 
 def test_no_replace_rename_refuses_even_an_empty_directory(tmp_path):
-    m = _module("flodl_hf.roundtrip.export")
+    m = _module("flodl_hf.core.fs")
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "f").write_text("x")
     (tmp_path / "b").mkdir()
@@ -159,7 +160,7 @@ def test_long_out_names(tmp_path):
     assert _no_scratch(tmp_path)
     with pytest.raises(InputError, match="--out"):
         export(src, tmp_path / ("y" * 256))
-    m = _module("flodl_hf.roundtrip.export")
+    m = _module("flodl_hf.core.fs")
     stem = m._scratch_stem(out.name)
     dead = tmp_path / f".{stem}.partial-{2**22 + 1}-0badc0de"  # beyond pid_max: a dead writer's
     dead.mkdir()
@@ -229,7 +230,7 @@ def test_force_rewrites_its_own_directory_but_never_a_file_added_to_it(tmp_path,
         write = lambda: convert(folder, tmp_path / "out", force=True)  # noqa: E731
     else:
         _, ckpt = _lora_checkpoint(tmp_path, str)
-        write = lambda: lora.export_adapter(ckpt, tmp_path / "out", force=True)  # noqa: E731
+        write = lambda: export_adapter(ckpt, tmp_path / "out", force=True)  # noqa: E731
     write()
     first = _tree(tmp_path / "out")
     write()  # an earlier write of its own is replaced

@@ -16,7 +16,9 @@ peft = pytest.importorskip("peft")
 from flodl_hf import lora
 from flodl_hf.auto import AutoConfig, load_model
 from flodl_hf.core.errors import AdapterBaseMismatchError, AdapterError, UnsupportedAdapterError, WeightsMismatchError
+from flodl_hf.roundtrip.adapters import export_adapter, merged_checkpoint_state, require_lora_checkpoint
 from flodl_hf.roundtrip.parity import make_batch, reference_model
+from flodl_hf.roundtrip.verify import verify_adapter
 from flodl_hf.core.registry import supported_model_types
 
 from cases import CASES
@@ -382,7 +384,7 @@ def test_malformed_adapter_config_is_a_typed_error_naming_the_field(change, name
     message = str(info.value)
     assert str(config_path) in message and repr(name) in message, message
     with pytest.raises(AdapterError, match=expected):
-        lora.verify_adapter(out, base=str(source))
+        verify_adapter(out, base=str(source))
     assert main(["verify-export", str(out), "--source", str(source)]) == 2
 
 
@@ -462,9 +464,9 @@ def test_malformed_checkpoint_lora_entry_is_a_checkpoint_format_error(entry, exp
     path, model, _ = _lora_checkpoint(tmp_path, entry)
     data = torch.load(str(path), weights_only=True)
     for call in (lambda: lora.checkpoint_entry(data, path),
-                 lambda: lora.export_adapter(path, tmp_path / "adapter"),
-                 lambda: lora.merged_checkpoint_state(data, path),
-                 lambda: lora.require_lora_checkpoint(path),
+                 lambda: export_adapter(path, tmp_path / "adapter"),
+                 lambda: merged_checkpoint_state(data, path),
+                 lambda: require_lora_checkpoint(path),
                  lambda: lora.load_trainer_state(model, data, str(path))):
         with pytest.raises(CheckpointFormatError, match=expected) as info:
             call()
@@ -478,5 +480,5 @@ def test_checkpoint_lora_entry_well_formed(tmp_path):
     data = torch.load(str(path), weights_only=True)
     assert lora.checkpoint_entry(data, path) == good
     assert lora.checkpoint_entry({"lora": None}, path) is None and lora.checkpoint_entry({}, path) is None
-    out = lora.export_adapter(path, tmp_path / "adapter")
+    out = export_adapter(path, tmp_path / "adapter")
     assert (out / lora.ADAPTER_WEIGHTS).is_file()

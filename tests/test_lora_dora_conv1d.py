@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from flodl_hf.core import checkpoint_schema
 from flodl_hf import lora
 from flodl_hf.auto import load_model
+from flodl_hf.roundtrip.adapters import export_adapter
 from flodl_hf.roundtrip.parity import make_batch, reference_model
 
 from cases import CASES
@@ -117,7 +118,7 @@ def test_dora_on_conv1d_is_peft_s_both_ways(case_id, r, dropout, tmp_path):
     data = {**checkpoint_schema.header(), "model": lora.trainer_model_state(ours), "config": ours.config.to_dict(),
             "lora": lora.trainer_entry(ours)}
     torch.save(data, str(tmp_path / "step-1.pt"))
-    exported = load_file(str(lora.export_adapter(tmp_path / "step-1.pt", tmp_path / "exported") / lora.ADAPTER_WEIGHTS))
+    exported = load_file(str(export_adapter(tmp_path / "step-1.pt", tmp_path / "exported") / lora.ADAPTER_WEIGHTS))
     assert sorted(exported) == sorted(peft_file) and all(torch.equal(exported[k], peft_file[k]) for k in exported)
 
     # merge_and_unload: HF's keys, PEFT's bits

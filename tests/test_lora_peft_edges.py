@@ -15,8 +15,10 @@ peft = pytest.importorskip("peft")
 from safetensors.torch import load_file
 
 from flodl_hf import lora
+from flodl_hf.lora.targets import _peft_converts
 from flodl_hf.auto import load_model
 from flodl_hf.core.errors import AdapterBaseMismatchError, AdapterError, UnsupportedAdapterError
+from flodl_hf.roundtrip.adapters import export_adapter
 from flodl_hf.roundtrip.parity import make_batch, reference_model
 
 from cases import CASES
@@ -403,7 +405,7 @@ def test_selection_fields_survive_a_trainer_checkpoint(tmp_path):
             "lora": entry}
     path = tmp_path / "step-1.pt"
     torch.save(data, str(path))
-    out = lora.export_adapter(path, tmp_path / "adapter")
+    out = export_adapter(path, tmp_path / "adapter")
     back = _peft_reload(BERT, out)
     assert {_key(n): tuple(p.shape) for n, p in back.named_parameters() if "lora_" in n} == \
         {n: tuple(p.shape) for n, p in model.named_parameters() if "lora_" in n}
@@ -520,7 +522,7 @@ def test_lora_bias_on_a_layer_without_bias_cannot_merge_and_survives_a_checkpoin
             "lora": entry}
     path = tmp_path / "step-1.pt"
     torch.save(data, str(path))
-    out = lora.export_adapter(path, tmp_path / "adapter")
+    out = export_adapter(path, tmp_path / "adapter")
     assert json.loads((out / lora.ADAPTER_CONFIG).read_text())["lora_bias"] is True
     back = _peft_reload(LLAMA_TIED, out)
     model.eval().set_attn_implementation("eager")
@@ -564,7 +566,7 @@ def test_all_linear_expands_to_peft_s_modules(case_id, task, fields):
                 lora.add_lora(load_model(source, task), r=2, target_modules="all-linear", task_type=task_type)
             continue
         expected = sorted(theirs.peft_config["default"].target_modules)
-        if lora._peft_converts(load_model(source, task)):
+        if _peft_converts(load_model(source, task)):
             # PEFT's MoE conversion resolves all-linear to leaf names and moves the experts' and router's into
             # target_parameters (the adapters themselves: tests/test_lora_target_parameters.py)
             ours = lora.add_lora(load_model(source, task), r=2, target_modules="all-linear", task_type=task_type)

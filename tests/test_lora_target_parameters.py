@@ -19,8 +19,11 @@ from safetensors.torch import load_file
 
 from flodl_hf.core import checkpoint_schema
 from flodl_hf import lora
+from flodl_hf.lora.peft_format import _to_hf
+from flodl_hf.lora.targets import _peft_converts
 from flodl_hf.auto import load_model
 from flodl_hf.core.errors import AdapterError, UnsupportedAdapterError
+from flodl_hf.roundtrip.adapters import export_adapter
 from flodl_hf.roundtrip.parity import make_batch, reference_model
 
 from cases import CASES
@@ -38,7 +41,7 @@ def _source(case_id: str):
 
 def _ours_by_peft_key(model) -> dict[str, torch.nn.Parameter]:
     """Our trainable Parameters under the keys PEFT's file uses (``base_model.model.<...>.base_layer.lora_A.weight``)."""
-    return {lora.PEFT_PREFIX + lora._to_hf(model, n): p for n, p in model.named_parameters() if p.requires_grad}
+    return {lora.PEFT_PREFIX + _to_hf(model, n): p for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _theirs_by_peft_key(peft_model) -> dict[str, torch.nn.Parameter]:
@@ -156,7 +159,7 @@ def test_target_parameters_are_peft_s_both_ways(case_id, targets, parameters, ex
     # a trainer checkpoint (its "lora" entry carries target_parameters) exports the same adapter
     torch.save({**checkpoint_schema.header(), "model": lora.trainer_model_state(ours),
                 "config": ours.config.to_dict(), "lora": lora.trainer_entry(ours)}, str(tmp_path / "step-1.pt"))
-    exported = lora.export_adapter(tmp_path / "step-1.pt", tmp_path / "exported")
+    exported = export_adapter(tmp_path / "step-1.pt", tmp_path / "exported")
     assert json.loads((exported / lora.ADAPTER_CONFIG).read_text())["target_parameters"] == sorted(parameters)
     exported = load_file(str(exported / lora.ADAPTER_WEIGHTS))
     assert sorted(exported) == sorted(peft_file) and all(torch.equal(exported[k], peft_file[k]) for k in exported)
@@ -334,7 +337,7 @@ def test_no_target_modules_on_a_converted_moe_model_is_refused_as_peft_refuses_i
         warnings.simplefilter("ignore")
         peft.get_peft_model(reference_model(source, TASK, "eager"), peft.LoraConfig(r=2, task_type="CAUSAL_LM"))
     model = load_model(source, TASK)
-    assert lora._peft_converts(model)
+    assert _peft_converts(model)
     with pytest.raises(AdapterError, match="target_modules=None.*pass target_modules"):
         lora.add_lora(model, r=2)
     assert not lora.is_lora(model)

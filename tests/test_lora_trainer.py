@@ -15,6 +15,7 @@ from flodl_hf import lora
 from flodl_hf.auto import load_model
 from flodl_hf.cli import main
 from flodl_hf.core.errors import AdapterBaseMismatchError
+from flodl_hf.roundtrip.adapters import export_adapter
 from flodl_hf.roundtrip.parity import make_batch, reference_model
 from flodl_hf.training.trainer import Trainer, latest_checkpoint, load_checkpoint
 from flodl_hf.roundtrip.verify import verify_export
@@ -83,7 +84,7 @@ def test_lora_training_checkpoints_resume_and_export(tmp_path):
     a, b = straight.state_dict(), resumed.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
-    # Out as a PEFT adapter (the CLI calls lora.export_adapter): peft loads it, outputs equal ours.
+    # Out as a PEFT adapter (the CLI calls export_adapter): peft loads it, outputs equal ours.
     final = latest_checkpoint(tmp_path / "b")
     assert main(["export", "--checkpoint", str(final), "--out", str(tmp_path / "adapter"), "--adapter"]) == 0
     theirs = peft.PeftModel.from_pretrained(reference_model(source, "seqcls", "sdpa"), str(tmp_path / "adapter"))
@@ -109,4 +110,4 @@ def test_lora_training_checkpoints_resume_and_export(tmp_path):
     with pytest.raises(AdapterBaseMismatchError, match="sha256"):
         _run(_lora_model(source, 0), data, tmp_path / "b", 12).fit()
     with pytest.raises(AdapterBaseMismatchError, match="sha256"):
-        lora.export_adapter(final, tmp_path / "adapter2")
+        export_adapter(final, tmp_path / "adapter2")

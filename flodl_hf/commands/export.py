@@ -22,7 +22,7 @@ def run_export(args: argparse.Namespace) -> int:
     common = dict(head=args.head, dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,
                   tokenizer=args.tokenizer, like=args.like)
     if args.adapter or args.merge:
-        from flodl_hf.lora import export_adapter, require_lora_checkpoint
+        from flodl_hf.roundtrip.adapters import export_adapter, require_lora_checkpoint
         if not args.checkpoint:
             raise InputError("--adapter and --merge take --checkpoint CKPT (a LoRA trainer checkpoint), not --hub")
         if args.adapter:

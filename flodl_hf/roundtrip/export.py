@@ -316,15 +316,15 @@ def read_trainer_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], di
 def lora_base_paths(data: dict[str, Any], path: Path) -> list[Protected]:
     """The local base model directory a LoRA trainer checkpoint loads (its ``lora.base.source``), as a
     protected path: [] for a checkpoint without LoRA or whose base is a hub id."""
-    from flodl_hf.lora import _base_protect, checkpoint_entry
+    from flodl_hf.lora import base_paths, checkpoint_entry
     entry = checkpoint_entry(data, path) or {}
-    return _base_protect((entry.get("base") or {}).get("source"))
+    return base_paths((entry.get("base") or {}).get("source"))
 
 
 def _trainer_model_part(data: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     from flodl_hf.lora import checkpoint_entry
     if (checkpoint_entry(data, path) or {}).get("adapter_only"):  # LoRA: the referenced base, the adapter merged in
-        from flodl_hf.lora import merged_checkpoint_state
+        from flodl_hf.roundtrip.adapters import merged_checkpoint_state
         data = {**data, "model": merged_checkpoint_state(data, path)}
     return checkpoint_schema.model_part(data, path)
 

@@ -17,7 +17,8 @@
    fields other than the stamp): an edit since (labels, a tokenizer file, an added file) fails.
 
 The source is the one stamped in ``config.json`` by ``flodl_hf.roundtrip.export`` unless ``source`` is
-given; ``no_source`` (a fine-tuned model with no upstream) runs checks 1 and 4 only.
+given; ``no_source`` (a fine-tuned model with no upstream) runs checks 1 and 4 only. A PEFT adapter directory
+(``adapter_config.json``, no ``config.json``) gets ``verify_adapter``'s two checks instead.
 Inputs are a padded batch of prompts through DIR's tokenizer, or of random ids when DIR
 has no tokenizer. Float32, CPU: the domain where the project promises exactness.
 """
@@ -36,10 +37,12 @@ from flodl_hf.roundtrip import carry
 from flodl_hf.core import io
 from flodl_hf.auto import build_model, config_from_dict
 from flodl_hf.core.config import BaseConfig
-from flodl_hf.core.errors import ConfigError, FlodlHFError, InputError, SourceNotFoundError, UnsupportedModelError
+from flodl_hf.core.errors import (AdapterError, ConfigError, FlodlHFError, InputError, SourceNotFoundError,
+                                  UnsupportedModelError)
 from flodl_hf.core.fs import STAMP_KEY, sha256_file, written_files
 from flodl_hf.roundtrip.export import architecture_task, has_tokenizer, read_trainer_checkpoint, same_bytes
 from flodl_hf.core.keys import expected, has_pooler, normalise
+from flodl_hf.lora import ADAPTER_CONFIG, adapter_task, load_adapter, read_adapter_config
 from flodl_hf.roundtrip.parity import REFERENCE_CLASSES, check_parity, compare_outputs, make_batch, quiet_transformers
 from flodl_hf.core.registry import get_family
 from flodl_hf.core.registry import get_task
@@ -408,7 +411,6 @@ def verify_export(directory: str | os.PathLike, source: str | None = None, no_so
     directory = Path(directory).expanduser().absolute()
     if not directory.is_dir():
         raise SourceNotFoundError(f"{directory}: no such directory")
-    from flodl_hf.lora import ADAPTER_CONFIG, verify_adapter
     if (directory / ADAPTER_CONFIG).is_file() and not (directory / io.CONFIG_NAME).is_file():
         return verify_adapter(directory, base=source)  # a PEFT adapter: peft loads it, ours equals peft's
     config_path = directory / io.CONFIG_NAME
@@ -470,3 +472,79 @@ def _check_files(directory: Path, stamp: dict) -> Check:
     if problems:
         return Check(7, name, FAIL, "; ".join(problems) + " (since the export)")
     return Check(7, name, PASS, f"{len(now)} files as the export wrote them")
+
+
+# ---- verify-export on an adapter directory --------------------------------------------------------------
+
+ADAPTER_CHECKS = {1: "loadable by peft", 2: "native vs peft (eval)"}
+
+
+class AdapterVerifyReport(VerifyReport):
+    """verify-export's report for an adapter directory: checks 1 (peft loads it) and 2 (outputs equal)."""
+
+    @property
+    def ok(self) -> bool:
+        ran = {c.number for c in self.checks if c.status == PASS}
+        return not any(c.status == FAIL for c in self.checks) and {1, 2} <= ran
+
+
+def verify_adapter(directory: str | os.PathLike, base: str | None = None) -> AdapterVerifyReport:
+    """Two checks: PEFT loads the adapter onto transformers' base with no missing or unexpected keys, and our
+    LoRA model's eval outputs are ``torch.equal`` to PeftModel's. Returns an :class:`AdapterVerifyReport`."""
+    from flodl_hf.auto import load_model
+    directory = Path(directory).expanduser().absolute()
+    data = read_adapter_config(directory)
+    base = base or data.get("base_model_name_or_path")
+    if not base:
+        raise AdapterError(f"{directory / ADAPTER_CONFIG}: no base_model_name_or_path; pass --source BASE")
+    task = adapter_task(data, directory)
+    if task is None:
+        from flodl_hf.auto import AutoConfig, task_of
+        task = task_of(AutoConfig.from_pretrained(base))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a head fresh on the base comes from the adapter (modules to save)
+        ours = load_model(base, task)
+        load_adapter(ours, directory)
+    batch = make_batch(ours.config, task)
+    report = AdapterVerifyReport(str(directory), f"LoRA adapter on {ours.architecture}", task, str(base),
+                                 "random token ids (parity.make_batch)")
+    state: dict[str, Any] = {}
+
+    def peft_loads() -> Check:
+        try:
+            import peft
+        except ImportError:
+            return Check(1, ADAPTER_CHECKS[1], SKIP, "peft is not installed (pip install peft)")
+        transformers = quiet_transformers()
+        reference = getattr(transformers, get_task(task).auto_class).from_pretrained(str(base), dtype=torch.float32)
+        model = peft.PeftModel.from_pretrained(reference, str(directory)).eval()
+        saved = set(peft.utils.load_peft_weights(str(directory)))
+        wanted = {k.replace(".default", "") for k in peft.utils.get_peft_model_state_dict(model)}
+        missing, extra = sorted(wanted - saved), sorted(saved - wanted)
+        state["peft"] = model
+        if missing or extra:
+            return Check(1, ADAPTER_CHECKS[1], FAIL, f"missing: {missing[:6]}; unexpected: {extra[:6]}")
+        return Check(1, ADAPTER_CHECKS[1], PASS,
+                     f"{type(model).__name__}: {len(saved)} tensors, 0 missing, 0 unexpected")
+
+    def equal_outputs() -> Check:
+        if "peft" not in state:
+            return Check(2, ADAPTER_CHECKS[2], SKIP, "peft did not load the adapter (check 1)")
+        with torch.inference_mode():
+            mine, theirs = ours(**batch), state["peft"](**batch)
+        fields = [k for k, v in theirs.items() if isinstance(v, torch.Tensor)]
+        diffs, equal = compare_outputs(mine, theirs, fields)
+        detail = ", ".join(f"{k} {'equal' if equal[k] else f'max abs diff {diffs[k]:.3g}'}" for k in fields)
+        return Check(2, ADAPTER_CHECKS[2], PASS if all(equal.values()) else FAIL, detail, max(diffs.values()))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for number, check in ((1, peft_loads), (2, equal_outputs)):
+            try:
+                report.checks.append(check())
+            except Exception as exc:  # a crash inside a check is a failed check, named in the table
+                first = (str(exc).strip().splitlines() or [""])[0]
+                report.checks.append(Check(number, ADAPTER_CHECKS[number], FAIL, f"{type(exc).__name__}: {first}"))
+    return report
+
+
