@@ -18,7 +18,6 @@ MAX_LINES = 800
 DYNAMIC_IMPORTS = {
     "flodl_hf/__init__.py": "the facade's top-level names, loaded on first use (PEP 562)",
     "families/__init__.py": "the families package importing each of its own modules",
-    "flodl_hf/tasks/__init__.py": "the tasks package loading its own modules on first use",
     "flodl_hf/tasks/embed.py": "the sentence-transformers module classes a modules.json names",
     "flodl_hf/generation/processors.py": "transformers' own logits processors, the reference",
     "flodl_hf/commands/export.py": "the commands package registering its own subcommands",
