@@ -609,7 +609,8 @@ def train_child(mode: str, directory: str) -> None:
         print(json.dumps({"mode": mode, "peak_rss": peak_rss(), "checkpoint_bytes": None}))
         return
     from flodl_hf import AutoModelForSequenceClassification, lora
-    from flodl_hf.training.trainer import Trainer, latest_checkpoint
+    from flodl_hf.training.checkpoints import latest_checkpoint
+    from flodl_hf.training.trainer import Trainer
     model = AutoModelForSequenceClassification.from_pretrained(directory)
     if mode == "lora":
         lora.add_lora(model, **LORA)

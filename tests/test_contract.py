@@ -175,7 +175,7 @@ def test_parity_cli_head_choices_read_the_registry(capsys):
 def test_trainer_and_export_read_checkpoints_by_one_schema(data, tmp_path):
     from flodl_hf.core.errors import CheckpointFormatError
     from flodl_hf.roundtrip.export import export_checkpoint
-    from flodl_hf.training.trainer import load_checkpoint
+    from flodl_hf.training.checkpoints import load_checkpoint
     path = tmp_path / "step-00000001.pt"
     torch.save(data, path)
     with pytest.raises(CheckpointFormatError) as by_trainer:

@@ -237,7 +237,8 @@ def test_trainer_checkpoint_exports_the_rows_as_peft_reads_them(tmp_path):
     that peft loads with outputs equal to ours, and merged as a directory that verify-export passes."""
     warnings.simplefilter("ignore")
     from flodl_hf.cli import main
-    from flodl_hf.training.trainer import Trainer, latest_checkpoint, load_checkpoint
+    from flodl_hf.training.checkpoints import latest_checkpoint, load_checkpoint
+    from flodl_hf.training.trainer import Trainer
     from flodl_hf.roundtrip.verify import verify_export
     task, fields = _case("bert-hd24-seqcls")
     source = make_checkpoint(fields, task)

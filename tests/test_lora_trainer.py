@@ -17,7 +17,8 @@ from flodl_hf.cli import main
 from flodl_hf.core.errors import AdapterBaseMismatchError
 from flodl_hf.roundtrip.adapters import export_adapter
 from flodl_hf.roundtrip.parity import make_batch, reference_model
-from flodl_hf.training.trainer import Trainer, latest_checkpoint, load_checkpoint
+from flodl_hf.training.checkpoints import latest_checkpoint, load_checkpoint
+from flodl_hf.training.trainer import Trainer
 from flodl_hf.roundtrip.verify import verify_export
 
 from cases import CASES

@@ -22,7 +22,7 @@ import torch
 
 from flodl_hf.training.records import load_tree
 from flodl_hf.testing import netns
-from flodl_hf.training.trainer import launch
+from flodl_hf.training.launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 _WHY = netns.available()

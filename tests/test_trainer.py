@@ -17,8 +17,9 @@ from flodl_hf.training.records import load_tree
 from flodl_hf.training.report import write_report
 from flodl_hf.core.errors import CheckpointFormatError, FlodlHFError, InputError
 from flodl_hf.commands.train import register_cli
-from flodl_hf.training.trainer import (DiLoCo, Trainer, TrainerConfigError, TrainerError, latest_checkpoint, launch,
-                                       load_checkpoint)
+from flodl_hf.training.checkpoints import latest_checkpoint, load_checkpoint
+from flodl_hf.training.launch import launch
+from flodl_hf.training.trainer import DiLoCo, Trainer, TrainerConfigError, TrainerError
 
 
 # ---- El Che plan (pure) --------------------------------------------------------------------------
@@ -158,7 +159,7 @@ def test_elche_rejects_inconsistent_bounds():
 
 
 def test_window_timing_splits_collective_into_sync_and_idle():
-    from flodl_hf.training.trainer import _window_timing
+    from flodl_hf.training.windows import _window_timing
     # (collective, window, pause) ms: worker 1 arrived last (its collective is the averaging itself);
     # worker 0 also paused 10 ms to evaluate, which worker 1 waited out inside its collective.
     timing = _window_timing(torch.tensor([[30.0, 100.0, 10.0], [15.0, 110.0, 0.0]], dtype=torch.float64))
@@ -714,7 +715,7 @@ def test_eval_fn_results_are_checked_and_the_model_goes_back_to_training(tmp_pat
 
 
 def test_a_failed_checkpoint_write_leaves_no_temporary_file(tmp_path, monkeypatch):
-    import flodl_hf.training.trainer as trainer_module
+    import flodl_hf.training.checkpoints as trainer_module
 
     def full_disk(obj, f):
         f.write(b"partial")

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from flodl_hf.training.sync import ElChe
-from flodl_hf.training.trainer import Trainer, TrainerConfigError, TrainerError, load_checkpoint
+from flodl_hf.training.checkpoints import load_checkpoint
+from flodl_hf.training.trainer import Trainer, TrainerConfigError, TrainerError
 
 from test_trainer_dist import Points, flat, mlp, mse_step, sgd, spawn
 

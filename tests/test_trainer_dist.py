@@ -25,7 +25,8 @@ from torch import nn
 from flodl_hf.training.sync import Comm, ElChe, deal
 from flodl_hf.core.errors import TrainerConfigError
 from flodl_hf.training.records import load_tree
-from flodl_hf.training.trainer import DiLoCo, Trainer, WorkerLostError, launch
+from flodl_hf.training.launch import launch
+from flodl_hf.training.trainer import DiLoCo, Trainer, WorkerLostError
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2

@@ -1,10 +1,10 @@
-"""The ``train`` command: launch a training script on local workers (``flodl_hf.training.trainer.launch``)."""
+"""The ``train`` command: launch a training script on local workers (``flodl_hf.training.launch.launch``)."""
 
 from __future__ import annotations
 
 import argparse
 
-from flodl_hf.training.trainer import launch
+from flodl_hf.training.launch import launch
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
