@@ -3,7 +3,7 @@ trainer (resume) and ``flodl_hf.roundtrip.export`` (``export --checkpoint``) rea
 
 A checkpoint is a ``torch.save`` dict, loadable with ``weights_only=True``, that carries
 ``"format": FORMAT`` and ``"version": <= VERSION``; a file without that format is not ours and
-is refused, whoever reads it (flodl_hf.training.trainer's docstring lists the other keys). The model part
+is refused, whoever reads it (flodl_hf.training.checkpoints' docstring lists the other keys). The model part
 is ``"model"`` (the model's own state_dict) and ``"config"`` (``config.to_dict()``, or None for
 a model without a config).
 """

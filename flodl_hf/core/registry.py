@@ -176,6 +176,14 @@ _FAMILIES: dict[str, type["Family"]] = {}
 _loaded = False
 
 
+def _default_head(task: str) -> classmethod:
+    """A ``Family`` head factory that returns the head part ``task``'s default model gives (its ``default_head``)."""
+    def factory(cls: type["Family"], config: "BaseConfig") -> "HeadPart":
+        return get_task(task).model_class().default_head(cls, config)
+    factory.__name__ = factory.__qualname__ = f"default {task} head"
+    return classmethod(factory)
+
+
 class Family:
     """What a model family declares. Subclass, set the class attributes, decorate with @register."""
 
@@ -260,23 +268,12 @@ class Family:
         value = getattr(config, "classifier_dropout", None)
         return value if value is not None else getattr(config, "hidden_dropout_prob", 0.0)
 
-    # The defaults are the default task model's own head part and loss (``default_head``, in flodl_hf.heads): the
-    # task model is asked, so core never imports the heads.
-    @classmethod
-    def sequence_head(cls, config: "BaseConfig") -> "HeadPart":
-        return get_task("seqcls").model_class().default_head(cls, config)
-
-    @classmethod
-    def multiple_choice_head(cls, config: "BaseConfig") -> "HeadPart":
-        return get_task("mc").model_class().default_head(cls, config)
-
-    @classmethod
-    def token_head(cls, config: "BaseConfig") -> "HeadPart":
-        return get_task("tokcls").model_class().default_head(cls, config)
-
-    @classmethod
-    def span_head(cls, config: "BaseConfig") -> "HeadPart":
-        return get_task("qa").model_class().default_head(cls, config)
+    # The defaults are the default task model's own head part (``default_head``, in flodl_hf.heads): the task model
+    # is asked, so core never imports the heads.
+    sequence_head = _default_head("seqcls")
+    multiple_choice_head = _default_head("mc")
+    token_head = _default_head("tokcls")
+    span_head = _default_head("qa")
 
     @classmethod
     def sequence_loss(cls, logits: "torch.Tensor", labels: "torch.Tensor", config: "BaseConfig") -> "torch.Tensor":

@@ -49,7 +49,7 @@ HF_MAPPINGS = TaskField("hf_mapping")
 # Files that make a directory carry a tokenizer; any *.model (SentencePiece) counts too.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "merges.txt")
 TRAINER_KEYS = checkpoint_schema.MODEL_KEYS
-TRAINER_FORMAT = checkpoint_schema.FORMAT  # flodl_hf.training.trainer writes it
+TRAINER_FORMAT = checkpoint_schema.FORMAT  # flodl_hf.training.checkpoints writes it
 
 
 # ---- names: which class a (model_type, task) is, and back -------------------------------------
