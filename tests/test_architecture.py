@@ -153,7 +153,8 @@ def _installed_layout(tmp_path: Path) -> Path:
     tree = tmp_path / "tree"
     ignore = shutil.ignore_patterns("__pycache__")
     # a worktree may link flodl_hf/families and flodl_hf/heads to the folders beside it: those are copied below
-    shutil.copytree(ROOT / "flodl_hf", tree / "flodl_hf", ignore=shutil.ignore_patterns("__pycache__", "families", "heads"))
+    package = shutil.ignore_patterns("__pycache__", "families", "heads")
+    shutil.copytree(ROOT / "flodl_hf", tree / "flodl_hf", ignore=package)
     shutil.copytree(ROOT / "families", tree / "flodl_hf" / "families", ignore=ignore)
     shutil.copytree(ROOT / "heads", tree / "flodl_hf" / "heads", ignore=ignore)
     shutil.copy(ROOT / "pyproject.toml", tree / "pyproject.toml")
