@@ -59,7 +59,8 @@ h2 { font-size: 14px; margin: 10px 0 2px; } h2 .unit { color: #777; font-weight:
 svg text { font-size: 10px; fill: #333; } svg text.const { font-size: 11px; fill: #1f5fa8; }
 .grid { stroke: #eee; } .frame { fill: none; stroke: #999; }
 .note { color: #666; font-size: 12px; }
-#tip { position: absolute; display: none; pointer-events: none; white-space: nowrap; background: #fff; border: 1px solid #aaa;
+#tip { position: absolute; display: none; pointer-events: none; white-space: nowrap; background: #fff;
+       border: 1px solid #aaa;
        border-radius: 4px; padding: 3px 6px; font-size: 12px; box-shadow: 0 1px 4px rgba(0,0,0,.15); }
 """
 
