@@ -232,20 +232,26 @@ def test_generation_past_the_position_table_is_refused_before_decoding(model_typ
     """A prompt of 6 and 11 new tokens feeds 16 positions (the last new token is never fed back): it fits a table of
     16 and equals transformers; 12 do not, nor does the pipeline's default of 256, nor a max_length of 18, nor beam
     search: an InputError naming the positions needed and the table's, where transformers fails midway with an
-    IndexError."""
+    IndexError. A prompt of 17 is refused as longer than the table (transformers: an IndexError at the prefill)."""
     ours, theirs = _pair(model_type)
     ids = torch.arange(3, 9)[None]
     fits = dict(max_new_tokens=TABLE + 1 - ids.shape[1], eos_token_id=[])
     assert torch.equal(generate_ids(ours, ids, **fits), _theirs(theirs, ids, **{**fits, "eos_token_id": None}))
+    never = dict(eos_token_id=63, suppress_tokens=[63])  # an eos (beam search needs one) that never comes
     for settings in (dict(max_new_tokens=12), dict(max_new_tokens=256, do_sample=True), dict(max_length=18),
                      dict(max_new_tokens=12, num_beams=2)):
         with pytest.raises(IndexError):
-            _theirs(theirs, ids, eos_token_id=63, **settings)
+            _theirs(theirs, ids, **never, **settings)
         with pytest.raises(InputError, match=f"past the position table of {TABLE} positions") as info:
-            generate_ids(ours, ids, eos_token_id=63, **settings)
+            generate_ids(ours, ids, **never, **settings)
         needed = (settings.get("max_length") or ids.shape[1] + settings["max_new_tokens"]) - 1
         assert f"feed {needed} positions" in str(info.value), str(info.value)
         assert f"pass max_new_tokens={TABLE + 1 - ids.shape[1]} or fewer" in str(info.value)
+    long = torch.arange(1, TABLE + 2)[None]  # a prompt past the table: transformers fails at its prefill
+    with pytest.raises(IndexError):
+        _theirs(theirs, long, max_new_tokens=1, eos_token_id=63)
+    with pytest.raises(InputError, match=f"prompt of {TABLE + 1} positions is longer than the position table"):
+        generate_ids(ours, long, max_new_tokens=1, eos_token_id=63)
 
 
 def test_prompt_lookup_stops_its_candidates_at_the_position_table():
@@ -275,7 +281,7 @@ def test_sampling_on_nan_scores_is_a_typed_error_naming_the_step(mode):
     decoding is left as transformers has it."""
     ours, theirs = _pair("gpt2")
     ids = torch.tensor([[5, 6, 7, 5, 6, 7]])
-    settings = dict(max_new_tokens=6, do_sample=True,
+    settings = dict(max_new_tokens=6, do_sample=True, suppress_tokens=[63],  # eos 63 never ends it before step 3
                     **({"num_beams": 2} if mode == "beam_sample" else
                        {"prompt_lookup_num_tokens": 2} if mode == "lookup_sample" else {}))
     with pytest.raises(RuntimeError, match="probability tensor contains"):

@@ -53,8 +53,7 @@ class ProblemType(str, Enum):
 _RUNTIME_FIELDS = {"raw", "attn_implementation"}
 
 # The value rules (sizes, epsilons, RoPE, scalings, dropouts) and the relations between fields are one table in
-# flodl_hf.core.validate, applied here to every family's config; re-exported for older imports.
-MAX_SIZE = validate.MAX_SIZE
+# flodl_hf.core.validate (FIELD_RULES, RELATIONS), applied by validate_config to every family's config.
 
 
 def _plain_type(annotation: Any) -> tuple[type | None, bool]:
