@@ -14,7 +14,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar
 
-from flodl_hf.core import slots
+from flodl_hf.core import slots, validate
 from flodl_hf.core.errors import ConfigError
 
 
@@ -52,14 +52,8 @@ class ProblemType(str, Enum):
 
 _RUNTIME_FIELDS = {"raw", "attn_implementation"}
 
-# Value checks by field name, for whichever family declares the field (HF's names; DistilBERT has its own).
-POSITIVE_FIELDS = ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "max_position_embeddings",
-                   "embedding_size", "num_hidden_groups", "inner_group_num", "n_heads", "dim", "hidden_dim",
-                   "pooler_hidden_size")
-NON_NEGATIVE_FIELDS = ("num_hidden_layers", "n_layers", "type_vocab_size", "conv_kernel_size")
-HEAD_SPLITS = (("hidden_size", "num_attention_heads"), ("dim", "n_heads"))
-# No real checkpoint has a dimension near 2**31; a larger one would overflow size computations.
-MAX_SIZE = 2**31 - 1
+# The value rules (sizes, epsilons, RoPE, scalings, dropouts) and the relations between fields are one table in
+# flodl_hf.core.validate (FIELD_RULES, RELATIONS), applied by validate_config to every family's config.
 
 
 def _plain_type(annotation: Any) -> tuple[type | None, bool]:
@@ -74,15 +68,18 @@ def _plain_type(annotation: Any) -> tuple[type | None, bool]:
 
 def validate_config(config: "BaseConfig") -> None:
     """Typed checks of a config's values, each a ConfigError naming the field: integers are ints (not
-    floats, strings or lists), sizes are positive and fit, heads divide the width, ``pad_token_id`` is
-    in the vocabulary, ``layer_norm_eps`` is finite and positive, dropouts lie in [0, 1]."""
-    import math
+    floats, strings or lists), then every field the table (``flodl_hf.core.validate.FIELD_RULES``) has a rule
+    for (sizes positive and fitting, epsilons and scalings finite and positive, RoPE bases above 1, fractions,
+    dropouts in [0, 1]...), except a value the family declares as its spelling of "unset" (``unset_values``),
+    then the relations between fields (``RELATIONS``: heads divide the width, KV heads divide the heads, top-k
+    at most the experts, one layer type per layer); ``pad_token_id`` is in the vocabulary."""
     where = f"config ({config.model_type or type(config).__name__})"
+    values: dict[str, Any] = {}
     for f in fields(config):
         if f.name in _RUNTIME_FIELDS or f.name in config.enum_fields:
             continue
         kind, optional = _plain_type(f.type)
-        value = getattr(config, f.name)
+        value = values[f.name] = getattr(config, f.name)
         if kind is None or (value is None and optional):
             continue
         if value is None:
@@ -93,32 +90,15 @@ def validate_config(config: "BaseConfig") -> None:
         if not ok:
             raise ConfigError(f"{where}: field {f.name}={value!r} is a {type(value).__name__}, expected "
                               f"{'an' if kind is int else 'a'} {kind.__name__}")
-    names = {f.name for f in fields(config)}
-    for name in POSITIVE_FIELDS + NON_NEGATIVE_FIELDS:
-        value = getattr(config, name, None) if name in names else None
-        if value is None:
-            continue
-        low = 1 if name in POSITIVE_FIELDS else 0
-        if value < low or value > MAX_SIZE:
-            raise ConfigError(f"{where}: field {name}={value} must be {'> 0' if low else '>= 0'} and at most {MAX_SIZE}")
-    for width, heads in HEAD_SPLITS:
-        if width in names and heads in names and getattr(config, width) % getattr(config, heads):
-            raise ConfigError(f"{where}: field {width}={getattr(config, width)} is not a multiple of "
-                              f"{heads}={getattr(config, heads)}")
+    for name, value in values.items():
+        if value is not None and value not in config.unset_values.get(name, ()):
+            validate.check_value(name, value, where)
+    validate.check_relations(values, where)
     vocab = getattr(config, "vocab_size", None)
     pad = config.pad_token_id
     if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool) or pad < 0
                             or (vocab is not None and pad >= vocab)):
         raise ConfigError(f"{where}: field pad_token_id={pad!r} must be an id in [0, vocab_size={vocab})")
-    eps = getattr(config, "layer_norm_eps", None)
-    if eps is not None and not (math.isfinite(eps) and eps > 0):
-        raise ConfigError(f"{where}: field layer_norm_eps={eps!r} must be finite and > 0")
-    for name in sorted(n for n in names if "dropout" in n):
-        value = getattr(config, name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0.0 <= value <= 1.0:
-            raise ConfigError(f"{where}: field {name}={value!r} is a dropout probability: it must lie in [0, 1]")
-    if not (isinstance(config.initializer_range, (int, float)) and math.isfinite(config.initializer_range)):
-        raise ConfigError(f"{where}: field initializer_range={config.initializer_range!r} must be a finite number")
 
 
 def _jsonable(value: Any) -> Any:
@@ -138,6 +118,9 @@ class BaseConfig:
     model_type: ClassVar[str] = ""
     # Enum-typed fields: name -> enum class; parsed in __post_init__, written back as strings.
     enum_fields: ClassVar[dict[str, type]] = {}
+    # Values a family's transformers config writes to mean "unset" where the table's rule would refuse them
+    # (Qwen2-MoE's sliding_window 0 without use_sliding_window): field -> values, exempt from the rule only.
+    unset_values: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     architectures: list[str] | None = None
     id2label: dict[int, str] | None = None

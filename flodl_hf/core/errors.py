@@ -84,3 +84,7 @@ class AdapterBaseMismatchError(AdapterError):
 
 class UnsupportedAdapterError(AdapterError):
     """adapter_config.json asks for a PEFT type or option flodl-hf does not implement."""
+
+
+class NonFiniteScoresError(InputError):
+    """Sampling met next-token scores that no token can be drawn from (NaN or infinite logits of a broken model)."""
