@@ -142,6 +142,8 @@ BAD_ADAPTERS: list[tuple[str, Callable[[Path], None], type[Exception], str]] = [
      f"{CONFIG}.*'target_modules'"),
     ("target-regex-huge-repeat", lambda d: _edit_config(d, target_modules="a{99999999999999999999}"),
      AdapterError, f"{CONFIG}.*'target_modules'"),
+    ("target-regex-too-long", lambda d: _edit_config(d, target_modules="(query)" + "|x" * 40000), AdapterError,
+     f"{CONFIG}.*'target_modules'.*80007 characters"),
     ("target-parameters-match-nothing", lambda d: _edit_config(d, target_parameters=["nope"]), AdapterError,
      "target_parameters.*nope"),
     ("task-type-of-another-head", lambda d: _edit_config(d, task_type="TOKEN_CLS"), AdapterBaseMismatchError,
@@ -181,6 +183,7 @@ BAD_ADAPTERS: list[tuple[str, Callable[[Path], None], type[Exception], str]] = [
     ("weights-empty", lambda d: (d / WEIGHTS).write_bytes(b""), AdapterError, f"{WEIGHTS}.*safetensors"),
     ("weights-missing", lambda d: (d / WEIGHTS).unlink(), AdapterError, f"no {WEIGHTS}"),
     ("weights-a-directory", lambda d: ((d / WEIGHTS).unlink(), (d / WEIGHTS).mkdir()), AdapterError, WEIGHTS),
+    ("config-link-loop", lambda d: ((d / CONFIG).unlink(), os.symlink(CONFIG, d / CONFIG)), AdapterError, CONFIG),
     # files that point outside the adapter directory
     ("config-links-out", lambda d: _link_out(d, CONFIG), AdapterError, f"{CONFIG}.*outside"),
     ("weights-link-out", lambda d: _link_out(d, WEIGHTS), AdapterError, f"{WEIGHTS}.*outside"),
@@ -369,7 +372,7 @@ REGEX_TOKENS = ["a", "e", "r", "q", "X", ".", r"\.", "*", "+", "?", "*?", "{2}",
                 r"\b", "(?i)", "(?>", "++"]
 
 
-@settings(max_examples=150, derandomize=True, database=None, deadline=None,
+@settings(max_examples=100, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(tokens=st.lists(st.sampled_from(REGEX_TOKENS), min_size=1, max_size=14),
        field=st.sampled_from(["target_modules", "exclude_modules", "rank_pattern", "layers_pattern"]))

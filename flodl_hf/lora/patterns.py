@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover
     import sre_parse as _P  # type: ignore[no-redef]
 
 ALL_LINEAR = "all-linear"   # PEFT's INCLUDE_LINEAR_LAYERS_SHORTHAND: not a regular expression
-MAX_PATTERN_LENGTH = 4096   # characters of one pattern
+MAX_PATTERN_LENGTH = 65536  # characters of one pattern (a generated alternation of module names may be long)
 MAX_STEPS = 10**5           # the bound on the backtracking paths of one pattern over one name
 MAX_TOTAL_STEPS = 10**8     # ... and of all the settings' patterns over all the names (about a second)
 
