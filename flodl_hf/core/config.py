@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
@@ -101,6 +102,16 @@ def validate_config(config: "BaseConfig") -> None:
         raise ConfigError(f"{where}: field pad_token_id={pad!r} must be an id in [0, vocab_size={vocab})")
 
 
+@functools.cache
+def num_labels_wins() -> bool:
+    """Whether the installed transformers reads config.json's ``num_labels`` over an ``id2label`` of another length:
+    from 5.4.0 on (measured: 5.3.0 keeps id2label, 5.4.0 and every later release to 5.25 take num_labels)."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+    return Version(version("transformers")) >= Version("5.4.0")
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, Enum):
         return value.value
@@ -183,9 +194,11 @@ class BaseConfig:
             config = cls(**kwargs)
         except TypeError as exc:
             raise ConfigError(f"config.json does not fit {cls.__name__}: {exc}") from exc
-        # As transformers: without id2label, num_labels sets the labels (LABEL_0...); with it, id2label wins
+        # As the installed transformers: without id2label, num_labels sets the labels (LABEL_0...); with an
+        # id2label of another length, id2label wins up to transformers 5.3 and num_labels from 5.4 on (its labels
+        # then LABEL_0...: the names are dropped, as there)
         n = data.get("num_labels")
-        if data.get("id2label") is None and n is not None:
+        if n is not None and (data.get("id2label") is None or num_labels_wins()):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ConfigError(f"config field num_labels={n!r} must be a positive integer")
             config.num_labels = n

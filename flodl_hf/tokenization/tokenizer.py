@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from tokenizers import Encoding
+from tokenizers import AddedToken, Encoding
 from tokenizers import Tokenizer as BackendTokenizer
 
 from flodl_hf.core.errors import ConfigError, InputError
@@ -100,13 +100,101 @@ class Tokenizer:
         return True
 
     def __getattr__(self, name: str) -> Any:
-        # bos_token ... mask_token and their *_id, from the settings.
+        # bos_token ... mask_token and their *_id, extra_special_tokens and its *_ids, from the settings.
         if name in SPECIAL_TOKEN_NAMES:
             return self.settings.special_tokens.get(name)
         if name.endswith("_id") and name[:-3] in SPECIAL_TOKEN_NAMES:
             token = self.settings.special_tokens.get(name[:-3])
             return None if token is None else self.convert_tokens_to_ids(token)
+        if name == "extra_special_tokens":
+            return list(self.settings.extra_special_tokens)
+        if name == "extra_special_tokens_ids":
+            return self.convert_tokens_to_ids(list(self.settings.extra_special_tokens))
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """transformers' assignments take effect: ``tok.pad_token = tok.eos_token``, ``tok.pad_token_id = 0``,
+        ``tok.extra_special_tokens = [...]`` set the special tokens padding and decoding read; ``tok.padding_side``,
+        ``tok.truncation_side`` and ``tok.model_max_length`` set the settings. A token set this way is not added to
+        the vocabulary (``add_special_tokens`` adds), as in transformers."""
+        base = name.removesuffix("_ids").removesuffix("_id") if name.endswith(("_id", "_ids")) else name
+        if base in SPECIAL_TOKEN_NAMES:
+            if name != base and value is not None:
+                value = self._token_of(value, name)
+            if value is not None and not isinstance(value, (str, AddedToken)):
+                raise InputError(f"tokenizer.{name} = {value!r}: a special token is a string (or None to unset)")
+            self.settings.special_tokens[base] = None if value is None else str(value)
+        elif base == "extra_special_tokens":
+            if value is not None and (not isinstance(value, (list, tuple))
+                                      or (name == base and not all(isinstance(t, (str, AddedToken)) for t in value))):
+                raise InputError(f"tokenizer.{name} = {value!r}: expected a list of "
+                                 + ("token ids" if name != base else "token strings"))
+            tokens = [self._token_of(v, name) if name != base else str(v) for v in value or []]
+            self.settings.extra_special_tokens = tokens
+        elif name in ("padding_side", "truncation_side"):
+            if value not in ("left", "right"):
+                raise InputError(f"tokenizer.{name} = {value!r}: expected 'left' or 'right'")
+            setattr(self.settings, name, value)
+        elif name == "model_max_length":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"tokenizer.model_max_length = {value!r}: expected a positive integer")
+            self.settings.model_max_length = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def _token_of(self, token_id: Any, name: str) -> str:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < len(self):
+            raise InputError(f"tokenizer.{name} = {token_id!r}: not a token id of this tokenizer "
+                             f"(0 to {len(self) - 1})")
+        return self.backend_tokenizer.id_to_token(token_id)
+
+    def add_tokens(self, new_tokens: str | AddedToken | Sequence[str | AddedToken], special_tokens: bool = False) -> int:
+        """transformers' ``add_tokens``: tokens not in the vocabulary are added at its end; returns how many were
+        added (then ``model.resize_token_embeddings(len(tokenizer))``)."""
+        if not new_tokens:
+            return 0
+        tokens = list(new_tokens) if isinstance(new_tokens, (list, tuple)) else [new_tokens]
+        bad = [t for t in tokens if not isinstance(t, (str, AddedToken))]
+        if bad:
+            raise InputError(f"add_tokens: {bad[0]!r} is not a string or tokenizers.AddedToken")
+        backend = self.backend_tokenizer
+        return backend.add_special_tokens(tokens) if special_tokens else backend.add_tokens(tokens)
+
+    def add_special_tokens(self, special_tokens_dict: dict[str, Any], replace_extra_special_tokens: bool = True) -> int:
+        """transformers' ``add_special_tokens``: ``{"pad_token": "[PAD]", "extra_special_tokens": [...]}`` names the
+        tokens and adds those not in the vocabulary; returns how many were added."""
+        if not special_tokens_dict:
+            return 0
+        if not isinstance(special_tokens_dict, dict):
+            raise InputError(f"add_special_tokens takes a dict such as {{'pad_token': '[PAD]'}}, "
+                             f"got {type(special_tokens_dict).__name__}")
+        wanted = dict(special_tokens_dict)
+        if "additional_special_tokens" in wanted and not wanted.get("extra_special_tokens"):
+            wanted["extra_special_tokens"] = wanted.pop("additional_special_tokens")
+        allowed = (*SPECIAL_TOKEN_NAMES, "extra_special_tokens")
+        for key, value in wanted.items():  # every entry checked before anything changes
+            if key not in allowed:
+                raise InputError(f"add_special_tokens: {key!r} is not a special token name; use one of "
+                                 + ", ".join(allowed))
+            values = value if key == "extra_special_tokens" and isinstance(value, (list, tuple)) else [value]
+            if key == "extra_special_tokens" and not isinstance(value, (list, tuple)):
+                raise InputError(f"add_special_tokens: extra_special_tokens={value!r} must be a list of tokens")
+            if not all(isinstance(v, (str, AddedToken)) for v in values):
+                raise InputError(f"add_special_tokens: {key}={value!r} must be a string or tokenizers.AddedToken")
+        to_add = []
+        for key, value in wanted.items():
+            if key == "extra_special_tokens":
+                new = [_special(t) for t in value if replace_extra_special_tokens
+                       or str(t) not in self.settings.extra_special_tokens]
+                extras = [str(t) for t in new]
+                self.settings.extra_special_tokens = (extras if replace_extra_special_tokens and new
+                                                      else self.settings.extra_special_tokens + extras)
+                to_add += new
+            else:
+                token = _special(value)
+                self.settings.special_tokens[key] = str(token)
+                to_add.append(token)
+        return self.add_tokens(to_add, special_tokens=True)
 
     @property
     def all_special_tokens(self) -> list[str]:
@@ -437,6 +525,13 @@ _CALL_KEYWORDS = frozenset(inspect.signature(Tokenizer.__call__).parameters) - {
 
 
 # ---- input checks --------------------------------------------------------------------------------
+
+def _special(token: str | AddedToken) -> AddedToken:
+    """A special token as transformers adds one: no stripping, not normalised."""
+    if isinstance(token, AddedToken):
+        return token
+    return AddedToken(token, rstrip=False, lstrip=False, normalized=False, special=True)
+
 
 def check_text(value, where: str) -> None:
     """InputError naming ``where`` unless ``value`` is a string of valid Unicode (no lone surrogates)."""
