@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from flodl_hf.core import slots, validate
-from flodl_hf.core.errors import ConfigError
+from flodl_hf.core.errors import ConfigError, OutputExistsError, push_to_hub_refused
 
 
 class Activation(str, Enum):
@@ -229,8 +229,18 @@ class BaseConfig:
         import json
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
-    def save_pretrained(self, directory: str | Path) -> None:
-        Path(directory, "config.json").write_text(self.to_json_string())
+    def save_pretrained(self, directory: str | Path, push_to_hub: bool = False, **kwargs: Any) -> None:
+        """``config.json`` in ``directory`` (made if missing, as transformers makes it); ``push_to_hub=True`` is an
+        UnsupportedFeatureError (no network access), before anything is written."""
+        if push_to_hub:
+            raise push_to_hub_refused("config")
+        if kwargs:
+            raise TypeError(f"save_pretrained() got unexpected keyword arguments: {', '.join(sorted(kwargs))}")
+        directory = Path(directory)
+        if directory.is_file():
+            raise OutputExistsError(f"config.save_pretrained: {directory} is a file; pass a directory")
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(self.to_json_string())
 
     def replace(self, **changes: Any) -> "BaseConfig":
         new = dataclasses.replace(self, **changes)
@@ -243,3 +253,7 @@ class BaseConfig:
         if cls is not BaseConfig and not isinstance(config, cls):
             raise ConfigError(f"{source}: model_type {config.model_type!r} is not a {cls.__name__}")
         return config
+
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: flodl-hf makes no network access (``save_pretrained``, then upload with huggingface_hub)."""
+        raise push_to_hub_refused("config")

@@ -18,8 +18,11 @@ import torch
 from tokenizers import AddedToken, Encoding
 from tokenizers import Tokenizer as BackendTokenizer
 
-from flodl_hf.core.errors import ConfigError, InputError
+from flodl_hf.core.errors import ConfigError, InputError, push_to_hub_refused
 from flodl_hf.tokenization.chat import _chat_template_value, _conversations, _named_origin, render_chat
+from flodl_hf.tokenization import padding as collation
+from flodl_hf.tokenization import saving
+from flodl_hf.tokenization.padding import as_tensor
 from flodl_hf.tokenization.loading import read_tokenizer
 from flodl_hf.tokenization.settings import (CHAT_TEMPLATE_FILE, LARGE_INTEGER, SPECIAL_TOKEN_NAMES, TOKENIZER_CONFIG,
                                             TokenizerSettings)
@@ -38,14 +41,14 @@ class BatchEncoding(dict):
         except KeyError:
             raise AttributeError(name) from None
 
-    def word_ids(self, index: int = 0) -> list[int | None]:
-        return self.encodings[index].word_ids
+    def word_ids(self, batch_index: int = 0) -> list[int | None]:
+        return self.encodings[batch_index].word_ids
 
-    def sequence_ids(self, index: int = 0) -> list[int | None]:
-        return self.encodings[index].sequence_ids
+    def sequence_ids(self, batch_index: int = 0) -> list[int | None]:
+        return self.encodings[batch_index].sequence_ids
 
-    def tokens(self, index: int = 0) -> list[str]:
-        return self.encodings[index].tokens
+    def tokens(self, batch_index: int = 0) -> list[str]:
+        return self.encodings[batch_index].tokens
 
     def to(self, device: str | torch.device) -> "BatchEncoding":
         for key, value in self.items():
@@ -66,6 +69,7 @@ class Tokenizer:
         self.backend_tokenizer = backend
         self.settings = settings
         self.name_or_path = name_or_path
+        self.init_kwargs: dict[str, Any] = {}  # what it was loaded with (AutoTokenizer.from_pretrained fills it)
         backend.no_truncation()
         backend.no_padding()
         backend.encode_special_tokens = settings.split_special_tokens
@@ -219,6 +223,38 @@ class Tokenizer:
         return (f"Tokenizer({self.settings.class_name}, vocab={len(self)}, model_max_length="
                 f"{self.model_max_length}, source={self.name_or_path!r})")
 
+    # ---- what transformers' data collators call -------------------------------------------------------
+    def pad(self, encoded_inputs: Any, padding: bool | str = True, max_length: int | None = None,
+            pad_to_multiple_of: int | None = None, padding_side: str | None = None,
+            return_attention_mask: bool | None = None, return_tensors: str | None = None) -> BatchEncoding:
+        """transformers' ``tokenizer.pad`` (``flodl_hf.tokenization.padding``), which ``DataCollatorWithPadding`` and
+        its sisters call."""
+        return BatchEncoding(collation.pad(self, encoded_inputs, padding, max_length, pad_to_multiple_of,
+                                           padding_side, return_attention_mask, return_tensors))
+
+    def get_special_tokens_mask(self, token_ids_0: list[int], token_ids_1: list[int] | None = None,
+                                already_has_special_tokens: bool = False) -> list[int]:
+        """1 for each special token in ids the tokenizer made (``DataCollatorForLanguageModeling`` asks it)."""
+        return collation.get_special_tokens_mask(self, token_ids_0, token_ids_1, already_has_special_tokens)
+
+    # ---- saving --------------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory: str | os.PathLike, legacy_format: bool | None = None,
+                        filename_prefix: str | None = None, push_to_hub: bool = False,
+                        save_jinja_files: bool = True, **kwargs: Any) -> tuple[str, ...]:
+        """tokenizer_config.json, the chat template files and tokenizer.json, as transformers 5 writes them
+        (``flodl_hf.tokenization.saving``): both transformers and flodl-hf reload them and tokenize as before.
+        ``push_to_hub=True`` (with its ``repo_id``...) is an UnsupportedFeatureError, before anything is written."""
+        if push_to_hub:
+            raise push_to_hub_refused("tokenizer")
+        if kwargs:
+            raise TypeError(f"save_pretrained() got unexpected keyword arguments: {', '.join(sorted(kwargs))}")
+        return saving.save_pretrained(self, save_directory, legacy_format, filename_prefix, push_to_hub,
+                                      save_jinja_files)
+
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: flodl-hf makes no network access (``save_pretrained``, then upload with huggingface_hub)."""
+        raise push_to_hub_refused("tokenizer")
+
     # ---- chat templates (transformers' apply_chat_template) -----------------------------------------
     @property
     def chat_template(self) -> str | dict[str, str] | None:
@@ -335,7 +371,7 @@ class Tokenizer:
                         mask[t] = 1
                 masks.append(mask)
             if return_tensors is not None:
-                out["assistant_masks"] = _as_tensor("assistant_masks", masks, return_tensors)
+                out["assistant_masks"] = as_tensor("assistant_masks", masks, return_tensors)
             else:
                 out["assistant_masks"] = masks if batched else masks[0]
         return out
@@ -432,10 +468,15 @@ class Tokenizer:
                  padding_side: str | None = None, return_tensors: str | None = "pt",
                  return_token_type_ids: bool | None = None, return_attention_mask: bool | None = None,
                  return_overflowing_tokens: bool = False, return_special_tokens_mask: bool = False,
-                 return_offsets_mapping: bool = False, return_length: bool = False) -> BatchEncoding:
+                 return_offsets_mapping: bool = False, return_length: bool = False,
+                 is_split_into_words: bool = False) -> BatchEncoding:
+        """``is_split_into_words=True``: ``text`` is one list of words, or a batch of them (token classification's
+        ``tokenizer(examples["tokens"], truncation=True, is_split_into_words=True)``), as transformers."""
         pad, trunc, max_length = self._strategies(padding, truncation, max_length)
         batched = isinstance(text, (list, tuple))
-        if batched:
+        if is_split_into_words:
+            inputs, batched = _words(text, text_pair)
+        elif batched:
             if isinstance(text_pair, str):
                 raise InputError("when text is a batch, text_pair must be a batch of the same length")
             if text_pair is not None and len(text) != len(text_pair):
@@ -452,7 +493,8 @@ class Tokenizer:
             inputs = [(text, text_pair)] if text_pair else [text]
         else:
             raise InputError(f"text must be a string or a list of strings, not {type(text).__name__}")
-        _check_inputs(inputs)
+        if not is_split_into_words:
+            _check_inputs(inputs)
 
         backend = self.backend_tokenizer
         if trunc == "do_not_truncate":
@@ -467,7 +509,8 @@ class Tokenizer:
                                    length=max_length if pad == "max_length" else None,
                                    pad_to_multiple_of=pad_to_multiple_of)
         try:
-            encodings = backend.encode_batch(inputs, add_special_tokens=add_special_tokens)
+            encodings = backend.encode_batch(inputs, add_special_tokens=add_special_tokens,
+                                             is_pretokenized=is_split_into_words)
         finally:
             backend.no_truncation()
             backend.no_padding()
@@ -511,7 +554,7 @@ class Tokenizer:
         if return_tensors is not None:
             if return_tensors not in ("pt", "np"):
                 raise ValueError(f"return_tensors={return_tensors!r}: expected 'pt', 'np' or None")
-            return BatchEncoding({k: _as_tensor(k, v, return_tensors) for k, v in fields.items()}, flat)
+            return BatchEncoding({k: as_tensor(k, v, return_tensors) for k, v in fields.items()}, flat)
         if not batched and not return_overflowing_tokens:
             return BatchEncoding({k: (v[0] if v and isinstance(v[0], list) else v) for k, v in fields.items()}, flat)
         return BatchEncoding(fields, flat)
@@ -550,13 +593,26 @@ def _check_inputs(inputs: list) -> None:
             check_text(part, f"{name}[{i}]")
 
 
-def _as_tensor(key: str, value: list, kind: str) -> Any:
-    lengths = {len(v) for v in value if isinstance(v, list)}
-    if len(lengths) > 1:
-        raise InputError(f"cannot make one tensor of '{key}': sequences have different lengths {sorted(lengths)}; "
-                         "pass padding=True (and truncation=True for long texts)")
-    tensor = torch.tensor(value, dtype=torch.long)
-    return tensor.numpy() if kind == "np" else tensor
+def _words(text: Any, text_pair: Any) -> tuple[list, bool]:
+    """(the backend's pre-tokenized inputs, batched) for ``is_split_into_words=True``: a list of words, or a batch
+    (a list of such lists), with an optional ``text_pair`` of the same shape; each word a valid string."""
+    batched = isinstance(text, (list, tuple)) and bool(text) and isinstance(text[0], (list, tuple))
+    if batched and text_pair is not None and (not isinstance(text_pair, (list, tuple)) or len(text_pair) != len(text)):
+        raise InputError("is_split_into_words=True with a batch: text_pair must be a batch of word lists of the same "
+                         f"length ({len(text)})")
+    items = (list(zip(text, text_pair)) if text_pair is not None else list(text)) if batched \
+        else ([(text, text_pair)] if text_pair else [text])
+    inputs = []
+    for i, item in enumerate(items):
+        parts = item if isinstance(item, tuple) and text_pair is not None else (item,)
+        for part, name in zip(parts, ("text", "text_pair")):
+            if not isinstance(part, (list, tuple)):
+                raise InputError(f"is_split_into_words=True: {name}[{i}] is a {type(part).__name__}; expected a list "
+                                 "of words (strings)")
+            for j, word in enumerate(part):
+                check_text(word, f"{name}[{i}][{j}]")
+        inputs.append(tuple(list(p) for p in parts) if len(parts) == 2 else list(parts[0]))
+    return inputs, batched
 
 
 # ---- loading -----------------------------------------------------------------------------------
@@ -568,4 +624,7 @@ class AutoTokenizer:
     def from_pretrained(source: str | os.PathLike, revision: str | None = None, **options: Any) -> Tokenizer:
         """Load the tokenizer of ``source``; ``options`` override tokenizer_config.json, as in transformers."""
         backend, settings = read_tokenizer(source, revision, options)
-        return Tokenizer(backend, settings, str(source))
+        tokenizer = Tokenizer(backend, settings, str(source))
+        root = Path(settings.directory) if settings.directory else None
+        tokenizer.init_kwargs = saving.init_kwargs(root, settings.class_name, options)
+        return tokenizer
