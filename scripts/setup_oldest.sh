@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Sets up the other end of flodl-hf's tested range in ./.venv-oldest: the oldest torch and transformers the tests
-# pass on (flodl_hf/core/version.py's TESTED_RANGE; README, "Versions"). PyPI's torch 2.5.1 is a CUDA build (about
+# pass on (flodl_hf/core/version.py's TESTED_RANGE; README, "Versions"). PyPI's torch 2.6.0 is a CUDA build (about
 # 4 GB with its libraries) that runs on the CPU. .ci/run runs the tests marked range_end here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
-TORCH=2.5.1
-TRANSFORMERS=5.18.0
+TORCH=2.6.0
+TRANSFORMERS=5.20.0
 if [ ! -x .venv-oldest/bin/python ]; then
   "$PY" -m venv .venv-oldest
 fi
