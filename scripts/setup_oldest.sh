@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 TORCH=2.6.0
-TRANSFORMERS=5.21.0
+TRANSFORMERS=5.24.0
 if [ ! -x .venv-oldest/bin/python ]; then
   "$PY" -m venv .venv-oldest
 fi
