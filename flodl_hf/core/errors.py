@@ -84,3 +84,8 @@ class AdapterBaseMismatchError(AdapterError):
 
 class UnsupportedAdapterError(AdapterError):
     """adapter_config.json asks for a PEFT type or option flodl-hf does not implement."""
+
+
+class CheckpointWriteError(TrainerError, OSError):
+    """A trainer checkpoint could not be written (the disk is full); nothing of it was kept, the earlier
+    checkpoints are intact. An OSError too, so ``except OSError`` still sees a failed write."""
