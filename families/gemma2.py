@@ -17,7 +17,6 @@ from torch import nn
 
 from flodl_hf.core.config import Activation
 from flodl_hf.core.decoder import KVCache, SwiGLU
-from flodl_hf.core.errors import ConfigError
 from flodl_hf.heads.causal_lm import LMHead
 from flodl_hf.core.layers import activation
 from flodl_hf.core.modeling import HeadPart
@@ -44,16 +43,6 @@ class Gemma2Config(GemmaConfig):
     layer_types: list[str] | None = None
     final_logit_softcapping: float | None = 30.0
     attn_logit_softcapping: float | None = 50.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()  # LlamaConfig checks layer_types
-        kinds = self.layer_kinds()
-        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:  # a power -0.5 or a divisor: zero or less is no model
-                raise ConfigError(f"config field {name}={value!r}: expected a positive number")
-        if SLIDING in kinds and self.sliding_window is None:
-            raise ConfigError("config: layer_types has sliding_attention layers but sliding_window is null")
 
     def layer_kinds(self) -> list[str]:
         if self.layer_types is not None:

@@ -70,9 +70,7 @@ class Gemma3TextConfig(Gemma2Config):
         if self.layer_types is not None:
             return list(self.layer_types)
         # Gemma3TextConfig.__post_init__: every sliding_window_pattern-th layer is full (the older int field)
-        pattern = 6 if self.sliding_window_pattern is None else self.sliding_window_pattern
-        if pattern < 1:
-            raise ConfigError(f"config field sliding_window_pattern={pattern!r}: expected a positive integer")
+        pattern = 6 if self.sliding_window_pattern is None else self.sliding_window_pattern  # > 0: the config table
         return [SLIDING if (i + 1) % pattern else FULL for i in range(self.num_hidden_layers)]
 
     def rope_key(self, kind: str) -> str | None:

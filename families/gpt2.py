@@ -70,22 +70,6 @@ class GPT2StyleConfig(BaseConfig):
     pad_token_id: int | None = None
     tie_word_embeddings: bool = True
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        kind = self.model_type
-        for name in ("vocab_size", "n_positions", "n_embd", "n_head"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"config ({kind}): field {name}={getattr(self, name)} must be > 0")
-        if self.n_embd % self.n_head:
-            raise ConfigError(f"config ({kind}): field n_embd={self.n_embd} is not a multiple of n_head={self.n_head}")
-        for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError(f"config ({kind}): field {name}={getattr(self, name)!r} is a dropout probability: "
-                                  "it must lie in [0, 1]")
-        if not (math.isfinite(self.layer_norm_epsilon) and self.layer_norm_epsilon > 0):
-            raise ConfigError(f"config ({kind}): field layer_norm_epsilon={self.layer_norm_epsilon!r} must be finite "
-                              "and > 0")
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "GPT2StyleConfig":
         # PreTrainedConfig.__setattr__ through attribute_map: hidden_size=... sets n_embd (the model's own name wins)
@@ -140,11 +124,6 @@ class GPT2Config(GPT2StyleConfig):
                               f"(known: {', '.join(SUMMARY_TYPES)})")
         if self.summary_activation is not None:
             Activation.parse(self.summary_activation, "summary_activation")
-        for name in ("summary_first_dropout", "summary_last_dropout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-                raise ConfigError(f"config (gpt2): field {name}={value!r} is a dropout probability: "
-                                  "it must lie in [0, 1]")
         if self.add_cross_attention:
             raise ConfigError("config field add_cross_attention=true (GPT-2 as a decoder with cross-attention) "
                               "is not supported")

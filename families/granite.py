@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from flodl_hf.core.decoder import KVCache
-from flodl_hf.core.errors import ConfigError
 from flodl_hf.heads.causal_lm import LMHead
 from flodl_hf.core.modeling import HeadPart
 from flodl_hf.core.registry import register
@@ -30,11 +29,8 @@ class GraniteConfig(LlamaConfig):
     logits_scaling: float = 1.0
     residual_multiplier: float = 1.0
     attention_multiplier: float = 1.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.logits_scaling == 0:  # stricter than transformers, whose logits would all be inf or nan
-            raise ConfigError("config field logits_scaling=0: the logits are divided by it")
+    # each finite and > 0 (the config table), stricter than transformers: logits_scaling 0 divides the logits by 0,
+    # and a multiplier of 0 or below silences or flips what it scales
 
 
 class GraniteAttention(LlamaAttention):

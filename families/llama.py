@@ -30,8 +30,10 @@ import torch
 from torch import nn
 
 from flodl_hf.core.config import Activation, BaseConfig
-from flodl_hf.core.decoder import (ROPE_TYPES, KVCache, Rope, RMSNorm, SwiGLU, apply_rotary_pos_emb, as_cache,
-                                   causal_mask, grouped_attend, rotary_cos_sin)
+# SLIDING is imported from here by the families, with FULL
+from flodl_hf.core.decoder import (FULL, ROPE_TYPES, SLIDING, KVCache, Rope, RMSNorm, SwiGLU,  # noqa: F401
+                                   apply_rotary_pos_emb, as_cache, causal_mask, check_layers, grouped_attend,
+                                   rotary_cos_sin)
 from flodl_hf.core.errors import ConfigError, InputError
 from flodl_hf.heads import (ModelForQuestionAnswering, ModelForSequenceClassification, ModelForTokenClassification,
                             SpanClassifier)
@@ -42,7 +44,6 @@ from flodl_hf.core.outputs import (BaseModelOutputWithPast, QuestionAnsweringMod
                                    SequenceClassifierOutputWithPast, TokenClassifierOutput)
 from flodl_hf.core.registry import Family, register
 
-FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 @dataclass
@@ -79,18 +80,8 @@ class LlamaConfig(BaseConfig):
     rope_theta: float | None = None
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"config: hidden_size={self.hidden_size} is not a multiple of "
-                              f"num_attention_heads={self.num_attention_heads}")
-        if self.num_attention_heads % self.kv_heads:
-            raise ConfigError(f"config: num_attention_heads={self.num_attention_heads} is not a multiple of "
-                              f"num_key_value_heads={self.num_key_value_heads}")
-        kinds = self.layer_kinds()
-        if len(kinds) != self.num_hidden_layers or set(kinds) - {FULL, SLIDING}:
-            raise ConfigError(f"config: layer_types={getattr(self, 'layer_types', None)!r} must list "
-                              f"{self.num_hidden_layers} entries of {FULL!r} or {SLIDING!r}")
-        self.rope()  # a bad rope field fails at load, naming itself
+        super().__post_init__()  # the fields against the config table (flodl_hf.core.validate)
+        check_layers(self)  # each layer's kind, window and RoPE as they will be built, against the same table
 
     # derived, not written back (a Qwen2 config.json has no head_dim, and its export must not gain one)
     @property

@@ -15,8 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flodl_hf.core.decoder import _number
-from flodl_hf.core.errors import ConfigError
 from flodl_hf.core.registry import register
 
 from .llama import Llama, LlamaAttention, LlamaConfig, LlamaModel
@@ -34,12 +32,8 @@ class OlmoConfig(LlamaConfig):
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = 50279
     clip_qkv: float | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.clip_qkv is not None and _number(self.clip_qkv, "clip_qkv") <= 0:
-            # stricter than transformers, whose clamp to [c, -c] would set every q, k and v to -c
-            raise ConfigError(f"config field clip_qkv={self.clip_qkv!r} must be a positive number or null")
+    # clip_qkv: finite and > 0 or null (the config table), stricter than transformers, whose clamp to [c, -c] would
+    # set every q, k and v to -c
 
     norm_eps = property(lambda self: OLMO_LAYER_NORM_EPS)
 

@@ -16,7 +16,6 @@ Mirrors ``transformers.models.olmoe.modeling_olmoe`` (5.25), on Mixtral's and Qw
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -28,7 +27,7 @@ from flodl_hf.core.errors import ConfigError
 from flodl_hf.core.registry import register
 
 from .llama import Llama, LlamaAttention, LlamaConfig
-from .mixtral import MixtralForCausalLM, MixtralModel, alias_from_dict, check_routing
+from .mixtral import MixtralForCausalLM, MixtralModel, alias_from_dict
 from .qwen2_moe import Qwen2Moe
 from .qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -56,16 +55,10 @@ class OlmoeConfig(LlamaConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_routing(self, "num_experts")
         if self.head_dim is not None and self.head_dim != self.hidden_size // self.num_attention_heads:
             # OlmoeAttention: q_norm is hidden_size wide, q_proj heads * head_dim (transformers fails at load)
             raise ConfigError(f"config field head_dim={self.head_dim!r}: OLMoE's q/k norms need hidden_size // "
                               f"num_attention_heads={self.hidden_size // self.num_attention_heads}")
-        clip = self.clip_qkv
-        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
-                                 or not math.isfinite(clip)):
-            # stricter than transformers, whose clamp to [c, -c] would set every q, k and v to -c
-            raise ConfigError(f"config field clip_qkv={clip!r} must be a positive number or null")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "OlmoeConfig":

@@ -14,7 +14,6 @@ Mirrors ``transformers.models.opt.modeling_opt`` (5.25); config names and defaul
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -24,7 +23,6 @@ from torch import nn
 
 from flodl_hf.core.config import Activation, BaseConfig
 from flodl_hf.core.decoder import KVCache
-from flodl_hf.core.errors import ConfigError
 from flodl_hf.heads.causal_lm import ModelForCausalLM
 from flodl_hf.core.layers import activation
 from flodl_hf.core.modeling import Backbone, positional_order
@@ -61,17 +59,6 @@ class OPTConfig(BaseConfig):
     enable_bias: bool = True
     layer_norm_elementwise_affine: bool = True
     tie_word_embeddings: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("ffn_dim", "word_embed_proj_dim"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"config (opt): field {name}={value} must be > 0")
-        if not (isinstance(self.layerdrop, (int, float)) and math.isfinite(self.layerdrop)
-                and 0.0 <= self.layerdrop <= 1.0):
-            raise ConfigError(f"config (opt): field layerdrop={self.layerdrop!r} is a probability: it must lie in "
-                              "[0, 1]")
 
     @property
     def embed_dim(self) -> int:

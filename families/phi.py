@@ -48,10 +48,6 @@ class PhiConfig(PartialRotary, LlamaConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("resid_pdrop", "embd_pdrop"):  # validate_config checks the fields named *dropout*
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError(f"config (phi): field {name}={getattr(self, name)!r} is a dropout probability: "
-                                  "it must lie in [0, 1]")
         if self.qk_layernorm and self.attention_head_dim != self.hidden_size // self.num_attention_heads:
             raise ConfigError(f"config field head_dim={self.head_dim!r} with qk_layernorm: PhiAttention's norms are "
                               f"hidden_size // num_attention_heads = {self.hidden_size // self.num_attention_heads} "

@@ -25,19 +25,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from flodl_hf.core.decoder import SwiGLU
-from flodl_hf.core.errors import ConfigError
 from flodl_hf.core.keys import Merge
 from flodl_hf.core.layers import activation
 from flodl_hf.core.registry import register
 
 from .llama import FULL, SLIDING, DecoderForQuestionAnswering
-from .mixtral import MixtralExperts, MixtralForCausalLM, MixtralModel, MixtralTopKRouter, check_routing
+from .mixtral import MixtralExperts, MixtralForCausalLM, MixtralModel, MixtralTopKRouter
 from .qwen2 import Qwen2, Qwen2Config
 
 
 @dataclass
 class Qwen2MoeConfig(Qwen2Config):
     model_type: ClassVar[str] = "qwen2_moe"
+    # Qwen2MoeConfig writes sliding_window 0 without use_sliding_window (a window in use must still be positive)
+    unset_values: ClassVar[dict[str, tuple[Any, ...]]] = {"sliding_window": (0,)}
 
     hidden_size: int = 2048
     intermediate_size: int = 5632
@@ -55,14 +56,6 @@ class Qwen2MoeConfig(Qwen2Config):
     mlp_only_layers: list[int] | None = None
     qkv_bias: bool = True
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_sparse_layers(self, "num_experts")
-        if self.layer_types is not None and SLIDING in self.layer_types and not self.use_sliding_window:
-            # Qwen2MoeConfig: sliding_window becomes 0 without use_sliding_window, whatever layer_types says
-            raise ConfigError("config field layer_types names sliding_attention layers but use_sliding_window is "
-                              "false (transformers then slides over a window of 0)")
-
     def biases(self) -> tuple[bool, bool, bool]:
         return self.qkv_bias, False, False  # Qwen2MoeAttention: q/k/v with qkv_bias, o_proj without; MLPs without
 
@@ -77,14 +70,6 @@ class Qwen2MoeConfig(Qwen2Config):
         """Qwen2MoeDecoderLayer: an MoE MLP unless in mlp_only_layers or off the decoder_sparse_step."""
         return (layer_idx not in (self.mlp_only_layers or []) and self.num_experts > 0
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
-
-
-def check_sparse_layers(config: Any, experts_field: str) -> None:
-    """The routing (Mixtral's ``check_routing``) and ``decoder_sparse_step``, which the sparse rule (``sparse``:
-    Qwen2-MoE's, Qwen3-MoE's) divides by."""
-    check_routing(config, experts_field)
-    if not isinstance(config.decoder_sparse_step, int) or config.decoder_sparse_step < 1:
-        raise ConfigError(f"config field decoder_sparse_step={config.decoder_sparse_step!r}: expected a positive int")
 
 
 class Qwen2MoeTopKRouter(MixtralTopKRouter):

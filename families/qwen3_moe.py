@@ -31,7 +31,7 @@ from flodl_hf.core.registry import register
 
 from .llama import FULL, SLIDING
 from .mixtral import MixtralExperts, MixtralForCausalLM, MixtralModel, alias_from_dict
-from .qwen2_moe import Qwen2Moe, Qwen2MoeConfig, Qwen2MoeTopKRouter, check_sparse_layers
+from .qwen2_moe import Qwen2Moe, Qwen2MoeConfig, Qwen2MoeTopKRouter
 from .qwen3 import Qwen3, Qwen3Attention, Qwen3Config
 
 
@@ -59,7 +59,6 @@ class Qwen3MoeConfig(Qwen3Config):
             raise ConfigError("config field layer_types: Qwen3-MoE has none (a window, with use_sliding_window, is "
                               "on every layer)")
         super().__post_init__()
-        check_sparse_layers(self, "num_local_experts")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Qwen3MoeConfig":

@@ -56,10 +56,7 @@ class SmolLM3Config(LlamaConfig):
     def __post_init__(self) -> None:
         # the RoPE layers first: layer_kinds() (checked by LlamaConfig) reads them
         self.rope_layers()
-        super().__post_init__()
-        if SLIDING in self.layer_kinds() and self.sliding_window is None:
-            raise ConfigError("config: layer_types has sliding_attention layers but sliding_window is null "
-                              "(transformers' create_sliding_window_causal_mask raises)")
+        super().__post_init__()  # a sliding layer without a window is refused there (check_layers)
 
     def rope_layers(self) -> list[bool]:
         """Whether each layer turns q and k with RoPE (False: a NoPE layer), as SmolLM3Config.__post_init__ and

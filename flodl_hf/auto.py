@@ -80,9 +80,12 @@ def _config_path(source: str | os.PathLike, revision: str | None = None, hub: di
 
 class AutoConfig:
     @staticmethod
-    def from_pretrained(source: str | Path, revision: str | None = None) -> BaseConfig:
+    def from_pretrained(source: str | Path, revision: str | None = None, **kwargs: Any) -> BaseConfig:
+        """config.json of ``source``; ``kwargs`` set fields as transformers sets them (the quick tour's
+        ``AutoConfig.from_pretrained(name, n_heads=12)``), as ``from_pretrained``'s config overrides."""
         path = _config_path(source, revision)
-        return config_from_dict(io.read_json(path, "config.json"), str(path))
+        config = config_from_dict(io.read_json(path, "config.json"), str(path))
+        return _with_overrides(config, kwargs, str(path))[1] if kwargs else config
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> BaseConfig:

@@ -152,7 +152,9 @@ def _installed_layout(tmp_path: Path) -> Path:
     """A copy of the package as a wheel lays it out, with the project's import contracts beside it."""
     tree = tmp_path / "tree"
     ignore = shutil.ignore_patterns("__pycache__")
-    shutil.copytree(ROOT / "flodl_hf", tree / "flodl_hf", ignore=ignore)
+    # a worktree may link flodl_hf/families and flodl_hf/heads to the folders beside it: those are copied below
+    package = shutil.ignore_patterns("__pycache__", "families", "heads")
+    shutil.copytree(ROOT / "flodl_hf", tree / "flodl_hf", ignore=package)
     shutil.copytree(ROOT / "families", tree / "flodl_hf" / "families", ignore=ignore)
     shutil.copytree(ROOT / "heads", tree / "flodl_hf" / "heads", ignore=ignore)
     shutil.copy(ROOT / "pyproject.toml", tree / "pyproject.toml")

@@ -26,3 +26,19 @@ def test_doctor_reports_machine_proofs_and_exact_parity(capsys):
     # The text form says the same.
     text = Report(report["machine"], report["proofs"], report["parity"], report["seconds"]).format()
     assert machine()["cpu"] in text and "exact on this machine" in text and "NOT" not in text
+
+
+def test_doctor_says_whether_torch_and_transformers_lie_in_the_tested_range():
+    import transformers
+
+    from flodl_hf.core.version import TESTED_RANGE, tested
+    from flodl_hf.roundtrip.doctor import _range_line
+    line = machine()["tested range"]
+    inside = tested("torch", torch.__version__) and tested("transformers", transformers.__version__)
+    assert line.endswith("both inside") == inside
+    for name, (low, high) in TESTED_RANGE.items():
+        assert f"{name} {low} to {high}" in line
+    assert _range_line({"torch": "2.4.1+cu121", "transformers": "5.25.0"}).endswith(
+        "OUTSIDE (torch 2.4.1+cu121: untested here)")
+    assert _range_line({"torch": "2.14.1", "transformers": "5.21.0"}).endswith("both inside")
+    assert not tested("transformers", "5.20.0") and not tested("torch", "2.15.0")

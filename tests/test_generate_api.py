@@ -23,7 +23,7 @@ from helpers import make_checkpoint, one_thread  # noqa: F401  (the fixture)
 from test_decoder import SMALL, _fields, _left_padded
 from test_generate_defaults import _both
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.range_end]
 
 LLAMA = SMALL["llama"]
 

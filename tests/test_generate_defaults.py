@@ -22,7 +22,7 @@ from flodl_hf.roundtrip.parity import quiet_transformers, reference_model
 from helpers import make_checkpoint, one_thread  # noqa: F401  (the fixture)
 from test_decoder import _fields, _left_padded
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.range_end]
 
 LLAMA = "llama-hd24-bias-tied-llama3"
 MISTRAL = "mistral-hd24-window4"

@@ -23,6 +23,8 @@ from flodl_hf.core.registry import get_family
 from cases import CASES
 from helpers import make_checkpoint, seeded_backward
 
+pytestmark = pytest.mark.range_end  # also run at the other end of the supported range
+
 PADDINGS = ("right", "left", "none")
 
 

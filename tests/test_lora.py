@@ -25,6 +25,8 @@ from cases import CASES
 from helpers import make_checkpoint
 from test_losses import _labels
 
+pytestmark = pytest.mark.range_end  # also run at the other end of the supported range
+
 # model_type -> (attention only, attention + MLP), in PEFT's target_modules spelling (module-name suffixes).
 TARGETS: dict[str, tuple[list[str], list[str]]] = {
     "bert": (["query", "value"], ["query", "key", "value", "intermediate.dense", "output.dense"]),

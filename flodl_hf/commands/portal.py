@@ -19,7 +19,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--token", default=None, help="a secret every request must carry (?token= or Bearer)")
     p.add_argument("--save", metavar="FILE", default=None, help="write the self-contained page to FILE and exit")
-    p.add_argument("--force", action="store_true", help="with --save: replace FILE if it is an earlier page")
+    p.add_argument("--force", action="store_true", help="with --save: replace FILE if it is a page flodl-hf wrote "
+                   "(never a hand-written page or any other file)")
     p.set_defaults(func=_cmd_portal)
 
 

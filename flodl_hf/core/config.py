@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar
 
-from flodl_hf.core import slots
-from flodl_hf.core.errors import ConfigError
+from flodl_hf.core import slots, validate
+from flodl_hf.core.errors import ConfigError, OutputExistsError, push_to_hub_refused
 
 
 class Activation(str, Enum):
@@ -52,14 +53,8 @@ class ProblemType(str, Enum):
 
 _RUNTIME_FIELDS = {"raw", "attn_implementation"}
 
-# Value checks by field name, for whichever family declares the field (HF's names; DistilBERT has its own).
-POSITIVE_FIELDS = ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "max_position_embeddings",
-                   "embedding_size", "num_hidden_groups", "inner_group_num", "n_heads", "dim", "hidden_dim",
-                   "pooler_hidden_size")
-NON_NEGATIVE_FIELDS = ("num_hidden_layers", "n_layers", "type_vocab_size", "conv_kernel_size")
-HEAD_SPLITS = (("hidden_size", "num_attention_heads"), ("dim", "n_heads"))
-# No real checkpoint has a dimension near 2**31; a larger one would overflow size computations.
-MAX_SIZE = 2**31 - 1
+# The value rules (sizes, epsilons, RoPE, scalings, dropouts) and the relations between fields are one table in
+# flodl_hf.core.validate (FIELD_RULES, RELATIONS), applied by validate_config to every family's config.
 
 
 def _plain_type(annotation: Any) -> tuple[type | None, bool]:
@@ -74,15 +69,18 @@ def _plain_type(annotation: Any) -> tuple[type | None, bool]:
 
 def validate_config(config: "BaseConfig") -> None:
     """Typed checks of a config's values, each a ConfigError naming the field: integers are ints (not
-    floats, strings or lists), sizes are positive and fit, heads divide the width, ``pad_token_id`` is
-    in the vocabulary, ``layer_norm_eps`` is finite and positive, dropouts lie in [0, 1]."""
-    import math
+    floats, strings or lists), then every field the table (``flodl_hf.core.validate.FIELD_RULES``) has a rule
+    for (sizes positive and fitting, epsilons and scalings finite and positive, RoPE bases above 1, fractions,
+    dropouts in [0, 1]...), except a value the family declares as its spelling of "unset" (``unset_values``),
+    then the relations between fields (``RELATIONS``: heads divide the width, KV heads divide the heads, top-k
+    at most the experts, one layer type per layer); ``pad_token_id`` is in the vocabulary."""
     where = f"config ({config.model_type or type(config).__name__})"
+    values: dict[str, Any] = {}
     for f in fields(config):
         if f.name in _RUNTIME_FIELDS or f.name in config.enum_fields:
             continue
         kind, optional = _plain_type(f.type)
-        value = getattr(config, f.name)
+        value = values[f.name] = getattr(config, f.name)
         if kind is None or (value is None and optional):
             continue
         if value is None:
@@ -93,32 +91,25 @@ def validate_config(config: "BaseConfig") -> None:
         if not ok:
             raise ConfigError(f"{where}: field {f.name}={value!r} is a {type(value).__name__}, expected "
                               f"{'an' if kind is int else 'a'} {kind.__name__}")
-    names = {f.name for f in fields(config)}
-    for name in POSITIVE_FIELDS + NON_NEGATIVE_FIELDS:
-        value = getattr(config, name, None) if name in names else None
-        if value is None:
-            continue
-        low = 1 if name in POSITIVE_FIELDS else 0
-        if value < low or value > MAX_SIZE:
-            raise ConfigError(f"{where}: field {name}={value} must be {'> 0' if low else '>= 0'} and at most {MAX_SIZE}")
-    for width, heads in HEAD_SPLITS:
-        if width in names and heads in names and getattr(config, width) % getattr(config, heads):
-            raise ConfigError(f"{where}: field {width}={getattr(config, width)} is not a multiple of "
-                              f"{heads}={getattr(config, heads)}")
+    for name, value in values.items():
+        if value is not None and value not in config.unset_values.get(name, ()):
+            validate.check_value(name, value, where)
+    validate.check_relations(values, where)
     vocab = getattr(config, "vocab_size", None)
     pad = config.pad_token_id
     if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool) or pad < 0
                             or (vocab is not None and pad >= vocab)):
         raise ConfigError(f"{where}: field pad_token_id={pad!r} must be an id in [0, vocab_size={vocab})")
-    eps = getattr(config, "layer_norm_eps", None)
-    if eps is not None and not (math.isfinite(eps) and eps > 0):
-        raise ConfigError(f"{where}: field layer_norm_eps={eps!r} must be finite and > 0")
-    for name in sorted(n for n in names if "dropout" in n):
-        value = getattr(config, name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0.0 <= value <= 1.0:
-            raise ConfigError(f"{where}: field {name}={value!r} is a dropout probability: it must lie in [0, 1]")
-    if not (isinstance(config.initializer_range, (int, float)) and math.isfinite(config.initializer_range)):
-        raise ConfigError(f"{where}: field initializer_range={config.initializer_range!r} must be a finite number")
+
+
+@functools.cache
+def num_labels_wins() -> bool:
+    """Whether the installed transformers reads config.json's ``num_labels`` over an ``id2label`` of another length:
+    from 5.4.0 on (measured: 5.3.0 keeps id2label, 5.4.0 and every later release to 5.25 take num_labels)."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+    return Version(version("transformers")) >= Version("5.4.0")
 
 
 def _jsonable(value: Any) -> Any:
@@ -138,6 +129,9 @@ class BaseConfig:
     model_type: ClassVar[str] = ""
     # Enum-typed fields: name -> enum class; parsed in __post_init__, written back as strings.
     enum_fields: ClassVar[dict[str, type]] = {}
+    # Values a family's transformers config writes to mean "unset" where the table's rule would refuse them
+    # (Qwen2-MoE's sliding_window 0 without use_sliding_window): field -> values, exempt from the rule only.
+    unset_values: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     architectures: list[str] | None = None
     id2label: dict[int, str] | None = None
@@ -200,9 +194,11 @@ class BaseConfig:
             config = cls(**kwargs)
         except TypeError as exc:
             raise ConfigError(f"config.json does not fit {cls.__name__}: {exc}") from exc
-        # As transformers: without id2label, num_labels sets the labels (LABEL_0...); with it, id2label wins
+        # As the installed transformers: without id2label, num_labels sets the labels (LABEL_0...); with an
+        # id2label of another length, id2label wins up to transformers 5.3 and num_labels from 5.4 on (its labels
+        # then LABEL_0...: the names are dropped, as there)
         n = data.get("num_labels")
-        if data.get("id2label") is None and n is not None:
+        if n is not None and (data.get("id2label") is None or num_labels_wins()):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ConfigError(f"config field num_labels={n!r} must be a positive integer")
             config.num_labels = n
@@ -233,8 +229,18 @@ class BaseConfig:
         import json
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
-    def save_pretrained(self, directory: str | Path) -> None:
-        Path(directory, "config.json").write_text(self.to_json_string())
+    def save_pretrained(self, directory: str | Path, push_to_hub: bool = False, **kwargs: Any) -> None:
+        """``config.json`` in ``directory`` (made if missing, as transformers makes it); ``push_to_hub=True`` is an
+        UnsupportedFeatureError (no network access), before anything is written."""
+        if push_to_hub:
+            raise push_to_hub_refused("config")
+        if kwargs:
+            raise TypeError(f"save_pretrained() got unexpected keyword arguments: {', '.join(sorted(kwargs))}")
+        directory = Path(directory)
+        if directory.is_file():
+            raise OutputExistsError(f"config.save_pretrained: {directory} is a file; pass a directory")
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(self.to_json_string())
 
     def replace(self, **changes: Any) -> "BaseConfig":
         new = dataclasses.replace(self, **changes)
@@ -247,3 +253,7 @@ class BaseConfig:
         if cls is not BaseConfig and not isinstance(config, cls):
             raise ConfigError(f"{source}: model_type {config.model_type!r} is not a {cls.__name__}")
         return config
+
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: flodl-hf makes no network access (``save_pretrained``, then upload with huggingface_hub)."""
+        raise push_to_hub_refused("config")

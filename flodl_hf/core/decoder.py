@@ -20,6 +20,10 @@ from torch import nn
 
 from flodl_hf.core.errors import ConfigError
 from flodl_hf.core.layers import MaskSpec, record_attention, rotate_half
+from flodl_hf.core.validate import check_relations, check_value
+
+# the attention kinds of a decoder's layers (transformers' layer_types)
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 class RMSNorm(nn.Module):
@@ -54,10 +58,34 @@ class SwiGLU(nn.Module):
 
 
 def _number(value: Any, field: str, keep_int: bool = False) -> float:
-    """A RoPE field as a float (an int kept with ``keep_int``); JSON numbers only (not strings, not booleans)."""
+    """A RoPE field as a float (an int kept with ``keep_int``); JSON numbers only (not strings, not booleans), each
+    within its rule in the config table (``flodl_hf.core.validate.FIELD_RULES``, by the field's last name: a
+    ``rope_parameters.factor`` of 0 or NaN is refused as a top-level one would be)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"config field {field}={value!r}: expected a number")
+    check_value(field, value)
     return value if keep_int and isinstance(value, int) else float(value)
+
+
+def check_layers(config: Any) -> None:
+    """A decoder config's layers as they will be built, against the config table: one kind per layer, each full or
+    sliding; each kind's window as ``sliding_window``'s rule wants it (a positive size; a sliding kind needs one),
+    and each kind's RoPE resolved (``config.rope(config.rope_key(kind))``), so that a bad field of it fails here,
+    naming itself, and not at the first forward (a negative window: a tensor-size RuntimeError)."""
+    kinds = config.layer_kinds()
+    if len(kinds) != config.num_hidden_layers or set(kinds) - {FULL, SLIDING}:
+        raise ConfigError(f"config: layer_types={getattr(config, 'layer_types', None)!r} must list "
+                          f"{config.num_hidden_layers} entries of {FULL!r} or {SLIDING!r}")
+    for kind in dict.fromkeys(kinds):
+        window = config.window(kind)
+        if window is None and kind == SLIDING:
+            raise ConfigError(f"config: field layer_types has {SLIDING} layers but no sliding window is set "
+                              f"(sliding_window={getattr(config, 'sliding_window', None)!r}"
+                              + (", use_sliding_window=false" if getattr(config, "use_sliding_window", True) is False
+                                 else "") + "; transformers cannot run it)")
+        if window is not None:
+            check_value("sliding_window", window)
+        config.rope(config.rope_key(kind))
 
 
 # ---- RoPE -------------------------------------------------------------------------------------------
@@ -72,6 +100,7 @@ def _factors(value: Any, field: str) -> tuple[float, ...]:
     them)."""
     if not isinstance(value, list) or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in value):
         raise ConfigError(f"config field {field}={value!r}: expected a list of numbers")
+    check_value(field, value)  # each finite and > 0: the frequencies divide by them
     return tuple(value)
 
 
@@ -159,9 +188,10 @@ class Rope:
             return cls._longrope(params, source, theta, max_position_embeddings, old)
         if rope_type == "yarn":
             return cls._yarn(params, source, theta, max_position_embeddings, old)
-        return cls("llama3", theta, _number(params["factor"], f"{source}.factor"),
-                   _number(params["low_freq_factor"], f"{source}.low_freq_factor"),
-                   _number(params["high_freq_factor"], f"{source}.high_freq_factor"), old)
+        low = _number(params["low_freq_factor"], f"{source}.low_freq_factor")
+        high = _number(params["high_freq_factor"], f"{source}.high_freq_factor")
+        check_relations({"low_freq_factor": low, "high_freq_factor": high}, "config", f"{source}.")
+        return cls("llama3", theta, _number(params["factor"], f"{source}.factor"), low, high, old)
 
     @classmethod
     def _longrope(cls, params: dict, source: str, theta: float, max_position_embeddings: int, old: float) -> "Rope":
@@ -169,7 +199,7 @@ class Rope:
         short = _factors(params["short_factor"], f"{source}.short_factor")
         long = _factors(params["long_factor"], f"{source}.long_factor")
         # Phi3: no stored factor, the ratio of the two lengths
-        factor = _factor_or_ratio(params.get("factor"), source, max_position_embeddings, old, "longrope")
+        factor = _factor_or_ratio(params.get("factor"), source, max_position_embeddings, old)
         attention = params.get("attention_factor")
         if attention is not None:
             attention = _number(attention, f"{source}.attention_factor")
@@ -188,24 +218,28 @@ class Rope:
         """_compute_yarn_parameters' scalars: the factor (None: the ratio of the two lengths), the attention factor
         (given, else YaRN's mscale ratio when both mscale and mscale_all_dim are set and non-zero, else its mscale of
         the factor), beta_fast / beta_slow (None or 0: 32 / 1) and truncate, in Python floats."""
-        factor = _factor_or_ratio(params["factor"], source, max_position_embeddings, old, "yarn")
+        factor = _factor_or_ratio(params["factor"], source, max_position_embeddings, old)
         given = {name: params.get(name) for name in ("attention_factor", "mscale", "mscale_all_dim", "beta_fast",
                                                      "beta_slow")}
         given = {name: None if value is None else _number(value, f"{source}.{name}") for name, value in given.items()}
         attention = given["attention_factor"]
         if attention is None:
             if given["mscale"] and given["mscale_all_dim"]:
-                attention = float(_yarn_mscale(factor, given["mscale"]) / _yarn_mscale(factor, given["mscale_all_dim"]))
+                below = _yarn_mscale(factor, given["mscale_all_dim"])
+                attention = float(_yarn_mscale(factor, given["mscale"]) / below) if below else math.inf
             else:
                 attention = _yarn_mscale(factor)
         truncate = params.get("truncate", True)
         if not isinstance(truncate, bool):
             raise ConfigError(f"config field {source}.truncate={truncate!r}: expected true or false")
-        if old <= 0:
-            raise ConfigError(f"config field original_max_position_embeddings={old!r}: yarn takes the log of "
-                              "a length over it")
+        if not (math.isfinite(attention) and attention > 0):  # mscale / mscale_all_dim can drive it to 0 or below
+            raise ConfigError(f"config field {source}.mscale={given['mscale']!r} with mscale_all_dim="
+                              f"{given['mscale_all_dim']!r} gives yarn an attention factor of {attention!r}: it must "
+                              "be finite and > 0")
+        betas = {"beta_fast": given["beta_fast"] or 32, "beta_slow": given["beta_slow"] or 1}  # 0 or None: default
+        check_relations(betas, "config", f"{source}.")
         return cls("yarn", theta, factor, original_max_position_embeddings=old, attention_factor=attention,
-                   beta_fast=given["beta_fast"] or 32, beta_slow=given["beta_slow"] or 1, truncate=truncate)
+                   truncate=truncate, **betas)
 
     def inverse_frequencies(self, head_dim: int, device: torch.device | None = None, long: bool = False,
                             seq_len: torch.Tensor | None = None) -> torch.Tensor:
@@ -274,15 +308,12 @@ class Rope:
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
 
 
-def _factor_or_ratio(factor: Any, source: str, max_position_embeddings: int, old: float, rope_type: str) -> float:
+def _factor_or_ratio(factor: Any, source: str, max_position_embeddings: int, old: float) -> float:
     """longrope's and yarn's factor: the given one, else max_position_embeddings / original_max_position_embeddings
     (_compute_longrope_parameters, _compute_yarn_parameters)."""
     if factor is not None:
         return _number(factor, f"{source}.factor")
-    if old == 0:
-        raise ConfigError(f"config field original_max_position_embeddings=0: {rope_type} divides "
-                          "max_position_embeddings by it")
-    return _number(max_position_embeddings, "max_position_embeddings") / old
+    return _number(max_position_embeddings, "max_position_embeddings") / old  # old > 0: _number's rule
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -89,3 +89,21 @@ class UnsupportedAdapterError(AdapterError):
 class CheckpointWriteError(TrainerError, OSError):
     """A trainer checkpoint could not be written (the disk is full); nothing of it was kept, the earlier
     checkpoints are intact. An OSError too, so ``except OSError`` still sees a failed write."""
+
+
+class NonFiniteScoresError(InputError):
+    """Sampling met next-token scores that no token can be drawn from (NaN or infinite logits of a broken model)."""
+
+
+class UnsupportedFeatureError(FlodlHFError, NotImplementedError):
+    """A transformers call that flodl-hf deliberately does not implement (push_to_hub: no network access); the
+    message says what to do instead."""
+
+
+def push_to_hub_refused(what: str) -> UnsupportedFeatureError:
+    """The error of ``<what>.push_to_hub(...)`` (and of ``save_pretrained(..., push_to_hub=True)``): flodl-hf opens no
+    network connection of its own, so it names the two steps that do the same."""
+    return UnsupportedFeatureError(
+        f"{what}.push_to_hub: not supported (flodl-hf makes no network access); save locally with "
+        f"{what}.save_pretrained(directory), then upload that directory with huggingface_hub: "
+        "HfApi().upload_folder(folder_path=directory, repo_id=...) (or `hf upload <repo_id> <directory>`)")

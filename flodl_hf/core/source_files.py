@@ -33,22 +33,24 @@ def inside(path: Path, roots: list[Path]) -> bool:
     return any(path == r or path.is_relative_to(r) for r in roots)
 
 
-def checked_file(root: Path, name: str) -> Path:
-    """The real path of ``root/name`` if it is a regular file inside the source; else a typed error."""
+def checked_file(root: Path, name: str, error: type[Exception] = CheckpointFormatError,
+                 what: str = "the source") -> Path:
+    """The real path of ``root/name`` if it is a regular file inside ``root`` (``what``, for messages); else
+    ``error``, naming the file."""
     path = root / name
-    real = path.resolve()
     try:
+        real = path.resolve()
         mode = os.lstat(path).st_mode
         real_mode = os.stat(real).st_mode
-    except OSError as exc:
-        raise CheckpointFormatError(f"{path}: cannot be read ({exc})") from exc
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+        raise error(f"{path}: cannot be read ({exc})") from exc
     if stat.S_ISLNK(mode) and not inside(real, allowed_roots(root)):
-        raise CheckpointFormatError(f"{path}: is a symlink to {real}, outside the source {root}: refused "
-                                    "(copy the file in, or remove the link)")
+        raise error(f"{path}: is a symlink to {real}, outside {what} {root}: refused "
+                    "(copy the file in, or remove the link)")
     if not inside(real, allowed_roots(root)):  # a folder on the way is a link out
-        raise CheckpointFormatError(f"{path}: resolves to {real}, outside the source {root}: refused")
+        raise error(f"{path}: resolves to {real}, outside {what} {root}: refused")
     if not stat.S_ISREG(real_mode):
-        raise CheckpointFormatError(f"{path}: is not a regular file: refused")
+        raise error(f"{path}: is not a regular file: refused")
     return real
 
 

@@ -1,5 +1,6 @@
 """Small checks shared by the readers and writers: paths that must stay inside a directory,
-paths that must not overlap, and a content hash of a directory tree.
+paths that must not overlap, a content hash of a directory tree, and the one table of rules that every
+family's config values are checked against (``FIELD_RULES``, ``RELATIONS``).
 
 Paths are compared after ``os.path.realpath``, so ``..`` segments and symbolic links are seen
 through: ``SRC/../SRC`` is ``SRC``, and a link pointing out of a checkpoint points out of it.
@@ -8,9 +9,12 @@ through: ``SRC/../SRC`` is ``SRC``, and a link pointing out of a checkpoint poin
 from __future__ import annotations
 
 import hashlib
-import re
+import math
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 
 def real(path: str | os.PathLike) -> Path:
@@ -124,3 +128,131 @@ def check_config_fits(config: object, tensors: dict, where: str) -> None:
         if held and asked > len(held):
             raise ConfigError(f"{where}: field {name}={asked}, but the checkpoint holds keys for {len(held)} "
                               f"layer(s) (indices {min(held)}..{max(held)}): fix {name} in config.json")
+
+
+# ---- the value rules of config fields: one table for every family ------------------------------------
+
+# No real checkpoint has a dimension near 2**31; a larger one would overflow size computations.
+MAX_SIZE = 2**31 - 1
+_NAN, _INF = float("nan"), float("inf")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a config field's value must be once its type is right, and values that break it (the registry-wide
+    test sets each one in every family whose config has the field)."""
+
+    text: str
+    holds: Callable[[Any], bool]
+    bad: tuple[Any, ...]
+
+
+SIZE = Rule(f"> 0 and at most {MAX_SIZE}", lambda v: 1 <= v <= MAX_SIZE, (0, -1, 2**40))
+COUNT = Rule(f">= 0 and at most {MAX_SIZE}", lambda v: 0 <= v <= MAX_SIZE, (-1,))
+POSITIVE = Rule("finite and > 0", lambda v: math.isfinite(v) and v > 0, (0, -1.0, _NAN, _INF))
+NON_NEGATIVE = Rule("finite and >= 0", lambda v: math.isfinite(v) and v >= 0, (-0.5, _NAN, _INF))
+FINITE = Rule("finite", math.isfinite, (_NAN, _INF))
+FRACTION = Rule("in (0, 1]", lambda v: 0 < v <= 1, (0.0, -0.5, 1.5, _NAN))
+PROBABILITY = Rule("a probability: it must lie in [0, 1]", lambda v: 0 <= v <= 1, (-0.1, 1.5, _NAN))
+# RoPE turns dimension pair i by position * theta ** (-2i / d): a base of 1 or less is no trained model's
+THETA = Rule("finite and > 1 (RoPE's base)", lambda v: math.isfinite(v) and v > 1, (0, 1.0, -1.0, _NAN, _INF))
+
+# field name -> rule, for every family whose config has the field (HF's names). A name inside a RoPE dict
+# (rope_parameters.factor) is checked by its last part where the decoder reads it (flodl_hf.core.decoder._number).
+FIELD_RULES: dict[str, Rule] = {
+    **dict.fromkeys((  # sizes and counts of things built
+        "hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "max_position_embeddings",
+        "embedding_size", "num_hidden_groups", "inner_group_num", "n_heads", "dim", "hidden_dim", "pooler_hidden_size",
+        "num_key_value_heads", "head_dim", "n_positions", "n_embd", "n_head", "n_inner", "ffn_dim",
+        "word_embed_proj_dim", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
+        "num_local_experts", "num_experts_per_tok", "decoder_sparse_step", "original_max_position_embeddings",
+        "sliding_window", "sliding_window_pattern"), SIZE),
+    **dict.fromkeys(("num_hidden_layers", "n_layers", "n_layer", "type_vocab_size", "conv_kernel_size",
+                     "max_window_layers"), COUNT),
+    **dict.fromkeys(("layer_norm_eps", "layer_norm_epsilon", "rms_norm_eps", "norm_epsilon", "norm_eps"), POSITIVE),
+    **dict.fromkeys(("rope_theta", "rotary_emb_base", "rope_local_base_freq", "global_rope_theta",
+                     "local_rope_theta"), THETA),
+    # inside a RoPE dict (transformers' _validate_*_rope_parameters warn on most and run on): beta 0 is its default
+    **dict.fromkeys(("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "short_factor",
+                     "long_factor"), POSITIVE),
+    **dict.fromkeys(("beta_fast", "beta_slow"), NON_NEGATIVE),
+    **dict.fromkeys(("mscale", "mscale_all_dim"), FINITE),
+    **dict.fromkeys(("partial_rotary_factor", "rotary_pct"), FRACTION),
+    # what scales or caps activations, scores and logits (Cohere, Granite, Gemma 2, OLMo)
+    **dict.fromkeys(("logit_scale", "logits_scaling", "embedding_multiplier", "residual_multiplier",
+                     "attention_multiplier", "query_pre_attn_scalar", "final_logit_softcapping",
+                     "attn_logit_softcapping", "clip_qkv"), POSITIVE),
+    **dict.fromkeys(("router_jitter_noise", "router_aux_loss_coef"), NON_NEGATIVE),
+    **dict.fromkeys(("initializer_range", "init_std"), FINITE),
+}
+
+
+def rule_for(name: str) -> Rule | None:
+    """The rule of a field (a dotted name by its last part); a dropout (``*dropout*``, ``*_pdrop``, ``layerdrop``)
+    is a probability."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in FIELD_RULES:
+        return FIELD_RULES[leaf]
+    return PROBABILITY if "dropout" in leaf or leaf.endswith("pdrop") or leaf == "layerdrop" else None
+
+
+def check_value(name: str, value: Any, where: str = "config") -> None:
+    """A ConfigError naming ``name`` (and ``where``) when a number (or each number of a list) breaks its rule;
+    other values, and names without a rule, pass (their types are checked where they are read)."""
+    from flodl_hf.core.errors import ConfigError
+    rule = rule_for(name)
+    if rule is None:
+        return
+    values = value if isinstance(value, (list, tuple)) else [value]
+    for v in values:
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not rule.holds(v):
+            raise ConfigError(f"{where}: field {name}={value!r} must be {rule.text}")
+
+
+@dataclass(frozen=True)
+class Relation:
+    """A rule between two fields: ``field`` against the first of ``others`` present. ``kind``: "multiple" (field is
+    a multiple of the other), "at_most", "above", "at_least", "length" (a list with one entry per the other)."""
+
+    field: str
+    others: tuple[str, ...]
+    kind: str
+
+    def holds(self, value: Any, other: Any) -> bool:
+        if self.kind == "multiple":
+            return value % other == 0
+        if self.kind == "length":
+            return not isinstance(value, list) or len(value) == other
+        return {"at_most": value <= other, "above": value > other, "at_least": value >= other}[self.kind]
+
+
+_RELATION_TEXT = {"multiple": "is not a multiple of", "at_most": "must be at most", "above": "must be above",
+                  "at_least": "must be at least", "length": "must list one entry per layer of"}
+
+RELATIONS: tuple[Relation, ...] = (
+    Relation("hidden_size", ("num_attention_heads",), "multiple"),
+    Relation("dim", ("n_heads",), "multiple"),
+    Relation("n_embd", ("n_head",), "multiple"),
+    Relation("num_attention_heads", ("num_key_value_heads",), "multiple"),  # each KV head serves a group of heads
+    Relation("num_experts_per_tok", ("num_experts", "num_local_experts"), "at_most"),  # top-k of the experts
+    Relation("layer_types", ("num_hidden_layers",), "length"),
+    # inside a RoPE dict: llama3 smooths over high - low; YaRN ramps from beta_fast's dimension to beta_slow's
+    Relation("high_freq_factor", ("low_freq_factor",), "above"),
+    Relation("beta_fast", ("beta_slow",), "at_least"),
+)
+
+
+def check_relations(values: dict[str, Any], where: str = "config", prefix: str = "") -> None:
+    """Every relation whose fields ``values`` holds (not None, numbers where compared): a ConfigError naming both."""
+    from flodl_hf.core.errors import ConfigError
+    for relation in RELATIONS:
+        value = values.get(relation.field)
+        other_name = next((o for o in relation.others if values.get(o) is not None), None)
+        if value is None or other_name is None:
+            continue
+        other = values[other_name]
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (other, *(
+            () if relation.kind == "length" else (value,))))
+        if numbers and (relation.kind != "multiple" or other) and not relation.holds(value, other):
+            raise ConfigError(f"{where}: field {prefix}{relation.field}={value!r} {_RELATION_TEXT[relation.kind]} "
+                              f"{prefix}{other_name}={other!r}")

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from flodl_hf.core.errors import InputError
-from flodl_hf.generation.decoding import _Decoder, _DraftCache, _finish, _Seen, infer_attention_mask
+from flodl_hf.generation.decoding import _Decoder, _DraftCache, _finish, _Seen, draw, infer_attention_mask
 from flodl_hf.generation.processors import Confidence, apply, final_steps, stop_hits, stopping_criteria_list
 from flodl_hf.generation.settings import ASSISTANT_DEFAULTS, GenerateDecoderOnlyOutput, GenerationSettings
 
@@ -121,7 +121,8 @@ class AssistantDrafts:
                 scores = apply(self.processors, ids, logits)
                 seen += (scores,)
                 if s.do_sample:
-                    token = torch.multinomial(scores.softmax(dim=-1), num_samples=1, generator=self.generator)
+                    token = draw(scores.softmax(dim=-1), self.generator, f"the assistant's draft at position "
+                                                                         f"{ids.shape[1]}")
                 else:
                     token = scores.argmax(dim=-1, keepdim=True)
                 ids = torch.cat([ids, token], dim=-1)
@@ -274,12 +275,12 @@ def _diagonal(old: torch.Tensor, new: torch.Tensor) -> tuple[int, torch.Tensor, 
 
 
 def speculative_sampling(drafted: torch.Tensor, drafted_scores: torch.Tensor, scores: torch.Tensor,
-                         generator: torch.Generator | None) -> torch.Tensor:
+                         generator: torch.Generator | None, step: int = 1) -> torch.Tensor:
     """``_speculative_sampling`` (generation/utils.py:4457): each candidate is kept with probability min(1, p / q)
     (p the main model's, q the assistant's, from the processed scores) until the first rejection, drawn at once;
     then one token from the main model's distribution after the kept ones, or at a rejection from max(p - q, 0)
     renormalized. ``drafted`` (n,), ``drafted_scores`` (1, n, V), ``scores`` (1, n + 1, V); returns the kept
-    candidates and that token (1, k)."""
+    candidates and that token (1, k). ``step``: the new token the first candidate would be (named in an error)."""
     n = drafted.shape[0]
     new = drafted[None, :]
     q = drafted_scores.softmax(dim=-1)
@@ -293,7 +294,7 @@ def speculative_sampling(drafted: torch.Tensor, drafted_scores: torch.Tensor, sc
     if kept < n:
         after = torch.clamp(after - q[:, kept, :], min=0)
         after.div_(after.sum())
-    token = torch.multinomial(after, num_samples=1, generator=generator).squeeze(1)[None, :]
+    token = draw(after, generator, step + int(kept)).squeeze(1)[None, :]
     return torch.cat((new[:, :kept], token), dim=-1) if kept > 0 else token
 
 
@@ -384,6 +385,7 @@ def _assisted(decoder: _Decoder, input_ids: torch.Tensor, settings: GenerationSe
     unfinished = torch.ones(1, dtype=torch.long, device=input_ids.device)
     eos = torch.tensor(s.eos, device=input_ids.device, dtype=torch.long) if s.eos_set else None
     seen, first = _Seen(s), True
+    prompt = input_ids.shape[1]
     while True:
         length = input_ids.shape[1]
         chosen, drafted_scores = drafts.candidates(input_ids)
@@ -399,11 +401,12 @@ def _assisted(decoder: _Decoder, input_ids: torch.Tensor, settings: GenerationSe
         for i in range(drafted + 1):
             scores[:, i, :] = apply(processors, candidates[:, :length + i], scores[:, i, :])
         if s.do_sample and drafted_scores is not None:
-            kept = speculative_sampling(chosen, drafted_scores, scores, generator)
+            kept = speculative_sampling(chosen, drafted_scores, scores, generator, length - prompt + 1)
         else:
             if s.do_sample:
                 probs = scores.softmax(dim=-1)
-                picked = torch.multinomial(probs[0, :, :], num_samples=1, generator=generator).squeeze(1)[None, :]
+                picked = draw(probs[0, :, :], generator, length - prompt + 1)  # a row per position
+                picked = picked.squeeze(1)[None, :]
             else:
                 picked = scores.argmax(dim=-1)
             matches = ((~(chosen.unsqueeze(0) == picked[:, :-1])).cumsum(dim=-1) < 1).sum()

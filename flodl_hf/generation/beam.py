@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from flodl_hf.generation.decoding import _Decoder, _Seen
+from flodl_hf.generation.decoding import _Decoder, _Seen, draw
 from flodl_hf.generation.processors import apply, stop_hits
 from flodl_hf.generation.settings import GenerateBeamDecoderOnlyOutput, GenerationSettings
 
@@ -66,8 +66,8 @@ def _beam_search(decoder: _Decoder, input_ids: torch.Tensor, settings: Generatio
         log_probs = torch.reshape(log_probs, (batch, -1))
         # _get_top_k_continuations
         if s.do_sample:
-            top_indices = torch.multinomial(torch.nn.functional.softmax(log_probs, dim=-1), num_samples=keep,
-                                            generator=generator)
+            top_indices = draw(torch.nn.functional.softmax(log_probs, dim=-1), generator,
+                               f"beam step {cur_len - prompt_length + 1}", keep)
             top_log_probs = torch.gather(log_probs, 1, top_indices)
             top_log_probs, order = top_log_probs.sort(dim=-1, descending=True)
             top_indices = top_indices.gather(dim=-1, index=order)

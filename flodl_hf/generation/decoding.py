@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from flodl_hf.core.decoder import KVCache, StaticKVCache
-from flodl_hf.core.errors import InputError
+from flodl_hf.core.errors import InputError, NonFiniteScoresError
 from flodl_hf.core.modeling import PLAIN_RECORD, config_sets_forward_defaults
 from flodl_hf.generation.settings import GenerateDecoderOnlyOutput, GenerationSettings
 
@@ -22,6 +22,24 @@ def infer_attention_mask(input_ids: torch.Tensor, pad: int | None, eos: Sequence
     if pad is None or input_ids.dtype not in (torch.int, torch.long) or pad in eos or not (input_ids == pad).any():
         return ones
     return input_ids.ne(pad).long()
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None, step: str | int, num_samples: int = 1) -> torch.Tensor:
+    """``torch.multinomial(probs, num_samples)`` once every row can be drawn from: a row holding NaN, an infinity or a
+    negative value, or none above zero (the softmax of NaN or infinite logits, of scores all -inf) is a
+    NonFiniteScoresError naming the step and the rows, where torch raises a bare RuntimeError (as under transformers'
+    generate) or, on CUDA, may assert. ``step``: the step's name, or (an int) the step of the first row when the rows
+    are consecutive steps (assisted decoding's positions). The check costs one reduction and one sync per draw."""
+    bad = ~torch.isfinite(probs).all(dim=-1) | (probs < 0).any(dim=-1) | ~(probs.sum(dim=-1) > 0)
+    if bool(bad.any()):
+        rows = bad.reshape(-1).nonzero().flatten().tolist()
+        shown = ", ".join(map(str, rows[:8])) + (f" (and {len(rows) - 8} more)" if len(rows) > 8 else "")
+        where = f"step {step + rows[0]} (new token {step + rows[0]})" if isinstance(step, int) else step
+        raise NonFiniteScoresError(f"sampling at {where}: the next-token scores of row(s) {shown} are NaN or infinite, "
+                                   "or give no token a positive probability, so no token can be drawn; the model's "
+                                   "logits are broken (NaN weights, float16 overflow) or a logits processor returned "
+                                   "such scores. Check the model on a plain forward, or pass do_sample=False")
+    return torch.multinomial(probs, num_samples=num_samples, generator=generator)
 
 
 def _static_cache(model: torch.nn.Module, windows: list, settings: GenerationSettings, max_length: int,

@@ -52,7 +52,8 @@ from flodl_hf.core.errors import InputError
 from flodl_hf.core.modeling import PLAIN_RECORD
 from flodl_hf.generation.assisted import _assisted, _assistant_drafts, _check_assistant
 from flodl_hf.generation.beam import _beam_search
-from flodl_hf.generation.decoding import _Decoder, _DraftCache, _finish, _Seen, _static_cache, infer_attention_mask
+from flodl_hf.generation.decoding import (_Decoder, _DraftCache, _finish, _Seen, _static_cache, draw,
+                                          infer_attention_mask)
 from flodl_hf.generation.lookup import _LookupDrafts
 from flodl_hf.generation.processors import (Guidance, PrefixConstrained, StopStrings, apply, logits_processors,
                                             stop_hits, stopping_criteria_list)
@@ -146,6 +147,30 @@ def _check_streamer(streamer: Any, settings: GenerationSettings) -> None:
                              "search (transformers raises the same)")
         raise InputError(f"streamer with num_beams={settings.num_beams} and do_sample=True: transformers' beam "
                          "sampling hands the streamer the prompt and nothing after (no end()); use num_beams=1")
+
+
+def _position_table(model: torch.nn.Module) -> int | None:
+    """The positions the model's table holds (``Family.max_sequence_length``; None: RoPE, no table to run past)."""
+    family = getattr(model, "family", None)
+    return family.max_sequence_length(model.config) if family is not None else None
+
+
+def _check_position_table(model: torch.nn.Module, settings: GenerationSettings, prompt: int, total: int) -> None:
+    """A family with a learned or fixed position table (GPT-2's wpe, OPT's embed_positions, GPT-J's sinusoids:
+    ``Family.max_sequence_length``) takes no position past its rows. Generating up to ``total`` positions feeds all
+    but the last new token back (positions 0 to ``total - 2``), so ``total - 1`` must fit the table: checked before
+    decoding, where transformers' generate fails midway with an IndexError (a bare one here too, before)."""
+    limit = _position_table(model)
+    if limit is None or total - 1 <= limit:
+        return
+    asked = (f"max_new_tokens={settings.max_new_tokens}" if settings.max_new_tokens is not None
+             else f"max_length={settings.max_length} (of the arguments or {GENERATION_CONFIG})")
+    table = f"the position table of {limit} positions ({model.config.model_type}'s max_position_embeddings)"
+    if prompt > limit:
+        raise InputError(f"input_ids: the prompt of {prompt} positions is longer than {table}: truncate it")
+    raise InputError(f"{asked}: a prompt of {prompt} positions and {total - prompt} new tokens feed {total - 1} "
+                     f"positions to the model (all but the last new token), past {table}; pass max_new_tokens="
+                     f"{limit + 1 - prompt} or fewer (transformers fails midway with an IndexError)")
 
 
 @torch.inference_mode()
@@ -278,6 +303,7 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
         raise InputError(f"input_ids: the prompt has {prompt_length} tokens but the maximum length is "
                          f"{max_length} (max_length, of the arguments or {GENERATION_CONFIG}, or "
                          f"max_position_embeddings{less}); pass max_new_tokens")
+    _check_position_table(model, settings, prompt_length + embedded, max_length + embedded)
     if assisted:
         _check_assistant(model, model if early else assistant_model, settings, inputs_embeds, max_length,
                          f"assistant_early_exit={settings.assistant_early_exit}" if early else "assistant_model",
@@ -323,7 +349,8 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     if settings.num_beams > 1:
         return _beam_search(decoder, input_ids, settings, processors, criteria, max_length, generator)
     if lookup or assisted:
-        drafts = (_LookupDrafts(settings, processors, max_length, model.config.vocab_size) if lookup else
+        drafts = (_LookupDrafts(settings, processors, max_length, model.config.vocab_size,
+                                _position_table(model)) if lookup else
                   _assistant_drafts(model, model if early else assistant_model, attention_mask, settings, processors,
                                     max_length, generator, tokenizer, assistant_tokenizer))
         return _assisted(decoder, input_ids, settings, processors, criteria, max_length, generator, streamer, drafts)
@@ -349,7 +376,9 @@ def generate_ids(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
             logits_seen.append(logits)
         if settings.do_sample:
             probs = torch.nn.functional.softmax(scores, dim=-1)
-            next_tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+            step = input_ids.shape[1] - prompt_length + 1
+            next_tokens = draw(probs, generator, f"step {step} (new token {step} of at most "
+                                                 f"{max_length - prompt_length})").squeeze(1)
         else:
             next_tokens = torch.argmax(scores, dim=-1)
         if fill:

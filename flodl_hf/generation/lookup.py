@@ -11,13 +11,15 @@ from flodl_hf.generation.settings import GenerationSettings
 
 
 def _lookup_candidates(input_ids: torch.Tensor, settings: GenerationSettings, processors: list, max_length: int,
-                       vocab_size: int) -> torch.Tensor:
+                       vocab_size: int, positions: int | None = None) -> torch.Tensor:
     """PromptLookupCandidateGenerator.get_candidates (generation/candidate_generator.py): the ids that followed an
     earlier occurrence of the sequence's last n-gram (the longest n up to ``max_matching_ngram_size`` that occurs,
     its first occurrence, left to right, with a continuation), at most ``prompt_lookup_num_tokens``; cut before the
     first one the processors ban (each checked on scores of ones after the sequence and the candidates before it,
     a ban being -inf or the dtype's min), a match left with none looking further; cut before the first eos id. None
-    at one token short of the maximum length (the model's next token fills it). Returns them 1-D, maybe empty."""
+    at one token short of the maximum length (the model's next token fills it). Returns them 1-D, maybe empty.
+    Candidates can run past ``max_length - 1`` there; with ``positions`` (a position table's size: GPT-2's, OPT's)
+    they stop where the forward would run past the table (transformers' fails there with an IndexError)."""
     length = input_ids.shape[1]
     none = input_ids[0, :0]
     if max_length == length + 1:
@@ -29,6 +31,8 @@ def _lookup_candidates(input_ids: torch.Tensor, settings: GenerationSettings, pr
         for index in matches.nonzero(as_tuple=True)[1].tolist():
             start = index + size
             end = min(start + settings.prompt_lookup_num_tokens, length, max_length)
+            if positions is not None:
+                end = min(end, start + positions - length)
             if start >= end:
                 continue
             chosen = input_ids[0, start:end]
@@ -54,11 +58,14 @@ class _LookupDrafts:
     The number of candidates stays fixed: ``num_assistant_tokens`` and its heuristic schedule belong to an assistant
     model (transformers ignores them here; not taken)."""
 
-    def __init__(self, settings: GenerationSettings, processors: list, max_length: int, vocab_size: int) -> None:
+    def __init__(self, settings: GenerationSettings, processors: list, max_length: int, vocab_size: int,
+                 positions: int | None = None) -> None:
         self.settings, self.processors, self.max_length, self.vocab_size = settings, processors, max_length, vocab_size
+        self.positions = positions  # the position table's size (None: no table)
 
     def candidates(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _lookup_candidates(input_ids, self.settings, self.processors, self.max_length, self.vocab_size), None
+        return _lookup_candidates(input_ids, self.settings, self.processors, self.max_length, self.vocab_size,
+                                  self.positions), None
 
     def update(self, scores: torch.Tensor, matches: int) -> None:
         pass

@@ -35,7 +35,7 @@ class GenerationMixin:
             raise InputError(f"generation_config={type(value).__name__}: expected a transformers GenerationConfig")
         self.__dict__["_generation_config"] = value
 
-    def save_pretrained(self, directory: str | Path, max_shard_size: int | str = "5GB") -> Path:
+    def save_pretrained(self, directory: str | Path, max_shard_size: int | str = "5GB", **kwargs: Any) -> Path:
         """``config.json``, the weights and ``generation_config.json``: this model's ``generation_config`` (edits
         included), as transformers' ``save_pretrained`` writes it for a model that can generate. It is validated
         first, strictly when it was edited (``GenerationConfig.save_pretrained``'s rule), and a configuration
@@ -47,7 +47,7 @@ class GenerationMixin:
         except ValueError as exc:
             raise ConfigError(f"{Path(directory) / 'generation_config.json'}: model.generation_config does not "
                               f"validate, nothing was written: {exc}") from None
-        directory = super().save_pretrained(directory, max_shard_size)
+        directory = super().save_pretrained(directory, max_shard_size, **kwargs)  # push_to_hub=True: refused there
         config.save_pretrained(directory)
         return directory
 

@@ -47,18 +47,20 @@ merged weights that ``export --checkpoint`` writes as an HF-canonical directory.
 wrote. ``flodl_hf.roundtrip.verify.verify_adapter`` is ``verify-export`` on an adapter directory.
 
 The modules: ``config`` (:class:`LoraConfig`, PEFT's task types, settings checks), ``layers`` (the adapted layers),
-``targets`` (which modules are adapted), ``adapt`` (:func:`add_lora`, merging), ``peft_format`` (the adapter
-directory), ``base`` (the base an adapter depends on), ``checkpoint`` (LoRA in trainer checkpoints).
+``patterns`` (the settings' regular expressions, their matching bounded), ``targets`` (which modules are adapted),
+``adapt`` (:func:`add_lora`, merging, undoing a refused one), ``peft_format`` (the adapter directory), ``base`` (the
+base an adapter depends on), ``checkpoint`` (LoRA in trainer checkpoints).
 """
 
 from flodl_hf.lora.adapt import add_lora, merge, merge_and_unload, unmerge
 from flodl_hf.lora.base import base_paths, base_reference
 from flodl_hf.lora.checkpoint import (checkpoint_entry, load_checkpoint_adapter, load_trainer_state, trainer_entry,
                                       trainer_model_state)
-from flodl_hf.lora.config import (ALL_LINEAR, BIAS_MODES, PEFT_TASK_TYPES, TASK_MODULES_TO_SAVE, TASK_OF_PEFT_TASK_TYPE,
+from flodl_hf.lora.config import (BIAS_MODES, PEFT_TASK_TYPES, TASK_MODULES_TO_SAVE, TASK_OF_PEFT_TASK_TYPE,
                                   TASK_TYPE_MODULES_TO_SAVE, LoraConfig, lora_settings)
 from flodl_hf.lora.layers import (LoraConv1D, LoraLinear, LoraParameters, TiedTrainableTokensLinear,
                                   TrainableTokensEmbedding, TrainableTokensLinear)
+from flodl_hf.lora.patterns import ALL_LINEAR, MAX_STEPS, check_patterns
 from flodl_hf.lora.peft_format import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_STAMP, PEFT_PREFIX, SUPPORTED_PEFT_TYPES,
                                        adapter_state, adapter_task, load_adapter, peft_config_dict, peft_state,
                                        read_adapter_config, read_base_stamp, save_adapter)
@@ -73,6 +75,8 @@ __all__ = [
     # layers
     "LoraConv1D", "LoraLinear", "LoraParameters", "TiedTrainableTokensLinear", "TrainableTokensEmbedding",
     "TrainableTokensLinear",
+    # patterns
+    "MAX_STEPS", "check_patterns",
     # targets
     "MIN_TARGET_MODULES_FOR_OPTIMIZATION", "PEFT_DEFAULT_TARGETS", "all_linear_targets", "default_targets", "is_lora",
     "lora_layers", "minimal_targets", "parameter_layers", "save_module_names", "token_layers", "token_targets",

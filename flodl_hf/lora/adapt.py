@@ -1,23 +1,74 @@
 """Adding adapters to a model (:func:`add_lora`, PEFT's ``get_peft_model``), merging them into the base weights and
-taking them out again."""
+taking them out again; a refused adapter undone (:func:`undo_on_error`, :func:`atomic`)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import functools
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from torch import nn
 
 from flodl_hf.core.errors import AdapterError, UnsupportedAdapterError
 from flodl_hf.lora.base import base_reference
-from flodl_hf.lora.config import ALL_LINEAR, PEFT_TASK_TYPES, TASK_TYPE_MODULES_TO_SAVE, LoraConfig, _show
+from flodl_hf.lora.config import PEFT_TASK_TYPES, TASK_TYPE_MODULES_TO_SAVE, LoraConfig, _show
 from flodl_hf.lora.layers import (LoraConv1D, LoraLinear, LoraParameters, TiedTrainableTokensLinear,
                                   TrainableTokensEmbedding, TrainableTokensLinear, _lora_class)
+from flodl_hf.lora.patterns import ALL_LINEAR, check_patterns
 from flodl_hf.lora.targets import (PEFT_DEFAULT_TARGETS, _convert_moe_targets, _module, _peft_converts,
                                    _peft_moe_targets, _replace_module, _resolve_moe_string, _tied_to_embeddings,
-                                   all_linear_targets, default_targets, is_lora, lora_layers, minimal_targets,
-                                   parameter_layers, save_module_names, token_layers, token_targets)
+                                   all_linear_targets, default_targets, is_lora, lora_layers, matched_names,
+                                   minimal_targets, parameter_layers, save_module_names, token_layers, token_targets)
 
 _TASK_DEFAULT: Any = object()   # add_lora's task_type default: PEFT's task type for the model's task
+_LORA_ATTRIBUTES = ("lora_config", "lora_base")   # what adding an adapter sets on the model
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+@contextmanager
+def undo_on_error(model: nn.Module) -> Iterator[None]:
+    """On an exception in the block, put ``model`` back as it was before it, then let the exception go on: every
+    module's children, Parameters and buffers (the same objects: a tied weight stays tied), each Parameter's
+    requires_grad, and the attributes an adapter sets (``lora_config``, ``lora_base``). Adding an adapter only
+    replaces modules and Parameters and sets flags and attributes, so a refused adapter leaves nothing behind."""
+    modules = {id(m): m for m in model.modules()}
+    for holder in vars(model).values():  # an unregistered part (TaskModel's head), updated by _replace_module too
+        if isinstance(holder, nn.Module):
+            modules.update((id(m), m) for m in holder.modules())
+    saved = [(m, dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in modules.values()]
+    flags = [(p, p.requires_grad) for m in modules.values() for p in m._parameters.values() if p is not None]
+    attributes = {k: vars(model)[k] for k in _LORA_ATTRIBUTES if k in vars(model)}
+    try:
+        yield
+    except BaseException:
+        for module, children, params, buffers in saved:
+            for table, before in ((module._modules, children), (module._parameters, params),
+                                  (module._buffers, buffers)):
+                table.clear()
+                table.update(before)
+        for param, flag in flags:
+            param.requires_grad_(flag)
+        for key in _LORA_ATTRIBUTES:
+            vars(model).pop(key, None)
+        vars(model).update(attributes)
+        raise
+
+
+def atomic(fn: _F) -> _F:
+    """``fn(model, ...)``, which adds an adapter to ``model``, leaving the model as it was when it raises
+    (:func:`undo_on_error`)."""
+    @functools.wraps(fn)
+    def wrapper(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with undo_on_error(model):
+            return fn(model, *args, **kwargs)
+    return wrapper  # type: ignore[return-value]
+
+
+def _listed(value: Any) -> Any:
+    """A copy; an iterable given for a list field as a list (a string, an int or None stays as it is)."""
+    if isinstance(value, dict):
+        return dict(value)
+    return value if value is None or isinstance(value, (str, int)) else list(value)
 
 
 def _untie(model: nn.Module, names: list[str]) -> None:
@@ -34,6 +85,7 @@ def _untie(model: nn.Module, names: list[str]) -> None:
                 setattr(owner, attr, nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
 
 
+@atomic
 def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.0,
              target_modules: Iterable[str] | str | None = None, modules_to_save: Iterable[str] | None = None,
              use_rslora: bool = False, bias: str = "none", task_type: str | None = _TASK_DEFAULT,
@@ -61,10 +113,17 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
     own (:class:`LoraParameters`, the stacked experts of an MoE), with or without ``target_modules`` (``[]``: none;
     ``None``: PEFT's default for the model type, where it has one and PEFT's MoE conversion does not empty it,
     :func:`_peft_converts`; where it does, None without ``target_parameters`` is refused, as PEFT refuses it).
-    Returns the model, which carries ``model.lora_config``.
+    Every regular expression among the settings is checked first, against the names it will be matched with
+    (:func:`flodl_hf.lora.patterns.check_patterns`: one that could backtrack without bound is refused). A refusal
+    at any point leaves the model as it was (:func:`atomic`). Returns the model, which carries ``model.lora_config``.
     """
     if is_lora(model):
         raise AdapterError(f"{type(model).__name__} already has LoRA adapters (one adapter per model)")
+    exclude_modules, layers_pattern = _listed(exclude_modules), _listed(layers_pattern)
+    rank_pattern, alpha_pattern = _listed(rank_pattern), _listed(alpha_pattern)
+    check_patterns({"target_modules": target_modules, "exclude_modules": exclude_modules,
+                    "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "layers_pattern": layers_pattern},
+                   matched_names(model), "add_lora")
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if target_modules is None and target_parameters is not None and _peft_converts(model):
@@ -103,22 +162,18 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 8, dropout: float = 0.
         targets, target_parameters, rank_pattern, alpha_pattern = _convert_moe_targets(
             model, targets, target_parameters, r, alpha, rank_pattern, alpha_pattern)
     targets = minimal_targets(model, targets) if targets is not None else None
-    def listed(value: Any) -> Any:  # a copy; an iterable given for a list field as a list (a string stays one)
-        if isinstance(value, dict):
-            return dict(value)
-        return value if value is None or isinstance(value, (str, int)) else list(value)
     tokens = trainable_token_indices
     if isinstance(tokens, dict):
-        tokens = {k: listed(v) for k, v in tokens.items()}
+        tokens = {k: _listed(v) for k, v in tokens.items()}
     elif tokens is not None and not isinstance(tokens, (str, int)):
         tokens = list(tokens)
     cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=float(dropout), target_modules=targets,
                      modules_to_save=to_save, use_rslora=use_rslora, bias=bias, task=task, task_type=task_type,
-                     rank_pattern={} if rank_pattern is None else listed(rank_pattern),
-                     alpha_pattern={} if alpha_pattern is None else listed(alpha_pattern),
-                     exclude_modules=listed(exclude_modules), layers_to_transform=listed(layers_to_transform),
-                     layers_pattern=listed(layers_pattern), use_dora=use_dora, lora_bias=lora_bias,
-                     trainable_token_indices=tokens, target_parameters=listed(target_parameters))
+                     rank_pattern={} if rank_pattern is None else rank_pattern,
+                     alpha_pattern={} if alpha_pattern is None else alpha_pattern,
+                     exclude_modules=exclude_modules, layers_to_transform=_listed(layers_to_transform),
+                     layers_pattern=layers_pattern, use_dora=use_dora, lora_bias=lora_bias,
+                     trainable_token_indices=tokens, target_parameters=_listed(target_parameters))
 
     chosen: list[str] = []
     tied: list[str] = []

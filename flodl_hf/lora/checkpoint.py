@@ -10,10 +10,12 @@ import torch
 from torch import nn
 
 from flodl_hf.core.errors import AdapterError, CheckpointFormatError
+from flodl_hf.lora.adapt import atomic
 from flodl_hf.lora.base import _check_base, base_reference
 from flodl_hf.lora.config import PEFT_TASK_TYPES, _check_base_record, _check_task, _show, lora_settings
+from flodl_hf.lora.patterns import check_patterns
 from flodl_hf.lora.peft_format import _add_lora_from, _load_into, adapter_state
-from flodl_hf.lora.targets import is_lora
+from flodl_hf.lora.targets import is_lora, matched_names
 
 
 def trainer_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -84,17 +86,19 @@ def _settings(cfg: dict[str, Any]) -> str:
                                                   "target_parameters") if k in cfg)
 
 
+@atomic
 def load_checkpoint_adapter(model: nn.Module, entry: dict[str, Any], settings: dict[str, Any],
                             saved: dict[str, torch.Tensor], path: str | os.PathLike) -> nn.Module:
     """Put a trainer checkpoint's adapter on ``model``, the base its ``"lora"`` entry references (``entry``, from
     :func:`checkpoint_entry`), just loaded: the base's sha256 checked against the recorded one, the adapter of the
     entry's ``settings`` (:func:`lora_settings`) added, its tensors loaded strictly from ``saved`` (the
-    checkpoint's ``"model"``). Returns the model, in eval mode."""
+    checkpoint's ``"model"``). A refusal leaves the model as it was. Returns the model, in eval mode."""
     cfg = entry["config"]
     base = entry.get("base") or {}
     model.lora_base = base_reference(model)
     _check_base(model, base, str(path))
     model.lora_base = base
+    check_patterns(settings, matched_names(model), f"{path}: entry 'lora', 'config'", CheckpointFormatError)
     # a checkpoint written before task_type was recorded: PEFT's task type for the task, as add_lora then took
     task_type = cfg["task_type"] if "task_type" in cfg else PEFT_TASK_TYPES.get(cfg["task"])
     _add_lora_from(model, settings, task_type)

@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flodl_hf.core.errors import AdapterError
+from flodl_hf.lora.patterns import compile_problem, layer_regex, rank_regex, regexes
 
-ALL_LINEAR = "all-linear"   # PEFT's INCLUDE_LINEAR_LAYERS_SHORTHAND
 BIAS_MODES = ("none", "all", "lora_only")
 
 # PEFT's task classes (PeftModelForSequenceClassification ...) add these to modules_to_save.
@@ -74,7 +74,7 @@ class LoraConfig:
         ``rank_pattern`` / ``alpha_pattern`` that matches the end of the name (``get_pattern_key``), else r / alpha."""
         def pick(patterns: dict, default: Any) -> Any:
             for key in patterns:
-                if re.match(rf"(.*\.)?({key})$", name):
+                if re.match(rank_regex(key), name):
                     return patterns[key]
             return default
         return pick(self.rank_pattern, self.r), pick(self.alpha_pattern, self.lora_alpha)
@@ -99,7 +99,7 @@ class LoraConfig:
             patterns = [self.layers_pattern] if isinstance(self.layers_pattern, str) else self.layers_pattern
             match = None
             for pattern in patterns:
-                match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", name)
+                match = re.match(layer_regex(pattern), name)
                 if match is not None:
                     break
         if match is None:
@@ -215,12 +215,6 @@ def lora_settings(data: dict[str, Any], where: str, error: type[Exception] = Ada
             raise error(f"{where}: field {name!r} is {_show(value)} ({type(value).__name__}); expected {expected}")
         out[name] = value
     targets = out["target_modules"]
-    if isinstance(targets, str) and targets.lower() != ALL_LINEAR:  # a regex over the whole module name
-        try:
-            re.compile(targets)
-        except re.error as exc:
-            raise error(f"{where}: field 'target_modules' is {_show(targets)}, not a valid regular expression "
-                        f"({exc}); expected a list of module names or a regular expression string") from None
     problem = _optional_problem(out, targets)
     if problem:
         raise error(f"{where}: {problem}")
@@ -234,16 +228,11 @@ def _optional_problem(values: dict[str, Any], targets: Any) -> str | None:
     for name, _, ok, expected in _OPTIONAL_FIELDS:
         if not ok(values[name]):
             return f"field {name!r} is {_show(values[name])} ({type(values[name]).__name__}); expected {expected}"
-    patterns = [("rank_pattern", k) for k in values["rank_pattern"]]
-    patterns += [("alpha_pattern", k) for k in values["alpha_pattern"]]
-    for name in ("exclude_modules", "layers_pattern"):
-        value = values[name]
-        patterns += [(name, v) for v in ([value] if isinstance(value, str) else value or [])]
-    for name, pattern in patterns:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            return f"field {name!r} holds {_show(pattern)}, not a valid regular expression ({exc})"
+    for name, given, regex, _ in regexes({**values, "target_modules": targets}):
+        problem = compile_problem(regex)  # as PEFT runs it: a key inside its rank_pattern regex ...
+        if problem:
+            what = "has a key" if name in ("rank_pattern", "alpha_pattern") else "holds"
+            return f"field {name!r} {what} {_show(given)}, {problem}"
     for name in ("layers_to_transform", "layers_pattern"):
         if isinstance(targets, str) and values[name] is not None:
             return (f"field {name!r} is {_show(values[name])}, but target_modules is a string (a regular "

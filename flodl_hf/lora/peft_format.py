@@ -14,12 +14,13 @@ from torch import nn
 
 from flodl_hf.core.errors import AdapterBaseMismatchError, AdapterError, UnsupportedAdapterError, WeightsMismatchError
 from flodl_hf.core.fs import ADAPTER_MARK
-from flodl_hf.lora.adapt import add_lora
+from flodl_hf.lora.adapt import add_lora, atomic
 from flodl_hf.lora.base import _check_base, base_paths
 from flodl_hf.lora.config import (_OPTIONAL_FIELDS, PEFT_TASK_TYPES, TASK_OF_PEFT_TASK_TYPE, LoraConfig,
                                   _check_base_record, _check_task, _show, lora_settings)
 from flodl_hf.lora.layers import LoraConv1D, LoraParameters
-from flodl_hf.lora.targets import _module, is_lora, lora_layers, token_targets
+from flodl_hf.lora.patterns import check_patterns
+from flodl_hf.lora.targets import _module, is_lora, lora_layers, matched_names, token_targets
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -165,11 +166,25 @@ _OTHER_FIELDS: tuple[tuple[str, Any, str], ...] = (
 )
 
 
+def adapter_file(directory: str | os.PathLike, name: str) -> Path | None:
+    """``directory/name`` when it is there (None when not), checked to be a regular file inside the adapter
+    directory, as the weights loader checks a checkpoint's files (flodl_hf.core.source_files.checked_file): a
+    symlink is followed when it stays inside (or points into a hub cache's ``blobs/``); one out of the directory,
+    a directory or a device is an AdapterError naming the file."""
+    from flodl_hf.core.source_files import checked_file
+    root = Path(directory).expanduser()
+    path = root / name
+    if not path.exists() and not path.is_symlink():
+        return None
+    checked_file(root, name, AdapterError, "the adapter directory")
+    return path
+
+
 def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
     """``adapter_config.json``, checked: a PEFT type and options we implement, each field of PEFT's type, or a
     typed error naming the file and the field."""
-    path = Path(directory).expanduser() / ADAPTER_CONFIG
-    if not path.is_file():
+    path = adapter_file(directory, ADAPTER_CONFIG)
+    if path is None:
         raise AdapterError(f"{Path(directory)}: no {ADAPTER_CONFIG}, so this is not a PEFT adapter directory")
     from flodl_hf.core.errors import ConfigError
     from flodl_hf.core.io import read_json
@@ -236,8 +251,8 @@ def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
 
 def read_base_stamp(directory: str | os.PathLike) -> dict[str, Any] | None:
     """Our side file (``flodl_hf_base.json``: the task and the base reference), checked; None where absent."""
-    path = Path(directory) / BASE_STAMP
-    if not path.is_file():
+    path = adapter_file(directory, BASE_STAMP)
+    if path is None:
         return None
     from flodl_hf.core.errors import ConfigError
     from flodl_hf.core.io import read_json
@@ -266,8 +281,22 @@ def adapter_task(data: dict[str, Any], directory: Path) -> str | None:
     return None
 
 
+def _check_tensors(tensors: dict[str, Any], where: str) -> None:
+    """Each of an adapter's tensors is a floating-point tensor (PEFT's float32, or a float16 / bfloat16 base's
+    dtype, cast on loading as PEFT casts it); an integer, bool or complex one, or a value that is no tensor, is an
+    AdapterError naming the key (PEFT casts an integer tensor and loads it)."""
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise AdapterError(f"{where}: {key} is a {type(value).__name__}, not a tensor")
+        if not value.is_floating_point():
+            raise AdapterError(f"{where}: {key} is a {str(value.dtype).removeprefix('torch.')} tensor; an adapter's "
+                               "tensors are floating point (float32, or the base's float16 / bfloat16)")
+
+
 def _load_into(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
-    """Strictly put an adapter's tensors (under the model's keys) into a LoRA model."""
+    """Strictly put an adapter's tensors (under the model's keys) into a LoRA model: every key, shape and dtype
+    checked before the first is copied."""
+    _check_tensors(tensors, where)
     want = adapter_state(model)
     missing = [k for k in want if k not in tensors]
     unexpected = sorted(k for k in tensors if k not in want)
@@ -282,18 +311,22 @@ def _load_into(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -
             v.copy_(tensors[k])
 
 
+@atomic
 def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
-    """Add the PEFT LoRA adapter in ``directory`` to ``model`` (in place) and load its weights strictly."""
+    """Add the PEFT LoRA adapter in ``directory`` to ``model`` (in place) and load its weights strictly. Each file
+    is read from inside the directory only (:func:`adapter_file`); a refused adapter leaves the model as it was
+    (:func:`flodl_hf.lora.adapt.atomic`)."""
     directory = Path(directory).expanduser()
     data = read_adapter_config(directory)
-    weights = directory / ADAPTER_WEIGHTS
-    if not weights.is_file():
+    weights = adapter_file(directory, ADAPTER_WEIGHTS)
+    if weights is None:
         raise AdapterError(f"{directory}: no {ADAPTER_WEIGHTS} (adapters saved as .bin are not read; save with "
                            "safe_serialization=True)")
     stamp = read_base_stamp(directory)
     if stamp:
         _check_base(model, stamp.get("base"), str(directory))
     settings = lora_settings(data, str(directory / ADAPTER_CONFIG))
+    check_patterns(settings, matched_names(model), str(directory / ADAPTER_CONFIG))
     task = getattr(model, "task", "base")
     task_type = data.get("task_type")
     if task_type in TASK_OF_PEFT_TASK_TYPE and TASK_OF_PEFT_TASK_TYPE[task_type] != task:
@@ -308,6 +341,7 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> nn.Module:
     except (SafetensorError, OSError, ValueError) as exc:
         raise AdapterError(f"{weights}: not a readable safetensors file ({exc}); {ADAPTER_WEIGHTS} must be what "
                            "PeftModel.save_pretrained writes") from exc
+    _check_tensors(raw, str(weights))
     # token ids checked against this model's embeddings first, so the error names the file
     token_targets(model, settings["trainable_token_indices"], [], str(directory / ADAPTER_CONFIG))
     # PeftModel.from_pretrained: the config's modules_to_save, plus the head its task_type's class adds

@@ -10,7 +10,8 @@ from torch import nn
 
 from flodl_hf.core.errors import AdapterError, UnsupportedAdapterError
 from flodl_hf.core.layers import LazyBuffers
-from flodl_hf.lora.config import ALL_LINEAR, LoraConfig
+from flodl_hf.lora.config import LoraConfig
+from flodl_hf.lora.patterns import ALL_LINEAR
 from flodl_hf.lora.layers import (LoraLinear, LoraParameters, TrainableTokensEmbedding, TrainableTokensLinear,
                                   _lora_class)
 
@@ -161,6 +162,20 @@ def _resolve_moe_string(model: nn.Module, targets: str, task_type: str | None, e
         if old not in matched and any(probe.selects(f"{c}.{old}", modules_to_save) for c in containers.get(new, ())):
             matched.add(old)
     return sorted(matched) if matched else targets
+
+
+def matched_names(model: nn.Module) -> list[str]:
+    """Every string :func:`add_lora` may match a pattern of the settings against (for the bound of
+    :func:`flodl_hf.lora.patterns.check_patterns`): the module names, ours and transformers', transformers'
+    Parameter names (target_parameters' ranks, PEFT's MoE conversion), and the names that conversion forms from
+    an expert container and a moved name (``mlp.experts.gate_proj``)."""
+    modules = [n for n, _ in model.named_modules()]
+    key_map = model.family.key_map() if hasattr(model, "family") else None
+    params = [key_map.module_name(n) if key_map is not None else n for n, _ in model.named_parameters()]
+    names = modules + [_hf_module_name(model, n) for n in modules if n] + params
+    for old, new in _peft_moe_targets(model).items():
+        names += [f"{name.rpartition('.')[0]}.{old}" for name in params if name.rpartition(".")[2] == new]
+    return names
 
 
 def _peft_converts(model: nn.Module) -> bool:

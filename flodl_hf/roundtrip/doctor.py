@@ -77,7 +77,16 @@ def machine() -> dict[str, str]:
             "blas": (blas.group(1) if blas else "unknown") + (f" ({mkl.group(1).strip()})" if mkl else ""),
             "threads": str(torch.get_num_threads()),
             "versions": f"torch {torch.__version__}, transformers {transformers.__version__}, "
-                        f"python {platform.python_version()}"}
+                        f"python {platform.python_version()}",
+            "tested range": _range_line({"torch": torch.__version__, "transformers": transformers.__version__})}
+
+
+def _range_line(installed: dict[str, str]) -> str:
+    """'torch 2.5.1 to 2.14.1, transformers 5.18.0 to 5.25.0: both inside', or which one lies outside."""
+    from flodl_hf.core.version import TESTED_RANGE, tested
+    span = ", ".join(f"{name} {low} to {high}" for name, (low, high) in TESTED_RANGE.items())
+    outside = [f"{name} {version}" for name, version in installed.items() if not tested(name, version)]
+    return f"{span}: " + (f"OUTSIDE ({', '.join(outside)}: untested here)" if outside else "both inside")
 
 
 def prove_shortcuts(full_rows=PROOF_FULL_ROWS, gathered=PROOF_GATHERED, seed: int = 0) -> list[dict]:

@@ -13,8 +13,8 @@ to transformers on every batch; ``"bf16"`` and ``"int8"`` are faster and change 
 measured in docs/benchmarks.md).
 
 One module per task (``fill_mask``, ``classify``, ``zero_shot``, ``tag``, ``answer``, ``embed`` with
-``rank``, ELECTRA's ``detect_replaced``, and the text-generation pipeline ``generate``) over a shared runtime (``runtime``: loading, batching, precisions,
-the forward loop). The commands are in ``flodl_hf.commands.tasks``.
+``rank``, ELECTRA's ``detect_replaced``, and the text-generation pipeline ``generate``) over a shared runtime
+(``runtime``: loading, batching, precisions, the forward loop). The commands are in ``flodl_hf.commands.tasks``.
 """
 
 from __future__ import annotations

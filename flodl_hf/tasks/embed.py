@@ -230,7 +230,8 @@ def _modules(root: Path | None) -> list[dict] | None:
 
     Each step: {"kind": "Pooling", "modes"}, {"kind": "Dense", ...} or {"kind": "Normalize"}."""
     from flodl_hf.core import source_files
-    if root is None or not ((root / source_files.MODULES_NAME).exists() or (root / source_files.MODULES_NAME).is_symlink()):
+    listed = None if root is None else root / source_files.MODULES_NAME
+    if listed is None or not (listed.exists() or listed.is_symlink()):
         return None
     where = root / source_files.MODULES_NAME
     entries = source_files.read_modules(root)

@@ -21,11 +21,13 @@ templates render in ``chat``.
 from __future__ import annotations
 
 from flodl_hf.tokenization.chat import ChatTemplateError, render_chat
+from flodl_hf.tokenization.sandbox import LIMITS, ChatLimits, ChatTemplateLimitError
 from flodl_hf.tokenization.loading import CLASS_FOR_MODEL_TYPE, class_name_for, read_tokenizer, tokenizer_directory
 from flodl_hf.tokenization.recipes import RECIPES, Recipe
 from flodl_hf.tokenization.settings import LARGE_INTEGER, SPECIAL_TOKEN_NAMES, VERY_LARGE_INTEGER, TokenizerSettings
 from flodl_hf.tokenization.tokenizer import AutoTokenizer, BatchEncoding, Tokenizer, check_text
 
-__all__ = ["AutoTokenizer", "BatchEncoding", "CLASS_FOR_MODEL_TYPE", "ChatTemplateError", "LARGE_INTEGER", "RECIPES",
-           "Recipe", "SPECIAL_TOKEN_NAMES", "Tokenizer", "TokenizerSettings", "VERY_LARGE_INTEGER", "check_text",
-           "class_name_for", "read_tokenizer", "render_chat", "tokenizer_directory"]
+__all__ = ["AutoTokenizer", "BatchEncoding", "CLASS_FOR_MODEL_TYPE", "ChatLimits", "ChatTemplateError",
+           "ChatTemplateLimitError", "LIMITS", "LARGE_INTEGER", "RECIPES", "Recipe", "SPECIAL_TOKEN_NAMES",
+           "Tokenizer", "TokenizerSettings", "VERY_LARGE_INTEGER", "check_text", "class_name_for", "read_tokenizer",
+           "render_chat", "tokenizer_directory"]

@@ -5,31 +5,27 @@ A template is jinja2 in a sandboxed environment with transformers' settings (``t
 ``{% generation %}`` block); ``render_chat`` passes it transformers' variables (``messages``,
 ``add_generation_prompt``, the special tokens, ``tools``, ``documents``) and handles
 ``continue_final_message``. Where a tokenizer's templates come from is read in ``flodl_hf.tokenization.loading``.
+
+Unlike transformers', a render is bounded: the environment (``flodl_hf.tokenization.sandbox``) checks the template's
+work against ``sandbox.LIMITS``, ``render_chat`` measures the output as it comes, and each message, tool, document or
+variable is refused with an error naming it where it nests deeper than ``LIMITS.depth``, before anything recurses.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
-import json
 from collections.abc import Mapping
-from contextvars import ContextVar
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from flodl_hf.core.errors import ConfigError, FlodlHFError, InputError
-
-
-class ChatTemplateError(InputError):
-    """The chat template failed while rendering: its raise_exception(...) (transformers raises jinja2's
-    TemplateError there), or another error inside the template."""
-
+from flodl_hf.tokenization import sandbox
+from flodl_hf.tokenization.sandbox import (GENERATION_TRACKING, ChatLimits, ChatTemplateError,  # noqa: F401 - the API
+                                           ChatTemplateLimitError, chat_environment, compile_template, render)
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
-_GENERATION_TRACKING: ContextVar = ContextVar("flodl_hf_chat_generation", default=None)
 
 
 def _named_origin(origin: str | dict[str, str], name: str) -> str:
@@ -64,125 +60,82 @@ def _read_template_file(path: Path) -> str:
         raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from exc
 
 
-@functools.lru_cache(maxsize=1)
-def _chat_environment() -> Any:
-    """The sandboxed Jinja environment transformers renders chat templates in: trim_blocks, lstrip_blocks, the
-    loopcontrols extension and a {% generation %} block (which records the assistant's spans), a tojson filter
-    without HTML escaping, raise_exception, strftime_now, and a guarded dict() and namespace()."""
-    import jinja2
-    import jinja2.ext
-    import jinja2.nodes
-    import jinja2.utils
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+class _Walk:
+    """One input (a message, tool, document or variable) as it is copied: its characters and items, and a typed error
+    naming it past LIMITS.depth or LIMITS.items, raised before the copy recurses any deeper (transformers raises a
+    bare RecursionError, or copies shared lists for as long as they multiply)."""
+    __slots__ = ("where", "chars", "items", "depth", "most")
 
-    class GenerationBlock(jinja2.ext.Extension):
-        tags = {"generation"}
+    def __init__(self, where: str) -> None:
+        limits = sandbox.LIMITS
+        self.where, self.chars, self.items, self.depth, self.most = where, 0, 1, limits.depth, limits.items
 
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_span"), [], [], body).set_lineno(lineno)
-
-        def _span(self, caller: Any) -> str:
-            text = caller()
-            tracking = _GENERATION_TRACKING.get()
-            if tracking is not None:  # the text rendered so far is the blocks already produced
-                blocks, spans = tracking
-                start = sum(len(b) for b in blocks)
-                spans.append((start, start + len(text)))
-            return text
-
-    def raise_exception(message: Any) -> None:
-        raise _TemplateRaised(message)
-
-    class _TemplateRaised(jinja2.exceptions.TemplateError):
-        pass
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(format: str) -> str:  # noqa: A002 - the name templates use
-        return datetime.now().strftime(format)
-
-    class TemplateDict:
-        def __call__(self, *args: Any, **kwargs: Any) -> dict:
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-            return dict.fromkeys(*args, **kwargs)
-
-    def _check_name(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"chat templates cannot store underscore-prefixed attributes on a namespace ({name!r})")
-
-    class TemplateNamespace(jinja2.utils.Namespace):
-        def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - Namespace's own signature trick
-            self, rest = args[0], args[1:]
-            attrs = dict(*rest, **kwargs)
-            for name in attrs:
-                _check_name(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name: str, value: Any) -> None:
-            _check_name(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlock, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(),
-                       namespace=TemplateNamespace)
-    env.raised = _TemplateRaised
-    return env
+    def enter(self, depth: int, size: int) -> None:
+        """A list or dict of ``size`` items at ``depth`` (the message itself is 1)."""
+        if depth > self.depth:
+            raise InputError(f"{self.where}: nested more than {self.depth} lists and dicts deep: refused (a "
+                             "message's content is a string or a list of content blocks; "
+                             "flodl_hf.tokenization.sandbox.LIMITS.depth)")
+        self.items += size
+        if self.items > self.most:
+            raise InputError(f"{self.where}: holds more than {self.most:,} strings, numbers, lists and dicts: refused "
+                             "(flodl_hf.tokenization.sandbox.LIMITS.items)")
 
 
-@functools.lru_cache(maxsize=64)
-def _compile_chat_template(template: str) -> Any:
-    return _chat_environment().from_string(template)
+def _walked(copy: Any, value: Any, where: str) -> tuple[Any, _Walk]:
+    """``copy(value, walk)`` (_plain or _as_dicts) and its walk; a model_dump() deeper than the stack is named too."""
+    walk = _Walk(where)
+    try:
+        return copy(value, walk), walk
+    except RecursionError:
+        raise InputError(f"{where}: nested too deeply to read (a RecursionError): refused") from None
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: Any, walk: _Walk, depth: int = 1) -> Any:
     """What a template may see: plain JSON-like data (exact str/int/float/bool/None, dicts, lists, tuples), with
     subclasses stripped, numpy scalars unwrapped, dataclasses and pydantic models made dicts, anything else a
-    "<TypeName>" placeholder; as transformers' _plain_template_data."""
-    if value is None or type(value) in (str, int, float, bool):
+    "<TypeName>" placeholder; as transformers' _plain_template_data. Measured by ``walk``."""
+    if type(value) is str:
+        walk.chars += len(value)
+        return value
+    if value is None or type(value) in (int, float, bool):
         return value
     if isinstance(value, str):
-        return str.__str__(value)
+        return _plain(str.__str__(value), walk, depth)
     if isinstance(value, int):
         return int.__int__(value)
     if isinstance(value, float):
         return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
+    if isinstance(value, (Mapping, list, tuple)):
+        walk.enter(depth, len(value))
+        depth += 1
+        if isinstance(value, Mapping):
+            return {_plain(k, walk, depth): _plain(v, walk, depth) for k, v in value.items()}
+        items = [_plain(v, walk, depth) for v in value]
+        return items if isinstance(value, list) else tuple(items)
     import numpy
     if isinstance(value, numpy.generic):  # np.bool_(False) would otherwise be a truthy placeholder
-        return _plain(value.item())
+        return _plain(value.item(), walk, depth)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return _plain({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, walk, depth)
     if callable(getattr(value, "model_dump", None)):
-        return _plain(value.model_dump())
+        return _plain(value.model_dump(), walk, depth)
     return f"<{type(value).__name__}>"
 
 
-def _as_dicts(value: Any) -> Any:
+def _as_dicts(value: Any, walk: _Walk, depth: int = 1) -> Any:
     """Message objects (dataclasses, pydantic models) and those nested in them as dicts; media left as they are."""
-    if isinstance(value, Mapping):
-        return {k: _as_dicts(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_as_dicts(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_as_dicts(v) for v in value)
+    if isinstance(value, (Mapping, list, tuple)):
+        walk.enter(depth, len(value))
+        depth += 1
+        if isinstance(value, Mapping):
+            return {k: _as_dicts(v, walk, depth) for k, v in value.items()}
+        items = [_as_dicts(v, walk, depth) for v in value]
+        return items if isinstance(value, list) else tuple(items)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _as_dicts(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return _as_dicts({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, walk, depth)
     if callable(getattr(value, "model_dump", None)):
-        return _as_dicts(value.model_dump())
+        return _as_dicts(value.model_dump(), walk, depth)
     return value
 
 
@@ -199,11 +152,14 @@ def _conversations(conversation: Any) -> tuple[list[list[dict]], bool]:
     out = []
     for c, chat in enumerate(chats):
         name = f"conversation[{c}]" if batched else "conversation"
-        messages = _as_dicts(getattr(chat, "messages", chat))
+        messages = getattr(chat, "messages", chat)
+        if not isinstance(messages, (list, tuple)):
+            messages = _walked(_as_dicts, messages, name)[0]
         if not isinstance(messages, (list, tuple)):
             raise InputError(f"{name} is a {type(messages).__name__}: expected a list of message dicts")
         normal = []
         for i, message in enumerate(messages):
+            message = _walked(_as_dicts, message, f"{name}[{i}]")[0]
             if not isinstance(message, dict):
                 raise InputError(f"{name}[{i}] is {message!r} ({type(message).__name__}): a message is a dict "
                                  "such as {\"role\": \"user\", \"content\": ...}")
@@ -237,12 +193,23 @@ def render_chat(conversations: list[list[dict]], template: str, origin: str = "t
     """Render each conversation with ``template`` as transformers' render_jinja_template: the texts, and per
     conversation the (start, end) spans of its {% generation %} blocks when ``track``."""
     import jinja2
-    env = _chat_environment()
+    env = chat_environment()
     try:
-        compiled = _compile_chat_template(template)
+        compiled = compile_template(template)
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise error(f"{origin}: not a valid Jinja template (line {exc.lineno}: {exc.message})") from exc
-    tool_schemas = _plain(_tool_schemas(tools))
+    except RecursionError:
+        raise error(f"{origin}: not a Jinja template that can be compiled: its expressions or blocks nest too "
+                    "deeply (a RecursionError)") from None
+    schemas = _tool_schemas(tools)
+    shared = [len(template), 0]  # the characters and items of what every conversation's render is given
+
+    def plain(value: Any, where: str) -> Any:
+        value, walk = _walked(_plain, value, where)
+        shared[0] += walk.chars
+        shared[1] += walk.items
+        return value
+    tool_schemas = None if schemas is None else [plain(t, f"tools[{i}]") for i, t in enumerate(schemas)]
     if documents is not None:
         if not isinstance(documents, (list, tuple)):
             raise InputError(f"documents is a {type(documents).__name__}: expected a list of dicts")
@@ -250,14 +217,18 @@ def render_chat(conversations: list[list[dict]], template: str, origin: str = "t
             if not isinstance(document, dict):
                 raise InputError(f"documents[{i}] is a {type(document).__name__}: a document is a dict with "
                                  "'title' and 'text'")
-    documents = _plain(documents)
-    variables = _plain(dict(variables or {}))
+        documents = type(documents)(plain(d, f"documents[{i}]") for i, d in enumerate(documents))
+    variables = {plain(k, "a template variable's name"): plain(v, f"{k} (a template variable)")
+                 for k, v in dict(variables or {}).items()}
     for name in ("messages", "tools", "documents", "add_generation_prompt"):
         if name in variables:
             raise InputError(f"{name}: a keyword of apply_chat_template, not a template variable to pass in kwargs")
     texts, all_spans = [], []
     for c, chat in enumerate(conversations):
-        chat = _plain(chat)
+        if not isinstance(chat, (list, tuple)):
+            raise InputError(f"conversation[{c}] is a {type(chat).__name__}: expected a list of message dicts")
+        sized = [_walked(_plain, message, f"conversation[{c}][{i}]") for i, message in enumerate(chat)]
+        chat = [message for message, _ in sized]
         for i, message in enumerate(chat):
             if not isinstance(message, dict):
                 raise InputError(f"conversation[{c}][{i}] is not a dict: a message is a dict")
@@ -296,24 +267,24 @@ def render_chat(conversations: list[list[dict]], template: str, origin: str = "t
         spans: list[tuple[int, int]] = []
         arguments = dict(messages=chat, tools=tool_schemas, documents=documents,
                          add_generation_prompt=add_generation_prompt, **variables)
-        token = _GENERATION_TRACKING.set((blocks, spans)) if track else None
+        token = GENERATION_TRACKING.set((blocks, spans)) if track else None
         try:
-            if track:
-                for block in compiled.generate(**arguments):
-                    blocks.append(block)
-                text = "".join(blocks)
-            else:
-                text = compiled.render(**arguments)
+            render(compiled, arguments, blocks, origin, shared[0] + sum(w.chars for _, w in sized),
+                   shared[1] + sum(w.items for _, w in sized))
+            text = "".join(blocks)
         except env.raised as exc:
             raise ChatTemplateError(f"{origin}: the chat template raised: {exc.message}") from exc
         except FlodlHFError:
             raise
+        except RecursionError:
+            raise ChatTemplateLimitError(f"{origin}: the chat template recursed too deeply (a macro or a recursive "
+                                         "loop that calls itself without end): refused") from None
         except Exception as exc:  # noqa: BLE001 - a template fails in many ways; name the template
             raise ChatTemplateError(f"{origin}: rendering the chat template failed "
                                     f"({type(exc).__name__}: {exc})") from exc
         finally:
             if token is not None:
-                _GENERATION_TRACKING.reset(token)
+                GENERATION_TRACKING.reset(token)
         if continue_final_message:
             tag = _CONTINUE_TAG.strip()
             if final.strip() not in text or tag not in text:

@@ -20,12 +20,13 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
 from flodl_hf.core import io
-from flodl_hf.core.errors import ConfigError, FlodlHFError, InputError, SourceNotFoundError
+from flodl_hf.core.errors import CheckpointFormatError, ConfigError, FlodlHFError, InputError, SourceNotFoundError
+from flodl_hf.core.source_files import allowed_roots, inside
 from flodl_hf.tokenization.chat import _chat_template_value, _read_template_file
 from flodl_hf.tokenization.recipes import RECIPES, Recipe
-from flodl_hf.tokenization.settings import (CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, SPECIAL_TOKEN_NAMES,
-                                            SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, TOKENIZER_FILE, VERY_LARGE_INTEGER,
-                                            TokenizerSettings)
+from flodl_hf.tokenization.settings import (CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, DIRECTORY_FILES, DIRECTORY_PATTERNS,
+                                            SPECIAL_TOKEN_NAMES, SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, TOKENIZER_FILE,
+                                            VERY_LARGE_INTEGER, TokenizerSettings)
 
 # The tokenizer class transformers picks from config.json's model_type when tokenizer_config.json names none
 # (transformers.models.auto.tokenization_auto.TOKENIZER_MAPPING_NAMES, for our families).
@@ -145,8 +146,40 @@ def tokenizer_directory(source: str | os.PathLike, revision: str | None = None) 
     return io.resolve(source, revision).root
 
 
+def _check_inside(root: Path) -> None:
+    """Refuse a tokenizer directory where a file read from it (settings.DIRECTORY_FILES and DIRECTORY_PATTERNS,
+    additional_chat_templates/ and its templates) is a symlink out of it, or is reached through a linked folder that
+    leaves it, as the weights loader refuses one (flodl_hf.core.source_files); transformers follows such a link.
+    A link inside the directory, or from a hub snapshot into its cache's blobs/, is followed. Also refused: such a
+    file that is a FIFO, socket or device (reading one would block, or never end)."""
+    roots = allowed_roots(root)
+    templates = root / CHAT_TEMPLATE_DIR
+    paths = [*(root / name for name in DIRECTORY_FILES), *sorted(p for g in DIRECTORY_PATTERNS for p in root.glob(g))]
+    for path in [*paths, templates]:
+        _check_member(root, roots, path)
+    if templates.is_dir():  # inside the directory, as just checked
+        for path in sorted(templates.glob("*.jinja")):
+            _check_member(root, roots, path)
+
+
+def _check_member(root: Path, roots: list[Path], path: Path) -> None:
+    if not (path.exists() or path.is_symlink()):
+        return
+    try:
+        real = path.resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        raise CheckpointFormatError(f"{path}: cannot be resolved ({exc}): refused") from None
+    if not inside(real, roots):
+        how = f"is a symlink to {real}" if path.is_symlink() else f"resolves to {real} (through a linked folder)"
+        raise CheckpointFormatError(f"{path}: {how}, outside the tokenizer directory {root}: refused, nothing "
+                                    "outside it is read (copy the file in, or remove the link)")
+    if real.exists() and not (real.is_file() or real.is_dir()):
+        raise CheckpointFormatError(f"{path}: is not a regular file (a FIFO, socket or device): refused")
+
+
 def class_name_for(root: Path, config: dict | None = None) -> str | None:
     """The tokenizer class transformers would pick for this directory (None: unknown)."""
+    _check_inside(root)
     tok_config = _read_json(root / TOKENIZER_CONFIG) if config is None else config
     name = tok_config.get("tokenizer_class")
     model_config = _read_json(root / "config.json")
@@ -160,6 +193,7 @@ def read_tokenizer(source: str | os.PathLike, revision: str | None,
     """The backend and settings of the tokenizer of ``source``, for ``AutoTokenizer.from_pretrained``;
     ``options`` override tokenizer_config.json, as in transformers."""
     root = tokenizer_directory(source, revision)
+    _check_inside(root)
     file_config = _read_json(root / TOKENIZER_CONFIG)
     chat = _chat_settings(root, file_config, options)
     backend, settings = _load(root, source, {**file_config, **options}, options)

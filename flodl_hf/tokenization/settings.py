@@ -11,6 +11,11 @@ SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"            # beside tokenizer_config.json; wins over its chat_template
 CHAT_TEMPLATE_DIR = "additional_chat_templates"       # <name>.jinja: more named templates
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Every file of a tokenizer directory that we, or transformers where it builds the tokenizer, may read; each must
+# stay inside the directory (loading._check_inside). Patterns are globs of the directory's own entries.
+DIRECTORY_FILES = (TOKENIZER_CONFIG, TOKENIZER_FILE, SPECIAL_TOKENS_MAP, "added_tokens.json", "config.json",
+                   CHAT_TEMPLATE_FILE, "chat_template.json", "vocab.txt", "vocab.json", "merges.txt", "tekken.json")
+DIRECTORY_PATTERNS = ("*.model", "tokenizer*.json", "*.tiktoken")
 VERY_LARGE_INTEGER = int(1e30)  # transformers' "no limit" model_max_length
 LARGE_INTEGER = int(1e20)
 

@@ -15,11 +15,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from tokenizers import Encoding
+from tokenizers import AddedToken, Encoding
 from tokenizers import Tokenizer as BackendTokenizer
 
-from flodl_hf.core.errors import ConfigError, InputError
+from flodl_hf.core.errors import ConfigError, InputError, push_to_hub_refused
 from flodl_hf.tokenization.chat import _chat_template_value, _conversations, _named_origin, render_chat
+from flodl_hf.tokenization import padding as collation
+from flodl_hf.tokenization import saving
+from flodl_hf.tokenization.padding import as_tensor
 from flodl_hf.tokenization.loading import read_tokenizer
 from flodl_hf.tokenization.settings import (CHAT_TEMPLATE_FILE, LARGE_INTEGER, SPECIAL_TOKEN_NAMES, TOKENIZER_CONFIG,
                                             TokenizerSettings)
@@ -38,14 +41,14 @@ class BatchEncoding(dict):
         except KeyError:
             raise AttributeError(name) from None
 
-    def word_ids(self, index: int = 0) -> list[int | None]:
-        return self.encodings[index].word_ids
+    def word_ids(self, batch_index: int = 0) -> list[int | None]:
+        return self.encodings[batch_index].word_ids
 
-    def sequence_ids(self, index: int = 0) -> list[int | None]:
-        return self.encodings[index].sequence_ids
+    def sequence_ids(self, batch_index: int = 0) -> list[int | None]:
+        return self.encodings[batch_index].sequence_ids
 
-    def tokens(self, index: int = 0) -> list[str]:
-        return self.encodings[index].tokens
+    def tokens(self, batch_index: int = 0) -> list[str]:
+        return self.encodings[batch_index].tokens
 
     def to(self, device: str | torch.device) -> "BatchEncoding":
         for key, value in self.items():
@@ -66,6 +69,7 @@ class Tokenizer:
         self.backend_tokenizer = backend
         self.settings = settings
         self.name_or_path = name_or_path
+        self.init_kwargs: dict[str, Any] = {}  # what it was loaded with (AutoTokenizer.from_pretrained fills it)
         backend.no_truncation()
         backend.no_padding()
         backend.encode_special_tokens = settings.split_special_tokens
@@ -100,13 +104,101 @@ class Tokenizer:
         return True
 
     def __getattr__(self, name: str) -> Any:
-        # bos_token ... mask_token and their *_id, from the settings.
+        # bos_token ... mask_token and their *_id, extra_special_tokens and its *_ids, from the settings.
         if name in SPECIAL_TOKEN_NAMES:
             return self.settings.special_tokens.get(name)
         if name.endswith("_id") and name[:-3] in SPECIAL_TOKEN_NAMES:
             token = self.settings.special_tokens.get(name[:-3])
             return None if token is None else self.convert_tokens_to_ids(token)
+        if name == "extra_special_tokens":
+            return list(self.settings.extra_special_tokens)
+        if name == "extra_special_tokens_ids":
+            return self.convert_tokens_to_ids(list(self.settings.extra_special_tokens))
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """transformers' assignments take effect: ``tok.pad_token = tok.eos_token``, ``tok.pad_token_id = 0``,
+        ``tok.extra_special_tokens = [...]`` set the special tokens padding and decoding read; ``tok.padding_side``,
+        ``tok.truncation_side`` and ``tok.model_max_length`` set the settings. A token set this way is not added to
+        the vocabulary (``add_special_tokens`` adds), as in transformers."""
+        base = name.removesuffix("_ids").removesuffix("_id") if name.endswith(("_id", "_ids")) else name
+        if base in SPECIAL_TOKEN_NAMES:
+            if name != base and value is not None:
+                value = self._token_of(value, name)
+            if value is not None and not isinstance(value, (str, AddedToken)):
+                raise InputError(f"tokenizer.{name} = {value!r}: a special token is a string (or None to unset)")
+            self.settings.special_tokens[base] = None if value is None else str(value)
+        elif base == "extra_special_tokens":
+            if value is not None and (not isinstance(value, (list, tuple))
+                                      or (name == base and not all(isinstance(t, (str, AddedToken)) for t in value))):
+                raise InputError(f"tokenizer.{name} = {value!r}: expected a list of "
+                                 + ("token ids" if name != base else "token strings"))
+            tokens = [self._token_of(v, name) if name != base else str(v) for v in value or []]
+            self.settings.extra_special_tokens = tokens
+        elif name in ("padding_side", "truncation_side"):
+            if value not in ("left", "right"):
+                raise InputError(f"tokenizer.{name} = {value!r}: expected 'left' or 'right'")
+            setattr(self.settings, name, value)
+        elif name == "model_max_length":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"tokenizer.model_max_length = {value!r}: expected a positive integer")
+            self.settings.model_max_length = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def _token_of(self, token_id: Any, name: str) -> str:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < len(self):
+            raise InputError(f"tokenizer.{name} = {token_id!r}: not a token id of this tokenizer "
+                             f"(0 to {len(self) - 1})")
+        return self.backend_tokenizer.id_to_token(token_id)
+
+    def add_tokens(self, new_tokens: str | AddedToken | Sequence[str | AddedToken], special_tokens: bool = False) -> int:
+        """transformers' ``add_tokens``: tokens not in the vocabulary are added at its end; returns how many were
+        added (then ``model.resize_token_embeddings(len(tokenizer))``)."""
+        if not new_tokens:
+            return 0
+        tokens = list(new_tokens) if isinstance(new_tokens, (list, tuple)) else [new_tokens]
+        bad = [t for t in tokens if not isinstance(t, (str, AddedToken))]
+        if bad:
+            raise InputError(f"add_tokens: {bad[0]!r} is not a string or tokenizers.AddedToken")
+        backend = self.backend_tokenizer
+        return backend.add_special_tokens(tokens) if special_tokens else backend.add_tokens(tokens)
+
+    def add_special_tokens(self, special_tokens_dict: dict[str, Any], replace_extra_special_tokens: bool = True) -> int:
+        """transformers' ``add_special_tokens``: ``{"pad_token": "[PAD]", "extra_special_tokens": [...]}`` names the
+        tokens and adds those not in the vocabulary; returns how many were added."""
+        if not special_tokens_dict:
+            return 0
+        if not isinstance(special_tokens_dict, dict):
+            raise InputError(f"add_special_tokens takes a dict such as {{'pad_token': '[PAD]'}}, "
+                             f"got {type(special_tokens_dict).__name__}")
+        wanted = dict(special_tokens_dict)
+        if "additional_special_tokens" in wanted and not wanted.get("extra_special_tokens"):
+            wanted["extra_special_tokens"] = wanted.pop("additional_special_tokens")
+        allowed = (*SPECIAL_TOKEN_NAMES, "extra_special_tokens")
+        for key, value in wanted.items():  # every entry checked before anything changes
+            if key not in allowed:
+                raise InputError(f"add_special_tokens: {key!r} is not a special token name; use one of "
+                                 + ", ".join(allowed))
+            values = value if key == "extra_special_tokens" and isinstance(value, (list, tuple)) else [value]
+            if key == "extra_special_tokens" and not isinstance(value, (list, tuple)):
+                raise InputError(f"add_special_tokens: extra_special_tokens={value!r} must be a list of tokens")
+            if not all(isinstance(v, (str, AddedToken)) for v in values):
+                raise InputError(f"add_special_tokens: {key}={value!r} must be a string or tokenizers.AddedToken")
+        to_add = []
+        for key, value in wanted.items():
+            if key == "extra_special_tokens":
+                new = [_special(t) for t in value if replace_extra_special_tokens
+                       or str(t) not in self.settings.extra_special_tokens]
+                extras = [str(t) for t in new]
+                self.settings.extra_special_tokens = (extras if replace_extra_special_tokens and new
+                                                      else self.settings.extra_special_tokens + extras)
+                to_add += new
+            else:
+                token = _special(value)
+                self.settings.special_tokens[key] = str(token)
+                to_add.append(token)
+        return self.add_tokens(to_add, special_tokens=True)
 
     @property
     def all_special_tokens(self) -> list[str]:
@@ -130,6 +222,38 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer({self.settings.class_name}, vocab={len(self)}, model_max_length="
                 f"{self.model_max_length}, source={self.name_or_path!r})")
+
+    # ---- what transformers' data collators call -------------------------------------------------------
+    def pad(self, encoded_inputs: Any, padding: bool | str = True, max_length: int | None = None,
+            pad_to_multiple_of: int | None = None, padding_side: str | None = None,
+            return_attention_mask: bool | None = None, return_tensors: str | None = None) -> BatchEncoding:
+        """transformers' ``tokenizer.pad`` (``flodl_hf.tokenization.padding``), which ``DataCollatorWithPadding`` and
+        its sisters call."""
+        return BatchEncoding(collation.pad(self, encoded_inputs, padding, max_length, pad_to_multiple_of,
+                                           padding_side, return_attention_mask, return_tensors))
+
+    def get_special_tokens_mask(self, token_ids_0: list[int], token_ids_1: list[int] | None = None,
+                                already_has_special_tokens: bool = False) -> list[int]:
+        """1 for each special token in ids the tokenizer made (``DataCollatorForLanguageModeling`` asks it)."""
+        return collation.get_special_tokens_mask(self, token_ids_0, token_ids_1, already_has_special_tokens)
+
+    # ---- saving --------------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory: str | os.PathLike, legacy_format: bool | None = None,
+                        filename_prefix: str | None = None, push_to_hub: bool = False,
+                        save_jinja_files: bool = True, **kwargs: Any) -> tuple[str, ...]:
+        """tokenizer_config.json, the chat template files and tokenizer.json, as transformers 5 writes them
+        (``flodl_hf.tokenization.saving``): both transformers and flodl-hf reload them and tokenize as before.
+        ``push_to_hub=True`` (with its ``repo_id``...) is an UnsupportedFeatureError, before anything is written."""
+        if push_to_hub:
+            raise push_to_hub_refused("tokenizer")
+        if kwargs:
+            raise TypeError(f"save_pretrained() got unexpected keyword arguments: {', '.join(sorted(kwargs))}")
+        return saving.save_pretrained(self, save_directory, legacy_format, filename_prefix, push_to_hub,
+                                      save_jinja_files)
+
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: flodl-hf makes no network access (``save_pretrained``, then upload with huggingface_hub)."""
+        raise push_to_hub_refused("tokenizer")
 
     # ---- chat templates (transformers' apply_chat_template) -----------------------------------------
     @property
@@ -247,7 +371,7 @@ class Tokenizer:
                         mask[t] = 1
                 masks.append(mask)
             if return_tensors is not None:
-                out["assistant_masks"] = _as_tensor("assistant_masks", masks, return_tensors)
+                out["assistant_masks"] = as_tensor("assistant_masks", masks, return_tensors)
             else:
                 out["assistant_masks"] = masks if batched else masks[0]
         return out
@@ -344,10 +468,15 @@ class Tokenizer:
                  padding_side: str | None = None, return_tensors: str | None = "pt",
                  return_token_type_ids: bool | None = None, return_attention_mask: bool | None = None,
                  return_overflowing_tokens: bool = False, return_special_tokens_mask: bool = False,
-                 return_offsets_mapping: bool = False, return_length: bool = False) -> BatchEncoding:
+                 return_offsets_mapping: bool = False, return_length: bool = False,
+                 is_split_into_words: bool = False) -> BatchEncoding:
+        """``is_split_into_words=True``: ``text`` is one list of words, or a batch of them (token classification's
+        ``tokenizer(examples["tokens"], truncation=True, is_split_into_words=True)``), as transformers."""
         pad, trunc, max_length = self._strategies(padding, truncation, max_length)
         batched = isinstance(text, (list, tuple))
-        if batched:
+        if is_split_into_words:
+            inputs, batched = _words(text, text_pair)
+        elif batched:
             if isinstance(text_pair, str):
                 raise InputError("when text is a batch, text_pair must be a batch of the same length")
             if text_pair is not None and len(text) != len(text_pair):
@@ -364,7 +493,8 @@ class Tokenizer:
             inputs = [(text, text_pair)] if text_pair else [text]
         else:
             raise InputError(f"text must be a string or a list of strings, not {type(text).__name__}")
-        _check_inputs(inputs)
+        if not is_split_into_words:
+            _check_inputs(inputs)
 
         backend = self.backend_tokenizer
         if trunc == "do_not_truncate":
@@ -379,7 +509,8 @@ class Tokenizer:
                                    length=max_length if pad == "max_length" else None,
                                    pad_to_multiple_of=pad_to_multiple_of)
         try:
-            encodings = backend.encode_batch(inputs, add_special_tokens=add_special_tokens)
+            encodings = backend.encode_batch(inputs, add_special_tokens=add_special_tokens,
+                                             is_pretokenized=is_split_into_words)
         finally:
             backend.no_truncation()
             backend.no_padding()
@@ -423,7 +554,7 @@ class Tokenizer:
         if return_tensors is not None:
             if return_tensors not in ("pt", "np"):
                 raise ValueError(f"return_tensors={return_tensors!r}: expected 'pt', 'np' or None")
-            return BatchEncoding({k: _as_tensor(k, v, return_tensors) for k, v in fields.items()}, flat)
+            return BatchEncoding({k: as_tensor(k, v, return_tensors) for k, v in fields.items()}, flat)
         if not batched and not return_overflowing_tokens:
             return BatchEncoding({k: (v[0] if v and isinstance(v[0], list) else v) for k, v in fields.items()}, flat)
         return BatchEncoding(fields, flat)
@@ -437,6 +568,13 @@ _CALL_KEYWORDS = frozenset(inspect.signature(Tokenizer.__call__).parameters) - {
 
 
 # ---- input checks --------------------------------------------------------------------------------
+
+def _special(token: str | AddedToken) -> AddedToken:
+    """A special token as transformers adds one: no stripping, not normalised."""
+    if isinstance(token, AddedToken):
+        return token
+    return AddedToken(token, rstrip=False, lstrip=False, normalized=False, special=True)
+
 
 def check_text(value, where: str) -> None:
     """InputError naming ``where`` unless ``value`` is a string of valid Unicode (no lone surrogates)."""
@@ -455,13 +593,26 @@ def _check_inputs(inputs: list) -> None:
             check_text(part, f"{name}[{i}]")
 
 
-def _as_tensor(key: str, value: list, kind: str) -> Any:
-    lengths = {len(v) for v in value if isinstance(v, list)}
-    if len(lengths) > 1:
-        raise InputError(f"cannot make one tensor of '{key}': sequences have different lengths {sorted(lengths)}; "
-                         "pass padding=True (and truncation=True for long texts)")
-    tensor = torch.tensor(value, dtype=torch.long)
-    return tensor.numpy() if kind == "np" else tensor
+def _words(text: Any, text_pair: Any) -> tuple[list, bool]:
+    """(the backend's pre-tokenized inputs, batched) for ``is_split_into_words=True``: a list of words, or a batch
+    (a list of such lists), with an optional ``text_pair`` of the same shape; each word a valid string."""
+    batched = isinstance(text, (list, tuple)) and bool(text) and isinstance(text[0], (list, tuple))
+    if batched and text_pair is not None and (not isinstance(text_pair, (list, tuple)) or len(text_pair) != len(text)):
+        raise InputError("is_split_into_words=True with a batch: text_pair must be a batch of word lists of the same "
+                         f"length ({len(text)})")
+    items = (list(zip(text, text_pair)) if text_pair is not None else list(text)) if batched \
+        else ([(text, text_pair)] if text_pair else [text])
+    inputs = []
+    for i, item in enumerate(items):
+        parts = item if isinstance(item, tuple) and text_pair is not None else (item,)
+        for part, name in zip(parts, ("text", "text_pair")):
+            if not isinstance(part, (list, tuple)):
+                raise InputError(f"is_split_into_words=True: {name}[{i}] is a {type(part).__name__}; expected a list "
+                                 "of words (strings)")
+            for j, word in enumerate(part):
+                check_text(word, f"{name}[{i}][{j}]")
+        inputs.append(tuple(list(p) for p in parts) if len(parts) == 2 else list(parts[0]))
+    return inputs, batched
 
 
 # ---- loading -----------------------------------------------------------------------------------
@@ -473,4 +624,7 @@ class AutoTokenizer:
     def from_pretrained(source: str | os.PathLike, revision: str | None = None, **options: Any) -> Tokenizer:
         """Load the tokenizer of ``source``; ``options`` override tokenizer_config.json, as in transformers."""
         backend, settings = read_tokenizer(source, revision, options)
-        return Tokenizer(backend, settings, str(source))
+        tokenizer = Tokenizer(backend, settings, str(source))
+        root = Path(settings.directory) if settings.directory else None
+        tokenizer.init_kwargs = saving.init_kwargs(root, settings.class_name, options)
+        return tokenizer

@@ -6,6 +6,7 @@ API (JSON out; a node's path is its directory under RUN, ``""`` for the root)::
     GET /paths                 {"paths": [every node's path]}
     GET /node/<path>           {"path", "level", "record": latest record, "children": {name: summary}}
     GET /history/<path>?since=T {"path", "records": the node's records with t > T}
+                   &event=E    (only those whose event is E: the page reads the run's evaluations so)
     GET /stream/<path>?since=T text/event-stream: one ``record`` event per new record of that node
                                (with since: every record after T first)
 
@@ -146,6 +147,9 @@ def create_app(run: str | Path, token: str | None = None, poll_s: float = POLL_S
         records = source.records(path)
         if since is not None:
             records = [r for r in records if isinstance(r.get("t"), (int, float)) and r["t"] > since]
+        event = request.query_params.get("event")
+        if event is not None:  # a lower level's page reads the run's evaluations from the root's records
+            records = [r for r in records if r.get("event") == event]
         return JSONResponse({"path": path, "records": records})
 
     async def stream(request: Request):
