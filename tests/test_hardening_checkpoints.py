@@ -10,6 +10,7 @@ naming the file, and the earlier checkpoints stay byte for byte.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -260,17 +261,24 @@ def real(run_dir) -> tuple[dict, list[tuple]]:
     return data, _paths(data)
 
 
-@FUZZ
-@given(picks=st.lists(st.tuples(st.integers(0, 10**6), JUNK, st.booleans()), min_size=1, max_size=3))
-def test_fuzz_the_checkpoint_reader(real, picks):
-    """Whatever the mutations, load_checkpoint and export's reader load the file or raise a
-    CheckpointFormatError naming it; never another exception type."""
+@contextlib.contextmanager
+def _mutated(real, picks):
+    """A real checkpoint with the picked fields replaced or deleted, saved in a fresh directory."""
     data, paths = real
     for index, value, delete in picks:
         data = _replace(data, paths[index % len(paths)], DELETE if delete else value)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "step-00000002.pt"
         torch.save(data, path)
+        yield path
+
+
+@FUZZ
+@given(picks=st.lists(st.tuples(st.integers(0, 10**6), JUNK, st.booleans()), min_size=1, max_size=3))
+def test_fuzz_the_checkpoint_reader(real, picks):
+    """Whatever the mutations, load_checkpoint and export's reader load the file or raise a
+    CheckpointFormatError naming it; never another exception type."""
+    with _mutated(real, picks) as path:
         for reader in (load_checkpoint, read_trainer_checkpoint):
             try:
                 state = reader(path)
@@ -299,12 +307,8 @@ def _usable(state: dict) -> None:
 @given(picks=st.lists(st.tuples(st.integers(0, 10**6), JUNK, st.booleans()), min_size=1, max_size=2))
 def test_fuzz_a_resume_from_a_mutated_checkpoint(real, picks):
     """Through the whole resume and one more step: a clean run, or a flodl-hf error naming the file."""
-    data, paths = real
-    for index, value, delete in picks:
-        data = _replace(data, paths[index % len(paths)], DELETE if delete else value)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "step-00000002.pt"
-        torch.save(data, path)
+    with _mutated(real, picks) as path:
+        tmp = str(path.parent)
         try:
             trainer(Net(1), Indexed(40), tmp, max_steps=3, sync="none", log_dir=Path(tmp) / "log").fit()
         except FlodlHFError as exc:
