@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from flodl_hf.core import slots, validate
-from flodl_hf.core.errors import ConfigError, OutputExistsError, push_to_hub_refused
+from flodl_hf.core.errors import ConfigError, push_to_hub_refused
 
 
 class Activation(str, Enum):
@@ -232,14 +232,7 @@ class BaseConfig:
     def save_pretrained(self, directory: str | Path, push_to_hub: bool = False, **kwargs: Any) -> None:
         """``config.json`` in ``directory`` (made if missing, as transformers makes it); ``push_to_hub=True`` is an
         UnsupportedFeatureError (no network access), before anything is written."""
-        if push_to_hub:
-            raise push_to_hub_refused("config")
-        if kwargs:
-            raise TypeError(f"save_pretrained() got unexpected keyword arguments: {', '.join(sorted(kwargs))}")
-        directory = Path(directory)
-        if directory.is_file():
-            raise OutputExistsError(f"config.save_pretrained: {directory} is a file; pass a directory")
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = validate.save_directory(directory, "config", push_to_hub, kwargs)
         (directory / "config.json").write_text(self.to_json_string())
 
     def replace(self, **changes: Any) -> "BaseConfig":

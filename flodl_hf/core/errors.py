@@ -86,6 +86,11 @@ class UnsupportedAdapterError(AdapterError):
     """adapter_config.json asks for a PEFT type or option flodl-hf does not implement."""
 
 
+class CheckpointWriteError(TrainerError, OSError):
+    """A trainer checkpoint could not be written (the disk is full); nothing of it was kept, the earlier
+    checkpoints are intact. An OSError too, so ``except OSError`` still sees a failed write."""
+
+
 class NonFiniteScoresError(InputError):
     """Sampling met next-token scores that no token can be drawn from (NaN or infinite logits of a broken model)."""
 

@@ -29,12 +29,12 @@ from torch import nn
 
 from flodl_hf.core import io, keys, slots
 from flodl_hf.core.config import BaseConfig
-from flodl_hf.core.errors import (CheckpointFormatError, InputError, OutputExistsError, UnsupportedModelError,
-                                  WeightsMismatchError, push_to_hub_refused)
+from flodl_hf.core.errors import CheckpointFormatError, InputError, UnsupportedModelError, WeightsMismatchError
 from flodl_hf.core.layers import (PADDING, MaskSpec, build_masks, cast_lazy_buffers, check_attn_implementation,
                                   recording_attentions)
 from flodl_hf.core.model_calls import ModelCalls
 from flodl_hf.core.outputs import BaseModelOutput
+from flodl_hf.core.validate import save_directory
 
 if TYPE_CHECKING:
     from flodl_hf.core.registry import Family
@@ -174,14 +174,7 @@ class PreTrainedModel(ModelCalls, nn.Module):
                         **kwargs: object) -> Path:
         """Write ``config.json`` and ``model.safetensors`` (sharded above ``max_shard_size``). ``push_to_hub=True`` is
         an UnsupportedFeatureError (no network access), before anything is written."""
-        if push_to_hub:
-            raise push_to_hub_refused("model")
-        if kwargs:
-            raise TypeError(f"save_pretrained() got unexpected keyword arguments: {', '.join(sorted(kwargs))}")
-        directory = Path(directory)
-        if directory.is_file():
-            raise OutputExistsError(f"save_pretrained: {directory} is a file; pass a directory")
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = save_directory(directory, "model", push_to_hub, kwargs)
         config = self.config.to_dict()
         config["architectures"] = [self.architecture]
         import json

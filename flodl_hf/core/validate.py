@@ -256,3 +256,18 @@ def check_relations(values: dict[str, Any], where: str = "config", prefix: str =
         if numbers and (relation.kind != "multiple" or other) and not relation.holds(value, other):
             raise ConfigError(f"{where}: field {prefix}{relation.field}={value!r} {_RELATION_TEXT[relation.kind]} "
                               f"{prefix}{other_name}={other!r}")
+
+
+def save_directory(directory: str | os.PathLike, what: str, push_to_hub: bool, kwargs: dict) -> Path:
+    """Where ``<what>.save_pretrained`` writes, made if missing as transformers makes it. Refused before anything is
+    written: ``push_to_hub=True`` (flodl-hf makes no network access), unknown keywords, a file in its place."""
+    from flodl_hf.core.errors import OutputExistsError, push_to_hub_refused
+    if push_to_hub:
+        raise push_to_hub_refused(what)
+    if kwargs:
+        raise TypeError(f"save_pretrained() got unexpected keyword arguments: {', '.join(sorted(kwargs))}")
+    directory = Path(directory)
+    if directory.is_file():
+        raise OutputExistsError(f"{what}.save_pretrained: {directory} is a file; pass a directory")
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory

@@ -117,12 +117,19 @@ def _limit() -> int:
 def _need(size: int, what: str) -> None:
     """Refuse before it is made a value of ``size`` characters (or items) over the bound (outside a render, such as
     folding a constant while compiling: LIMITS.chars)."""
+    _within(size, "chars", f"{what} would make {size:,} characters", "the size of one value",
+            f"{what} would make {size:,} characters or items")
+
+
+def _within(amount: int, bound: str, outside: str, kind: str, inside: str) -> None:
+    """Refuse ``amount`` over the ``bound`` field of the render's budget (outside a render: of LIMITS), saying
+    ``outside`` or, in a render, ``kind`` and ``inside``."""
     budget = _BUDGET.get()
-    limit = LIMITS.chars if budget is None else budget.chars
-    if size > limit:
+    limit = getattr(LIMITS if budget is None else budget, bound)
+    if amount > limit:
         if budget is None:
-            raise ChatTemplateLimitError(f"the chat template: {what} would make {size:,} characters (bound {limit:,})")
-        budget.trip(f"the size of one value ({what} would make {size:,} characters or items; bound {limit:,})")
+            raise ChatTemplateLimitError(f"the chat template: {outside} (bound {limit:,})")
+        budget.trip(f"{kind} ({inside}; bound {limit:,})")
 
 
 def _charged(value: Any) -> Any:
@@ -134,12 +141,8 @@ def _charged(value: Any) -> Any:
 
 
 def _need_bits(bits: int, what: str) -> None:
-    budget = _BUDGET.get()
-    limit = LIMITS.int_bits if budget is None else budget.int_bits
-    if bits > limit:
-        if budget is None:
-            raise ChatTemplateLimitError(f"the chat template: {what} would make an integer of {bits:,} bits")
-        budget.trip(f"the size of an integer ({what} would make {bits:,} bits; bound {limit:,})")
+    _within(bits, "int_bits", f"{what} would make an integer of {bits:,} bits", "the size of an integer",
+            f"{what} would make {bits:,} bits")
 
 
 def _text_size(value: Any, limit: int) -> int:

@@ -4,8 +4,9 @@ rotation, finding and restoring the newest on resume, and the RNG states they ca
 Checkpoint format
 -----------------
 ``checkpoint_dir/step-XXXXXXXX.pt`` (``torch.save``, loadable with ``weights_only=True``),
-written by worker 0 to a temporary file and renamed into place. A later point of training with the
-same step number (a live El Che window that ends inside the step) is ``step-XXXXXXXX-SAMPLES.pt``::
+written by worker 0 to a temporary file (``.step-XXXXXXXX.pt.tmp-HOST-PID``) and renamed into place. A later
+point of training with the same step number (a live El Che window that ends inside the step) is
+``step-XXXXXXXX-SAMPLES.pt``::
 
     {
       "format": "flodl-hf/trainer-checkpoint", "version": 1,
@@ -33,22 +34,36 @@ With several workers, each other worker first writes ``step-XXXXXXXX.rank-R.pt``
 scheduler, which equal worker 0's); the main file is written last, so its presence means
 the set is complete. ``checkpoint_dir`` must be shared by all nodes. The newest main file
 is resumed from; ``keep_checkpoints`` sets how many are kept.
+
+The trainer's files are known by their exact names, and only regular files: rotation and ``resume=False``
+remove those and nothing else (a user's ``step-00000001.pt.bak`` stays, a directory named like a checkpoint is
+neither removed nor resumed from). A temporary that a killed write left is removed by the next start, when its
+host is this one and its process is gone. Every read goes through :func:`flodl_hf.core.checkpoint_schema.read`
+(each field checked), and a resume checks the rest against its own run (:meth:`CheckpointsMixin._check_point`,
+:meth:`CheckpointsMixin._check_states`). A full disk is a :class:`CheckpointWriteError` naming the file.
 """
 
 from __future__ import annotations
 
+import errno
+import inspect
+import math
 import os
 import random
 import re
+import socket
+import stat
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from flodl_hf import lora
 from flodl_hf.core import checkpoint_schema
-from flodl_hf.core.errors import CheckpointFormatError
+from flodl_hf.core.errors import CheckpointFormatError, CheckpointWriteError
+from flodl_hf.core.io import pid_alive
 from flodl_hf.training.sync import Plan, TrainerConfigError, TrainerError
 
 __all__ = ["CheckpointsMixin", "latest_checkpoint", "load_checkpoint"]
@@ -56,6 +71,7 @@ __all__ = ["CheckpointsMixin", "latest_checkpoint", "load_checkpoint"]
 CHECKPOINT_FORMAT = checkpoint_schema.FORMAT    # flodl_hf.core.checkpoint_schema holds the schema
 CHECKPOINT_VERSION = checkpoint_schema.VERSION
 _CHECKPOINT_RE = re.compile(r"^step-(\d{8,})(?:-(\d+))?\.pt$")  # step, then the samples of a later point
+_RANK_FILE_RE = re.compile(r"^(step-\d{8,}(?:-\d+)?)\.rank-\d+\.pt$")  # a worker's side file: its main's stem
 
 
 class CheckpointsMixin:
@@ -126,8 +142,8 @@ class CheckpointsMixin:
         for old in _checkpoints(directory)[:-self.keep_checkpoints]:
             if old == self._last_finite and not finite:
                 continue
-            for f in directory.glob(f"{old.stem}.*"):
-                f.unlink(missing_ok=True)
+            for f in _checkpoint_set(old):  # its exact names only; the main file first, so that a stop
+                f.unlink(missing_ok=True)  # halfway never leaves a main file without its side files
         return path
 
     def _check_same_settings(self) -> None:
@@ -162,11 +178,7 @@ class CheckpointsMixin:
         try:
             state = load_checkpoint(path)
         except CheckpointFormatError as exc:  # the resume names the way on: an older set, or a fresh start
-            older = [p.name for p in _checkpoints(self.checkpoint_dir) if p != path]
-            raise CheckpointFormatError(f"{exc}. Resuming reads the newest checkpoint: remove {path.name} (and its "
-                                        f"step's .rank-*.pt files) to resume from "
-                                        f"{older[-1] if older else 'nothing (no older checkpoint)'}, or pass "
-                                        "resume=False to start fresh") from exc
+            raise self._way_on(exc, path) from exc
         for key, mine, old in (("batch_size", self.batch_size, None), ("sync", self.sync, None),
                                ("seed", self.seed, None), ("batching", self.batching, "fixed"),
                                ("max_tokens", self.max_tokens, None), ("data_size", len(self.data), len(self.data)),
@@ -185,19 +197,56 @@ class CheckpointsMixin:
                                    f"{key}={mine!r}; pass the same value, or resume=False to start fresh")
         worker = state["worker"]
         rank, world = self.comm.rank, self.comm.world
-        if state["world_size"] != world:
-            warnings.warn(f"{path}: written by {state['world_size']} workers, resumed by {world}: data position "
-                          "is kept, per-worker optimizer and RNG states are not, so the run is not bit-exact")
-            worker = {k: v for k, v in worker.items() if k not in ("rng", "carried", "behind")}
-            state["el_che"] = None
-        elif rank > 0:
-            side = path.with_name(f"{path.stem}.rank-{rank}.pt")
-            extra = load_checkpoint(side)["worker"]
-            worker = {**worker, **extra} if self.sync == "ddp" else extra
+        try:
+            self._check_point(state, path)
+            if state["world_size"] != world:
+                warnings.warn(f"{path}: written by {state['world_size']} workers, resumed by {world}: data position "
+                              "is kept, per-worker optimizer and RNG states are not, so the run is not bit-exact")
+                worker = {k: v for k, v in worker.items() if k not in ("rng", "carried", "behind")}
+                state["el_che"] = None
+            elif rank > 0:
+                side = path.with_name(f"{path.stem}.rank-{rank}.pt")
+                extra = load_checkpoint(side, kind="side")
+                if extra["step"] != state["step"]:
+                    raise checkpoint_schema.refuse(side, "step", f"is {extra['step']}, but {path.name}'s is "
+                                                   f"{state['step']}: the two files are not one set")
+                worker = {**worker, **extra["worker"]} if self.sync == "ddp" else extra["worker"]
+                if "optimizer" not in worker:
+                    raise checkpoint_schema.refuse(side, "worker.optimizer", "is missing")
+        except CheckpointFormatError as exc:
+            raise self._way_on(exc, path) from exc
         self.resumed_from = path
         return state, worker
 
+    def _way_on(self, exc: CheckpointFormatError, path: Path) -> CheckpointFormatError:
+        """``exc`` with the way on: the older checkpoint a resume would take once ``path`` is removed, or a
+        fresh start."""
+        older = [p.name for p in _checkpoints(self.checkpoint_dir) if p != path]
+        return CheckpointFormatError(f"{exc}. Resuming reads the newest checkpoint: remove {path.name} (and its "
+                                     f"step's .rank-*.pt files) to resume from "
+                                     f"{older[-1] if older else 'nothing (no older checkpoint)'}, or pass "
+                                     "resume=False to start fresh")
+
+    def _check_point(self, state: dict, path: Path) -> None:
+        """The checkpoint's point of training must be one of this run's: its position inside an epoch of this
+        data, and (the same workers: the same steps) its step the one its epoch and position make."""
+        unit = "batches" if self._batches is not None else "samples"
+        if state["position"] >= self._units:
+            raise checkpoint_schema.refuse(path, "position", f"is {state['position']}, past the data (an epoch is "
+                                           f"{self._units} {unit}, and a position lies inside one)")
+        if state["world_size"] == self.comm.world:
+            step = state["epoch"] * self.steps_per_epoch + math.ceil(state["position"] / self.global_batch)
+            if state["step"] != step:
+                raise checkpoint_schema.refuse(path, "step", f"is {state['step']}, but epoch {state['epoch']} and "
+                                               f"position {state['position']} are step {step} ({self.steps_per_epoch} "
+                                               "steps an epoch)")
+
     def _restore(self, state: dict, worker: dict) -> None:
+        path = self.resumed_from
+        try:
+            self._check_states(state, worker)
+        except CheckpointFormatError as exc:
+            raise self._way_on(exc, path) from exc
         self.epoch, self.position, self.samples = state["epoch"], state["position"], state["samples"]
         self.train_time, self.batches = state["train_time"], worker.get("batches", 0)
         try:
@@ -212,12 +261,12 @@ class CheckpointsMixin:
                 self.scheduler.load_state_dict(worker["scheduler"])
             if self._scaler is not None and worker.get("scaler") is not None:
                 self._scaler.load_state_dict(worker["scaler"])
+            if self.outer is not None and state.get("outer") is not None:
+                self.outer.load_state_dict(state["outer"])
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
-            raise TrainerError(f"{self.resumed_from}: the checkpoint's optimizer or scheduler state does not fit "
+            raise TrainerError(f"{path}: the checkpoint's optimizer or scheduler state does not fit "
                                f"this Trainer's ({type(self.optimizer).__name__}): {type(exc).__name__}: {exc}; "
                                "pass the same optimizer, or resume=False to start fresh") from exc
-        if self.outer is not None and state.get("outer") is not None:
-            self.outer.load_state_dict(state["outer"])
         if self.plan is not None and state.get("el_che"):
             el = state["el_che"]
             self.plan = Plan(el["anchor"], tuple(el["counts"]))
@@ -225,26 +274,100 @@ class CheckpointsMixin:
         if self._carried is not None and worker.get("carried") is not None:
             carried = worker["carried"]
             if len(carried) != len(self._carried) or any(c.shape != m.shape for c, m in zip(carried, self._carried)):
-                raise TrainerError(f"{self.resumed_from}: the checkpoint's compressed remainder does not fit this model")
+                raise TrainerError(f"{path}: the checkpoint's compressed remainder does not fit this model")
             with torch.no_grad():
                 for mine, saved in zip(self._carried, carried):
                     mine.copy_(saved)
         if self._ahead and worker.get("behind") is not None:
             behind = worker["behind"]["start"]
             if len(behind) != len(self.trainable) or any(b.shape != p.shape for b, p in zip(behind, self.trainable)):
-                raise TrainerError(f"{self.resumed_from}: the checkpoint's last window start does not fit this model")
+                raise TrainerError(f"{path}: the checkpoint's last window start does not fit this model")
             self._behind = [b.to(p.device, p.dtype) for b, p in zip(behind, self.trainable)]
             self._ahead_share = float(worker["behind"]["share"])
         if "rng" in worker:
-            _set_rng_state(worker["rng"], self.device)
+            try:
+                _set_rng_state(worker["rng"], self.device)
+            except (ValueError, TypeError, RuntimeError) as exc:
+                raise self._way_on(checkpoint_schema.refuse(path, "worker.rng", f"is not a state this machine's "
+                                                            f"generators take ({exc})"), path) from exc
         else:
             _seed_everything(self.seed * 1_000_003 + self.comm.rank + 7919 * state["step"])
 
+    def _check_states(self, state: dict, worker: dict) -> None:
+        """What the schema cannot know alone: the optimizer, scheduler, scaler and outer states hold the same kinds
+        of value as this Trainer's own (torch loads a string learning rate or a wrong-shaped moment without a word,
+        and fails at the first step), and each parameter's moments its shape."""
+        path, saved = self.resumed_from, worker["optimizer"]
+        mine = self.optimizer.state_dict()
+        if len(saved["param_groups"]) == len(mine["param_groups"]):  # (other groups: torch refuses, below)
+            for i, (a, b) in enumerate(zip(saved["param_groups"], mine["param_groups"])):
+                _same_kinds({k: v for k, v in a.items() if k != "params"}, b,
+                            f"worker.optimizer.param_groups[{i}]", path)
+        groups, own = saved["param_groups"], self.optimizer.param_groups
+        if [len(g["params"]) for g in groups] == [len(g["params"]) for g in own]:  # (else torch refuses, below)
+            cls = type(self.optimizer)
+            made = [_one_step_states(cls, group, mine, path, i) for i, (group, mine) in enumerate(zip(groups, own))]
+            alike: dict[int, tuple[str, dict]] = {}  # without a probe step: the first state of each rank seen
+            for group, own_group, probe in zip(groups, own, made):
+                for index, param in zip(group["params"], own_group["params"]):
+                    self._check_param_state(saved["state"].get(index, {}), index, param, probe, alike)
+        for field, theirs, ours in (("worker.scheduler", worker.get("scheduler"), self.scheduler),
+                                    ("worker.scaler", worker.get("scaler"), self._scaler),
+                                    ("outer", state.get("outer"), self.outer)):
+            if theirs is not None and ours is not None:
+                _same_kinds(theirs, ours.state_dict(), field, path)
+
+    def _check_param_state(self, entry: dict, index: int, param: torch.Tensor, probe: dict[int, dict] | None,
+                           alike: dict[int, tuple[str, dict]]) -> None:
+        """One parameter's optimizer state holds what a step of this optimizer makes for a parameter of its rank
+        (``probe``; without one, what the first state of that rank holds: Adafactor's differ by rank), a count for
+        ``step``, and its moments in the parameter's shape; a state that lacks an entry or holds None where a tensor
+        belongs loads without a word and fails at the next step."""
+        if not entry:
+            return  # no state yet: torch makes it at the next step
+        path = self.resumed_from
+        kinds = {key: _kind_of(value) for key, value in entry.items()}
+        if probe is not None and param.dim() in probe:
+            where, theirs = f"a step of {type(self.optimizer).__name__} makes", probe[param.dim()]
+        else:
+            first, theirs = alike.setdefault(param.dim(), (f"parameter {index}'s is", kinds))
+            where = first
+        for key in sorted(kinds.keys() | theirs.keys()):
+            if kinds.get(key, "missing") != theirs.get(key, "missing"):
+                raise checkpoint_schema.refuse(path, f"worker.optimizer.state[{index}].{key}",
+                                               f"is {_a(kinds.get(key, 'missing'))}, where {where} "
+                                               f"{_a(theirs.get(key, 'missing'))} (a parameter of rank {param.dim()})")
+        for key, value in entry.items():
+            field = f"worker.optimizer.state[{index}].{key}"
+            if key == "step" and (_kind_of(value) != "number" or not 0 <= float(value) < math.inf):
+                raise checkpoint_schema.refuse(path, field, f"is {checkpoint_schema._show(value)}, not a count")
+            if key in _PARAM_SHAPED and value is not None and (
+                    not isinstance(value, torch.Tensor) or value.shape != param.shape):
+                raise checkpoint_schema.refuse(path, field, f"is {checkpoint_schema._show(value)}, but its "
+                                               f"parameter has shape {tuple(param.shape)}")
+
+
+def _regular(path: Path) -> bool:
+    """A regular file itself (not a directory, not a link): what the trainer writes."""
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
+
 
 def _checkpoints(directory: Path) -> list[Path]:
+    """The main checkpoint files in ``directory``, oldest first: regular files named exactly
+    ``step-XXXXXXXX[-SAMPLES].pt``; anything else (a directory, a link, another name) is not the trainer's."""
     found = [((int(m.group(1)), int(m.group(2) or -1)), p) for p in directory.glob("step-*.pt")
-             if (m := _CHECKPOINT_RE.match(p.name))]
+             if (m := _CHECKPOINT_RE.match(p.name)) and _regular(p)]
     return [p for _, p in sorted(found)]
+
+
+def _checkpoint_set(main: Path) -> list[Path]:
+    """A checkpoint's files by their exact names: the main file, then its workers' ``.rank-R.pt`` files."""
+    sides = sorted(p for p in main.parent.glob(f"{main.stem}.rank-*.pt")
+                   if (m := _RANK_FILE_RE.match(p.name)) and m.group(1) == main.stem and _regular(p))
+    return [main, *sides]
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -254,43 +377,183 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict:
-    """Read a trainer checkpoint (see the module docstring for its keys); tensors land on the CPU."""
+def load_checkpoint(path: str | os.PathLike, kind: str = "main") -> dict:
+    """Read a trainer checkpoint (see the module docstring for its keys); tensors land on the CPU. Every field is
+    checked (:mod:`flodl_hf.core.checkpoint_schema`, with the ``lora`` entry); ``kind="side"`` reads another
+    worker's ``.rank-R.pt`` file. Anything else is a CheckpointFormatError naming the file and the field."""
     path = Path(path)
     if path.is_dir():
         found = latest_checkpoint(path)
         if found is None:
             raise CheckpointFormatError(f"{path}: no trainer checkpoint (step-XXXXXXXX.pt) in this directory")
         path = found
-    return checkpoint_schema.read(path)  # the one reader, shared with export --checkpoint
+    state = checkpoint_schema.read(path, kind)  # the one reader, shared with export --checkpoint
+    if kind == "main":
+        lora.checkpoint_entry(state, path)
+    return state
+
+
+# ---- writing, and what a killed write leaves -------------------------------------------------------
+
+# A write goes to ``.NAME.tmp-HOST-PID`` beside NAME (the host: a shared checkpoint_dir sees several), then is
+# renamed into place. A temporary whose writer is gone (a kill) is removed by the next start (every worker
+# settles its own host's); ``.NAME.tmp-PID`` is what flodl-hf wrote before the host was named.
+_TEMP_RE = re.compile(r"^\.(step-\d{8,}(?:-\d+)?(?:\.rank-\d+)?\.pt)\.tmp-(?:(?P<host>[A-Za-z0-9._-]+)-)?(?P<pid>\d+)$")
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "host"
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{_host()}-{os.getpid()}")
+
+
+def _remove_stale_temporaries(directory: Path) -> list[str]:
+    """Remove the temporaries that killed checkpoint writes of this host left in ``directory``: regular files
+    named exactly as :func:`_atomic_save` names them, whose writer (the pid) is gone or is this process, which
+    writes nothing yet. Returns their names; nothing else is touched (another host's, a live writer's)."""
+    if not directory.is_dir():
+        return []
+    host, removed = _host(), []
+    for entry in sorted(directory.glob(".step-*.tmp-*")):
+        m = _TEMP_RE.match(entry.name)
+        if not m or m["host"] not in (None, host) or not _regular(entry):
+            continue
+        pid = int(m["pid"])
+        if pid == os.getpid() or not pid_alive(pid):
+            entry.unlink(missing_ok=True)
+            removed.append(entry.name)
+    return removed
+
+
+def _disk_full(exc: BaseException) -> str | None:
+    """What says the disk filled up in a failed write (its chain of exceptions), or None: an OSError ENOSPC or
+    EDQUOT, or torch's zip writer stopping short (``unexpected pos``), which is what it raises when a write of
+    its own fails."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            return os.strerror(exc.errno)
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _atomic_save(obj: dict, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = _temporary(path)
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)  # a failed write (a full disk) leaves nothing behind
-        raise
-
-
-_RANK_FILE_RE = re.compile(r"^step-\d{8,}(?:-\d+)?\.rank-\d+\.pt$")
+        full = _disk_full(exc)
+        if full is None and isinstance(exc, RuntimeError) and "unexpected pos" in str(exc):
+            full = f"the write stopped short ({str(exc).strip()})"
+        if full is None:
+            raise
+        error = CheckpointWriteError(f"{path}: cannot write this checkpoint, the disk is full ({full}). Nothing of "
+                                     f"it was kept, and the earlier checkpoints in {path.parent} are intact: free "
+                                     "space there (or give another checkpoint_dir) and run again to resume from the "
+                                     "newest")
+        error.errno = errno.ENOSPC  # (strerror and filename left unset: they would replace the message)
+        raise error from exc
 
 
 def _remove_checkpoints(directory: Path) -> list[str]:
-    """Remove the trainer's checkpoint sets (main and rank files, by their names only) from ``directory``;
-    return the removed names, oldest first. Nothing else in the directory is touched."""
+    """Remove the trainer's checkpoint sets (main and rank files, regular files by their exact names only)
+    from ``directory``; return the removed names, oldest first. Nothing else in the directory is touched."""
     if not directory.is_dir():
         return []
     mains = [p.name for p in _checkpoints(directory)]
-    sides = sorted(p.name for p in directory.glob("step-*.pt") if _RANK_FILE_RE.match(p.name))
-    for name in sides + mains:
+    sides = sorted(p.name for p in directory.glob("step-*.pt") if _RANK_FILE_RE.match(p.name) and _regular(p))
+    for name in mains + sides:
         (directory / name).unlink(missing_ok=True)
     return sides + mains
+
+
+# ---- what the schema cannot know alone: the kinds of value this Trainer's own states hold ----------------
+
+# Optimizer state entries that torch keeps per parameter, in its shape (SGD, Adam(W), Adamax, NAdam, RAdam,
+# RMSprop, Adagrad, Adadelta, Rprop, ASGD): a moment of another shape loads, and fails at the first step.
+_PARAM_SHAPED = frozenset({"momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf", "square_avg",
+                           "grad_avg", "acc_delta", "sum", "prev", "step_size", "ax"})
+
+
+def _kind_of(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+        return "number"
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    if isinstance(value, (list, tuple)):
+        return "list"
+    return "dict" if isinstance(value, dict) else type(value).__name__
+
+
+def _one_step_states(cls: type, group: dict, own: dict, path: Path, i: int) -> dict[int, dict] | None:
+    """What one step of the optimizer's class makes of a saved group's settings (``group``), on tiny probes, one per
+    rank of this Trainer's group ``own``: the kinds of value its state then holds, per rank. Torch checks settings
+    when it builds an optimizer (a negative learning rate, a beta of 2) and when it steps (``capturable`` on the
+    CPU), not when it loads a state_dict: where the saved settings fail and this Trainer's own do not, the
+    checkpoint is refused. None where no probe steps at all (a step that needs a closure or sparse gradients)."""
+    try:
+        takes = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    except (TypeError, ValueError):
+        return None
+    made = _probe(cls, {k: v for k, v in group.items() if k in takes}, own["params"])
+    if not isinstance(made, Exception):
+        return made
+    if isinstance(_probe(cls, {k: v for k, v in own.items() if k in takes}, own["params"]), Exception):
+        return None
+    raise checkpoint_schema.refuse(path, f"worker.optimizer.param_groups[{i}]", f"holds settings that "
+                                   f"{cls.__name__} fails on ({type(made).__name__}: {made})") from made
+
+
+def _probe(cls: type, settings: dict, params: list[torch.Tensor]) -> dict[int, dict] | Exception:
+    """Build ``cls`` with ``settings`` on zero probes shaped like ``params``' ranks and step it once on zero
+    gradients; the kinds of its state per rank, or what it raised."""
+    like = params[0] if params else torch.zeros(())
+    probes = {p.dim(): torch.zeros((2,) * p.dim(), dtype=like.dtype, device=like.device, requires_grad=True)
+              for p in params}
+    try:
+        optimizer = cls(list(probes.values()), **settings)
+        for probe in probes.values():
+            probe.grad = torch.zeros_like(probe)
+        optimizer.step()
+    except Exception as exc:  # torch's own code on tiny probes: whatever it raises, that step fails
+        return exc
+    return {rank: {k: _kind_of(v) for k, v in optimizer.state[probe].items()} for rank, probe in probes.items()}
+
+
+def _a(kind: str | None) -> str:
+    return "missing" if kind == "missing" else "None" if kind is None else f"a {kind}"
+
+
+def _same_kinds(saved: Any, mine: Any, field: str, path: Path) -> None:
+    """``saved`` (a checkpoint's) holds the same kinds of value as ``mine`` (this Trainer's own state_dict) where
+    has one: numbers where numbers are, lists of the same length, and so on down. Where this Trainer's is None
+    (made on first use, or left to torch to choose), anything goes."""
+    theirs, ours = _kind_of(saved), _kind_of(mine)
+    if ours is None:
+        return
+    if theirs != ours:
+        raise checkpoint_schema.refuse(path, field, f"is {checkpoint_schema._show(saved)}, where this Trainer's "
+                                       f"holds a {ours}")
+    if theirs == "list":
+        if len(saved) != len(mine):
+            raise checkpoint_schema.refuse(path, field, f"has {len(saved)} entries, this Trainer's {len(mine)}")
+        for i, (a, b) in enumerate(zip(saved, mine)):
+            _same_kinds(a, b, f"{field}[{i}]", path)
+    elif theirs == "dict":
+        for key in saved.keys() & mine.keys():
+            _same_kinds(saved[key], mine[key], f"{field}.{key}", path)
 
 
 def _check_model_fits(model: nn.Module, state: dict, path: Path | None) -> None:

@@ -87,7 +87,7 @@ from flodl_hf.core.errors import InputError
 from flodl_hf.core.validate import file_above
 from flodl_hf.training import embedding_grads
 from flodl_hf.training.checkpoints import (CheckpointsMixin, _check_model_fits, _remove_checkpoints,
-                                           _seed_everything, latest_checkpoint)
+                                           _remove_stale_temporaries, _seed_everything, latest_checkpoint)
 from flodl_hf.training.run_log import _EVAL_FIELDS, RecordMixin, _RunLog
 from flodl_hf.training.steps import StepsMixin, _ignores_num_items, _loss_shifts_labels, _takes_num_items, _to_device
 from flodl_hf.training.sync import (Comm, DiLoCo, ElChe, OuterOptimizer, Plan, TrainerConfigError, TrainerError,
@@ -303,6 +303,11 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
     # ---- setup -------------------------------------------------------------------------------
     def _setup(self) -> None:
         comm = self.comm
+        if self.checkpoint_dir is not None:  # before any collective, so before any worker writes a checkpoint
+            stale = _remove_stale_temporaries(self.checkpoint_dir)
+            if stale:
+                warnings.warn(f"removed {len(stale)} temporary file(s) that a killed checkpoint write left in "
+                              f"{self.checkpoint_dir}: {', '.join(stale)}")
         if self.sync == "ddp" and comm.world > 1 and not comm.same_device_type:
             raise TrainerConfigError("sync='ddp' needs every worker on the same kind of device; "
                                      "a cohort mixing CPU and GPU workers can use sync='el-che'")
