@@ -40,5 +40,5 @@ def test_doctor_says_whether_torch_and_transformers_lie_in_the_tested_range():
         assert f"{name} {low} to {high}" in line
     assert _range_line({"torch": "2.4.1+cu121", "transformers": "5.25.0"}).endswith(
         "OUTSIDE (torch 2.4.1+cu121: untested here)")
-    assert _range_line({"torch": "2.13.0", "transformers": "5.24.0"}).endswith("both inside")
-    assert not tested("transformers", "5.23.0") and not tested("torch", "2.14.1")
+    assert _range_line({"torch": "2.14.1", "transformers": "5.24.0"}).endswith("both inside")
+    assert not tested("transformers", "5.23.0") and not tested("torch", "2.15.0")
