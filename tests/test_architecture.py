@@ -176,6 +176,7 @@ def test_lint_imports_keeps_the_layer_and_independence_contracts(tmp_path):
 @pytest.mark.parametrize("module, line", [
     ("core/config.py", "def _probe():\n    from flodl_hf.auto import load_model\n"),  # inside a function
     ("training/records.py", "def _probe():\n    from flodl_hf.roundtrip import parity\n"),  # a sibling
+    ("heads/masked_lm.py", "def _probe():\n    from flodl_hf.auto import load_model\n"),  # an optional layer, present
 ])
 def test_lint_imports_refuses_an_upward_import_even_inside_a_function(tmp_path, module, line):
     tree = _installed_layout(tmp_path)
