@@ -1,0 +1,2 @@
+"""Pixels in: image loading and the image processors (ViT, DeiT, BiT/DINOv2, CLIP, SigLIP), through PIL as
+transformers does it. Sits beside tokenization: it imports only core."""
