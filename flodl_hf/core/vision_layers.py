@@ -73,11 +73,11 @@ class PatchEmbeddings(nn.Module):
 
 
 def resized_positions(table: torch.Tensor, special: int, height: int, width: int, patch: tuple[int, int],
-                      in_float32: bool = False) -> torch.Tensor:
+                      in_float32: bool = False, antialias: bool = False) -> torch.Tensor:
     """The position table (1, special + n, H) for an image of ``height`` x ``width``: the ``special`` leading rows
     as they are, the patch rows as a square grid resized by bicubic interpolation (align_corners False) to the
     image's grid, as ``ViTEmbeddings.interpolate_pos_encoding`` (DeiT: two leading rows; DINOv2: computed in
-    float32, ``in_float32``). The table itself where the grid and the image are the same and square."""
+    float32, ``in_float32``; DINOv2 with registers: ``antialias`` too). The table itself where the grid and the image are the same and square."""
     positions = table.shape[1] - special
     if (height // patch[0]) * (width // patch[1]) == positions and height == width:
         return table
@@ -87,7 +87,7 @@ def resized_positions(table: torch.Tensor, special: int, height: int, width: int
     grid = grid.reshape(1, side, side, dim).permute(0, 3, 1, 2)
     dtype = grid.dtype
     grid = F.interpolate(grid.to(torch.float32) if in_float32 else grid, size=(height // patch[0], width // patch[1]),
-                         mode="bicubic", align_corners=False)
+                         mode="bicubic", align_corners=False, antialias=antialias)
     if in_float32:
         grid = grid.to(dtype=dtype)
     grid = grid.permute(0, 2, 3, 1).view(1, -1, dim)
