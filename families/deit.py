@@ -31,6 +31,10 @@ class DeiTEmbeddings(ViTEmbeddings):
         super().__init__(config, use_mask_token)
         self.distillation_token = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
 
+    def fresh_tokens(self, config: DeiTConfig) -> dict:
+        """Every token and the positions at zero (DeiT's _init_weights zeroes them after ViT's draws)."""
+        return {}
+
     def leading(self, batch: int) -> list[torch.Tensor]:
         return [self.cls_token.expand(batch, -1, -1), self.distillation_token.expand(batch, -1, -1)]
 
