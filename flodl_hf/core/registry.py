@@ -158,7 +158,10 @@ def hf_mapping(task: str) -> dict[str, str]:
     """transformers' model_type -> class name mapping for ``task`` ({} where transformers has none)."""
     from transformers.models.auto import modeling_auto
     spec = get_task(task)
-    return dict(spec.classes) if spec.classes else getattr(modeling_auto, spec.hf_mapping, {})
+    mapping = dict(spec.classes) if spec.classes else getattr(modeling_auto, spec.hf_mapping, {})
+    # a model type with several classes for one Auto class (DeiT's two image classifiers): the first, which is the
+    # task's own (the others are tasks of their own: DeiT's image_classification_teacher)
+    return {k: v[0] if isinstance(v, (tuple, list)) else v for k, v in mapping.items()}
 
 
 class TaskField(Mapping):
