@@ -102,5 +102,12 @@ class DeiT(Vit):
     special_tokens: ClassVar[int] = 2  # the CLS and distillation tokens
 
     @classmethod
+    def task_for(cls, task: str, config: DeiTConfig) -> str:
+        """A checkpoint saved as DeiTForImageClassificationWithTeacher runs as it under image_classification, as
+        transformers' AutoModelForImageClassification picks it by ``architectures``."""
+        teacher = (config.architectures or [None])[0] == cls.architecture(TEACHER.name)
+        return TEACHER.name if task == "image_classification" and teacher else task
+
+    @classmethod
     def teacher_head(cls, config: DeiTConfig) -> HeadPart:
         return TeacherHeads(config)

@@ -249,6 +249,12 @@ class Family:
         return task in cls.tasks
 
     @classmethod
+    def task_for(cls, task: str, config: "BaseConfig") -> str:
+        """The task that runs when ``task`` is asked of a checkpoint with ``config``: ``task`` itself, except where
+        transformers' Auto class holds several classes for the family and picks by ``architectures`` (DeiT)."""
+        return task
+
+    @classmethod
     def model_class(cls, task: str) -> type["PreTrainedModel"]:
         """The class that runs ``task`` for this family: its own task model, the backbone, or the default."""
         if task not in cls.tasks:
