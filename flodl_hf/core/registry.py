@@ -161,6 +161,8 @@ def hf_mapping(task: str) -> dict[str, str]:
     mapping = dict(spec.classes) if spec.classes else getattr(modeling_auto, spec.hf_mapping, {})
     # a model type with several classes for one Auto class (DeiT's two image classifiers): the first, which is the
     # task's own (the others are tasks of their own: DeiT's image_classification_teacher)
+    if not any(isinstance(v, (tuple, list)) for v in mapping.values()):
+        return mapping
     return {k: v[0] if isinstance(v, (tuple, list)) else v for k, v in mapping.items()}
 
 
