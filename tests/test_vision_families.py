@@ -162,3 +162,21 @@ def test_bad_pixels_are_typed_errors(pixels, match):
     with pytest.raises(InputError, match=match) as err:
         ours(pixel_values=pixels)
     assert "pixel_values" in str(err.value)
+
+
+def test_forwards_take_transformers_positional_order():
+    """Every vision task model's positional inputs are those of transformers' class of the same name."""
+    import inspect
+
+    from flodl_hf.core.registry import get_family
+
+    def positional(fn) -> list[str]:
+        return [p.name for p in inspect.signature(fn).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"]
+
+    transformers = quiet_transformers()
+    for model_type in NARROW:
+        family = get_family(model_type)
+        for task in family.tasks:
+            theirs = getattr(transformers, family.architecture(task))
+            assert positional(family.model_class(task).forward) == positional(theirs.forward), (model_type, task)
