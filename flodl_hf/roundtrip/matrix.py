@@ -89,6 +89,10 @@ def generate_checkpoint(fields: dict[str, Any], task: str, out: Path, seed: int 
     biases are not trivial), written with ``save_pretrained``."""
     transformers = quiet_transformers()
     fields = copy.deepcopy(dict(fields))  # transformers' configs fill nested RoPE dicts in place: keep the caller's
+    from transformers.models.auto import modeling_auto
+    several = getattr(modeling_auto, get_task(task).hf_mapping, {}).get(fields["model_type"])
+    if isinstance(several, (tuple, list)):  # an Auto class with several classes for the type (DeiT's) picks by it
+        fields.setdefault("architectures", [several[0]])
     config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
     reference = getattr(transformers, get_task(task).auto_class)
