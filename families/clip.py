@@ -581,9 +581,32 @@ class CLIPModel(DualEncoder):
 # ---- the families ------------------------------------------------------------------------------------------------
 
 class TowerFamily(Family):
-    """What CLIP's and SigLIP's model types share: no BERT heads."""
+    """What CLIP's and SigLIP's model types share: no BERT heads, and inputs of their own (``example_inputs``)."""
 
     tasks = ("base",)
+    modalities: ClassVar[tuple[str, ...]] = ("text", "image")
+
+    @classmethod
+    def example_inputs(cls, config: BaseConfig, task: str, lengths: tuple[int, ...] = (13, 8),
+                       seed: int = 0) -> dict[str, torch.Tensor]:
+        """A batch for parity checks: texts of ``lengths`` tokens padded at the end, each ending with the EOS token
+        where the vocabulary holds it (the token CLIP pools), and one image of the model's size per text."""
+        gen = torch.Generator().manual_seed(seed)
+        batch: dict[str, torch.Tensor] = {}
+        if "text" in cls.modalities:
+            text = getattr(config, "text", config)
+            pad = text.pad_token_id if text.pad_token_id is not None else 0
+            ids = torch.randint(0, text.vocab_size, (len(lengths), max(lengths)), generator=gen)
+            ids = torch.where((ids == pad) | (ids == text.eos_token_id), (ids + 1) % text.vocab_size, ids)
+            mask = (torch.arange(ids.shape[1])[None, :] < torch.tensor(lengths)[:, None]).long()
+            if text.eos_token_id is not None and text.eos_token_id < text.vocab_size:
+                ids[torch.arange(len(lengths)), torch.tensor(lengths) - 1] = text.eos_token_id
+            batch.update(input_ids=ids.masked_fill(mask == 0, pad), attention_mask=mask)
+        if "image" in cls.modalities:
+            vision = getattr(config, "vision", config)
+            batch["pixel_values"] = torch.randn(len(lengths), vision.num_channels, vision.image_size,
+                                                vision.image_size, generator=gen)
+        return batch
 
     @classmethod
     def projection_head(cls, config: BaseConfig) -> HeadPart:
@@ -598,6 +621,7 @@ class CLIPText(TowerFamily):
     config_class = CLIPTextConfig
     backbone_class = CLIPTextModel
     tasks = ("base", TEXT_PROJECTION.name)
+    modalities = ("text",)
 
     @classmethod
     def projection_head(cls, config: CLIPTextConfig) -> HeadPart:
@@ -612,6 +636,7 @@ class CLIPVision(TowerFamily):
     config_class = CLIPVisionConfig
     backbone_class = CLIPVisionModel
     tasks = ("base", VISION_PROJECTION.name)
+    modalities = ("image",)
 
     @classmethod
     def projection_head(cls, config: CLIPVisionConfig) -> HeadPart:

@@ -192,6 +192,7 @@ class SiglipText(TowerFamily):
     config_class = SiglipTextConfig
     backbone_class = SiglipTextModel
     tasks = (TEXT_MODEL.name,)
+    modalities = ("text",)
 
 
 @register
@@ -201,6 +202,7 @@ class SiglipVision(TowerFamily):
     prefix = "vision_model"
     config_class = SiglipVisionConfig
     backbone_class = SiglipVisionModel
+    modalities = ("image",)
 
 
 @register
