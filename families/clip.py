@@ -27,12 +27,23 @@ from torch import nn
 from flodl_hf.core.config import Activation, BaseConfig
 from flodl_hf.core.decoder import causal_mask, grouped_attend
 from flodl_hf.core.errors import ConfigError, InputError
-from flodl_hf.core.layers import MaskSpec, activation, attend, split_heads
+from flodl_hf.core.layers import Draw, MaskSpec, activation, attend, split_heads
 from flodl_hf.core.modeling import PLAIN_RECORD, Backbone, HeadPart, TaskModel, forward_options
 from flodl_hf.core.outputs import BaseModelOutput, ModelOutput
 from flodl_hf.core.registry import Family, Task, register, register_task, register_task_model
 
 CAUSAL = MaskSpec("causal")
+
+
+def drawn(module: nn.Module, std: float, name: str = "weight") -> nn.Module:
+    """``module`` with its fresh ``name`` drawn normal(0, ``std``), as ``CLIPPreTrainedModel._init_weights`` draws it
+    (``layers.fresh_rule`` reads ``fresh_init``)."""
+    module.fresh_init = {**getattr(module, "fresh_init", {}), name: Draw(std)}
+    return module
+
+
+def factor(config: BaseConfig) -> float:
+    return getattr(config, "initializer_factor", 1.0)
 
 
 # ---- configs ------------------------------------------------------------------------------------------------
@@ -169,10 +180,12 @@ class CLIPAttention(nn.Module):
         super().__init__()
         self.config = config
         self.head_dim = config.hidden_size // config.num_attention_heads
-        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size)
-        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size)
-        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size)
-        self.out_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        width, f = config.hidden_size, factor(config)
+        in_std = width ** -0.5 * (2 * config.num_hidden_layers) ** -0.5 * f
+        self.k_proj = drawn(nn.Linear(width, width), in_std)
+        self.v_proj = drawn(nn.Linear(width, width), in_std)
+        self.q_proj = drawn(nn.Linear(width, width), in_std)
+        self.out_proj = drawn(nn.Linear(width, width), width ** -0.5 * f)
 
     def forward(self, hidden_states: torch.Tensor, mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
         q = split_heads(self.q_proj(hidden_states), self.head_dim)
@@ -194,8 +207,10 @@ class CLIPMLP(nn.Module):
     def __init__(self, config: CLIPTextConfig | CLIPVisionConfig) -> None:
         super().__init__()
         self.activation_fn = activation(config.hidden_act)
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        width, f = config.hidden_size, factor(config)
+        self.fc1 = drawn(nn.Linear(width, config.intermediate_size), (2 * width) ** -0.5 * f)
+        self.fc2 = drawn(nn.Linear(config.intermediate_size, width),
+                         width ** -0.5 * (2 * config.num_hidden_layers) ** -0.5 * f)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.activation_fn(self.fc1(hidden_states)))
@@ -240,8 +255,9 @@ class CLIPTextEmbeddings(nn.Module):
 
     def __init__(self, config: CLIPTextConfig) -> None:
         super().__init__()
-        self.token_embedding = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.position_embedding = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        std = 0.02 * factor(config)  # transformers' constant, not initializer_range
+        self.token_embedding = drawn(nn.Embedding(config.vocab_size, config.hidden_size), std)
+        self.position_embedding = drawn(nn.Embedding(config.max_position_embeddings, config.hidden_size), std)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if position_ids is None:
@@ -358,12 +374,14 @@ class CLIPVisionEmbeddings(nn.Module):
     def __init__(self, config: CLIPVisionConfig) -> None:
         super().__init__()
         self.config = config
+        std = config.initializer_range * factor(config)
         if self.class_token:
             self.class_embedding = nn.Parameter(torch.empty(config.hidden_size))
-        self.patch_embedding = nn.Conv2d(config.num_channels, config.hidden_size, kernel_size=config.patch_size,
-                                         stride=config.patch_size, bias=self.patch_bias)
+            drawn(self, config.hidden_size ** -0.5 * factor(config), "class_embedding")
+        self.patch_embedding = drawn(nn.Conv2d(config.num_channels, config.hidden_size, kernel_size=config.patch_size,
+                                               stride=config.patch_size, bias=self.patch_bias), std)
         self.num_positions = (config.image_size // config.patch_size) ** 2 + int(self.class_token)
-        self.position_embedding = nn.Embedding(self.num_positions, config.hidden_size)
+        self.position_embedding = drawn(nn.Embedding(self.num_positions, config.hidden_size), std)
 
     def forward(self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool = False) -> torch.Tensor:
         height, width = check_pixels(pixel_values, self.config, interpolate_pos_encoding,
@@ -410,10 +428,11 @@ class CLIPVisionModel(TowerModel):
 class Projection(HeadPart):
     """One bias-free linear layer on the tower's pooled state, mounted under transformers' name."""
 
-    def __init__(self, name: str, width: int, out: int) -> None:
+    def __init__(self, name: str, config: CLIPTextConfig | CLIPVisionConfig) -> None:
         super().__init__()
         self.name = name
-        self.add_module(name, nn.Linear(width, out, bias=False))
+        width = config.hidden_size
+        self.add_module(name, drawn(nn.Linear(width, config.projection_dim, bias=False), width ** -0.5 * factor(config)))
 
     def forward(self, hidden_states: torch.Tensor, pooler_output: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -567,9 +586,17 @@ class CLIPModel(DualEncoder):
 
     def __init__(self, config: CLIPConfig, add_pooling_layer: bool = True) -> None:
         super().__init__(config)
-        self.visual_projection = nn.Linear(config.vision.hidden_size, config.projection_dim, bias=False)
-        self.text_projection = nn.Linear(config.text.hidden_size, config.projection_dim, bias=False)
+        f = config.initializer_factor
+        self.visual_projection = drawn(nn.Linear(config.vision.hidden_size, config.projection_dim, bias=False),
+                                       config.vision.hidden_size ** -0.5 * f)
+        self.text_projection = drawn(nn.Linear(config.text.hidden_size, config.projection_dim, bias=False),
+                                     config.text.hidden_size ** -0.5 * f)
         self.logit_scale = nn.Parameter(torch.tensor(config.logit_scale_init_value))
+
+    @torch.no_grad()
+    def init_fresh_weights(self, std: float) -> None:
+        """A fresh ``logit_scale`` is ``logit_scale_init_value``, as the constructor sets it."""
+        self.logit_scale.fill_(self.config.logit_scale_init_value)
 
     def text_features(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.text_projection(pooled)
@@ -625,7 +652,7 @@ class CLIPText(TowerFamily):
 
     @classmethod
     def projection_head(cls, config: CLIPTextConfig) -> HeadPart:
-        return Projection("text_projection", config.hidden_size, config.projection_dim)
+        return Projection("text_projection", config)
 
 
 @register
@@ -640,7 +667,7 @@ class CLIPVision(TowerFamily):
 
     @classmethod
     def projection_head(cls, config: CLIPVisionConfig) -> HeadPart:
-        return Projection("visual_projection", config.hidden_size, config.projection_dim)
+        return Projection("visual_projection", config)
 
 
 @register

@@ -15,8 +15,9 @@ Mirrors ``transformers.models.siglip.modeling_siglip`` (5.25). What differs from
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +27,8 @@ from flodl_hf.core.config import Activation, BaseConfig
 from flodl_hf.core.layers import PADDING, build_mask
 from flodl_hf.core.outputs import BaseModelOutput
 from flodl_hf.core.registry import Task, register, register_task
-from flodl_hf.families.clip import (CLIPEncoder, CLIPEncoderLayer, CLIPMLP, CLIPTextModel, CLIPVisionEmbeddings,
-                                    DualConfig, DualEncoder, TowerFamily, TowerModel)
+from flodl_hf.families.clip import (CLIPMLP, CLIPAttention, CLIPEncoder, CLIPEncoderLayer, CLIPTextModel,
+                                    CLIPVisionEmbeddings, DualConfig, DualEncoder, TowerFamily, TowerModel)
 
 
 @dataclass
@@ -88,6 +89,44 @@ class SiglipEncoder(CLIPEncoder):
     layer_class = SiglipEncoderLayer
 
 
+def _children_first(module: nn.Module) -> Iterator[nn.Module]:
+    for child in module.children():
+        yield from _children_first(child)
+    yield module
+
+
+def _fan_in_std(tensor: torch.Tensor) -> float:
+    return math.sqrt(1.0 / nn.init._calculate_fan_in_and_fan_out(tensor)[0])
+
+
+@torch.no_grad()
+def siglip_fresh_weights(tower: nn.Module) -> None:
+    """``SiglipPreTrainedModel._init_weights`` over a tower, children before their parent (``smart_apply``), so a
+    parent's rule wins: xavier-uniform attention and MLP weights, the MLP biases normal(1e-6), embeddings
+    normal(1 / sqrt(width)), other linear and convolution weights LeCun's truncated normal; norms as built."""
+    for module in _children_first(tower):
+        if isinstance(module, SiglipVisionEmbeddings):
+            module.position_embedding.weight.normal_(std=module.config.hidden_size ** -0.5)
+        elif isinstance(module, nn.Embedding):  # default_flax_embed_init_
+            module.weight.normal_(std=_fan_in_std(module.weight))
+        elif isinstance(module, CLIPAttention):
+            for proj in (module.q_proj, module.k_proj, module.v_proj, module.out_proj):
+                nn.init.xavier_uniform_(proj.weight)
+                proj.bias.zero_()
+        elif isinstance(module, CLIPMLP):
+            for fc in (module.fc1, module.fc2):
+                nn.init.xavier_uniform_(fc.weight)
+                fc.bias.normal_(std=1e-6)
+        elif isinstance(module, SiglipMultiheadAttentionPoolingHead):
+            nn.init.xavier_uniform_(module.probe)
+            nn.init.xavier_uniform_(module.attention.in_proj_weight)
+            module.attention.in_proj_bias.zero_()
+        elif isinstance(module, (nn.Linear, nn.Conv2d)):  # lecun_normal_: transformers' trunc_normal_ cuts at +-2
+            nn.init.trunc_normal_(module.weight, std=_fan_in_std(module.weight) / 0.87962566103423978, a=-2.0, b=2.0)
+            if module.bias is not None:
+                module.bias.zero_()
+
+
 class SiglipTextModel(CLIPTextModel):
     """``SiglipTextModel``: bidirectional, the last position through ``head``."""
 
@@ -97,6 +136,9 @@ class SiglipTextModel(CLIPTextModel):
     def __init__(self, config: SiglipTextConfig, add_pooling_layer: bool = True) -> None:
         super().__init__(config)
         self.head = nn.Linear(config.hidden_size, config.projection_size)
+
+    def init_fresh_weights(self, std: float) -> None:
+        siglip_fresh_weights(self)
 
     def mask(self, attention_mask: torch.Tensor | None, hidden: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
         return build_mask(attention_mask, PADDING, self.config.attn_implementation, hidden.dtype, hidden.shape[1],
@@ -146,6 +188,9 @@ class SiglipVisionModel(TowerModel):
     def get_input_embeddings(self) -> nn.Module:
         return self.embeddings.patch_embedding
 
+    def init_fresh_weights(self, std: float) -> None:
+        siglip_fresh_weights(self)
+
     def forward(self, pixel_values: torch.Tensor | None = None,
                 interpolate_pos_encoding: bool = False) -> BaseModelOutput:
         last = self.post_layernorm(self.encoder(self.embeddings(pixel_values, interpolate_pos_encoding), None))
@@ -161,7 +206,7 @@ class SiglipModel(DualEncoder):
 
     def __init__(self, config: SiglipConfig, add_pooling_layer: bool = True) -> None:
         super().__init__(config)
-        self.logit_scale = nn.Parameter(torch.empty(1))
+        self.logit_scale = nn.Parameter(torch.empty(1))  # fresh: zero, as transformers starts them
         self.logit_bias = nn.Parameter(torch.empty(1))
 
     @staticmethod

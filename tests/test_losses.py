@@ -7,6 +7,7 @@ import torch
 
 from flodl_hf.auto import load_model
 from flodl_hf.roundtrip.parity import make_batch, reference_model
+from flodl_hf.core.registry import get_task
 
 from cases import CASES
 from helpers import make_checkpoint
@@ -55,7 +56,9 @@ def _one_case_per_family_and_head():
     chosen: dict[tuple[str, str], tuple[str, dict]] = {}
     for case_id, task, fields in CASES:
         key = (fields["model_type"], task)
-        if task != "base" and (key not in chosen or _width(fields) < _width(chosen[key][1])):
+        if get_task(task).loss is None:  # the bare backbones, CLIP's projections (the dual models' losses: base)
+            continue
+        if key not in chosen or _width(fields) < _width(chosen[key][1]):
             chosen[key] = (case_id, fields)
     for (model_type, task), (case_id, fields) in chosen.items():
         variants = ("single", "multi", "regression") if task == "seqcls" else ("default",)
