@@ -352,7 +352,8 @@ def _call_recording_hidden_states(model: "PreTrainedModel", call, args: tuple, k
     finally:
         _RECORDING.reset(token)
     hidden = record["hidden"]
-    if hidden and record["last"] is not None:  # transformers ties the last one to last_hidden_state
+    # transformers ties the last one to last_hidden_state, except where it records with tie_last_hidden_states=False
+    if hidden and record["last"] is not None and getattr(backbone, "ties_last_hidden_state", True):
         hidden[-1] = record["last"]
     return _with_field(out, "hidden_states", tuple(hidden))
 
