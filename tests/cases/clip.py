@@ -16,7 +16,7 @@ VISION_24 = dict(hidden_size=96, num_attention_heads=4, num_hidden_layers=2, int
 HEADS = ("base",)
 
 CONFIGS = {
-    "clip-768": dict(model_type="clip", text_config=TEXT_768, vision_config=VISION_768, projection_dim=512),
     "clip-hd24": dict(model_type="clip", text_config=TEXT_24, vision_config=VISION_24, projection_dim=40,
                       logit_scale_init_value=1.5),
+    "clip-768": dict(model_type="clip", text_config=TEXT_768, vision_config=VISION_768, projection_dim=512),
 }

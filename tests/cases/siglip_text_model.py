@@ -5,4 +5,4 @@ from cases.siglip import TEXT_24
 
 HEADS = ("text_model",)
 
-CONFIGS = {"siglip-text-hd24": dict(model_type="siglip_text_model", **TEXT_24)}
+CONFIGS = {"siglip-text-hd24": dict(model_type="siglip_text_model", **TEXT_24, projection_size=40)}
