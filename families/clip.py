@@ -271,12 +271,11 @@ class TowerModel(Backbone):
     not tied to ``last_hidden_state`` (transformers' ``capture_outputs(tie_last_hidden_states=False)``)."""
 
     ties_last_hidden_state: ClassVar[bool] = False
+    takes_text: ClassVar[bool] = False  # a text tower: position_ids index its position table
 
     def position_table_size(self) -> int | None:
-        table = getattr(self.embeddings, "position_embedding", None)
-        return table.num_embeddings if isinstance(table, nn.Embedding) and self.takes_text else None
-
-    takes_text: ClassVar[bool] = False
+        """The text tower's position rows, which ``position_ids`` must index (the check of every backbone)."""
+        return self.embeddings.position_embedding.num_embeddings if self.takes_text else None
 
 
 class CLIPTextModel(TowerModel):

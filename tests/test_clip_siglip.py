@@ -143,6 +143,9 @@ def test_bad_inputs_and_configs_are_typed_errors_naming_what_is_wrong(tmp_path):
         ({"pixel_values": pixels[..., :8, :8]}, "smaller than one 16-pixel patch"),
         ({"pixel_values": torch.cat([pixels, pixels[:1]]), "return_loss": True}, "2 texts .* 3 images"),
         ({"input_ids": batch["input_ids"] + 600}, "outside the vocabulary"),
+        ({"position_ids": torch.arange(13)[None] + 20}, "position_ids holds position 32"),
+        ({"input_ids": None}, "input_ids is required"),
+        ({"pixel_values": None}, "pixel_values is a NoneType"),
     ]
     for change, message in cases:
         with pytest.raises(InputError, match=message):
@@ -255,3 +258,9 @@ def test_the_registry_names_transformers_classes():
     transformers = quiet_transformers()
     for name in ("CLIPTextModelWithProjection", "CLIPVisionModelWithProjection", "SiglipTextModel"):
         assert hasattr(transformers, name)
+    from flodl_hf.auto import AutoModel
+    from flodl_hf.families.clip import CLIPModel, CLIPVisionModelWithProjection
+    assert type(AutoModel.from_pretrained(make_checkpoint(_fields("clip-hd24"), "base"))) is CLIPModel
+    source = make_checkpoint(_fields("clip-vision-hd24"), "vision_projection")
+    assert type(CLIPVisionModelWithProjection.from_pretrained(source)) is CLIPVisionModelWithProjection
+    assert type(load_model(source)) is CLIPVisionModelWithProjection  # the task from config.json's architectures
