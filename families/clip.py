@@ -27,10 +27,11 @@ from torch import nn
 from flodl_hf.core.config import Activation, BaseConfig
 from flodl_hf.core.decoder import causal_mask, grouped_attend
 from flodl_hf.core.errors import ConfigError, InputError
-from flodl_hf.core.layers import Draw, MaskSpec, activation, attend, split_heads
+from flodl_hf.core.layers import Draw, MaskSpec, attend, split_heads
 from flodl_hf.core.modeling import PLAIN_RECORD, Backbone, HeadPart, TaskModel, forward_options
 from flodl_hf.core.outputs import BaseModelOutput, ModelOutput
 from flodl_hf.core.registry import Family, Task, register, register_task, register_task_model
+from flodl_hf.core.vision_layers import VisionMLP, check_pixel_values, resized_positions
 
 CAUSAL = MaskSpec("causal")
 
@@ -201,19 +202,14 @@ class CLIPAttention(nn.Module):
         return self.out_proj(out)
 
 
-class CLIPMLP(nn.Module):
-    """``fc2(act(fc1(x)))``."""
+class CLIPMLP(VisionMLP):
+    """``fc2(act(fc1(x)))``, drawn fresh as CLIP draws it."""
 
     def __init__(self, config: CLIPTextConfig | CLIPVisionConfig) -> None:
-        super().__init__()
-        self.activation_fn = activation(config.hidden_act)
+        super().__init__(config)
         width, f = config.hidden_size, factor(config)
-        self.fc1 = drawn(nn.Linear(width, config.intermediate_size), (2 * width) ** -0.5 * f)
-        self.fc2 = drawn(nn.Linear(config.intermediate_size, width),
-                         width ** -0.5 * (2 * config.num_hidden_layers) ** -0.5 * f)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.activation_fn(self.fc1(hidden_states)))
+        drawn(self.fc1, (2 * width) ** -0.5 * f)
+        drawn(self.fc2, width ** -0.5 * (2 * config.num_hidden_layers) ** -0.5 * f)
 
 
 class CLIPEncoderLayer(nn.Module):
@@ -328,39 +324,19 @@ class CLIPTextModel(TowerModel):
 
 def check_pixels(pixel_values: object, config: CLIPVisionConfig, interpolate: bool, positions: int,
                  exact_size: bool) -> tuple[int, int]:
-    """(height, width) of a (batch, channels, height, width) tensor with the config's channels, or an InputError
-    naming ``pixel_values``. Unless ``interpolate``: CLIP takes the config's image size only (``exact_size``, as
-    transformers checks it), SigLIP any size giving its number of patches (``positions``)."""
-    if not isinstance(pixel_values, torch.Tensor):
-        raise InputError(f"pixel_values is a {type(pixel_values).__name__}: expected a tensor (batch, channels, "
-                         "height, width), as the image processor returns it")
-    if pixel_values.dim() != 4 or pixel_values.shape[1] != config.num_channels:
-        raise InputError(f"pixel_values has shape {tuple(pixel_values.shape)}: expected (batch, "
-                         f"{config.num_channels}, height, width)")
-    if pixel_values.is_complex() or pixel_values.dtype == torch.bool:
-        raise InputError(f"pixel_values has dtype {pixel_values.dtype}: expected real pixel values")
+    """(height, width) of checked pixels (``vision_layers.check_pixel_values``), or an InputError naming
+    ``pixel_values``. Unless ``interpolate``: CLIP takes the config's image size only (``exact_size``, as transformers
+    checks it), SigLIP any size giving its number of patches (``positions``), as transformers runs it."""
+    size, patch = config.image_size, config.patch_size
+    check_pixel_values(pixel_values, config.num_channels, (size, size) if exact_size and not interpolate else None)
     height, width = pixel_values.shape[-2:]
-    patch, size = config.patch_size, config.image_size
     if height < patch or width < patch:
-        raise InputError(f"pixel_values is {height}x{width}: smaller than one {patch}-pixel patch")
-    fits = (height, width) == (size, size) if exact_size else (height // patch) * (width // patch) == positions
-    if not interpolate and not fits:
-        raise InputError(f"pixel_values is {height}x{width}, but the model takes {size}x{size} images: resize "
-                         "them, or pass interpolate_pos_encoding=True")
+        raise InputError(f"pixel_values are {height}x{width} pixels: smaller than one {patch}-pixel patch")
+    if not interpolate and (height // patch) * (width // patch) != positions:
+        raise InputError(f"pixel_values are {height}x{width} pixels, {(height // patch) * (width // patch)} "
+                         f"patches; the model's position table holds {positions}: resize the images, or pass "
+                         "interpolate_pos_encoding=True")
     return height, width
-
-
-def interpolated_positions(table: torch.Tensor, extra: int, height: int, width: int, patch: int) -> torch.Tensor:
-    """A (1, extra + positions, dim) position table bicubically resized to a grid of ``height // patch`` by
-    ``width // patch`` patches, the first ``extra`` rows (a class token) kept (``interpolate_pos_encoding``)."""
-    dim = table.shape[-1]
-    table = table.unsqueeze(0)
-    kept, grid = table[:, :extra], table[:, extra:]
-    side = int(grid.shape[1] ** 0.5)
-    grid = grid.reshape(1, side, side, dim).permute(0, 3, 1, 2)
-    grid = F.interpolate(grid, size=(height // patch, width // patch), mode="bicubic", align_corners=False)
-    grid = grid.permute(0, 2, 3, 1).view(1, -1, dim)
-    return torch.cat((kept, grid), dim=1) if extra else grid
 
 
 class CLIPVisionEmbeddings(nn.Module):
@@ -395,8 +371,9 @@ class CLIPVisionEmbeddings(nn.Module):
         ids = torch.arange(self.num_positions, device=embeddings.device)[None, :]
         if not interpolate or (embeddings.shape[1] == self.num_positions and height == width):
             return self.position_embedding(ids)
-        return interpolated_positions(self.position_embedding.weight, int(self.class_token), height, width,
-                                      self.config.patch_size)
+        patch = self.config.patch_size
+        return resized_positions(self.position_embedding.weight.unsqueeze(0), int(self.class_token), height, width,
+                                 (patch, patch))
 
 
 class CLIPVisionModel(TowerModel):

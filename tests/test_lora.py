@@ -63,6 +63,8 @@ TARGETS: dict[str, tuple[list[str], list[str]]] = {
     # no seqcls or mlm head: their LoRA round trips are in tests/test_clip_siglip.py
     **{tower: (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"])
        for tower in ("clip", "clip_text_model", "clip_vision_model", "siglip", "siglip_text_model", "siglip_vision_model")},
+    **{vision: (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"])  # no seqcls or mlm head
+       for vision in ("vit", "deit", "dinov2", "dinov2_with_registers")},
 }
 TASKS = ("seqcls", "mlm")
 
