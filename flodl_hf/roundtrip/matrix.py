@@ -64,6 +64,9 @@ def tiny_config(model_type: str, fields: dict[str, Any] | None = None, task: str
     specials = [v for k, v in {**defaults, **out}.items() if k.endswith("_token_id") and isinstance(v, int)]
     if "vocab_size" in out and specials:
         out["vocab_size"] = max(out["vocab_size"], max(specials) + 1)
+    for sub in ("text_config", "vision_config"):  # a dual model's towers (CLIP, SigLIP), each shrunk as its own
+        if isinstance(defaults.get(sub), dict):
+            out[sub] = tiny_config(defaults[sub]["model_type"], (fields or {}).get(sub))
     if task in TASK_LABELS:
         out["num_labels"] = TASK_LABELS[task]
     for key in ("rope_parameters", "rope_scaling"):
