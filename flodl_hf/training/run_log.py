@@ -78,7 +78,7 @@ class RecordMixin:
         elif shared:
             key, also = f"{self._window_key}/eval{self._inner_syncs}", f"{self._window_key}/alive"
             readers = self._inner.world - 1
-        if self.comm.rank == 0:
+        if self.comm.rank == 0 or (self.sync == "fsdp" and inner is None):  # a sharded model: every worker
             beat = self.comm.heartbeat(key, min(1.0, self.timeout / 10), also) if shared else None
             ok = False  # an eval_fn that raises ends the others' wait at once
             try:
@@ -125,6 +125,8 @@ class RecordMixin:
         metrics = _metrics(out)
         eval_s = time.perf_counter() - t
         self._eval_s += eval_s
+        if self.comm.rank != 0:  # sync="fsdp": every worker evaluated the sharded model, worker 0 records it
+            return metrics, eval_s
         record = {"event": "eval", "step": step, "epoch": self.epoch, "time": round(now, 4),
                   "samples": self.samples if inner is None else inner[1], "eval_s": round(eval_s, 4), **metrics}
         self.history.append(record)
