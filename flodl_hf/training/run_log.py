@@ -204,7 +204,7 @@ class _RunLog:
         """One log point or window: each rank's numbers from its row of the all-gather."""
         if self.tree is None:
             return
-        from flodl_hf.training.records import resource_fields
+        from flodl_hf.training.records import RESOURCE_FIELDS, resource_fields
         ranks = []
         for r, row in enumerate(rows.tolist()):
             batches, samples, loss_sum, compute_ms = row[:4]
@@ -213,7 +213,7 @@ class _RunLog:
                        "samples_per_s": samples / wall if wall > 0 else None,
                        "ms_per_batch": compute_ms / batches if batches else None, "compute_ms": compute_ms,
                        "lr": rolled.get("lr"),
-                       **resource_fields(row[-4:])}
+                       **resource_fields(row[-len(RESOURCE_FIELDS):])}
             if timing:  # El Che: the previous window's overheads
                 numbers.update(sync_ms=timing["sync_ms"], idle_ms=timing["idle_ms"][r],
                                window_ms=timing["window_ms"][r],
