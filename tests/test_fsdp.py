@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from flodl_hf.core.errors import CheckpointFormatError, TrainerConfigError
-from flodl_hf.training.trainer import DiLoCo, Trainer
+from flodl_hf.training.trainer import DiLoCo, ElChe, Trainer
 
 from helpers import make_checkpoint
 from test_trainer_dist import spawn
@@ -104,6 +104,12 @@ def _scenario(rank: int, out: str, source: str) -> dict:
     bf16 = _fit(source, "fsdp", precision="bf16")
     res["bf16_dtypes"] = {p.dtype for p in bf16.model.parameters()}
     res["bf16_vs_fp32"] = _diff(_full(bf16), _full(fsdp))
+    # El Che's records carry the memory columns: each window's peak, and what its sync allocated.
+    from flodl_hf.training.records import load_tree
+    _fit(source, ElChe(anchor=2, adaptive=False), max_steps=6, log_dir=root / "el-che")
+    if rank == 0:
+        res["el_che_rows"] = {p: [r for r in rs if r.get("event") == "train"]
+                              for p, rs in load_tree(root / "el-che").items() if "rank-" in p}
     return res
 
 
@@ -122,6 +128,8 @@ def test_fsdp_equals_ddp_and_holds_half_the_bytes(runs):
         assert res[r]["ddp_vs_fsdp"] <= 1e-6, res[r]["ddp_vs_fsdp"]
         assert res[r]["sharded"]
     ddp, fsdp = res[0]["bytes_ddp"], res[0]["bytes_fsdp"]
+    print(f"FSDP vs DDP, 4 AdamW steps clipped: max abs diff {res[0]['ddp_vs_fsdp']:.3g}; bytes per worker "
+          f"DDP {ddp}, FSDP {[res[r]['bytes_fsdp'] for r in (0, 1)]}")
     for part in ("parameters", "gradients", "optimizer"):
         shares = [res[r]["bytes_fsdp"][part] / ddp[part] for r in (0, 1)]
         assert all(0.45 <= s <= 0.55 for s in shares), (part, shares)  # 1/world, dim 0 padded
@@ -137,6 +145,7 @@ def test_fsdp_evaluates_on_every_worker_and_records_on_worker_0(runs):
 
 def test_fsdp_trains_only_the_lora_adapter(runs):
     res, _, _ = runs
+    print(f"LoRA, FSDP vs DDP: max abs diff {res[0]['lora_diff']:.3g}")
     assert res[0]["lora_diff"] <= 1e-6, res[0]["lora_diff"]
     trainable = res[0]["lora_trainable"]
     assert trainable and all("lora_" in n for n in trainable)
@@ -148,6 +157,7 @@ def test_fsdp_trains_only_the_lora_adapter(runs):
 
 def test_fsdp_bf16_keeps_float32_shards(runs):
     res, _, _ = runs
+    print(f"bf16 vs float32 under FSDP: max abs diff {res[0]['bf16_vs_fp32']:.3g}")
     assert res[0]["bf16_dtypes"] == {torch.float32}
     assert 0 < res[0]["bf16_vs_fp32"] < 5e-2  # bf16 compute moved the weights, not far
 
@@ -176,6 +186,17 @@ def test_fsdp_checkpoint_resumes_bit_exact_reshards_and_exports(runs, tmp_path):
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert torch.equal(exported["model.layers.0.self_attn.q_proj.weight"],
                        res[0]["step2"]["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_el_che_records_each_sync_memory(runs):
+    res, _, _ = runs
+    rows = res[0]["el_che_rows"]
+    assert len(rows) == 2
+    for windows in rows.values():
+        assert all(r["mem_peak_mb"] >= r["rss_mb"] > 0 for r in windows)
+        synced = [r["sync_mem_mb"] for r in windows[1:]]  # a window's row holds the sync that began it
+        assert synced and all(s >= 0 for s in synced)
+        assert "sync_mem_mb" not in windows[0]
 
 
 def test_fsdp_refuses_replicas_and_bad_shards(tmp_path):
