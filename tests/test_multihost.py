@@ -66,7 +66,8 @@ SCRIPT = textwrap.dedent('''
     logs = out / ("logs" if node == 0 else f"logs-node{node}")  # no log dir shared between hosts
     t = Trainer(model, step, lambda p: torch.optim.SGD(p, lr=0.02), data, batch_size=4,
                 max_steps=cfg["steps"], sync=sync, outer=DiLoCo() if cfg.get("diloco") else None,
-                verify_sync=sync not in ("ddp", "fsdp"), log_dir=logs, checkpoint_dir=out / "ck" if cfg.get("ck") else None,
+                verify_sync=sync not in ("ddp", "fsdp"), log_dir=logs,
+                checkpoint_dir=out / "ck" if cfg.get("ck") else None,
                 checkpoint_every=cfg.get("ck"), progress=False, report=False, timeout=cfg.get("timeout", 20),
                 log_every=5)
     summary = t.fit()

@@ -24,7 +24,12 @@ point of training with the same step number (a live El Che window that ends insi
       "outer": DiLoCo outer SGD state_dict | None,
       "worker": worker 0's {"optimizer", "scheduler", "rng", "batches"[, "scaler"]},  # fp16: GradScaler
       "lora": None | {"config", "base": {"source", "weights_sha256"}, "adapter_only"},  # flodl_hf.lora
+      "sharded": None | "step-XXXXXXXX.dcp",        # sync="fsdp": model and optimizer in that directory
     }
+
+Under ``sync="fsdp"`` every worker writes its shards of the model and the optimizer state into
+``step-XXXXXXXX.dcp/`` (``torch.distributed.checkpoint``) before the main file, whose ``"model"`` is then
+empty and whose ``worker`` has no optimizer (:mod:`flodl_hf.training.sync.fsdp`).
 
 A LoRA model (``flodl_hf.lora.add_lora``) whose base was loaded from disk saves only its trainable
 tensors under ``"model"``; the base is referenced, and its sha256 checked on resume and export.
@@ -258,13 +263,14 @@ class CheckpointsMixin:
         number of workers."""
         path = self.resumed_from
         if state.get("sync") != "fsdp":
-            raise checkpoint_schema.refuse(path, "sharded", f"is set, but the checkpoint's sync is {state.get('sync')!r}")
+            raise checkpoint_schema.refuse(path, "sharded", f"is set, but the checkpoint's sync is "
+                                           f"{state.get('sync')!r}")
         adapter_only = bool((lora.checkpoint_entry(state, path) or {}).get("adapter_only"))
         if adapter_only != bool((lora.trainer_entry(self.model) or {}).get("adapter_only")):
             held = "only a LoRA adapter" if adapter_only else "a whole model"
-            raise TrainerError(f"{path}: the checkpoint holds {held}, and this model is {'not ' if adapter_only else ''}"
-                               "a LoRA model on a base from disk; pass the model it was trained from, or resume=False "
-                               "to start fresh")
+            raise TrainerError(f"{path}: the checkpoint holds {held}, and this model is "
+                               f"{'not ' if adapter_only else ''}a LoRA model on a base from disk; pass the model it "
+                               "was trained from, or resume=False to start fresh")
         from torch.distributed.checkpoint.api import CheckpointException
         try:
             load_shards(self.model, self.optimizer, path.parent / state["sharded"], adapter_only)

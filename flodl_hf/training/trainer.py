@@ -113,9 +113,9 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
     and ``scheduler`` one over the optimizer, so each worker builds its own. ``data`` is any
     sized, indexable collection; ``collate_fn`` turns a list of its items into a batch
     (default: ``torch.utils.data.default_collate``). ``batch_size`` is per worker.
-    ``eval_fn(model)`` runs on worker 0 in eval mode without gradients and returns a number or
-    a dict of numbers; ``stop_when(metrics)`` may end the run after an evaluation.
-    ``sync`` is ``"ddp"``, ``"el-che"`` (or an :class:`ElChe`), or ``"none"``; ``outer`` a
+    ``eval_fn(model)`` runs on worker 0 (every worker under ``sync="fsdp"``) in eval mode without gradients and
+    returns a number or a dict of numbers; ``stop_when(metrics)`` may end the run after an evaluation.
+    ``sync`` is ``"ddp"``, ``"fsdp"``, ``"el-che"`` (or an :class:`ElChe`), or ``"none"``; ``outer`` a
     :class:`DiLoCo` for El Che; ``balance=True`` splits DDP steps by the workers' speeds. ``timeout``
     (seconds) bounds every collective when the trainer starts the process group itself (from
     torchrun's environment), and the silence of worker 0's heartbeat while the others wait for its

@@ -117,7 +117,9 @@ def save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, directory: P
     """Every worker writes its shards of the model and the optimizer state into ``directory`` (a fresh one:
     what a killed write left there is removed by worker 0 before the workers meet)."""
     import torch.distributed.checkpoint as dcp
-    dcp.save(_states(model, optimizer, adapter_only), checkpoint_id=str(directory))
+    with warnings.catch_warnings():  # one worker: "assuming the intent is to save in a single process", it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(_states(model, optimizer, adapter_only), checkpoint_id=str(directory))
 
 
 def clear_shards(directory: Path) -> None:
