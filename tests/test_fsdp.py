@@ -77,6 +77,9 @@ def _scenario(rank: int, out: str, source: str) -> dict:
     res["ddp_vs_fsdp"] = _diff(_full(ddp), _full(fsdp))
     res["sharded"] = all(type(p).__name__ == "DTensor" for p in fsdp.model.parameters())
     res["bytes_ddp"], res["bytes_fsdp"] = local_bytes(ddp.model, ddp.optimizer), local_bytes(fsdp.model, fsdp.optimizer)
+    # Accumulation: the first micro-batch's backward reduces nothing, the second reduces their sum.
+    res["accumulated"] = _diff(_full(_fit(source, "ddp", gradient_accumulation_steps=2)),
+                               _full(_fit(source, "fsdp", gradient_accumulation_steps=2)))
     res["start"] = {k: v.clone() for k, v in _full(_fit(source, "fsdp", max_steps=1, opt=lambda ps: torch.optim.SGD(
         ps, lr=0.0))).items()}
     # Evaluation runs on every worker (the forward gathers the shards); worker 0 records it.
@@ -134,6 +137,7 @@ def test_fsdp_equals_ddp_and_holds_half_the_bytes(runs):
         shares = [res[r]["bytes_fsdp"][part] / ddp[part] for r in (0, 1)]
         assert all(0.45 <= s <= 0.55 for s in shares), (part, shares)  # 1/world, dim 0 padded
     assert res[0]["ddp_vs_fsdp"] == res[1]["ddp_vs_fsdp"]
+    assert res[0]["accumulated"] <= 1e-6, res[0]["accumulated"]
     assert fsdp["parameters"] + res[1]["bytes_fsdp"]["parameters"] >= ddp["parameters"]
 
 

@@ -283,7 +283,7 @@ class CheckpointsMixin:
 
     def _restore(self, state: dict, worker: dict) -> None:
         path = self.resumed_from
-        if state.get("sharded"):  # the optimizer came with the shards (_load_shards)
+        if state.get("sharded"):  # the optimizer came with the shards (_load_shards); checked as its own
             worker = {**worker, "optimizer": self.optimizer.state_dict()}
         try:
             self._check_states(state, worker)
@@ -298,7 +298,8 @@ class CheckpointsMixin:
                              - {k for g in worker["optimizer"].get("param_groups", []) for k in g})
             if lacking:
                 raise ValueError(f"its parameter groups lack {', '.join(lacking)}")
-            self.optimizer.load_state_dict(worker["optimizer"])
+            if not state.get("sharded"):  # (sharded: read into the optimizer already, in place)
+                self.optimizer.load_state_dict(worker["optimizer"])
             if self.scheduler is not None and worker.get("scheduler") is not None:
                 self.scheduler.load_state_dict(worker["scheduler"])
             if self._scaler is not None and worker.get("scaler") is not None:

@@ -210,7 +210,7 @@ class StepsMixin:
                     if sizes[comm.rank] else []
             else:
                 chunks = self._chunks(start, sizes[comm.rank], split=True)
-            if not chunks and self._collective_steps:
+            if not chunks and self.sync in ("ddp", "fsdp"):
                 chunks = [self._chunks(0, 1)[0][:1]]  # every DDP worker must join the step's all-reduce
             # balance=True: each micro-batch's loss weighted by its share of the step, so that DDP's mean over
             # workers is the mean over the step's samples (a worker without a sample adds nothing). A counted
