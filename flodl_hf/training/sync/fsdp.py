@@ -1,7 +1,7 @@
 """``sync="fsdp"``: the model sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``), and its sharded
 checkpoints (``torch.distributed.checkpoint``).
 
-Sharding. Every layer (the elements of the model's innermost ``nn.ModuleList`` s: the encoder or decoder
+Sharding. Every layer (the elements of the model's outermost ``nn.ModuleList`` s: the encoder or decoder
 layers) is one FSDP unit, and the root another that holds the rest (embeddings, final norm, head). Each worker
 keeps ``1/world`` of every parameter (dim 0, padded), its gradient and its optimizer state; a unit's parameters
 are all-gathered before its forward and backward and freed after, and its gradients reduce-scattered (averaged,
@@ -41,10 +41,12 @@ def refuse_replicas(other: str) -> TrainerConfigError:
 
 
 def layer_units(model: nn.Module) -> list[nn.Module]:
-    """The modules sharded as units of their own: the elements of the innermost ``nn.ModuleList`` s (the layers),
-    each once (a layer shared by several positions, as ALBERT's, is one unit)."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)
-             and not any(isinstance(c, nn.ModuleList) for c in m.modules() if c is not m)]
+    """The modules sharded as units of their own: the elements of the outermost ``nn.ModuleList`` s (the encoder or
+    decoder layers; a mixture of experts' expert list lies inside its layer, which is the unit), each once (a layer
+    shared by several positions, as ALBERT's, is one unit)."""
+    lists = [m for name, m in model.named_modules() if isinstance(m, nn.ModuleList)
+             and not any(isinstance(model.get_submodule(".".join(name.split(".")[:i])), nn.ModuleList)
+                         for i in range(1, name.count(".") + 1))]
     seen: dict[int, nn.Module] = {}
     for modules in lists:
         for layer in modules:
@@ -66,6 +68,10 @@ def shard_model(model: nn.Module, device: torch.device, world: int, precision: s
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    # A parameter this worker's batch left without a gradient (an expert no token was routed to) joins the
+    # reduce-scatter with zeros, so that every worker reduces the same tensors (and the others' gradients are
+    # averaged with this worker's zero, as DDP's find_unused_parameters does).
+    model.set_reduce_scatter_unused_params(True)
     return layers
 
 
