@@ -80,8 +80,6 @@ def _scenario(rank: int, out: str, source: str) -> dict:
     # Accumulation: the first micro-batch's backward reduces nothing, the second reduces their sum.
     res["accumulated"] = _diff(_full(_fit(source, "ddp", gradient_accumulation_steps=2)),
                                _full(_fit(source, "fsdp", gradient_accumulation_steps=2)))
-    res["start"] = {k: v.clone() for k, v in _full(_fit(source, "fsdp", max_steps=1, opt=lambda ps: torch.optim.SGD(
-        ps, lr=0.0))).items()}
     # Evaluation runs on every worker (the forward gathers the shards); worker 0 records it.
     calls = []
 
@@ -92,12 +90,10 @@ def _scenario(rank: int, out: str, source: str) -> dict:
     res["eval_calls"], res["eval_records"] = len(calls), sum(r.get("event") == "eval" for r in ev.history)
     # Sharded checkpoints: four steps straight, and two then two more resumed; a bit-exact end.
     straight = _fit(source, "fsdp", checkpoint_dir=root / "straight", checkpoint_every=2)
-    _fit(source, "fsdp", max_steps=2, checkpoint_dir=root / "ck", checkpoint_every=2)
+    res["step2"] = _full(_fit(source, "fsdp", max_steps=2, checkpoint_dir=root / "ck", checkpoint_every=2))
     resumed = _fit(source, "fsdp", checkpoint_dir=root / "ck", checkpoint_every=2)
     res["resumed_from"] = str(resumed.resumed_from)
     res["resume_equal"] = all(torch.equal(a, b) for a, b in zip(_full(straight).values(), _full(resumed).values()))
-    res["step2"] = {k: v.clone() for k, v in _full(_fit(source, "fsdp", max_steps=2,
-                                                         checkpoint_dir=root / "ck2", checkpoint_every=2)).items()}
     # LoRA on the sharded model: only the adapter trains, as under DDP.
     lora_ddp, lora_fsdp = _fit(source, "ddp", lora=True), _fit(source, "fsdp", lora=True)
     res["lora_diff"] = _diff(_full(lora_ddp), _full(lora_fsdp))
@@ -153,8 +149,9 @@ def test_fsdp_trains_only_the_lora_adapter(runs):
     assert res[0]["lora_diff"] <= 1e-6, res[0]["lora_diff"]
     trainable = res[0]["lora_trainable"]
     assert trainable and all("lora_" in n for n in trainable)
-    full, start = res[0]["lora_full"], res[0]["start"]
-    base = [k for k in start if k in full]
+    full, start = res[0]["lora_full"], _model(str(runs[2]), lora=True).state_dict()  # the workers' start
+    assert full.keys() == start.keys()
+    base = [k for k in start if "lora_" not in k]
     assert base and all(torch.equal(full[k], start[k]) for k in base)  # the base never moved
     assert any(not torch.equal(full[k], torch.zeros_like(full[k])) for k in full if "lora_B" in k)  # B trained
 
@@ -170,7 +167,9 @@ def test_fsdp_checkpoint_resumes_bit_exact_reshards_and_exports(runs, tmp_path):
     res, out, source = runs
     assert res[0]["resume_equal"] and res[1]["resume_equal"]
     assert Path(res[0]["resumed_from"]).name == "step-00000002.pt"
-    ck = out / "ck2"
+    ck = out / "ck"  # step 2 (and the resumed run's step 4, newest)
+    for name in ("step-00000004.pt", "step-00000004.rank-1.pt"):
+        (ck / name).rename(tmp_path / name)  # so that a resume takes step 2
     assert sorted(p.name for p in (ck / "step-00000002.dcp").iterdir()) == [".metadata", "__0_0.distcp",
                                                                           "__1_0.distcp"]
     # Another world size: one worker loads the two workers' shards whole (DCP reshards), optimizer state too.
@@ -183,9 +182,17 @@ def test_fsdp_checkpoint_resumes_bit_exact_reshards_and_exports(runs, tmp_path):
     assert all(s["exp_avg"].shape == p.shape for p, s in one.optimizer.state.items())
     # export --checkpoint reads the shards on one CPU process and writes an HF directory verify-export passes.
     from flodl_hf.cli import main
+    from flodl_hf.roundtrip.export import read_trainer_checkpoint
     from flodl_hf.roundtrip.verify import verify_export
     assert main(["export", "--checkpoint", str(ck / "step-00000002.pt"), "--out", str(tmp_path / "hf")]) == 0
     verify_export(tmp_path / "hf")
+    # The main file alone (its shard directory not copied with it) is refused, naming the directory.
+    import shutil
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(ck / "step-00000002.pt", alone / "step-00000002.pt")
+    with pytest.raises(CheckpointFormatError, match=r"step-00000002\.dcp: the sharded checkpoint's directory"):
+        read_trainer_checkpoint(alone / "step-00000002.pt")
     from safetensors.torch import load_file
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert torch.equal(exported["model.layers.0.self_attn.q_proj.weight"],

@@ -153,31 +153,23 @@ def test_cluster_is_isolated_and_removed():
     assert not any(n in left for n in names)
 
 
-def test_ddp_two_hosts_equals_two_workers_on_one_host(tmp_path):
+def test_ddp_and_fsdp_two_hosts_equal_two_workers_on_one_host(tmp_path):
     cfg = {"sync": "ddp", "steps": 40}
-    hosts, local = tmp_path / "hosts", tmp_path / "local"
-    hosts.mkdir(), local.mkdir()
+    hosts, sharded, local = tmp_path / "hosts", tmp_path / "sharded", tmp_path / "local"
+    hosts.mkdir(), sharded.mkdir(), local.mkdir()
     _run_cluster(hosts, cfg)
+    # The model sharded across the two hosts (each holds half of every parameter): reduce-scatter and
+    # all-reduce sum the same two gradients, so its end is DDP's within 1e-6.
+    _run_cluster(sharded, {**cfg, "sync": "fsdp"})
     script, args = _prepare(local, cfg)
     assert launch(script, args, workers=2, env=ENV, timeout=120) == 0
     two_hosts, one_host = torch.load(hosts / "params.pt"), torch.load(local / "params.pt")
     assert all(torch.equal(two_hosts[k], one_host[k]) for k in one_host)
-    assert _summary(hosts)["summary"]["step"] == 40 and _summary(local)["summary"]["step"] == 40
-
-
-def test_fsdp_two_hosts_equals_ddp_on_one_host(tmp_path):
-    # The model sharded across the two hosts (each holds half of every parameter), against DDP's full replicas on
-    # one host: reduce-scatter and all-reduce sum the same two gradients, so the ends agree within 1e-6.
-    hosts, local = tmp_path / "hosts", tmp_path / "local"
-    hosts.mkdir(), local.mkdir()
-    _run_cluster(hosts, {"sync": "fsdp", "steps": 40})
-    script, args = _prepare(local, {"sync": "ddp", "steps": 40})
-    assert launch(script, args, workers=2, env=ENV, timeout=120) == 0
-    sharded, ddp = torch.load(hosts / "params.pt"), torch.load(local / "params.pt")
-    diff = max((sharded[k] - ddp[k]).abs().max().item() for k in ddp)
+    fsdp = torch.load(sharded / "params.pt")
+    diff = max((fsdp[k] - one_host[k]).abs().max().item() for k in one_host)
     print(f"FSDP on 2 hosts vs DDP on 1 host, 40 SGD steps: max abs diff {diff:.3g}")
     assert diff <= 1e-6
-    assert _summary(hosts)["summary"]["step"] == 40
+    assert all(_summary(d)["summary"]["step"] == 40 for d in (hosts, sharded, local))
 
 
 @pytest.mark.parametrize("windows", ["planned", "live"])
