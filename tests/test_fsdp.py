@@ -14,7 +14,7 @@ import torch.distributed as dist
 from flodl_hf.core.errors import CheckpointFormatError, TrainerConfigError
 from flodl_hf.training.trainer import DiLoCo, ElChe, Trainer
 
-from helpers import make_checkpoint
+from helpers import make_checkpoint, one_thread  # noqa: F401  (fixture)
 from test_trainer_dist import spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -226,3 +226,18 @@ def test_fsdp_refuses_replicas_and_bad_shards(tmp_path):
     (bad / ".metadata").write_bytes(pickle.dumps(print))  # a pickle that asks for code
     with pytest.raises(CheckpointFormatError, match="refused"):
         read_model(bad)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_fsdp_on_one_worker_rotates_and_resumes_its_shards(tmp_path):
+    # One process: nothing is sharded, the checkpoints are DCP's all the same (one shard file each).
+    source = str(make_checkpoint(LLAMA, "causal_lm"))
+    straight = _fit(source, "fsdp", max_steps=3, checkpoint_dir=tmp_path / "a", checkpoint_every=1)
+    _fit(source, "fsdp", max_steps=2, checkpoint_dir=tmp_path / "b", checkpoint_every=1)
+    resumed = _fit(source, "fsdp", max_steps=3, checkpoint_dir=tmp_path / "b", checkpoint_every=1)
+    assert resumed.resumed_from.name == "step-00000002.pt"
+    # keep_checkpoints=2: step 1's main file and its shard directory went together.
+    assert sorted(p.name for p in (tmp_path / "b").glob("step-*")) == [
+        "step-00000002.dcp", "step-00000002.pt", "step-00000003.dcp", "step-00000003.pt"]
+    assert all(torch.equal(a, b) for a, b in zip(straight.model.state_dict().values(),
+                                                  resumed.model.state_dict().values()))
