@@ -1,0 +1,128 @@
+"""Opening a GGUF file through the ``gguf`` package's reader (memory-mapped), with every way a file can be broken
+turned into a CheckpointFormatError that names the file and the field or tensor at fault.
+
+``gguf.GGUFReader`` maps the file and reads the header, metadata and tensor table; tensor data stays on disk until
+a tensor is dequantised. Before it runs, the fixed header (magic, version, counts) is checked against the file's
+size, so an absurd count is refused before anything is allocated for it; after it runs, each tensor's type, size and
+extent are checked.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flodl_hf.core.errors import CheckpointFormatError
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+_HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, metadata count
+# The least a metadata entry and a tensor-table entry take on disk (empty key / name): an upper bound on the counts.
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_BYTES = 8 + 4 + 8 + 4 + 8
+
+
+def _gguf() -> Any:
+    """The ``gguf`` package (llama.cpp's reader and writer); an ImportError that says how to get it."""
+    try:
+        import gguf
+    except ImportError as exc:  # pragma: no cover - the test extra installs it
+        raise ImportError("GGUF files need the gguf package (llama.cpp's reader): pip install 'gguf>=0.10'") from exc
+    return gguf
+
+
+def check_header(path: Path) -> tuple[int, int, int]:
+    """The header's (version, tensor count, metadata count), each checked: the magic, a version the reader
+    handles, and counts the file could hold."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        raise CheckpointFormatError(f"{path}: truncated GGUF: {size} bytes, shorter than the {_HEADER.size}-byte header")
+    magic, version, tensors, kvs = _HEADER.unpack(head)
+    if magic != MAGIC:
+        raise CheckpointFormatError(f"{path}: not a GGUF file: the magic is {magic!r}, expected {MAGIC!r}")
+    if version not in VERSIONS:
+        raise CheckpointFormatError(f"{path}: GGUF version {version}; the reader handles versions "
+                                    f"{', '.join(map(str, VERSIONS))}")
+    room = size - _HEADER.size
+    if kvs * _MIN_KV_BYTES > room:
+        raise CheckpointFormatError(f"{path}: header field kv_count is {kvs}, more metadata entries than "
+                                    f"{size} bytes can hold (truncated or corrupt)")
+    if tensors * _MIN_TENSOR_BYTES > room:
+        raise CheckpointFormatError(f"{path}: header field tensor_count is {tensors}, more tensors than {size} "
+                                    "bytes can hold (truncated or corrupt)")
+    return version, tensors, kvs
+
+
+@dataclass
+class GGUFFile:
+    """A read GGUF file: its path, gguf's reader, the metadata as Python values, and the tensors by name."""
+
+    path: Path
+    reader: Any
+    metadata: dict[str, Any]
+    tensors: dict[str, Any]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def require(self, key: str) -> Any:
+        if key not in self.metadata:
+            raise CheckpointFormatError(f"{self.path}: metadata field {key} is missing")
+        return self.metadata[key]
+
+
+def _value(path: Path, key: str, field: Any) -> Any:
+    """One metadata field as a Python value (an array as a list; a one-element scalar as itself)."""
+    try:
+        return field.contents()
+    except Exception as exc:  # noqa: BLE001 - gguf raises many kinds on a corrupt field
+        raise CheckpointFormatError(f"{path}: metadata field {key} cannot be read ({type(exc).__name__}: {exc})") \
+            from None
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Read ``path`` with gguf's reader, memory-mapped: the header, metadata and tensor table are checked; no
+    tensor data is read."""
+    path = Path(path)
+    if not path.is_file():
+        from flodl_hf.core.errors import SourceNotFoundError
+        raise SourceNotFoundError(f"{path}: no such GGUF file")
+    check_header(path)
+    gguf = _gguf()
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, IndexError, KeyError... on bad bytes
+        raise CheckpointFormatError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); it is "
+                                    "truncated or corrupt") from None
+    metadata = {key: _value(path, key, field) for key, field in reader.fields.items()}
+    size = path.stat().st_size
+    tensors: dict[str, Any] = {}
+    for tensor in reader.tensors:
+        _check_tensor(path, tensor, size, gguf)
+        tensors[tensor.name] = tensor
+    return GGUFFile(path, reader, metadata, tensors)
+
+
+def _check_tensor(path: Path, tensor: Any, size: int, gguf: Any) -> None:
+    """A tensor's type is one gguf dequantises, and its bytes lie inside the file, as many as its shape needs."""
+    qtype = tensor.tensor_type
+    if qtype not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) \
+            and qtype not in gguf.quants._type_traits:
+        raise CheckpointFormatError(f"{path}: tensor {tensor.name} is of type {qtype.name}, which gguf cannot "
+                                    "dequantise")
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    elements = int(np.prod([int(d) for d in tensor.shape]))
+    need = elements // block * type_size
+    if elements % block or int(tensor.n_bytes) != need:
+        raise CheckpointFormatError(f"{path}: tensor {tensor.name} of shape {list(map(int, tensor.shape))} and type "
+                                    f"{qtype.name} does not fill whole blocks of {block}")
+    if int(tensor.data_offset) + need > size or tensor.data.nbytes != need:
+        raise CheckpointFormatError(f"{path}: tensor {tensor.name} runs past the end of the file (offset "
+                                    f"{int(tensor.data_offset)}, {need} bytes, file {size} bytes)")
