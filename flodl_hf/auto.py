@@ -83,8 +83,14 @@ class AutoConfig:
     def from_pretrained(source: str | Path, revision: str | None = None, **kwargs: Any) -> BaseConfig:
         """config.json of ``source``; ``kwargs`` set fields as transformers sets them (the quick tour's
         ``AutoConfig.from_pretrained(name, n_heads=12)``), as ``from_pretrained``'s config overrides."""
-        path = _config_path(source, revision)
-        config = config_from_dict(io.read_json(path, "config.json"), str(path))
+        gguf_file = kwargs.pop("gguf_file", None)
+        if gguf_file is not None:  # the file's metadata is its config, as transformers' gguf_file=
+            gguf = _gguf_source(source, gguf_file)
+            path, data = gguf.path, gguf.config
+        else:
+            path = _config_path(source, revision)
+            data = io.read_json(path, "config.json")
+        config = config_from_dict(data, str(path))
         return _with_overrides(config, kwargs, str(path))[1] if kwargs else config
 
     @staticmethod
