@@ -47,7 +47,8 @@ class Arch:
 
 ARCHS: dict[str, Arch] = {a.model_type: a for a in (
     Arch("llama", "llama", {**_DECODER, "rope.dimension_count": "head_dim"}, permute_qk=True),
-    # llama.cpp writes Mistral as llama; transformers reads it back as Mistral when general.name is "mistral"
+    # llama.cpp writes Mistral as llama (export only: a llama file loads as LLaMA; transformers 5.25's Mistral rule,
+    # general.name "mistral", fails in its own tensor mapping, as gguf has no "mistral" architecture)
     Arch("llama", "mistral", {**_DECODER, "rope.dimension_count": "head_dim"}, permute_qk=True),
     Arch("qwen2", "qwen2", _DECODER),
     Arch("qwen2moe", "qwen2_moe", {**_DECODER, **_EXPERTS}, experts=True),
@@ -71,7 +72,7 @@ ARCHS: dict[str, Arch] = {a.model_type: a for a in (
                                   "attention.layer_norm_epsilon": "layer_norm_eps"}),
 )}
 
-# general.architecture -> the model_type it loads as (Mistral is found by its name, see ``model_type_of``)
+# general.architecture -> the entry it loads as
 BY_GGUF = {a.gguf: a for a in ARCHS.values() if a.model_type != "mistral"}
 # The tokenizer ids transformers copies into the config.
 TOKEN_IDS = {"tokenizer.ggml.bos_token_id": "bos_token_id", "tokenizer.ggml.eos_token_id": "eos_token_id",
@@ -83,10 +84,8 @@ def supported() -> str:
     return ", ".join(sorted(BY_GGUF))
 
 
-def arch_for(architecture: str, name: str | None) -> Arch | None:
-    """The entry for a file's general.architecture and general.name (None: not supported)."""
-    if architecture == "llama" and name == "mistral":  # transformers compares the whole name
-        return ARCHS["mistral"]
+def arch_for(architecture: str) -> Arch | None:
+    """The entry for a file's general.architecture (None: not supported)."""
     return BY_GGUF.get(architecture)
 
 

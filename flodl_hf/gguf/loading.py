@@ -41,7 +41,7 @@ def gguf_path(source: str | os.PathLike | None, gguf_file: str | os.PathLike) ->
 def architecture(file: GGUFFile) -> Arch:
     """The table entry of the file's general.architecture; an UnsupportedModelError naming it otherwise."""
     arch = file.require("general.architecture")
-    entry = arch_for(arch, file.get("general.name"))
+    entry = arch_for(arch)
     if entry is None:
         raise UnsupportedModelError(f"{file.path}: GGUF architecture {arch!r} (general.architecture) is not "
                                     f"supported; supported: {supported()}")

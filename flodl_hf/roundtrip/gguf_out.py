@@ -69,8 +69,7 @@ def metadata(arch: Arch, data: dict[str, Any], name: str, outtype: str) -> dict[
     out: dict[str, tuple[str, Any]] = {
         "general.architecture": ("string", arch.gguf),
         "general.type": ("string", "model"),
-        # transformers reads a llama file as Mistral when general.name is "mistral" (its whole name)
-        "general.name": ("string", "mistral" if arch.model_type == "mistral" else name),
+        "general.name": ("string", name),
         "general.file_type": ("uint32", FILE_TYPES[outtype]),
         "general.quantization_version": ("uint32", 2),
     }
