@@ -67,9 +67,9 @@ def config_dict(file: GGUFFile) -> dict[str, Any]:
         if key in file.metadata:
             data[field] = file.metadata[key]
     if "vocab_size" not in data:
-        tokens = file.get("tokenizer.ggml.tokens")
+        tokens = file.metadata.count("tokenizer.ggml.tokens")
         if tokens:
-            data["vocab_size"] = len(tokens)
+            data["vocab_size"] = tokens
     for required in ("num_hidden_layers", "n_layer"):
         value = data.get(required)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,13 +61,39 @@ def check_header(path: Path) -> tuple[int, int, int]:
     return version, tensors, kvs
 
 
+class Metadata(Mapping):
+    """The metadata fields as Python values, each converted when first read (a vocabulary of 10**5 strings is
+    converted only if asked for); ``count`` is an array's length without converting it."""
+
+    def __init__(self, path: Path, fields: dict[str, Any]) -> None:
+        self.path, self.fields, self._values = path, fields, {}
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._values:
+            self._values[key] = _value(self.path, key, self.fields[key])
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.fields)
+
+    def __len__(self) -> int:
+        return len(self.fields)
+
+    def count(self, key: str) -> int | None:
+        """The number of elements of an array field (None: absent, or not an array)."""
+        field = self.fields.get(key)
+        if field is None or not field.types or field.types[0].name != "ARRAY":
+            return None
+        return len(field.data)
+
+
 @dataclass
 class GGUFFile:
-    """A read GGUF file: its path, gguf's reader, the metadata as Python values, and the tensors by name."""
+    """A read GGUF file: its path, gguf's reader, the metadata (converted on first read), the tensors by name."""
 
     path: Path
     reader: Any
-    metadata: dict[str, Any]
+    metadata: Metadata
     tensors: dict[str, Any]
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -97,17 +124,91 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     check_header(path)
     gguf = _gguf()
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _checked_reader(gguf, path)(path)
+    except CheckpointFormatError:
+        raise
     except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, IndexError, KeyError... on bad bytes
         raise CheckpointFormatError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); it is "
                                     "truncated or corrupt") from None
-    metadata = {key: _value(path, key, field) for key, field in reader.fields.items()}
+    metadata = Metadata(path, dict(reader.fields))
     size = path.stat().st_size
     tensors: dict[str, Any] = {}
     for tensor in reader.tensors:
         _check_tensor(path, tensor, size, gguf)
         tensors[tensor.name] = tensor
     return GGUFFile(path, reader, metadata, tensors)
+
+
+def _checked_reader(gguf: Any, path: Path) -> type:
+    """gguf's reader with each tensor-table entry checked before the reader maps its data: a known type, and
+    bytes inside the file (the reader itself would fail on a reshape that names no tensor)."""
+
+    class Checked(gguf.GGUFReader):
+        _key, _inside = "", False
+
+        def _get_str(self, offset: int) -> Any:
+            out = super()._get_str(offset)
+            if not self._inside:  # a metadata key (the strings inside a value are read below)
+                self._key = bytes(out[1]).decode("utf-8", errors="replace")
+            return out
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+            if self._inside:
+                return super()._get_field_parts(orig_offs, raw_type)
+            self._inside = True
+            try:
+                if raw_type == gguf.GGUFValueType.ARRAY:
+                    _check_array(path, self._key, self.data, orig_offs, gguf)
+                return super()._get_field_parts(orig_offs, raw_type)
+            except CheckpointFormatError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the reader's IndexError, ValueError... on bad bytes
+                raise CheckpointFormatError(f"{path}: metadata field {self._key} cannot be read "
+                                            f"({type(exc).__name__}: {exc}); the file is truncated or corrupt") \
+                    from None
+            finally:
+                self._inside = False
+
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            for entry in fields:
+                _check_entry(path, entry, start_offs, len(self.data), gguf)
+            super()._build_tensors(start_offs, fields)
+
+    return Checked
+
+
+def _check_array(path: Path, key: str, data: np.ndarray, at: int, gguf: Any) -> None:
+    """An array's declared length fits in what is left of the file (the reader walks it element by element)."""
+    if at + 12 > len(data):
+        raise CheckpointFormatError(f"{path}: metadata field {key} is cut off (the file is truncated)")
+    item_type, count = struct.unpack_from("<IQ", bytes(data[at:at + 12]))
+    sizes = gguf.GGUFReader.gguf_scalar_to_np
+    try:
+        kind = gguf.GGUFValueType(item_type)
+    except ValueError:
+        raise CheckpointFormatError(f"{path}: metadata field {key} is an array of unknown type {item_type}") from None
+    least = 8 if kind == gguf.GGUFValueType.STRING else 12 if kind == gguf.GGUFValueType.ARRAY \
+        else np.dtype(sizes[kind]).itemsize
+    if count * least > len(data) - at - 12:
+        raise CheckpointFormatError(f"{path}: metadata field {key} declares {count} entries, more than the "
+                                    f"{len(data) - at - 12} bytes left in the file can hold (truncated or corrupt)")
+
+
+def _check_entry(path: Path, entry: Any, start: int, size: int, gguf: Any) -> None:
+    _, name_data, _, dims, raw_type, offset = entry.parts
+    name = bytes(name_data).decode("utf-8", errors="replace")
+    code = int(raw_type[0])
+    try:
+        qtype = gguf.GGMLQuantizationType(code)
+    except ValueError:
+        raise CheckpointFormatError(f"{path}: tensor {name} has ggml type {code}, which is not a known "
+                                    "quantisation type") from None
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    need = int(np.prod([int(d) for d in dims], dtype=object)) * type_size // block
+    end = start + int(offset[0]) + need
+    if end > size:
+        raise CheckpointFormatError(f"{path}: tensor {name} runs past the end of the file (offset "
+                                    f"{int(offset[0])}, {need} bytes, data from byte {start}, file {size} bytes)")
 
 
 def _check_tensor(path: Path, tensor: Any, size: int, gguf: Any) -> None:

@@ -29,20 +29,19 @@ def check_tokenizer(file: GGUFFile) -> None:
     model = file.get("tokenizer.ggml.model")
     if model is None:
         raise ConfigError(f"{where} tokenizer.ggml.model is missing: the file embeds no tokenizer")
-    tokens = file.get("tokenizer.ggml.tokens")
-    if not isinstance(tokens, list) or not tokens:
+    tokens = file.metadata.count("tokenizer.ggml.tokens")
+    if not tokens:
         raise ConfigError(f"{where} tokenizer.ggml.tokens is {'missing' if tokens is None else 'empty'}: a "
                           "tokenizer needs at least one token")
     for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
-        values = file.get(key)
-        if values is not None and (not isinstance(values, list) or len(values) != len(tokens)):
-            count = len(values) if isinstance(values, list) else 1
-            raise CheckpointFormatError(f"{where} {key} has {count} entries for {len(tokens)} tokens")
+        count = file.metadata.count(key)
+        if key in file.metadata and count != tokens:
+            raise CheckpointFormatError(f"{where} {key} has {count or 1} entries for {tokens} tokens")
     for key in ("bos", "eos", "unknown", "padding"):
         value = file.get(f"tokenizer.ggml.{key}_token_id")
-        if value is not None and not 0 <= int(value) < len(tokens):
+        if value is not None and not (isinstance(value, int) and 0 <= value < tokens):
             raise CheckpointFormatError(f"{where} tokenizer.ggml.{key}_token_id is {value}, outside the "
-                                        f"{len(tokens)} tokens")
+                                        f"{tokens} tokens")
 
 
 def read_gguf_tokenizer(source: str | os.PathLike | None, gguf_file: str | os.PathLike,
