@@ -44,7 +44,8 @@ def check_header(path: Path) -> tuple[int, int, int]:
     with open(path, "rb") as fh:
         head = fh.read(_HEADER.size)
     if len(head) < _HEADER.size:
-        raise CheckpointFormatError(f"{path}: truncated GGUF: {size} bytes, shorter than the {_HEADER.size}-byte header")
+        raise CheckpointFormatError(f"{path}: truncated GGUF: {size} bytes, shorter than the "
+                                    f"{_HEADER.size}-byte header")
     magic, version, tensors, kvs = _HEADER.unpack(head)
     if magic != MAGIC:
         raise CheckpointFormatError(f"{path}: not a GGUF file: the magic is {magic!r}, expected {MAGIC!r}")

@@ -250,7 +250,11 @@ def export_gguf(source: str | os.PathLike, out: str | os.PathLike, outtype: str 
     vocab = vocab_metadata(tokenizer or tok_source, model.config)
     name = Path(str(source)).name
     count = write_gguf(arch, model, path, outtype, vocab, str(src.absolute()) if src.exists() else str(source), name)
-    return GGUFExport(path, arch.gguf, outtype, count)
+    notes = []
+    if arch.model_type == "qwen3_moe" and not getattr(model.config, "norm_topk_prob", True):
+        notes.append("llama.cpp (and transformers reading a GGUF) renormalise Qwen3-MoE's top-k weights; this source "
+                     "does not (norm_topk_prob false), so the file's model routes differently")
+    return GGUFExport(path, arch.gguf, outtype, count, notes)
 
 
 def _load(source: str | os.PathLike, checkpoint: bool) -> tuple[Any, str | os.PathLike]:
@@ -260,5 +264,21 @@ def _load(source: str | os.PathLike, checkpoint: bool) -> tuple[Any, str | os.Pa
         if not checkpoint:
             from flodl_hf.auto import load_model
             return load_model(source, "causal_lm"), source
-        from flodl_hf.roundtrip.gguf_source import checkpoint_model
         return checkpoint_model(source)
+
+
+def checkpoint_model(path: str | os.PathLike) -> tuple[Any, Path]:
+    """A flodl-hf trainer checkpoint's causal LM (a LoRA one with its adapter merged in) and the source directory it
+    records (for the tokenizer), as ``export --checkpoint`` reads one."""
+    from flodl_hf.auto import build_model, config_from_dict
+    from flodl_hf.core import checkpoint_schema
+    from flodl_hf.core.modeling import load_weights
+    from flodl_hf.roundtrip.carry import recorded_source
+    from flodl_hf.roundtrip.export import _trainer_model_part
+    path = Path(path).expanduser().absolute()
+    config_dict, state = _trainer_model_part(checkpoint_schema.read(path), path)
+    config = config_from_dict(config_dict, f"{path} (config)")
+    with torch.device("meta"):
+        model = build_model(config, "causal_lm")
+    load_weights(model, state, str(path), allow_fresh_head=False)
+    return model.eval(), recorded_source(path) or path.parent
