@@ -46,6 +46,7 @@ class GGUFSource:
 
     def tensors(self, family: Any, config: Any, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The file's tensors, dequantised to float32 (then ``dtype``) one at a time, under transformers' keys."""
+        self.file.drop_metadata()  # the config is read; the tensors need only the tensor table
         return read_tensors(self.file, self.arch, self.config, self.hf_keys(family, config), dtype)
 
 

@@ -103,18 +103,30 @@ def name_map(arch: Arch, hf_keys: list[str], layers: int) -> dict[str, str]:
     return out
 
 
+# Rows dequantised at a time: gguf's dequantisers make temporaries several times their output, so a large tensor
+# (a 49152 x 576 embedding) is done in slices into one float32 array, never whole.
+_CHUNK_VALUES = 1 << 20
+
+
 def dequantize(file: GGUFFile, name: str) -> np.ndarray:
-    """One tensor as float32 numpy, dequantised by gguf from the memory map (its own copy: never the map)."""
+    """One tensor as float32 numpy (its own array: never a view of the map), dequantised by gguf from the memory
+    map a slice of rows at a time."""
     gguf = _gguf()
     tensor = file.tensors[name]
+    data = tensor.data
     try:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if data.ndim == 0 or data.size == 0:
+            return np.array(gguf.quants.dequantize(data, tensor.tensor_type), dtype=np.float32)
+        rows = data.reshape(-1, data.shape[-1])
+        first = gguf.quants.dequantize(rows[:1], tensor.tensor_type)
+        out = np.empty((rows.shape[0], first.shape[-1]), dtype=np.float32)
+        step = max(1, _CHUNK_VALUES // max(1, first.shape[-1]))
+        for start in range(0, rows.shape[0], step):
+            out[start:start + step] = gguf.quants.dequantize(rows[start:start + step], tensor.tensor_type)
     except Exception as exc:  # noqa: BLE001 - gguf's quantisers raise many kinds on bad blocks
         raise CheckpointFormatError(f"{file.path}: tensor {name} cannot be dequantised ({type(exc).__name__}: "
                                     f"{exc})") from None
-    if values.dtype != np.float32 or np.may_share_memory(values, tensor.data):
-        values = np.array(values, dtype=np.float32)
-    return values
+    return out.reshape(*data.shape[:-1], first.shape[-1])
 
 
 def _undo(arch: Arch, name: str, values: np.ndarray, config: dict[str, Any]) -> np.ndarray:
@@ -140,6 +152,7 @@ def hf_tensors(file: GGUFFile, arch: Arch, config: dict[str, Any], hf_keys: list
         if key is None:
             continue
         values = _undo(arch, name, dequantize(file, name), config)
+        file.release()
         if key.endswith(".mlp.experts.gate_up_proj"):  # gate first, then up, along dim 1 (transformers' order)
             parts = halves.setdefault(key, {})
             parts["gate" if "ffn_gate_exps" in name else "up"] = values

@@ -9,6 +9,7 @@ extent are checked.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from collections.abc import Iterator, Mapping
@@ -99,6 +100,22 @@ class GGUFFile:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
+
+    def drop_metadata(self) -> None:
+        """Free gguf's parsed metadata (its reader keeps an array per vocabulary entry: 160 MiB for a 49k
+        vocabulary with its merges) once the config is read, before the tensors take their memory."""
+        import gc
+        self.reader.fields.clear()
+        self.metadata = Metadata(self.path, {})
+        gc.collect()
+
+    def release(self) -> None:
+        """Drop the map's pages from this process (the file stays in the page cache; a page read again is mapped
+        again): after each tensor is dequantised, so the quantised bytes do not add to the resident set."""
+        try:
+            self.reader.data._mmap.madvise(mmap.MADV_DONTNEED)
+        except (AttributeError, OSError, ValueError):  # no madvise here, or not a map: nothing to drop
+            pass
 
     def require(self, key: str) -> Any:
         if key not in self.metadata:
