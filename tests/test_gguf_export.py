@@ -131,3 +131,19 @@ def test_smollm2_goes_out_at_f32_with_its_weights_and_tokenizer(tmp_path):
     batch = tok(["The capital of France is"], return_tensors="pt")
     with torch.no_grad():
         assert torch.equal(again(**batch).logits, model(**batch).logits)
+
+
+def test_a_trainer_checkpoint_goes_out_as_its_model(tmp_path):
+    """export --checkpoint CKPT --gguf: the checkpoint's weights (here: the source's, as a trainer checkpoint holds
+    them), with the tokenizer given; verified against the source at f32 like a directory."""
+    import torch
+    from flodl_hf.auto import load_model
+    src = source_dir("qwen2", tmp_path)
+    model = load_model(src, "causal_lm")
+    ckpt = tmp_path / "step-00000010.pt"
+    torch.save({"format": "flodl-hf/trainer-checkpoint", "version": 1, "model": model.state_dict(),
+                "config": model.config.to_dict(), "step": 10, "worker": {"rng": {"torch": torch.get_rng_state()}}},
+               ckpt)
+    done = export_gguf(ckpt, tmp_path / "ckpt.gguf", outtype="f32", checkpoint=True, tokenizer=src)
+    report = verify_gguf(done.out, src)
+    assert report.ok and report.check(3).max_abs_diff == 0.0, report.format_table()
