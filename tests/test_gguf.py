@@ -125,23 +125,52 @@ def _smollm2():
     return root, "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def test_smollm2_model_tokenizer_and_chat_template_are_transformers():
-    """The real file: every tensor, the logits of a chat prompt equal transformers'
-    gguf_file= load; the tokenizer's ids on sample texts and the rendered chat template equal its tokenizer's."""
+@pytest.fixture(scope="module")
+def smollm2():
+    """The real file, and our model and tokenizer of it (loaded once for the two tests below)."""
     root, name = _smollm2()
+    return root, name, AutoModelForCausalLM.from_pretrained(root, gguf_file=name), \
+        AutoTokenizer.from_pretrained(root, gguf_file=name)
+
+
+TEXTS = ["Hello world!", "  two spaces\tand a tab\n", "Ünïcödé 日本語 🙂", "<|im_start|>user hi<|im_end|>"]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_smollm2_model_tokenizer_and_chat_template_are_transformers(smollm2):
+    """The real file: every tensor and the logits of a chat prompt equal transformers' gguf_file= load; the
+    tokenizer's ids on sample texts and the rendered chat template equal its tokenizer's."""
+    root, name, ours, tok = smollm2
     transformers = quiet_transformers()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = transformers.AutoModelForCausalLM.from_pretrained(str(root), gguf_file=name).eval()
         their_tok = transformers.AutoTokenizer.from_pretrained(str(root), gguf_file=name)
-    ours = AutoModelForCausalLM.from_pretrained(root, gguf_file=name)
-    tok = AutoTokenizer.from_pretrained(root, gguf_file=name)
     assert_state_equal(ours, theirs)
-    texts = ["Hello world!", "  two spaces\tand a tab\n", "Ünïcödé 日本語 🙂", "<|im_start|>user hi<|im_end|>"]
-    assert tok(texts, return_tensors=None)["input_ids"] == their_tok(texts)["input_ids"]
-    chat = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    assert prompt == their_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert tok(TEXTS, return_tensors=None)["input_ids"] == their_tok(TEXTS)["input_ids"]
+    prompt = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert prompt == their_tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     batch = tok([prompt], return_tensors="pt")
     with torch.no_grad():
         assert torch.equal(ours(**batch).logits, theirs(**batch).logits)
+
+
+def test_smollm2_goes_out_at_f32_with_its_weights_and_tokenizer(smollm2, tmp_path):
+    """The real model out to an f32 GGUF (export's writer, its tokenizer from the saved tokenizer): the file's
+    weights are the dequantised ones bit for bit (our load, which equals transformers' above), the logits the same,
+    and its embedded tokenizer gives the original file's ids and chat template."""
+    from flodl_hf.roundtrip.gguf_out import arch_of, write_gguf
+    from flodl_hf.roundtrip.gguf_vocab import vocab_metadata
+    _, _, model, tok = smollm2
+    tok.save_pretrained(tmp_path / "tok")
+    out = tmp_path / "smollm2.gguf"
+    write_gguf(arch_of("llama"), model, out, "f32", vocab_metadata(tmp_path / "tok", model.config), "test", "smollm2")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name)
+    theirs = dict(again.state_dict())
+    assert all(torch.equal(v, theirs[k]) for k, v in model.state_dict().items())
+    back = AutoTokenizer.from_pretrained(tmp_path, gguf_file=out.name)
+    assert back(TEXTS, return_tensors=None)["input_ids"] == tok(TEXTS, return_tensors=None)["input_ids"]
+    assert back.apply_chat_template(CHAT, tokenize=False) == tok.apply_chat_template(CHAT, tokenize=False)
+    batch = tok(["The capital of France is"], return_tensors="pt")
+    with torch.no_grad():
+        assert torch.equal(again(**batch).logits, model(**batch).logits)

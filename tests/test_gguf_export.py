@@ -107,32 +107,6 @@ def test_the_writes_are_safe(tmp_path, monkeypatch):
     assert out.read_bytes() != first and not any(p.name.endswith("gguf") for p in src.iterdir())
 
 
-def test_smollm2_goes_out_at_f32_with_its_weights_and_tokenizer(tmp_path):
-    """The real SmolLM2 (Q4_1) out to an HF directory and from there to an f32 GGUF: the file's weights are the
-    dequantised ones bit for bit (our load, which equals transformers', tests/test_gguf.py), its logits the same,
-    and its embedded tokenizer gives the original file's ids and chat template."""
-    import torch
-    from flodl_hf import AutoModelForCausalLM, AutoTokenizer
-    from test_gguf import _smollm2
-    root, name = _smollm2()
-    model = AutoModelForCausalLM.from_pretrained(root, gguf_file=name)
-    tok = AutoTokenizer.from_pretrained(root, gguf_file=name)
-    model.save_pretrained(tmp_path / "hf")
-    tok.save_pretrained(tmp_path / "hf")
-    out = export_gguf(tmp_path / "hf", tmp_path / "smollm2.gguf", outtype="f32").out
-    again = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=out.name)
-    theirs = dict(again.state_dict())
-    assert all(torch.equal(v, theirs[k]) for k, v in model.state_dict().items())
-    back = AutoTokenizer.from_pretrained(tmp_path, gguf_file=out.name)
-    texts = ["Hello world!", "  two spaces\tand a tab\n", "Ünïcödé 日本語 🙂", "<|im_start|>user hi<|im_end|>"]
-    assert back(texts, return_tensors=None)["input_ids"] == tok(texts, return_tensors=None)["input_ids"]
-    chat = [{"role": "user", "content": "What is the capital of France?"}]
-    assert back.apply_chat_template(chat, tokenize=False) == tok.apply_chat_template(chat, tokenize=False)
-    batch = tok(["The capital of France is"], return_tensors="pt")
-    with torch.no_grad():
-        assert torch.equal(again(**batch).logits, model(**batch).logits)
-
-
 def test_a_trainer_checkpoint_goes_out_as_its_model(tmp_path):
     """export --checkpoint CKPT --gguf: the checkpoint's weights (here: the source's, as a trainer checkpoint holds
     them), with the tokenizer given; verified against the source at f32 like a directory."""
