@@ -121,3 +121,22 @@ def test_a_trainer_checkpoint_goes_out_as_its_model(tmp_path):
     done = export_gguf(ckpt, tmp_path / "ckpt.gguf", outtype="f32", checkpoint=True, tokenizer=src)
     report = verify_gguf(done.out, src)
     assert report.ok and report.check(3).max_abs_diff == 0.0, report.format_table()
+
+
+def test_a_sentencepiece_tokenizer_goes_out_as_llama_s(tmp_path):
+    """A LLaMA source with a SentencePiece BPE tokenizer (the botchan sample's model, LlamaTokenizer): written as
+    tokenizer.ggml.model "llama" (tokens, scores, types, merges), and the embedded tokenizer gives the source's ids."""
+    from flodl_hf.core.samples import local_path
+    botchan = local_path("botchan")
+    if botchan is None:  # CI fetches it (flodl-hf samples fetch)
+        pytest.skip("the botchan sample is not fetched (flodl-hf samples fetch botchan)")
+    src = tmp_path / "src"
+    shutil.copytree(make_checkpoint({**ARCH_FIELDS["mistral"], "model_type": "llama", "vocab_size": 1000,
+                                     "num_hidden_layers": 1}, "causal_lm"), src)
+    shutil.copy(botchan / "botchan_en_bpe_1000.model", src / "tokenizer.model")
+    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    done = export_gguf(src, tmp_path / "spm.gguf", outtype="f32")
+    report = verify_gguf(done.out, src, prompts=["It was the fourth day of my stay in the country.", " Hello  world"])
+    assert report.ok and [c.status for c in report.checks] == ["PASS"] * 5, report.format_table()
+    import gguf
+    assert gguf.GGUFReader(done.out).fields["tokenizer.ggml.model"].contents() == "llama"
