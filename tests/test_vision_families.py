@@ -6,11 +6,14 @@ defaults, and typed errors for bad pixels."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
 import flodl_hf
 from flodl_hf.core.errors import InputError
+from flodl_hf.core.registry import get_family
 from flodl_hf.roundtrip.parity import image_batch, quiet_transformers
 
 from cases.deit import CONFIGS as DEIT
@@ -166,10 +169,6 @@ def test_bad_pixels_are_typed_errors(pixels, match):
 
 def test_forwards_take_transformers_positional_order():
     """Every vision task model's positional inputs are those of transformers' class of the same name."""
-    import inspect
-
-    from flodl_hf.core.registry import get_family
-
     def positional(fn) -> list[str]:
         return [p.name for p in inspect.signature(fn).parameters.values()
                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"]
