@@ -179,3 +179,16 @@ def test_forwards_take_transformers_positional_order():
         for task in family.tasks:
             theirs = getattr(transformers, family.architecture(task))
             assert positional(family.model_class(task).forward) == positional(theirs.forward), (model_type, task)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_attention_mask_over_the_tokens(impl):
+    """An attention mask over the tokens (the special tokens and the patches) masks keys as transformers' bidirectional
+    mask does; one of another length is a typed error naming it."""
+    ours, theirs = model_pair(make_checkpoint(VIT["vit-hd24"], "image_classification"), "image_classification", impl)
+    batch = image_batch(ours.config, "image_classification")
+    mask = torch.ones(2, 26, dtype=torch.long)
+    mask[1, 20:] = 0
+    assert _assert_records_equal(ours(**batch, attention_mask=mask), theirs(**batch, attention_mask=mask)) == 1
+    with pytest.raises(InputError, match="attention_mask"):
+        ours(**batch, attention_mask=mask[:, :25])
