@@ -29,7 +29,8 @@ from flodl_hf.core.decoder import causal_mask, grouped_attend
 from flodl_hf.core.errors import ConfigError, InputError
 from flodl_hf.core.layers import Draw, MaskSpec, attend, split_heads
 from flodl_hf.core.modeling import PLAIN_RECORD, Backbone, HeadPart, TaskModel, forward_options
-from flodl_hf.core.outputs import BaseModelOutput, ModelOutput
+from flodl_hf.core.losses import image_classification_loss
+from flodl_hf.core.outputs import BaseModelOutput, ImageClassifierOutput, ModelOutput
 from flodl_hf.core.registry import Family, Task, register, register_task, register_task_model
 from flodl_hf.core.vision_layers import VisionMLP, check_pixel_values, resized_positions
 
@@ -581,6 +582,37 @@ class CLIPModel(DualEncoder):
         return self.visual_projection(pooled)
 
 
+class CLIPForImageClassification(Backbone):
+    """``CLIPForImageClassification``: the vision tower alone and ``classifier`` on the mean of its patch tokens
+    (after the class token); transformers' ForImageClassification loss with ``labels``."""
+
+    task = "image_classification"
+    input_names = ("pixel_values", "labels", "interpolate_pos_encoding")
+    validates_inputs = False  # the tower checks its pixels
+    ties_last_hidden_state = False
+    vision_model_class: ClassVar[type[Backbone]] = CLIPVisionModel
+    first_token: ClassVar[int] = 1  # SigLIP's has no class token: the mean of every position
+
+    def __init__(self, config: DualConfig, add_pooling_layer: bool = True) -> None:
+        super().__init__(config)
+        self.vision_model = self.vision_model_class(config.vision)
+        width = config.vision.hidden_size
+        self.classifier = drawn(nn.Linear(width, config.num_labels), width ** -0.5 * config.initializer_factor)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.vision_model.get_input_embeddings()
+
+    def forward(self, pixel_values: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                interpolate_pos_encoding: bool = False, *,
+                num_items_in_batch: torch.Tensor | int | None = None) -> ImageClassifierOutput:
+        self.vision_model.config.attn_implementation = self.config.attn_implementation
+        last = self.vision_model(pixel_values=pixel_values, interpolate_pos_encoding=interpolate_pos_encoding,
+                                 **PLAIN_RECORD).last_hidden_state
+        logits = self.classifier(torch.mean(last[:, self.first_token:, :], dim=1))
+        loss = None if labels is None else image_classification_loss(self, logits, labels, num_items_in_batch)
+        return ImageClassifierOutput(loss=loss, logits=logits)
+
+
 # ---- the families ------------------------------------------------------------------------------------------------
 
 class TowerFamily(Family):
@@ -593,10 +625,12 @@ class TowerFamily(Family):
     def example_inputs(cls, config: BaseConfig, task: str, lengths: tuple[int, ...] = (13, 8),
                        seed: int = 0) -> dict[str, torch.Tensor]:
         """A batch for parity checks: texts of ``lengths`` tokens padded at the end, each ending with the EOS token
-        where the vocabulary holds it (the token CLIP pools), and one image of the model's size per text."""
+        where the vocabulary holds it (the token CLIP pools), and one image of the model's size per text (images
+        only for image classification)."""
         gen = torch.Generator().manual_seed(seed)
         batch: dict[str, torch.Tensor] = {}
-        if "text" in cls.modalities:
+        modalities = ("image",) if task == "image_classification" else cls.modalities
+        if "text" in modalities:
             text = getattr(config, "text", config)
             pad = text.pad_token_id if text.pad_token_id is not None else 0
             ids = torch.randint(0, text.vocab_size, (len(lengths), max(lengths)), generator=gen)
@@ -605,7 +639,7 @@ class TowerFamily(Family):
             if text.eos_token_id is not None and text.eos_token_id < text.vocab_size:
                 ids[torch.arange(len(lengths)), torch.tensor(lengths) - 1] = text.eos_token_id
             batch.update(input_ids=ids.masked_fill(mask == 0, pad), attention_mask=mask)
-        if "image" in cls.modalities:
+        if "image" in modalities:
             vision = getattr(config, "vision", config)
             batch["pixel_values"] = torch.randn(len(lengths), vision.num_channels, vision.image_size,
                                                 vision.image_size, generator=gen)
@@ -653,3 +687,5 @@ class CLIP(TowerFamily):
     prefix = "clip"
     config_class = CLIPConfig
     backbone_class = CLIPModel
+    tasks = ("base", "image_classification")
+    task_models = {"image_classification": CLIPForImageClassification}

@@ -27,8 +27,9 @@ from flodl_hf.core.config import Activation, BaseConfig
 from flodl_hf.core.layers import PADDING, build_mask
 from flodl_hf.core.outputs import BaseModelOutput
 from flodl_hf.core.registry import Task, register, register_task
-from flodl_hf.families.clip import (CLIPMLP, CLIPAttention, CLIPEncoder, CLIPEncoderLayer, CLIPTextModel,
-                                    CLIPVisionEmbeddings, DualConfig, DualEncoder, TowerFamily, TowerModel)
+from flodl_hf.families.clip import (CLIPMLP, CLIPAttention, CLIPEncoder, CLIPEncoderLayer, CLIPForImageClassification,
+                                    CLIPTextModel, CLIPVisionEmbeddings, DualConfig, DualEncoder, TowerFamily,
+                                    TowerModel)
 
 
 @dataclass
@@ -223,6 +224,14 @@ class SiglipModel(DualEncoder):
         return (-torch.sum(F.logsigmoid(signs * logits_per_text), dim=-1)).mean()
 
 
+class SiglipForImageClassification(CLIPForImageClassification):
+    """``SiglipForImageClassification``: ``classifier`` on the mean of every position of the vision tower (whose
+    attention-pooling head runs, its output unused, as in transformers)."""
+
+    vision_model_class = SiglipVisionModel
+    first_token = 0
+
+
 # transformers has no Auto class for SigLIP's text tower: its class, named here, is the reference.
 TEXT_MODEL = register_task(Task(
     "text_model", "TextModel", "SiglipTextModel", "", BaseModelOutput, None, None, None, core=False,
@@ -257,3 +266,5 @@ class Siglip(TowerFamily):
     prefix = "siglip"
     config_class = SiglipConfig
     backbone_class = SiglipModel
+    tasks = ("base", "image_classification")
+    task_models = {"image_classification": SiglipForImageClassification}

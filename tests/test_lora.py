@@ -64,9 +64,11 @@ TARGETS: dict[str, tuple[list[str], list[str]]] = {
     **{vision: (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"])
        for vision in ("vit", "deit", "dinov2_with_registers")},
     "dinov2": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-    # no seqcls or mlm head: their LoRA round trips are in tests/test_clip_siglip.py
+    # the dual models' and towers' own LoRA round trips are in tests/test_clip_siglip.py; here, image classification
     **{tower: (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"])
-       for tower in ("clip", "clip_text_model", "clip_vision_model", "siglip", "siglip_text_model", "siglip_vision_model")},
+       for tower in ("clip", "clip_text_model", "clip_vision_model", "siglip_text_model", "siglip_vision_model")},
+    # SigLIP's classifier leaves the pooling head's output unused: its MLP (fc1, fc2) and out_proj would get no gradient
+    "siglip": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "self_attn.out_proj"]),
 }
 TASKS = ("seqcls", "mlm", "image_classification")
 

@@ -13,10 +13,12 @@ TEXT_24 = dict(hidden_size=96, num_attention_heads=4, num_hidden_layers=2, inter
 VISION_24 = dict(hidden_size=96, num_attention_heads=4, num_hidden_layers=2, intermediate_size=160, image_size=64,
                  patch_size=16, projection_dim=40, layer_norm_eps=1e-6)
 
-HEADS = ("base",)
+HEADS = ("base", "image_classification")
 
 CONFIGS = {
     "clip-hd24": dict(model_type="clip", text_config=TEXT_24, vision_config=VISION_24, projection_dim=40,
                       logit_scale_init_value=1.5),
     "clip-768": dict(model_type="clip", text_config=TEXT_768, vision_config=VISION_768, projection_dim=512),
 }
+
+VARIANT_HEADS = {"clip-768": ("base",)}

@@ -11,10 +11,12 @@ TEXT_24 = dict(hidden_size=96, num_attention_heads=4, num_hidden_layers=2, inter
 VISION_24 = dict(hidden_size=96, num_attention_heads=4, num_hidden_layers=2, intermediate_size=160, image_size=64,
                  patch_size=16, hidden_act="gelu")
 
-HEADS = ("base",)
+HEADS = ("base", "image_classification")
 
 CONFIGS = {
     # the scores pair the text head's output (projection_size: the text width by default) with the pooled image
     "siglip-hd24": dict(model_type="siglip", text_config=TEXT_24, vision_config=VISION_24),
     "siglip-768": dict(model_type="siglip", text_config=TEXT_768, vision_config=VISION_768),
 }
+
+VARIANT_HEADS = {"siglip-768": ("base",)}
