@@ -27,6 +27,7 @@ _EXPORTS = {
     "ElChe": "flodl_hf.training.sync",
     "DiLoCo": "flodl_hf.training.sync",
     "AutoTokenizer": "flodl_hf.tokenization",
+    "AutoImageProcessor": "flodl_hf.vision",
     "Tokenizer": "flodl_hf.tokenization",
     "generate": "flodl_hf.tasks.generate",
     **dict.fromkeys(("answer", "classify", "detect_replaced", "embed", "fill_mask", "rank", "tag", "zero_shot"),
@@ -40,7 +41,7 @@ __all__ = [
     "CheckpointFormatError", "ConfigError", "FlodlHFError", "InputError", "SourceNotFoundError",
     "UnsupportedModelError", "WeightsMismatchError",
     "Trainer", "ElChe", "DiLoCo",
-    "AutoTokenizer", "Tokenizer", "answer", "classify", "detect_replaced", "embed", "fill_mask", "generate", "rank",
+    "AutoTokenizer", "Tokenizer", "AutoImageProcessor", "answer", "classify", "detect_replaced", "embed", "fill_mask", "generate", "rank",
     "tag", "zero_shot",
 ]
 
@@ -87,5 +88,6 @@ if TYPE_CHECKING:  # the names, for type checkers and editors
                                       SourceNotFoundError, UnsupportedModelError, WeightsMismatchError)
     from flodl_hf.tasks import answer, classify, detect_replaced, embed, fill_mask, generate, rank, tag, zero_shot
     from flodl_hf.tokenization import AutoTokenizer, Tokenizer
+    from flodl_hf.vision import AutoImageProcessor
     from flodl_hf.training.sync import DiLoCo, ElChe
     from flodl_hf.training.trainer import Trainer

@@ -52,6 +52,7 @@ MODEL_TYPES = {"vit": "ViTImageProcessor", "deit": "DeiTImageProcessor", "dinov2
                "dinov2_with_registers": "BitImageProcessor", "clip": "CLIPImageProcessor",
                "siglip": "SiglipImageProcessor"}
 FLAGS = ("do_resize", "do_center_crop", "do_rescale", "do_normalize", "do_convert_rgb", "default_to_square")
+VALUES = ("size", "crop_size", "resample", "rescale_factor", "image_mean", "image_std")
 SIZE_KEYS = ({"height", "width"}, {"shortest_edge"}, {"shortest_edge", "longest_edge"})
 
 
@@ -91,36 +92,36 @@ class ImageProcessor:
         self.kind = kind
         self.fields = dict(fields or {})
         settings = {**COMMON, **CLASSES[kind]}
-        for key, value in self.fields.items():  # transformers' _set_attributes: a null keeps the class default
-            if value is not None and key in (*FLAGS, "size", "crop_size", "resample", "rescale_factor",
-                                             "image_mean", "image_std"):
-                settings[key] = value
+        # transformers sets every field of the file, a null too (it then stands for "off" or "unset", not for
+        # the class default); fields it does not know are kept and play no part
+        settings.update({k: v for k, v in self.fields.items() if k in (*FLAGS, *VALUES)})
         for flag in FLAGS:
             if settings.get(flag) is not None and not isinstance(settings[flag], bool):
                 raise ConfigError(f"{where}: field {flag!r} is {settings[flag]!r}; expected true or false")
-        square = settings["default_to_square"]
-        self.size = _size(settings["size"], square, "size", where) if settings.get("size") is not None else None
-        crop = settings.get("crop_size")
-        self.crop_size = _size(crop, True, "crop_size", where) if crop is not None else None
+        self.do_resize, self.do_rescale = bool(settings["do_resize"]), bool(settings["do_rescale"])
+        self.do_normalize, self.do_center_crop = bool(settings["do_normalize"]), bool(settings.get("do_center_crop"))
+        self.do_convert_rgb = bool(settings.get("do_convert_rgb"))
+        size, crop, resample = settings.get("size"), settings.get("crop_size"), settings.get("resample")
+        self.size = None if size is None else _size(size, bool(settings["default_to_square"]), "size", where)
+        self.crop_size = None if crop is None else _size(crop, True, "crop_size", where)
         if self.crop_size is not None and set(self.crop_size) != {"height", "width"}:
             raise ConfigError(f"{where}: field 'crop_size' is {crop!r}; a crop needs 'height' and 'width'")
-        resample = settings.get("resample")
         if resample is not None and (isinstance(resample, bool) or resample not in range(6)):
             raise ConfigError(f"{where}: field 'resample' is {resample!r}; expected one of PIL's filters 0..5")
         self.resample = resample
-        self.image_mean = _numbers(settings["image_mean"], "image_mean", where)
-        self.image_std = _numbers(settings["image_std"], "image_std", where)
-        self.rescale_factor = _numbers(settings["rescale_factor"], "rescale_factor", where)
-        if not isinstance(self.rescale_factor, float):
-            raise ConfigError(f"{where}: field 'rescale_factor' is {settings['rescale_factor']!r}; expected a number")
-        self.do_resize, self.do_rescale = bool(settings["do_resize"]), bool(settings["do_rescale"])
-        self.do_normalize = bool(settings["do_normalize"])
-        self.do_center_crop = bool(settings.get("do_center_crop"))
-        self.do_convert_rgb = bool(settings.get("do_convert_rgb"))
-        if self.do_resize and (self.size is None or self.resample is None):
-            raise ConfigError(f"{where}: do_resize is true but 'size' or 'resample' is missing")
-        if self.do_center_crop and self.crop_size is None:
-            raise ConfigError(f"{where}: do_center_crop is true but 'crop_size' is missing")
+        mean, std, factor = (settings.get(k) for k in ("image_mean", "image_std", "rescale_factor"))
+        self.image_mean = None if mean is None else _numbers(mean, "image_mean", where)
+        self.image_std = None if std is None else _numbers(std, "image_std", where)
+        self.rescale_factor = None if factor is None else _numbers(factor, "rescale_factor", where)
+        if isinstance(self.rescale_factor, tuple):
+            raise ConfigError(f"{where}: field 'rescale_factor' is {factor!r}; expected a number")
+        # validate_preprocess_arguments, at load time
+        for on, needed in ((self.do_resize, ("size", "resample")), (self.do_center_crop, ("crop_size",)),
+                           (self.do_rescale, ("rescale_factor",)), (self.do_normalize, ("image_mean", "image_std"))):
+            missing = [name for name in needed if on and getattr(self, name) is None]
+            if missing:
+                raise ConfigError(f"{where}: field {missing[0]!r} is missing or null, and the processor needs it "
+                                  f"(its do_ switch is on)")
 
     # ---- loading and saving -------------------------------------------------------------------------
 
