@@ -41,8 +41,8 @@ __all__ = [
     "CheckpointFormatError", "ConfigError", "FlodlHFError", "InputError", "SourceNotFoundError",
     "UnsupportedModelError", "WeightsMismatchError",
     "Trainer", "ElChe", "DiLoCo",
-    "AutoTokenizer", "Tokenizer", "AutoImageProcessor", "answer", "classify", "detect_replaced", "embed", "fill_mask", "generate", "rank",
-    "tag", "zero_shot",
+    "AutoTokenizer", "Tokenizer", "AutoImageProcessor", "answer", "classify", "detect_replaced", "embed", "fill_mask",
+    "generate", "rank", "tag", "zero_shot",
 ]
 
 
