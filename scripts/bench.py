@@ -942,6 +942,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=None, help="alternated pairs for cases 1, 2, 4")
     parser.add_argument("--no-fast", action="store_true", help="skip the opt-in bf16 / int8 runs of case 3")
     parser.add_argument("--tune", action="store_true", help="also time the batch planner's settings")
+    parser.add_argument("--images", action="store_true",
+                        help="also run the image case (scripts/bench_image.py: classify_image against the pipeline)")
     parser.add_argument("--json", default=str(REPO / "out" / "benchmarks.json"), help="where to write the JSON")
     parser.add_argument("--no-doc", action="store_true", help="do not update docs/benchmarks.md")
     parser.add_argument("--render", action="store_true",
@@ -1000,6 +1002,12 @@ def main() -> int:
     if 8 in cases:
         say("case 8: LLaMA decoder (8 layers, hidden 1024): forward 4x128, greedy generation")
         results["decoder"] = case_decoder(max(3, repeats // 2), 16 if args.quick else 64)
+    if args.images:
+        say("image case: the ImageNet photos through classify_image against the image-classification pipeline")
+        sys.path.insert(0, str(REPO / "scripts"))
+        from bench_image import case_images, table as image_table
+        results["images"] = case_images(max(3, repeats // 2))
+        say(image_table(results["images"]))
     if 5 in cases:
         say("case 5: roofline")
         results["roofline"] = case_roofline(results)
