@@ -6,6 +6,8 @@ factory only where its head differs. Which task model runs which task is the tas
 registry's (``flodl_hf.core.registry``) and the family's (``Family.task_models``).
 """
 
+from .image_classification import ClsTokenClassifier, ModelForImageClassification
+from .masked_image_modeling import ModelForMaskedImageModeling, PixelDecoder
 from .masked_lm import ModelForMaskedLM
 from .multiple_choice import ModelForMultipleChoice
 from .question_answering import ModelForQuestionAnswering, SpanClassifier
@@ -13,6 +15,7 @@ from .sequence_classification import ModelForSequenceClassification, PooledClass
 from .token_classification import ModelForTokenClassification, TokenClassifier
 
 __all__ = [
+    "ClsTokenClassifier", "ModelForImageClassification", "ModelForMaskedImageModeling", "PixelDecoder",
     "ModelForMaskedLM", "ModelForMultipleChoice", "ModelForQuestionAnswering",
     "ModelForSequenceClassification", "ModelForTokenClassification", "PooledClassifier", "SpanClassifier",
     "TokenClassifier",

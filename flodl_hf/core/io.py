@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -200,6 +201,21 @@ def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise CheckpointFormatError(f"{path}: cannot read safetensors file ({exc})") from exc
 
 
+def _legacy_pickles_broken(path: Path) -> bool:
+    """Whether a legacy torch file's four pickles (magic, protocol, system info, data) fail to parse as pickle
+    opcodes: a file cut inside a GLOBAL reads as an unknown global to the weights-only unpickler, so without this
+    check a truncated file would be called unsafe. Parsing opcodes runs nothing."""
+    import pickletools
+    with open(path, "rb") as handle:
+        try:
+            for _ in range(4):
+                for _op in pickletools.genops(handle):
+                    pass
+        except Exception:  # noqa: BLE001 - any parse failure means the bytes are not whole pickles
+            return True
+    return False
+
+
 def _iter_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     # torch.save's zip format is memory-mapped; the legacy (torch < 1.6, non-zip) format cannot be, so it is
     # read whole. map_location="cpu": checkpoints saved from a GPU name CUDA storages, loaded here onto the CPU.
@@ -211,10 +227,14 @@ def _iter_bin(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     try:
         data = torch.load(str(path), map_location="cpu", weights_only=True, mmap=zipped)
     except pickle.UnpicklingError as exc:
+        if not zipped and _legacy_pickles_broken(path):
+            raise CheckpointFormatError(f"{path}: corrupt or truncated .bin checkpoint: its pickles end before "
+                                        "their STOP (legacy, non-zip torch file)") from exc
         raise CheckpointFormatError(
             f"{path}: refused to unpickle: it holds objects other than tensors, which could run "
             f"code. Convert it to safetensors where you trust it. ({str(exc).splitlines()[0]})") from exc
-    except (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError, TypeError, AttributeError,
+            struct.error) as exc:
         what = "zip archive" if zipped else "legacy (non-zip) torch file"
         raise CheckpointFormatError(f"{path}: corrupt or truncated .bin checkpoint: cannot read it as a torch "
                                     f"{what} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"

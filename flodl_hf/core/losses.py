@@ -75,17 +75,20 @@ def span_loss(model: Any, logits: tuple[torch.Tensor, torch.Tensor], start_posit
             + fixed_cross_entropy(end_logits, end_positions, counted, ignore_index=ignored)) / 2
 
 
+def problem_of(num_labels: int, labels: torch.Tensor, problem_type: ProblemType | None) -> ProblemType:
+    """transformers' rule: regression for one label, single-label for integer labels, else multi-label."""
+    if problem_type is not None:
+        return problem_type
+    if num_labels == 1:
+        return ProblemType.REGRESSION
+    return ProblemType.SINGLE_LABEL if labels.dtype in (torch.long, torch.int) else ProblemType.MULTI_LABEL
+
+
 def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor,
                                  problem_type: ProblemType | None) -> torch.Tensor:
-    """transformers' rule: regression for one label, single-label for integer labels, else multi-label."""
+    """transformers' rule (``problem_of``), each kind's loss."""
     num_labels = logits.size(-1)
-    if problem_type is None:
-        if num_labels == 1:
-            problem_type = ProblemType.REGRESSION
-        elif labels.dtype in (torch.long, torch.int):
-            problem_type = ProblemType.SINGLE_LABEL
-        else:
-            problem_type = ProblemType.MULTI_LABEL
+    problem_type = problem_of(num_labels, labels, problem_type)
     if problem_type == ProblemType.REGRESSION:
         if num_labels == 1:
             return F.mse_loss(logits.squeeze(), labels.squeeze())
@@ -93,3 +96,29 @@ def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor,
     if problem_type == ProblemType.SINGLE_LABEL:
         return F.cross_entropy(logits.view(-1, num_labels), labels.view(-1))
     return F.binary_cross_entropy_with_logits(logits, labels)
+
+
+def image_classification_loss(model: Any, logits: torch.Tensor, labels: torch.Tensor,
+                              num_items_in_batch: Any = None) -> torch.Tensor:
+    """transformers' ForImageClassification loss (loss_utils: its sequence-classification rule), which hands
+    ``num_items_in_batch`` to the single-label cross entropy where the family counts items (``counted_items``)."""
+    labels = labels.to(logits.device)
+    counted = counted_items(model, num_items_in_batch)
+    num_labels = logits.size(-1)
+    if counted is not None and problem_of(num_labels, labels, model.config.problem_type) == ProblemType.SINGLE_LABEL:
+        return fixed_cross_entropy(logits.view(-1, num_labels), labels.view(-1), counted)
+    return sequence_classification_loss(logits, labels, model.config.problem_type)
+
+
+def masked_image_loss(model: Any, reconstruction: torch.Tensor, pixel_values: torch.Tensor,
+                      bool_masked_pos: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    """SimMIM's loss as ViTForMaskedImageModeling computes it: the L1 distance of the rebuilt pixels over the
+    masked patches (each patch's mask repeated over its pixels), divided by the masked pixels (+ 1e-5) and the
+    channels; ``num_items_in_batch`` is ignored, as there."""
+    config = model.config
+    patch = config.patch_size if isinstance(config.patch_size, int) else config.patch_size[0]
+    size = (config.image_size if isinstance(config.image_size, int) else config.image_size[0]) // patch
+    masked = bool_masked_pos.reshape(-1, size, size)
+    mask = masked.repeat_interleave(patch, 1).repeat_interleave(patch, 2).unsqueeze(1).contiguous()
+    distance = F.l1_loss(pixel_values, reconstruction, reduction="none")
+    return (distance * mask).sum() / (mask.sum() + 1e-5) / config.num_channels

@@ -352,7 +352,8 @@ def _call_recording_hidden_states(model: "PreTrainedModel", call, args: tuple, k
     finally:
         _RECORDING.reset(token)
     hidden = record["hidden"]
-    if hidden and record["last"] is not None:  # transformers ties the last one to last_hidden_state
+    # transformers ties the last one to last_hidden_state (not the vision models: ``ties_last_hidden_state``)
+    if hidden and record["last"] is not None and getattr(backbone, "ties_last_hidden_state", True):
         hidden[-1] = record["last"]
     return _with_field(out, "hidden_states", tuple(hidden))
 
@@ -559,6 +560,8 @@ class HeadPart(nn.Module):
     """
 
     uses_pooler: ClassVar[bool] = False
+    # what the backbone is built with besides the pooler (masked image modeling: {"use_mask_token": True})
+    backbone_options: ClassVar[dict[str, object]] = {}
 
     def output_embeddings(self) -> nn.Module | None:
         """The module whose ``weight`` is tied to the input embeddings (masked-LM decoders)."""
@@ -594,7 +597,7 @@ class TaskModel(PreTrainedModel):
             raise TypeError(f"{type(part).__name__}: a HeadPart holds no bare parameters, only children")
         # transformers mounts a few task models' backbones elsewhere (LLaMA's and Qwen2's QA: "transformer")
         self.base_model_prefix = self.backbone_prefix or family.prefix
-        backbone = family.backbone_class(config, add_pooling_layer=part.uses_pooler)
+        backbone = family.backbone_class(config, add_pooling_layer=part.uses_pooler, **part.backbone_options)
         backbone.bind_family(family)
         # transformers' order of registration, which named_parameters follows: most task classes build their
         # backbone first, XLM-RoBERTa's and CamemBERT's their head (the family's head_before_backbone, default False)

@@ -143,3 +143,22 @@ class SequenceClassifierOutputWithPast(ModelOutput):
     cache: Any = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class ImageClassifierOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class MaskedImageModelingOutput(ModelOutput):
+    """The pixels rebuilt from the patches (``reconstruction``: (batch, channels, height, width)); ``loss`` with
+    ``bool_masked_pos``."""
+
+    loss: torch.Tensor | None = None
+    reconstruction: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None

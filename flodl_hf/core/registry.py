@@ -34,9 +34,11 @@ import torch
 
 from flodl_hf.core import slots
 from flodl_hf.core.errors import RegistryError, UnsupportedModelError
-from flodl_hf.core.losses import choice_loss, sequence_classification_loss, sequence_loss, span_loss, token_loss
-from flodl_hf.core.outputs import (BaseModelOutput, MaskedLMOutput, ModelOutput, MultipleChoiceModelOutput,
-                                   QuestionAnsweringModelOutput, SequenceClassifierOutput, TokenClassifierOutput)
+from flodl_hf.core.losses import (choice_loss, image_classification_loss, masked_image_loss,
+                                  sequence_classification_loss, sequence_loss, span_loss, token_loss)
+from flodl_hf.core.outputs import (BaseModelOutput, ImageClassifierOutput, MaskedImageModelingOutput, MaskedLMOutput,
+                                   ModelOutput, MultipleChoiceModelOutput, QuestionAnsweringModelOutput,
+                                   SequenceClassifierOutput, TokenClassifierOutput)
 
 if TYPE_CHECKING:
     from flodl_hf.core.config import BaseConfig
@@ -139,6 +141,17 @@ for _task in (
     register_task(_task)
 
 CORE_TASKS = tuple(_TASKS)
+
+# The image tasks (pixel_values in): asked only of the families that declare them (core=False).
+for _task in (
+    Task("image_classification", "ForImageClassification", "AutoModelForImageClassification",
+         "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", ImageClassifierOutput, "image_classification_head",
+         f"{_HEADS}.image_classification:ModelForImageClassification", image_classification_loss, core=False),
+    Task("masked_image_modeling", "ForMaskedImageModeling", "AutoModelForMaskedImageModeling",
+         "MODEL_FOR_MASKED_IMAGE_MODELING_MAPPING_NAMES", MaskedImageModelingOutput, "masked_image_head",
+         f"{_HEADS}.masked_image_modeling:ModelForMaskedImageModeling", masked_image_loss, core=False),
+):
+    register_task(_task)
 
 
 def hf_mapping(task: str) -> dict[str, str]:
@@ -274,6 +287,8 @@ class Family:
     multiple_choice_head = _default_head("mc")
     token_head = _default_head("tokcls")
     span_head = _default_head("qa")
+    image_classification_head = _default_head("image_classification")
+    masked_image_head = _default_head("masked_image_modeling")
 
     @classmethod
     def sequence_loss(cls, logits: "torch.Tensor", labels: "torch.Tensor", config: "BaseConfig") -> "torch.Tensor":

@@ -41,7 +41,10 @@ class ParityResult:
 
 def make_batch(config: BaseConfig, task: str, lengths: tuple[int, ...] = (13, 8), seed: int = 0,
                num_choices: int = 2) -> dict[str, torch.Tensor]:
-    """A padded batch: random ids (never the pad id), the pad id at padded positions, token types where used."""
+    """A padded batch: random ids (never the pad id), the pad id at padded positions, token types where used; for a
+    family whose backbone takes pixels, ``image_batch``."""
+    if "pixel_values" in get_family(config.model_type).backbone_class.input_names:
+        return image_batch(config, task, len(lengths), seed)
     gen = torch.Generator().manual_seed(seed)
     vocab = config.vocab_size
     pad = config.pad_token_id if config.pad_token_id is not None else 0
@@ -60,6 +63,19 @@ def make_batch(config: BaseConfig, task: str, lengths: tuple[int, ...] = (13, 8)
         batch["token_type_ids"] = types
     if task in ("mc", "double_heads"):  # (B, S) -> (B, choices, S); GPT-2's double heads take choices too
         batch = {k: torch.stack([v.roll(c, dims=0) for c in range(num_choices)], dim=1) for k, v in batch.items()}
+    return batch
+
+
+def image_batch(config: BaseConfig, task: str, rows: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random normal pixel values at the config's image size; masked image modeling also masks about half the
+    patches at random (``bool_masked_pos``)."""
+    from flodl_hf.core.vision_layers import pair
+    gen = torch.Generator().manual_seed(seed)
+    (height, width), patch = pair(config.image_size, "image_size"), pair(config.patch_size, "patch_size")
+    batch = {"pixel_values": torch.randn(rows, config.num_channels, height, width, generator=gen)}
+    if task == "masked_image_modeling":
+        patches = (height // patch[0]) * (width // patch[1])
+        batch["bool_masked_pos"] = torch.randint(0, 2, (rows, patches), generator=gen).bool()
     return batch
 
 
