@@ -31,6 +31,10 @@ class DeiTEmbeddings(ViTEmbeddings):
         super().__init__(config, use_mask_token)
         self.distillation_token = nn.Parameter(torch.zeros(1, 1, config.hidden_size))
 
+    def fresh_tokens(self, config: DeiTConfig) -> dict:
+        """Every token and the positions at zero (DeiT's _init_weights zeroes them after ViT's draws)."""
+        return {}
+
     def leading(self, batch: int) -> list[torch.Tensor]:
         return [self.cls_token.expand(batch, -1, -1), self.distillation_token.expand(batch, -1, -1)]
 
@@ -96,6 +100,13 @@ class DeiT(Vit):
     task_models = {"image_classification": ViTForImageClassification,
                    "masked_image_modeling": ViTForMaskedImageModeling}
     special_tokens: ClassVar[int] = 2  # the CLS and distillation tokens
+
+    @classmethod
+    def task_for(cls, task: str, config: DeiTConfig) -> str:
+        """A checkpoint saved as DeiTForImageClassificationWithTeacher runs as it under image_classification, as
+        transformers' AutoModelForImageClassification picks it by ``architectures``."""
+        teacher = (config.architectures or [None])[0] == cls.architecture(TEACHER.name)
+        return TEACHER.name if task == "image_classification" and teacher else task
 
     @classmethod
     def teacher_head(cls, config: DeiTConfig) -> HeadPart:

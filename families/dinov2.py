@@ -20,8 +20,8 @@ from flodl_hf.core.errors import ConfigError
 from flodl_hf.core.keys import FileLayout
 from flodl_hf.core.modeling import HeadPart, positional_order
 from flodl_hf.core.registry import Family, register
-from flodl_hf.core.vision_layers import (PatchEmbeddings, VisionAttention, VisionBackbone, VisionMLP, masked_patches,
-                                         pair, resized_positions)
+from flodl_hf.core.vision_layers import (PatchEmbeddings, VisionAttention, VisionBackbone, VisionMLP, drawn_tokens,
+                                         masked_patches, pair, resized_positions)
 from flodl_hf.heads import ModelForImageClassification
 
 DINOV2_LAYOUT = FileLayout(
@@ -79,6 +79,7 @@ class Dinov2Embeddings(nn.Module):
         self.position_embeddings = nn.Parameter(torch.zeros(1, self.patch_embeddings.num_patches + 1,
                                                             config.hidden_size))
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.fresh_init = drawn_tokens(config)
 
     def positions(self, height: int, width: int) -> torch.Tensor:
         return resized_positions(self.position_embeddings, 1, height, width, self.patch_embeddings.patch_size,
@@ -98,6 +99,12 @@ class LayerScale(nn.Module):
     def __init__(self, config: Dinov2Config) -> None:
         super().__init__()
         self.lambda1 = nn.Parameter(config.layerscale_value * torch.ones(config.hidden_size))
+
+        self.value = config.layerscale_value
+
+    def init_fresh_weights(self, std: float) -> None:
+        """A fresh model starts at ``layerscale_value`` (Dinov2PreTrainedModel._init_weights)."""
+        self.lambda1.data.fill_(self.value)
 
     def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
         return hidden_state * self.lambda1

@@ -19,8 +19,8 @@ from flodl_hf.core.errors import ConfigError
 from flodl_hf.core.keys import FileLayout
 from flodl_hf.core.modeling import positional_order
 from flodl_hf.core.registry import Family, register
-from flodl_hf.core.vision_layers import (PatchEmbeddings, PreNormLayer, VisionBackbone, VisionPooler, masked_patches,
-                                         pair, resized_positions)
+from flodl_hf.core.vision_layers import (PatchEmbeddings, PreNormLayer, VisionBackbone, VisionPooler, drawn_tokens,
+                                         masked_patches, pair, resized_positions)
 from flodl_hf.heads import ModelForImageClassification, ModelForMaskedImageModeling
 
 # transformers' conversion mapping for ViTModel (and DeiTModel, which it maps to it): (file, module) fragments
@@ -83,6 +83,11 @@ class ViTEmbeddings(nn.Module):
         self.position_embeddings = nn.Parameter(
             torch.zeros(1, self.patch_embeddings.num_patches + self.special_tokens, config.hidden_size))
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.fresh_init = self.fresh_tokens(config)
+
+    def fresh_tokens(self, config: ViTConfig) -> dict:
+        """How a fresh model starts the tokens and positions (``layers.fresh_rule``; the mask token at zero)."""
+        return drawn_tokens(config)
 
     def leading(self, batch: int) -> list[torch.Tensor]:
         """The tokens before the patches."""

@@ -17,6 +17,7 @@ from flodl_hf.core.version import __version__ as __version__
 
 # name -> the module that defines it
 _EXPORTS = {
+    **dict.fromkeys(("AutoModelForImageClassification", "AutoModelForMaskedImageModeling"), "flodl_hf.auto"),
     **dict.fromkeys(("AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM",
                      "AutoModelForMultipleChoice", "AutoModelForPreTraining", "AutoModelForQuestionAnswering",
                      "AutoModelForSequenceClassification", "AutoModelForTokenClassification", "load_model"),
@@ -37,7 +38,8 @@ _EXPORTS = {
 
 __all__ = [
     "AutoConfig", "AutoModel", "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForMultipleChoice",
-    "AutoModelForPreTraining", "AutoModelForQuestionAnswering",
+    "AutoModelForPreTraining", "AutoModelForQuestionAnswering", "AutoModelForImageClassification",
+    "AutoModelForMaskedImageModeling",
     "AutoModelForSequenceClassification", "AutoModelForTokenClassification", "load_model",
     "CheckpointFormatError", "ConfigError", "FlodlHFError", "InputError", "SourceNotFoundError",
     "UnsupportedModelError", "WeightsMismatchError",
@@ -82,6 +84,7 @@ _slots.LOAD_CONFIG.fill(_load_config)
 _slots.IMPORT_FAMILIES.fill(_import_families)
 
 if TYPE_CHECKING:  # the names, for type checkers and editors
+    from flodl_hf.auto import AutoModelForImageClassification, AutoModelForMaskedImageModeling
     from flodl_hf.auto import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
                                AutoModelForMultipleChoice, AutoModelForPreTraining, AutoModelForQuestionAnswering,
                                AutoModelForSequenceClassification, AutoModelForTokenClassification, load_model)

@@ -303,6 +303,7 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | s
     config.attn_implementation = _attn(attn_implementation, family)
     if task == "auto":
         task = task_of(config, family)
+    task = family.task_for(task, config)  # DeiT's teacher checkpoint read by AutoModelForImageClassification
     if task not in task_names():
         raise InputError(f"task {task!r}: expected one of {', '.join(task_names())} or 'auto'")
     if task in ("seqcls", "tokcls") and sorted(config.id2label) != list(range(config.num_labels)):
@@ -404,9 +405,21 @@ class AutoModelForCausalLM(_AutoModel):
     task = "causal_lm"
 
 
+class AutoModelForImageClassification(_AutoModel):
+    """The image classifiers (``pixel_values`` in; DeiT's with a teacher where the checkpoint names that class)."""
+
+    task = "image_classification"
+
+
+class AutoModelForMaskedImageModeling(_AutoModel):
+    """SimMIM's masked image modeling (ViT, DeiT): the image rebuilt from its patches."""
+
+    task = "masked_image_modeling"
+
+
 _NAMED = (AutoModel, AutoModelForSequenceClassification, AutoModelForTokenClassification,
           AutoModelForQuestionAnswering, AutoModelForMaskedLM, AutoModelForMultipleChoice, AutoModelForPreTraining,
-          AutoModelForCausalLM)
+          AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForMaskedImageModeling)
 
 
 def auto_classes() -> dict[str, type[_AutoModel]]:

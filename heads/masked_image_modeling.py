@@ -30,6 +30,7 @@ class PixelDecoder(HeadPart):
         stride = config.encoder_stride
         self.decoder = nn.Sequential(nn.Conv2d(config.hidden_size, stride ** 2 * config.num_channels, kernel_size=1),
                                      nn.PixelShuffle(stride))
+        self.decoder[0].fresh_init = {"weight": "normal"}  # transformers' _init_weights draws a Conv2d's weight
 
     def forward(self, hidden_states: torch.Tensor, pooler_output: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:

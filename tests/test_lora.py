@@ -60,8 +60,15 @@ TARGETS: dict[str, tuple[list[str], list[str]]] = {
     "phi": (["q_proj", "v_proj", "fc1", "fc2"], ["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"]),
     "nomic_bert": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
     "gte": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    # vision: PEFT has no default targets for these model types (transformers 5's module names)
+    **{vision: (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"])
+       for vision in ("vit", "deit", "dinov2_with_registers")},
+    "dinov2": (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    # no seqcls or mlm head: their LoRA round trips are in tests/test_clip_siglip.py
+    **{tower: (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"])
+       for tower in ("clip", "clip_text_model", "clip_vision_model", "siglip", "siglip_text_model", "siglip_vision_model")},
 }
-TASKS = ("seqcls", "mlm")
+TASKS = ("seqcls", "mlm", "image_classification")
 
 
 def _width(fields: dict) -> int:

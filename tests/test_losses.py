@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flodl_hf.auto import load_model
+from flodl_hf.core.registry import get_task
 from flodl_hf.roundtrip.parity import make_batch, reference_model
 
 from cases import CASES
@@ -16,8 +17,10 @@ pytestmark = pytest.mark.range_end  # also run at the other end of the supported
 
 def _labels(task: str, config, batch, variant: str) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    ids = batch["input_ids"]
-    if task == "seqcls":
+    ids = batch.get("input_ids", batch.get("pixel_values"))  # the rows; an image model takes pixel_values
+    if task == "masked_image_modeling":  # the pixels are the target; the batch's bool_masked_pos selects
+        return {}
+    if task in ("seqcls", "image_classification"):
         n = config.num_labels
         if variant == "regression":
             return {"labels": torch.randn(ids.shape[0], n, generator=gen)}
@@ -55,10 +58,10 @@ def _one_case_per_family_and_head():
     chosen: dict[tuple[str, str], tuple[str, dict]] = {}
     for case_id, task, fields in CASES:
         key = (fields["model_type"], task)
-        if task != "base" and (key not in chosen or _width(fields) < _width(chosen[key][1])):
+        if get_task(task).loss is not None and (key not in chosen or _width(fields) < _width(chosen[key][1])):
             chosen[key] = (case_id, fields)
     for (model_type, task), (case_id, fields) in chosen.items():
-        variants = ("single", "multi", "regression") if task == "seqcls" else ("default",)
+        variants = ("single", "multi", "regression") if task in ("seqcls", "image_classification") else ("default",)
         if task == "seqcls" and model_type in ("deberta-v2", "deberta"):
             variants += ("soft", "negative")
         for variant in variants:

@@ -158,7 +158,12 @@ def hf_mapping(task: str) -> dict[str, str]:
     """transformers' model_type -> class name mapping for ``task`` ({} where transformers has none)."""
     from transformers.models.auto import modeling_auto
     spec = get_task(task)
-    return dict(spec.classes) if spec.classes else getattr(modeling_auto, spec.hf_mapping, {})
+    mapping = dict(spec.classes) if spec.classes else getattr(modeling_auto, spec.hf_mapping, {})
+    # a model type with several classes for one Auto class (DeiT's two image classifiers): the first, which is the
+    # task's own (the others are tasks of their own: DeiT's image_classification_teacher)
+    if not any(isinstance(v, (tuple, list)) for v in mapping.values()):
+        return mapping
+    return {k: v[0] if isinstance(v, (tuple, list)) else v for k, v in mapping.items()}
 
 
 class TaskField(Mapping):
@@ -244,6 +249,12 @@ class Family:
     @classmethod
     def supports(cls, task: str) -> bool:
         return task in cls.tasks
+
+    @classmethod
+    def task_for(cls, task: str, config: "BaseConfig") -> str:
+        """The task that runs when ``task`` is asked of a checkpoint with ``config``: ``task`` itself, except where
+        transformers' Auto class holds several classes for the family and picks by ``architectures`` (DeiT)."""
+        return task
 
     @classmethod
     def model_class(cls, task: str) -> type["PreTrainedModel"]:

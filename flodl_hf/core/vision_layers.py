@@ -19,7 +19,7 @@ from torch import nn
 
 from flodl_hf.core.config import BaseConfig
 from flodl_hf.core.errors import ConfigError, InputError
-from flodl_hf.core.layers import activation, attend, split_heads
+from flodl_hf.core.layers import Draw, activation, attend, split_heads
 from flodl_hf.core.modeling import Backbone
 from flodl_hf.core.outputs import BaseModelOutput
 
@@ -67,9 +67,17 @@ class PatchEmbeddings(nn.Module):
         self.num_patches = (self.image_size[1] // self.patch_size[1]) * (self.image_size[0] // self.patch_size[0])
         self.projection = nn.Conv2d(config.num_channels, config.hidden_size, kernel_size=self.patch_size,
                                     stride=self.patch_size)
+        self.projection.fresh_init = {"weight": "normal"}  # transformers' _init_weights draws a Conv2d's weight
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return self.projection(pixel_values).flatten(2).transpose(1, 2)
+
+
+def drawn_tokens(config: BaseConfig) -> dict[str, Draw]:
+    """``fresh_init`` of the CLS token and position table as ViT's and DINOv2's ``_init_weights`` start them:
+    ``trunc_normal_(std=initializer_range)``, cut at -2 and 2."""
+    std = config.initializer_range
+    return {"cls_token": Draw(std, 2 / std), "position_embeddings": Draw(std, 2 / std)}
 
 
 def resized_positions(table: torch.Tensor, special: int, height: int, width: int, patch: tuple[int, int],

@@ -75,7 +75,8 @@ def _replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 def _tied_to_embeddings(model: nn.Module, module: nn.Module) -> bool:
     get = getattr(model, "get_input_embeddings", None)
     embeddings = get() if callable(get) else None
-    return embeddings is not None and getattr(module, "weight", None) is embeddings.weight
+    weight = getattr(embeddings, "weight", None)  # an image model's input embeddings (its patches) have none
+    return weight is not None and getattr(module, "weight", None) is weight
 
 
 def all_linear_targets(model: nn.Module, task_type: str | None) -> list[str]:

@@ -64,6 +64,9 @@ def tiny_config(model_type: str, fields: dict[str, Any] | None = None, task: str
     specials = [v for k, v in {**defaults, **out}.items() if k.endswith("_token_id") and isinstance(v, int)]
     if "vocab_size" in out and specials:
         out["vocab_size"] = max(out["vocab_size"], max(specials) + 1)
+    for sub in ("text_config", "vision_config"):  # a dual model's towers (CLIP, SigLIP), each shrunk as its own
+        if isinstance(defaults.get(sub), dict):
+            out[sub] = tiny_config(defaults[sub]["model_type"], (fields or {}).get(sub))
     if task in TASK_LABELS:
         out["num_labels"] = TASK_LABELS[task]
     for key in ("rope_parameters", "rope_scaling"):
@@ -89,6 +92,10 @@ def generate_checkpoint(fields: dict[str, Any], task: str, out: Path, seed: int 
     biases are not trivial), written with ``save_pretrained``."""
     transformers = quiet_transformers()
     fields = copy.deepcopy(dict(fields))  # transformers' configs fill nested RoPE dicts in place: keep the caller's
+    from transformers.models.auto import modeling_auto
+    several = getattr(modeling_auto, get_task(task).hf_mapping, {}).get(fields["model_type"])
+    if isinstance(several, (tuple, list)):  # an Auto class with several classes for the type (DeiT's) picks by it
+        fields.setdefault("architectures", [several[0]])
     config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
     reference = getattr(transformers, get_task(task).auto_class)

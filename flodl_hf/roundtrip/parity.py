@@ -18,6 +18,7 @@ from flodl_hf.core import io
 from flodl_hf.auto import AutoConfig, load_model, task_of
 from flodl_hf.core.errors import WeightsMismatchError
 from flodl_hf.core.config import BaseConfig
+from flodl_hf.core.outputs import ModelOutput
 from flodl_hf.core.registry import get_family
 from flodl_hf.core.registry import TaskField, get_task
 
@@ -41,9 +42,14 @@ class ParityResult:
 
 def make_batch(config: BaseConfig, task: str, lengths: tuple[int, ...] = (13, 8), seed: int = 0,
                num_choices: int = 2) -> dict[str, torch.Tensor]:
-    """A padded batch: random ids (never the pad id), the pad id at padded positions, token types where used; for a
+    """A padded batch: random ids (never the pad id), the pad id at padded positions, token types where used; a
+    family with inputs of its own makes them (``example_inputs``: CLIP's and SigLIP's texts and images); for a
     family whose backbone takes pixels, ``image_batch``."""
-    if "pixel_values" in get_family(config.model_type).backbone_class.input_names:
+    family = get_family(config.model_type)
+    own = getattr(family, "example_inputs", None)
+    if own is not None:
+        return own(config, task, lengths, seed)
+    if "pixel_values" in family.backbone_class.input_names:
         return image_batch(config, task, len(lengths), seed)
     gen = torch.Generator().manual_seed(seed)
     vocab = config.vocab_size
@@ -103,6 +109,11 @@ def compare_outputs(ours, theirs, fields: list[str]) -> tuple[dict[str, float], 
     diffs, equal = {}, {}
     for name in fields:
         a, b = getattr(ours, name), getattr(theirs, name, None)
+        if isinstance(a, ModelOutput) and b is not None:  # a tower's record inside a dual model's (CLIP's)
+            inner = compare_outputs(a, b, a.keys())
+            diffs.update({f"{name}.{k}": v for k, v in inner[0].items()})
+            equal.update({f"{name}.{k}": v for k, v in inner[1].items()})
+            continue
         if not isinstance(a, torch.Tensor):  # a decoder's KV cache: compared step by step in tests/test_decoder.py
             continue
         if b is None:

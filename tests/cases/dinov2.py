@@ -1,5 +1,5 @@
-"""DINOv2: real width at patch 16 and 224 pixels (2 layers), an odd head size with the SwiGLU MLP, layer scale
-and patch 14, and with registers (the ``dinov2_with_registers`` model type)."""
+"""DINOv2: real width at patch 16 and 224 pixels (2 layers), and an odd head size with the SwiGLU MLP, layer scale
+and patch 14 (with registers: tests/cases/dinov2_with_registers.py)."""
 
 HEADS = ("base", "image_classification")
 
@@ -9,7 +9,4 @@ CONFIGS = {
     "dinov2-swiglu-hd24": dict(model_type="dinov2", hidden_size=96, num_attention_heads=4, num_hidden_layers=2,
                                image_size=42, patch_size=14, num_labels=5, use_swiglu_ffn=True, mlp_ratio=3,
                                layerscale_value=0.1, hidden_act="gelu_new"),
-    "dinov2-registers-hd24": dict(model_type="dinov2_with_registers", hidden_size=96, num_attention_heads=4,
-                                  num_hidden_layers=2, image_size=32, patch_size=8, num_labels=2,
-                                  num_register_tokens=3),
 }
