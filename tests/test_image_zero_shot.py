@@ -121,3 +121,24 @@ def test_bad_labels_and_the_command(models, tmp_path, capsys):
     assert main(["zero-shot-image", *paths, "--labels", ",".join(LABELS[:3]), "--model", str(models["clip"]),
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == zero_shot_image(paths, LABELS[:3], model=models["clip"])
+
+
+@pytest.mark.parametrize("name", ["clip", "siglip"])
+def test_rank_images_and_the_text_side_equal_transformers(models, name):
+    from flodl_hf.tasks.image import embed_image_text, rank_images
+    transformers = quiet_transformers()
+    reference = transformers.AutoModel.from_pretrained(str(models[name])).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(models[name]))
+    options = {"padding": "max_length", "max_length": 64, "truncation": True} if name == "siglip" else {"padding": True}
+    texts = ["a photo of a cat.", "the dog is a bird in a tree"]
+    with torch.inference_mode():
+        expected = reference.get_text_features(**tokenizer(texts, return_tensors="pt", **options))
+    expected = expected if isinstance(expected, torch.Tensor) else expected.pooler_output
+    assert torch.equal(embed_image_text(texts, model=models[name]), expected)
+    photos = images(3)
+    ranked = rank_images(texts[0], photos, model=models[name])
+    vectors = torch.nn.functional.normalize(embed_image(photos, model=models[name]), dim=-1)
+    cosine = vectors @ torch.nn.functional.normalize(expected[0], dim=-1)
+    assert [r["index"] for r in ranked] == cosine.argsort(descending=True).tolist()
+    assert max(abs(r["score"] - cosine[r["index"]].item()) for r in ranked) <= 1e-6
+    assert len(rank_images(texts[0], photos, model=models[name], top_k=2)) == 2

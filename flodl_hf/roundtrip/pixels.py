@@ -60,4 +60,5 @@ def compare_processors(directory: Path, source_root: Path | None) -> tuple[str, 
     if reference is not None and not torch.equal(theirs, reference):
         return "FAIL", f"DIR's processor and the source's differ on {what}"
     against = "= the source's" if reference is not None else "(no source processor to compare with)"
-    return "PASS", f"pixel values ({ours.numel()} floats) torch.equal: ours on DIR = transformers' on DIR {against}; {what}"
+    return "PASS", (f"pixel values ({ours.numel()} floats) torch.equal: ours on DIR = transformers' on DIR {against}; "
+                    f"{what}")

@@ -95,6 +95,14 @@ def embed_image(images: Any, model: Source, normalize: bool = False,
 DEFAULT_IMAGE_TEMPLATE = "This is a photo of {}."
 
 
+def _text_options(model: torch.nn.Module) -> tuple[bool, dict[str, Any]]:
+    """(sigmoid scores?, the tokenizer's options), as the zero-shot image pipeline picks them: SigLIP's texts
+    padded to 64 tokens and scored by a sigmoid, CLIP's padded together and scored by a softmax."""
+    if "siglip" in str(model.config.model_type):
+        return True, {"padding": "max_length", "max_length": 64, "truncation": True}
+    return False, {"padding": True}
+
+
 def zero_shot_image(images: Any, candidate_labels: list[str] | str, model: Source,
                     hypothesis_template: str = DEFAULT_IMAGE_TEMPLATE,
                     processor: str | Path | ImageProcessor | None = None, tokenizer: Any = None,
@@ -111,8 +119,7 @@ def zero_shot_image(images: Any, candidate_labels: list[str] | str, model: Sourc
         raise InputError(f"hypothesis_template={hypothesis_template!r}: must hold '{{}}', where a label goes")
     loaded = load_images(model, "base", processor, "exact", "zero_shot_image")
     text_side = load(loaded.model if tokenizer is not None else model, "base", tokenizer, "exact", "zero_shot_image")
-    sigmoid = "siglip" in str(loaded.model.config.model_type)
-    options = {"padding": "max_length", "max_length": 64, "truncation": True} if sigmoid else {"padding": True}
+    sigmoid, options = _text_options(loaded.model)
     texts = text_side.tokenizer([hypothesis_template.format(label) for label in labels], return_tensors="pt",
                                 **options)
     accepted = set(inspect.signature(loaded.model.forward).parameters)
@@ -128,3 +135,41 @@ def zero_shot_image(images: Any, candidate_labels: list[str] | str, model: Sourc
         results.append([{"score": s, "label": label} for s, label in sorted(zip(scores, labels), key=lambda x: -x[0])])
     return results[0] if single else results
 
+
+
+def embed_image_text(texts: list[str] | str, model: Source, normalize: bool = False, tokenizer: Any = None
+                     ) -> torch.Tensor:
+    """The text side of CLIP and SigLIP: ``get_text_features`` of each text, tokenised as the zero-shot pipeline
+    tokenises (padded together; SigLIP's to 64 tokens). ``normalize``: each row divided by its L2 norm."""
+    from flodl_hf.tasks.runtime import load
+    items = [texts] if isinstance(texts, str) else list(texts)
+    if not items or not all(isinstance(t, str) for t in items):
+        raise InputError(f"texts={texts!r}: give one or more strings")
+    loaded = load(model, "base", tokenizer, "exact", "embed_image_text")
+    features = getattr(loaded.model, "get_text_features", None)
+    if features is None:
+        raise InputError(f"{loaded.source}: a {type(loaded.model).__name__} has no text features (CLIP or SigLIP "
+                         "has)")
+    _, options = _text_options(loaded.model)
+    encoded = loaded.tokenizer(items, return_tensors="pt", **options)
+    accepted = set(inspect.signature(features).parameters)
+    with torch.inference_mode():
+        out = features(**{k: encoded[k] for k in encoded.keys() if k in accepted})
+    out = (out if isinstance(out, torch.Tensor) else out.pooler_output).float()
+    return out / out.norm(p=2, dim=-1, keepdim=True) if normalize else out
+
+
+def rank_images(text: str, images: Any, model: Source, top_k: int | None = None, **options: Any) -> list[dict]:
+    """Images ranked by the cosine similarity of their features to ``text``'s (CLIP, SigLIP): ``{index, score}``,
+    best first (``rank``'s shape, for images)."""
+    if not isinstance(text, str) or not text:
+        raise InputError(f"text={text!r}: give the text to rank the images against")
+    if top_k is not None:
+        _check_top_k(top_k)
+    vectors = embed_image(images, model, normalize=True, **options)
+    if not len(vectors):
+        raise InputError("rank_images: no images to rank")
+    query = embed_image_text(text, model, normalize=True)[0]
+    scores = (vectors @ query).tolist()
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    return [{"index": i, "score": scores[i]} for i in order[:top_k]]
