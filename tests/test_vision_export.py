@@ -55,3 +55,17 @@ def test_no_processor_no_row(tmp_path):
     export(str(src), tmp_path / "out")
     report = verify_export(tmp_path / "out")
     assert 8 not in {c.number for c in report.checks} and report.ok
+
+
+def test_an_image_model_is_verified_on_real_pixels(tmp_path):
+    """A ViT export: checks 3 and 4 run on the probe images through DIR's processor, not on random pixels."""
+    fields = dict(model_type="vit", hidden_size=96, num_attention_heads=4, num_hidden_layers=2, intermediate_size=160,
+                  image_size=40, patch_size=8, num_labels=3)
+    src = tmp_path / "src"
+    shutil.copytree(make_checkpoint(fields, "image_classification"), src)
+    processor = {"image_processor_type": "ViTImageProcessor", "size": {"height": 40, "width": 40}}
+    (src / "preprocessor_config.json").write_text(json.dumps(processor))
+    export(str(src), tmp_path / "out")
+    report = verify_export(tmp_path / "out")
+    assert "through DIR's image processor" in report.inputs, report.format_table()
+    assert report.ok and {c.number for c in report.checks if c.status == PASS} >= {1, 2, 3, 4, 7, 8}

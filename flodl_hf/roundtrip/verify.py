@@ -182,6 +182,10 @@ def _find_source(directory: Path, stamp: dict, source: str | None, no_source: bo
 def _inputs(directory: Path, config: BaseConfig, task: str, prompts: list[str] | None):
     """(batch, description, tokenizer or None): prompts through DIR's tokenizer, else random ids."""
     if not has_tokenizer(directory):
+        from flodl_hf.roundtrip.pixels import image_inputs
+        pictures = None if prompts else image_inputs(directory, config, task)  # an image model: real pixels
+        if pictures is not None:
+            return (*pictures, None)
         if prompts:
             raise InputError(f"--prompt needs a tokenizer, and {directory} has no tokenizer files")
         return make_batch(config, task), "random token ids, 2 sequences padded 13/8 (no tokenizer in DIR)", None
