@@ -5,8 +5,9 @@ Pixels: a path is opened and a PIL image turned by its EXIF orientation and conv
 the pipelines do), an array or tensor goes to the processor as it is; then the model's image processor
 (flodl_hf.vision, equal to transformers' PIL backend). Batches: images of one pixel shape are grouped, and each
 group cut by ``flodl_hf.tasks.batching.plan`` with every image counted as its patch tokens (the text tasks' cost
-model and ``batch_size``). A batch is an ordinary batch: our models equal transformers' on it; against the
-pipelines' one image per pass, scores move by ulps (within 1e-6 measured), as for the text tasks.
+model and ``batch_size``, with a budget of ``IMAGE_MAX_TOKENS`` a pass). A batch is an ordinary batch: our
+models equal transformers' on it; against the pipelines' one image per pass, scores move by ulps (within 1e-6
+measured), as for the text tasks.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from flodl_hf.vision import AutoImageProcessor, ImageProcessor
 from flodl_hf.vision.images import for_pipeline, is_image, name_of
 
 _PROCESSORS: dict[str, ImageProcessor] = {}
+# Patch tokens in one pass, at most (the text tasks' 1024 is set by masked-LM logits, which images do not have).
+# Measured on the 20 ImageNet photos through a ViT-base classifier (197 tokens an image), 2 busy cores: one image a
+# pass 0.32 images/s, 1024 tokens (5 images) 0.80, 2048 (10) 1.16, 4096 (20) 1.12 (scripts/bench_image.py).
+IMAGE_MAX_TOKENS = 2048
 
 
 @dataclass
@@ -104,7 +109,8 @@ def run_images(loaded: LoadedImages, rows: list[torch.Tensor], batch_size: Batch
     """``forward(model, pixel_values, plain)`` on batches of ``rows``; one float32 CPU result per row, in order."""
     model = loaded.model
     policy = batch_size if isinstance(batch_size, batching.BatchPolicy) \
-        else batching.BatchPolicy.for_model(getattr(model, "vision_model", model), batch_size)
+        else batching.BatchPolicy.for_model(getattr(model, "vision_model", model), batch_size,
+                                            max_tokens=IMAGE_MAX_TOKENS)
     groups: dict[tuple, list[int]] = {}
     for i, row in enumerate(rows):
         groups.setdefault((tuple(row.shape), row.dtype), []).append(i)
