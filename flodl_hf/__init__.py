@@ -72,18 +72,24 @@ def _load_model(cls: type, source: Any, model_args: tuple, kwargs: dict[str, Any
     return model_from_pretrained(cls, source, model_args, kwargs)
 
 
-def _load_config(source: Any, revision: str | None = None) -> Any:
+def _load_config(source: Any, revision: str | None = None, gguf_file: Any = None) -> Any:
     from flodl_hf.auto import AutoConfig
-    return AutoConfig.from_pretrained(source, revision=revision)
+    return AutoConfig.from_pretrained(source, revision=revision, gguf_file=gguf_file)
 
 
 def _import_families() -> None:
     import flodl_hf.families  # noqa: F401  (importing it registers every family)
 
 
+def _read_gguf_tokenizer(source: Any, gguf_file: Any, options: dict[str, Any]) -> Any:
+    from flodl_hf.gguf.tokenizer import read_gguf_tokenizer
+    return read_gguf_tokenizer(source, gguf_file, options)
+
+
 _slots.LOAD_MODEL.fill(_load_model)
 _slots.LOAD_CONFIG.fill(_load_config)
 _slots.IMPORT_FAMILIES.fill(_import_families)
+_slots.READ_GGUF_TOKENIZER.fill(_read_gguf_tokenizer)
 
 if TYPE_CHECKING:  # the names, for type checkers and editors
     from flodl_hf.auto import AutoModelForImageClassification, AutoModelForMaskedImageModeling

@@ -83,8 +83,14 @@ class AutoConfig:
     def from_pretrained(source: str | Path, revision: str | None = None, **kwargs: Any) -> BaseConfig:
         """config.json of ``source``; ``kwargs`` set fields as transformers sets them (the quick tour's
         ``AutoConfig.from_pretrained(name, n_heads=12)``), as ``from_pretrained``'s config overrides."""
-        path = _config_path(source, revision)
-        config = config_from_dict(io.read_json(path, "config.json"), str(path))
+        gguf_file = kwargs.pop("gguf_file", None)
+        if gguf_file is not None:  # the file's metadata is its config, as transformers' gguf_file=
+            gguf = _gguf_source(source, gguf_file)
+            path, data = gguf.path, gguf.config
+        else:
+            path = _config_path(source, revision)
+            data = io.read_json(path, "config.json")
+        config = config_from_dict(data, str(path))
         return _with_overrides(config, kwargs, str(path))[1] if kwargs else config
 
     @staticmethod
@@ -148,7 +154,7 @@ _NOT_IMPLEMENTED = {
     "output_loading_info": False, "use_safetensors": None, "weights_only": True, "variant": None, "state_dict": None,
     "proxies": None, "tqdm_class": None, "max_memory": None, "offload_folder": None, "offload_buffers": False,
     "quantization_config": None, "adapter_kwargs": None, "adapter_name": "default", "generation_config": None,
-    "gguf_file": None, "distributed_config": None, "device_mesh": None, "tp_plan": None, "tp_size": None,
+    "distributed_config": None, "device_mesh": None, "tp_plan": None, "tp_size": None,
     "allow_all_kernels": False, "use_kernels": False, "kernel_config": None, "key_mapping": None,
     "fusion_config": None, "disable_mmap": None, "experts_implementation": None,
     "torchscript": False, "chunk_size_feed_forward": 0, "add_cross_attention": False, "is_encoder_decoder": False,
@@ -216,6 +222,13 @@ def _with_overrides(config: BaseConfig, overrides: dict[str, Any], where: str) -
     return family_and_config(config.to_dict(), f"{where} with from_pretrained({', '.join(f'{k}=' for k in overrides)})")
 
 
+def _gguf_source(source: str | Path, gguf_file: str | os.PathLike) -> Any:
+    """transformers' ``from_pretrained(source, gguf_file=...)``: the file read by flodl_hf.gguf (config from its
+    metadata, tensors dequantised one at a time)."""
+    from flodl_hf.gguf import GGUFSource
+    return GGUFSource.open(source, gguf_file)
+
+
 def _fresh_mismatched(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> tuple[dict, list[str]]:
     """``ignore_mismatched_sizes``: each file tensor whose shape differs from the model's, replaced by an empty
     one of the model's shape (initialised after loading, as transformers does), and those model keys."""
@@ -268,6 +281,7 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | s
     model's initialised afresh), ``add_pooling_layer`` (a bare backbone), and any other keyword a config field to
     set (``num_labels``, ``id2label``, ``classifier_dropout``...), unless ``config`` is a config object. A keyword
     transformers has and flodl-hf does not implement is an InputError naming it."""
+    gguf_file = overrides.pop("gguf_file", None)
     _option_errors(overrides)
     if "num_labels" in overrides and overrides["num_labels"] is None:  # as leaving it out
         del overrides["num_labels"]
@@ -281,7 +295,8 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | s
     device = _device(device_map)
     hub = {"subfolder": subfolder, "cache_dir": cache_dir, "force_download": force_download,
            "local_files_only": local_files_only, "token": token}
-    ckpt = _resolve(source, revision, hub)
+    gguf = None if gguf_file is None else _gguf_source(source, gguf_file)
+    ckpt = _resolve(source, revision, hub) if gguf is None else gguf.checkpoint
     # The family is resolved once, here; the model carries it from here on.
     if isinstance(config, BaseConfig):
         if overrides:  # transformers hands them to the model's __init__, which takes none of them
@@ -292,7 +307,11 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | s
         family = get_family(config.model_type)
     elif config is None or isinstance(config, (str, os.PathLike)):
         path = ckpt.config_path if config is None else _config_path(config, revision, hub)
-        family, config = family_and_config(io.read_json(path, "config.json"), str(path))
+        if gguf is not None and config is None:  # the file's metadata is its config
+            path, data = gguf.path, gguf.config
+        else:
+            data = io.read_json(path, "config.json")
+        family, config = family_and_config(data, str(path))
         if overrides:
             family, config = _with_overrides(config, overrides, str(path))
     else:
@@ -318,7 +337,7 @@ def load_model(source: str | Path, task: str = "auto", *, dtype: torch.dtype | s
     # cannot be trained and on which F.linear of a sliced input (logits_to_keep=1) took another kernel than
     # transformers' (measured: ulps apart on a tied LLaMA head).
     with torch.inference_mode(False):
-        tensors = io.load_tensors(ckpt, dtype)
+        tensors = io.load_tensors(ckpt, dtype) if gguf is None else gguf.tensors(family, config, dtype)
         from flodl_hf.core.validate import check_config_fits
         check_config_fits(config, tensors, str(ckpt.config_path))
         with meta_device():

@@ -220,6 +220,87 @@ def case_load(repeats: int) -> dict:
     return out
 
 
+# ---- case 9: a GGUF file (the real SmolLM2-135M-Instruct, Q4_1) ---------------------------------------------------
+
+def gguf_child(side: str, path: str) -> None:
+    """Runs in a fresh process: import, load the GGUF into a causal LM (float32), report time and peak RSS."""
+    import torch  # noqa: F401  (imported first: its import time is counted apart, as load_child counts it)
+    file = Path(path)
+    t_torch = time.perf_counter()
+    if side == "ours":
+        import flodl_hf
+        import flodl_hf.auto  # noqa: F401  (the layers the load uses, imported before the baseline is taken)
+        import flodl_hf.families  # noqa: F401
+        t_lib = time.perf_counter()
+        baseline = peak_rss()
+        model = flodl_hf.AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name)
+    else:
+        import transformers
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        import transformers.models.llama.modeling_llama  # noqa: F401  (as above: imported before the baseline)
+        t_lib = time.perf_counter()
+        baseline = peak_rss()
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name).eval()
+    t_ready = time.perf_counter()
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    print(json.dumps({"side": side, "import_torch_s": t_torch - T0, "import_lib_s": t_lib - t_torch,
+                      "load_s": t_ready - t_lib, "ready_s": t_ready - T0, "peak_rss_ready": peak_rss(),
+                      "baseline_rss": baseline, "weights_bytes": weights, "dtype": str(next(model.parameters()).dtype)}))
+
+
+def case_gguf(repeats: int) -> dict:
+    """Load time and peak RSS of the SmolLM2 GGUF: ours (gguf's reader, memory-mapped, dequantised tensor by tensor
+    into modules built on the meta device) against transformers' gguf_file=, fresh processes, alternated."""
+    path = _sample("smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    results: dict[str, list[dict]] = {"ours": [], "transformers": []}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for _ in range(repeats + 1):  # the first pair warms the page cache and is dropped
+        for side in results:
+            done = subprocess.run([sys.executable, __file__, "--gguf-child", side, str(path)],
+                                  capture_output=True, text=True, env=env, timeout=900)
+            if done.returncode:
+                raise RuntimeError(f"gguf child ({side}) failed:\n{done.stderr}")
+            results[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    ours, theirs = results["ours"][1:], results["transformers"][1:]
+    weights = ours[0]["weights_bytes"]
+    out = {"file": path.name, "file_bytes": path.stat().st_size, "weights_bytes": weights, "repeats": repeats,
+           "raw": {"ours": ours, "transformers": theirs}}
+    for row in ours + theirs:
+        row["load_rss"] = row["peak_rss_ready"] - row["baseline_rss"]
+    for key in ("ready_s", "load_s", "peak_rss_ready", "load_rss"):
+        out[key] = {"ours": median([r[key] for r in ours]), "transformers": median([r[key] for r in theirs]),
+                    "ratio": median(pair_ratios([r[key] for r in ours], [r[key] for r in theirs]))}
+    out["rss_over_weights"] = {side: out["peak_rss_ready"][side] / weights for side in ("ours", "transformers")}
+    out["load_rss_over_weights"] = {side: out["load_rss"][side] / weights for side in ("ours", "transformers")}
+    out["goal_time"] = out["load_s"]["ratio"] <= 0.5
+    out["goal_rss"] = out["rss_over_weights"]["ours"] <= 1.2
+    return out
+
+
+def gguf_table(results: dict) -> str:
+    r = results.get("gguf")
+    if not r:
+        return ""
+    mb = 1024 * 1024
+    over = r["rss_over_weights"]
+    return "\n".join([
+        f"GGUF load ({r['file']}, {r['file_bytes'] / mb:.0f} MiB file, float32 weights {r['weights_bytes'] / mb:.0f} "
+        f"MiB; fresh processes, median of {r['repeats']})",
+        "",
+        "| measure | ours | transformers `gguf_file=` | ratio | goal | |", "|---|---:|---:|---:|---|---|",
+        f"| `from_pretrained` (s) | {fmt(r['load_s']['ours'])} | {fmt(r['load_s']['transformers'])} | "
+        f"{fmt(r['load_s']['ratio'])} | time ≤ 0.5 | {yes(r['goal_time'])} |",
+        f"| fresh process to a ready model (s) | {fmt(r['ready_s']['ours'])} | {fmt(r['ready_s']['transformers'])} | "
+        f"{fmt(r['ready_s']['ratio'])} | | |",
+        f"| peak RSS, ready (MiB; × weights) | {r['peak_rss_ready']['ours'] / mb:.0f} ({fmt(over['ours'])}×) | "
+        f"{r['peak_rss_ready']['transformers'] / mb:.0f} ({fmt(over['transformers'])}×) | "
+        f"{fmt(r['peak_rss_ready']['ratio'])} | ≤ 1.2× weights | {yes(r['goal_rss'])} |",
+        f"| of which the load itself, above the imports (MiB; × weights) | {r['load_rss']['ours'] / mb:.0f} "
+        f"({fmt(r['load_rss_over_weights']['ours'])}×) | {r['load_rss']['transformers'] / mb:.0f} "
+        f"({fmt(r['load_rss_over_weights']['transformers'])}×) | {fmt(r['load_rss']['ratio'])} | | |"])
+
+
 # ---- model FLOPs (case 5) -------------------------------------------------------------------------------
 
 def encoder_flops(length: int, rows: int = 1, hidden: int = 768, inner: int = 3072, layers: int = 12) -> float:
@@ -935,7 +1016,8 @@ def write_doc(results: dict, meta: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default="1,2,3,4,5,6,7,8", help="comma-separated case numbers (default: all)")
+    parser.add_argument("--cases", default="1,2,3,4,5,6,7,8", help="comma-separated case numbers (default: all "
+                        "but 9, the GGUF load: --cases 9)")
     parser.add_argument("--quick", action="store_true", help="300 messages, fewer repeats (a smoke run)")
     parser.add_argument("--messages", type=int, default=None, help="SMS messages for case 3 (default 2000)")
     parser.add_argument("--chunks", type=int, default=None, help="case 3 alternates ours/theirs per chunk (default 8)")
@@ -950,12 +1032,16 @@ def main() -> int:
                         help="measure nothing: print (and write into the doc) the table of the JSON file")
     parser.add_argument("--load-child", nargs=2, metavar=("SIDE", "DIR"), help=argparse.SUPPRESS)
     parser.add_argument("--train-child", nargs=2, metavar=("MODE", "DIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--gguf-child", nargs=2, metavar=("SIDE", "FILE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load_child:
         load_child(*args.load_child)
         return 0
     if args.train_child:
         train_child(*args.train_child)
+        return 0
+    if args.gguf_child:
+        gguf_child(*args.gguf_child)
         return 0
     if args.render:
         saved = json.loads(Path(args.json).read_text())
@@ -1008,6 +1094,9 @@ def main() -> int:
         from bench_image import case_images, table as image_table
         results["images"] = case_images(max(3, repeats // 2))
         say(image_table(results["images"]))
+    if 9 in cases:
+        say("case 9: GGUF load (SmolLM2-135M-Instruct Q4_1, fresh processes) against transformers' gguf_file=")
+        results["gguf"] = case_gguf(max(3, repeats // 2))
     if 5 in cases:
         say("case 5: roofline")
         results["roofline"] = case_roofline(results)
@@ -1032,7 +1121,7 @@ def main() -> int:
 def report(results: dict, meta: dict, doc: Path | None) -> None:
     say("")
     say(table(results))
-    for extra in (fast_table(results), tune_table(results)):
+    for extra in (fast_table(results), tune_table(results), gguf_table(results)):
         if extra:
             say("")
             say(extra)

@@ -217,7 +217,7 @@ def test_add_pooling_layer_on_a_bare_backbone():
 @pytest.mark.parametrize("kw, named", [
     (dict(output_loading_info=True), "output_loading_info"), (dict(variant="fp16"), "variant"),
     (dict(quantization_config={"load_in_8bit": True}), "quantization_config"), (dict(use_safetensors=False),
-    "use_safetensors"), (dict(gguf_file="x.gguf"), "gguf_file"), (dict(weights_only=False), "weights_only"),
+    "use_safetensors"), (dict(weights_only=False), "weights_only"),
     (dict(chunk_size_feed_forward=4), "chunk_size_feed_forward"), (dict(tp_plan="auto"), "tp_plan"),
     (dict(task="mlm"), "task="), (dict(num_label=3), "num_label="),
 ])

@@ -90,7 +90,8 @@ def _table():
             if (model_type, task) not in narrowest:
                 continue
             case_id, fields = narrowest[(model_type, task)]
-            rows.append(pytest.param(task, fields, attn, 4, False, id=f"{case_id}-attn-r4"))
+            if task != "image_classification":  # the vision families: attention + MLP only (test time)
+                rows.append(pytest.param(task, fields, attn, 4, False, id=f"{case_id}-attn-r4"))
             if mlp is not None:
                 rows.append(pytest.param(task, fields, mlp, 16, True, id=f"{case_id}-attn+mlp-r16-rslora"))
     wide = next(f for c, t, f in CASES if c == "bert-768-seqcls")

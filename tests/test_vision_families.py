@@ -6,11 +6,14 @@ defaults, and typed errors for bad pixels."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
 import flodl_hf
 from flodl_hf.core.errors import InputError
+from flodl_hf.core.registry import get_family
 from flodl_hf.roundtrip.parity import image_batch, quiet_transformers
 
 from cases.deit import CONFIGS as DEIT
@@ -166,10 +169,6 @@ def test_bad_pixels_are_typed_errors(pixels, match):
 
 def test_forwards_take_transformers_positional_order():
     """Every vision task model's positional inputs are those of transformers' class of the same name."""
-    import inspect
-
-    from flodl_hf.core.registry import get_family
-
     def positional(fn) -> list[str]:
         return [p.name for p in inspect.signature(fn).parameters.values()
                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"]
@@ -180,3 +179,16 @@ def test_forwards_take_transformers_positional_order():
         for task in family.tasks:
             theirs = getattr(transformers, family.architecture(task))
             assert positional(family.model_class(task).forward) == positional(theirs.forward), (model_type, task)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_attention_mask_over_the_tokens(impl):
+    """An attention mask over the tokens (the special tokens and the patches) masks keys as transformers' bidirectional
+    mask does; one of another length is a typed error naming it."""
+    ours, theirs = model_pair(make_checkpoint(VIT["vit-hd24"], "image_classification"), "image_classification", impl)
+    batch = image_batch(ours.config, "image_classification")
+    mask = torch.ones(2, 26, dtype=torch.long)
+    mask[1, 20:] = 0
+    assert _assert_records_equal(ours(**batch, attention_mask=mask), theirs(**batch, attention_mask=mask)) == 1
+    with pytest.raises(InputError, match="attention_mask"):
+        ours(**batch, attention_mask=mask[:, :25])

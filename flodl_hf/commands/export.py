@@ -19,6 +19,18 @@ def _human(n: int) -> str:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    if (args.gguf is None) == (args.out is None):
+        raise InputError("export takes --out DIR (an HF directory) or --gguf OUT.gguf (a GGUF file), one of them")
+    if args.gguf is not None:
+        from flodl_hf.roundtrip.gguf_out import export_gguf
+        done = export_gguf(args.checkpoint or args.hub, args.gguf, outtype=args.outtype, force=args.force,
+                           checkpoint=bool(args.checkpoint), tokenizer=args.tokenizer)
+        print(f"exported {args.checkpoint or args.hub} as GGUF ({done.architecture}, {done.outtype}, "
+              f"{done.tensors} tensors) to {done.out}")
+        for note in done.notes:
+            print(f"note: {note}")
+        print(f"check it: flodl-hf verify-export {done.out} --source {args.hub or '<the source directory>'}")
+        return 0
     common = dict(head=args.head, dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,
                   tokenizer=args.tokenizer, like=args.like)
     if args.adapter or args.merge:
@@ -52,7 +64,10 @@ def register_cli(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hub", metavar="SOURCE", help="hub id or local directory / weights file")
     src.add_argument("--checkpoint", metavar="CKPT", help="a checkpoint written by the flodl-hf trainer")
-    p.add_argument("--out", required=True, metavar="DIR", help="directory to create (atomically)")
+    p.add_argument("--out", default=None, metavar="DIR", help="directory to create (atomically)")
+    p.add_argument("--gguf", default=None, metavar="OUT.gguf", help="write a GGUF file instead (llama.cpp's format)")
+    p.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16", "q8_0"],
+                   help="with --gguf: the weights' type (norms and biases stay f32)")
     p.add_argument("--head", default="auto", choices=["auto", *task_names()], help="head to export (auto: architectures)")
     p.add_argument("--revision", default=None, help="hub revision (with --hub)")
     p.add_argument("--dtype", default="keep", choices=list(DTYPES), help="cast floating tensors")

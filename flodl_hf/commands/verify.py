@@ -11,6 +11,11 @@ from flodl_hf.roundtrip.verify import verify_export
 
 
 def run_verify_export(args: argparse.Namespace) -> int:
+    if args.dir.endswith(".gguf"):  # a GGUF export, verified against its source
+        from flodl_hf.roundtrip.gguf_verify import verify_gguf
+        report = verify_gguf(args.dir, source=args.source, prompts=args.prompt)
+        print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_table())
+        return 0 if report.ok else 1
     report = verify_export(args.dir, source=args.source, no_source=args.no_source, prompts=args.prompt)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_table())
     return 0 if report.ok else 1
@@ -28,7 +33,7 @@ def run_verify_matrix(args: argparse.Namespace) -> int:
 
 def register_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify-export", help="prove an exported directory matches its source; exit 1 on any FAIL")
-    p.add_argument("dir", metavar="DIR")
+    p.add_argument("dir", metavar="DIR", help="an exported directory, or a .gguf file (with --source)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--source", default=None, help="compare with this source instead of the stamped one")
     group.add_argument("--no-source", action="store_true", help="no upstream (fine-tuned): checks 1, 4 and 7 only")

@@ -34,7 +34,8 @@ from flodl_hf.core.errors import CheckpointFormatError
 FORMAT = "flodl-hf/trainer-checkpoint"
 VERSION = 1
 MODEL_KEYS = ("model", "config")
-SYNCS = ("ddp", "el-che", "none")
+SYNCS = ("ddp", "el-che", "none", "fsdp")
+_SHARDS_RE = re.compile(r"^step-\d{8,}(?:-\d+)?\.dcp$")  # sync="fsdp": the shard directory beside the main file
 _COUNT_MAX = 2**63 - 1  # counters are int64 wherever torch meets them
 
 
@@ -257,6 +258,12 @@ def _el_che(value: Any, field: str) -> None:
                 _number(entry, f"{field}.{name}[{i}]")
 
 
+def _shards_name(value: Any, field: str) -> None:
+    """``sharded``: None, or the name of the DCP directory beside the main file (a name, never a path)."""
+    if value is not None and (not isinstance(value, str) or not _SHARDS_RE.match(value)):
+        raise _Bad(field, f"is {_show(value)}, not None or a shard directory's name (step-XXXXXXXX.dcp)")
+
+
 _MAIN: dict[str, Check] = {
     "model": _tensors, "config": _config, "source": _kind(str, none=True), "lora": _dict_or_none,
     "step": _int(), "epoch": _int(), "position": _int(), "samples": _int(), "train_time": _number,
@@ -264,6 +271,7 @@ _MAIN: dict[str, Check] = {
     "batching": _choice("fixed", "length"), "max_tokens": _int(1, none=True), "data_size": _int(1),
     "shuffle": _kind(bool), "gradient_accumulation_steps": _int(1), "precision": _choice(None, "bf16", "fp16"),
     "num_items_in_batch": _kind(bool), "el_che": _el_che, "outer": _optimizer(none=True),
+    "sharded": _shards_name,
 }
 # What a resume reads without a default (the others are absent from older checkpoints, or not read).
 _MAIN_REQUIRED = ("model", "step", "epoch", "position", "samples", "train_time", "seed", "batch_size",
@@ -287,7 +295,9 @@ def _validate(data: dict, kind: str | None) -> None:
     if kind == "side":
         _fields(data, {"step": _int(), "worker": _worker((), strict=True)}, ("step", "worker"))
         return
-    checks = {**_MAIN, "worker": _worker(("optimizer",), strict=True) if kind == "main" else _worker((), strict=False)}
+    # A sharded checkpoint (sync="fsdp") keeps the model and the optimizer state in its shard directory.
+    owned = () if data.get("sharded") else ("optimizer",)
+    checks = {**_MAIN, "worker": _worker(owned, strict=True) if kind == "main" else _worker((), strict=False)}
     _fields(data, checks, _MAIN_REQUIRED if kind == "main" else ())
     size, position = data.get("data_size"), data.get("position")
     if isinstance(size, int) and isinstance(position, int) and position >= size:
@@ -358,6 +368,9 @@ def read(path: str | os.PathLike, kind: str | None = None) -> dict[str, Any]:
         _validate(data, kind)
     except _Bad as bad:
         raise refuse(path, bad.field, bad.problem) from None
+    if kind is None and data.get("sharded"):  # export: the whole model, put together from its shards
+        from flodl_hf.core.sharded_checkpoint import read_model
+        data["model"] = read_model(path.parent / data["sharded"])
     return data
 
 

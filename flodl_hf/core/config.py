@@ -241,8 +241,10 @@ class BaseConfig:
         return new
 
     @classmethod
-    def from_pretrained(cls, source: str | Path, revision: str | None = None) -> "BaseConfig":
-        config = slots.LOAD_CONFIG(source, revision=revision)  # flodl_hf.auto.AutoConfig.from_pretrained
+    def from_pretrained(cls, source: str | Path, revision: str | None = None,
+                        gguf_file: str | Path | None = None) -> "BaseConfig":
+        # flodl_hf.auto.AutoConfig.from_pretrained (gguf_file=: the config a GGUF file's metadata describes)
+        config = slots.LOAD_CONFIG(source, revision=revision, gguf_file=gguf_file)
         if cls is not BaseConfig and not isinstance(config, cls):
             raise ConfigError(f"{source}: model_type {config.model_type!r} is not a {cls.__name__}")
         return config

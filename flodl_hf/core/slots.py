@@ -40,3 +40,6 @@ LOAD_MODEL = Slot("LOAD_MODEL", "PreTrainedModel.from_pretrained's loader")
 LOAD_CONFIG = Slot("LOAD_CONFIG", "BaseConfig.from_pretrained's loader")
 # () -> None: imports every family (each registers itself), filled with `import flodl_hf.families`.
 IMPORT_FAMILIES = Slot("IMPORT_FAMILIES", "the import of every model family")
+# (source, gguf_file, options) -> (backend, settings): AutoTokenizer.from_pretrained(gguf_file=), filled with
+# flodl_hf.gguf's tokenizer reader (tokenization sits below gguf).
+READ_GGUF_TOKENIZER = Slot("READ_GGUF_TOKENIZER", "AutoTokenizer.from_pretrained's GGUF tokenizer reader")

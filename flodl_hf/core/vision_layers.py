@@ -85,7 +85,8 @@ def resized_positions(table: torch.Tensor, special: int, height: int, width: int
     """The position table (1, special + n, H) for an image of ``height`` x ``width``: the ``special`` leading rows
     as they are, the patch rows as a square grid resized by bicubic interpolation (align_corners False) to the
     image's grid, as ``ViTEmbeddings.interpolate_pos_encoding`` (DeiT: two leading rows; DINOv2: computed in
-    float32, ``in_float32``; DINOv2 with registers: ``antialias`` too). The table itself where the grid and the image are the same and square."""
+    float32, ``in_float32``; DINOv2 with registers: ``antialias`` too). The table itself where the grid and the
+    image are the same and square."""
     positions = table.shape[1] - special
     if (height // patch[0]) * (width // patch[1]) == positions and height == width:
         return table

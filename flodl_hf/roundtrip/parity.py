@@ -21,6 +21,7 @@ from flodl_hf.core.config import BaseConfig
 from flodl_hf.core.outputs import ModelOutput
 from flodl_hf.core.registry import get_family
 from flodl_hf.core.registry import TaskField, get_task
+from flodl_hf.core.vision_layers import pair
 
 # task -> transformers' Auto class name, read from the task registry
 REFERENCE_CLASSES = TaskField("auto_class")
@@ -75,7 +76,6 @@ def make_batch(config: BaseConfig, task: str, lengths: tuple[int, ...] = (13, 8)
 def image_batch(config: BaseConfig, task: str, rows: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random normal pixel values at the config's image size; masked image modeling also masks about half the
     patches at random (``bool_masked_pos``)."""
-    from flodl_hf.core.vision_layers import pair
     gen = torch.Generator().manual_seed(seed)
     (height, width), patch = pair(config.image_size, "image_size"), pair(config.patch_size, "patch_size")
     batch = {"pixel_values": torch.randn(rows, config.num_channels, height, width, generator=gen)}

@@ -436,7 +436,13 @@ def _from_transformers(root: Path, source: str, options: dict) -> tuple[BackendT
         vocab_file = root / "vocab.txt"
         _check_wordpiece_unk(vocab_file if vocab_file.is_file() else root, backend.get_vocab(with_added_tokens=False),
                              backend.model.unk_token, "the vocabulary")
-    settings = TokenizerSettings(
+    return copy.deepcopy(backend), reference_settings(reference)
+
+
+def reference_settings(reference: Any) -> TokenizerSettings:
+    """The settings transformers keeps beside the backend of its tokenizer ``reference`` (one it built itself:
+    a converted directory, or a GGUF file's embedded tokenizer)."""
+    return TokenizerSettings(
         class_name=type(reference).__name__,
         special_tokens={name: _token_text(getattr(reference, name, None)) for name in SPECIAL_TOKEN_NAMES},
         extra_special_tokens=[str(t) for t in getattr(reference, "extra_special_tokens", None) or []
@@ -449,5 +455,4 @@ def _from_transformers(root: Path, source: str, options: dict) -> tuple[BackendT
         split_special_tokens=bool(getattr(reference, "split_special_tokens", False)),
         pad_token_type_id=int(getattr(reference, "pad_token_type_id", 0)),
     )
-    return copy.deepcopy(backend), settings
 

@@ -18,6 +18,7 @@ import torch
 from tokenizers import AddedToken, Encoding
 from tokenizers import Tokenizer as BackendTokenizer
 
+from flodl_hf.core import slots
 from flodl_hf.core.errors import ConfigError, InputError, push_to_hub_refused
 from flodl_hf.tokenization.chat import _chat_template_value, _conversations, _named_origin, render_chat
 from flodl_hf.tokenization import padding as collation
@@ -623,7 +624,10 @@ class AutoTokenizer:
     @staticmethod
     def from_pretrained(source: str | os.PathLike, revision: str | None = None, **options: Any) -> Tokenizer:
         """Load the tokenizer of ``source``; ``options`` override tokenizer_config.json, as in transformers."""
-        backend, settings = read_tokenizer(source, revision, options)
+        if options.get("gguf_file") is not None:  # the file's embedded tokenizer (flodl_hf.gguf, through a slot)
+            backend, settings = slots.READ_GGUF_TOKENIZER(source, options.pop("gguf_file"), options)
+        else:
+            backend, settings = read_tokenizer(source, revision, options)
         tokenizer = Tokenizer(backend, settings, str(source))
         root = Path(settings.directory) if settings.directory else None
         tokenizer.init_kwargs = saving.init_kwargs(root, settings.class_name, options)

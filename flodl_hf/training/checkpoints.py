@@ -24,7 +24,12 @@ point of training with the same step number (a live El Che window that ends insi
       "outer": DiLoCo outer SGD state_dict | None,
       "worker": worker 0's {"optimizer", "scheduler", "rng", "batches"[, "scaler"]},  # fp16: GradScaler
       "lora": None | {"config", "base": {"source", "weights_sha256"}, "adapter_only"},  # flodl_hf.lora
+      "sharded": None | "step-XXXXXXXX.dcp",        # sync="fsdp": model and optimizer in that directory
     }
+
+Under ``sync="fsdp"`` every worker writes its shards of the model and the optimizer state into
+``step-XXXXXXXX.dcp/`` (``torch.distributed.checkpoint``) before the main file, whose ``"model"`` is then
+empty and whose ``worker`` has no optimizer (:mod:`flodl_hf.training.sync.fsdp`).
 
 A LoRA model (``flodl_hf.lora.add_lora``) whose base was loaded from disk saves only its trainable
 tensors under ``"model"``; the base is referenced, and its sha256 checked on resume and export.
@@ -65,6 +70,7 @@ from flodl_hf.core import checkpoint_schema
 from flodl_hf.core.errors import CheckpointFormatError, CheckpointWriteError
 from flodl_hf.core.io import pid_alive
 from flodl_hf.training.sync import Plan, TrainerConfigError, TrainerError
+from flodl_hf.training.sync.fsdp import clear_shards, load_shards, save_shards
 
 __all__ = ["CheckpointsMixin", "latest_checkpoint", "load_checkpoint"]
 
@@ -94,14 +100,23 @@ class CheckpointsMixin:
             worker["carried"] = [c.clone() for c in self._carried]  # this worker's own, like its optimizer
         if self._behind is not None:  # extrapolate: the last window's start and the lead's share of its move
             worker["behind"] = {"share": self._ahead_share, "start": [b.clone() for b in self._behind]}
-        if self.sync != "ddp" or comm.rank == 0:
-            worker["optimizer"] = self.optimizer.state_dict()
+        sharded = self.sync == "fsdp"  # the model and the optimizer state go to the shard directory
+        if self.sync not in ("ddp", "fsdp") or comm.rank == 0:
+            if not sharded:
+                worker["optimizer"] = self.optimizer.state_dict()
             worker["scheduler"] = self.scheduler.state_dict() if self.scheduler is not None else None
             if self._scaler is not None:  # fp16: the loss scale and its growth count
                 worker["scaler"] = self._scaler.state_dict()
+        shards = directory / f"{name}.dcp"
         if comm.rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
+            if sharded:
+                clear_shards(shards)  # what a killed write of this name left: its main file never came
         comm.barrier()
+        if sharded:
+            save_shards(self.model, self.optimizer, shards, bool((lora.trainer_entry(self.model) or {})
+                                                                 .get("adapter_only")))
+            finite = not comm.any_flag(not _finite(self.model))  # every worker's shards
         if comm.rank > 0:
             _atomic_save({"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": self.step,
                           "worker": worker}, directory / f"{name}.rank-{comm.rank}.pt")
@@ -111,7 +126,8 @@ class CheckpointsMixin:
         config = getattr(self.model, "config", None)
         state = {
             "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
-            "model": lora.trainer_model_state(self.model),   # a LoRA model: the adapter only
+            "model": {} if sharded else lora.trainer_model_state(self.model),  # a LoRA model: the adapter only
+            "sharded": shards.name if sharded else None,     # sync="fsdp": the model and optimizer's shards
             "lora": lora.trainer_entry(self.model),          # its settings and base (source, sha256), else None
             "config": config.to_dict() if hasattr(config, "to_dict") else None,
             "source": str(getattr(self.model, "source_root", "") or "") or None,  # where it was loaded from
@@ -131,7 +147,8 @@ class CheckpointsMixin:
         self._log_event("checkpoint", step=self.step, path=str(path))
         # A NaN or inf loss trains on, as in transformers' Trainer; but a checkpoint whose weights are no longer
         # finite never rotates out the last one that was (this run's), so the run can be resumed from before it.
-        finite = bool(torch.stack([torch.isfinite(p).all() for p in self.model.parameters()]).all())
+        if not sharded:
+            finite = _finite(self.model)
         if finite:
             self._last_finite = path
         else:
@@ -143,7 +160,7 @@ class CheckpointsMixin:
             if old == self._last_finite and not finite:
                 continue
             for f in _checkpoint_set(old):  # its exact names only; the main file first, so that a stop
-                f.unlink(missing_ok=True)  # halfway never leaves a main file without its side files
+                _remove(f)  # halfway never leaves a main file without its side files
         return path
 
     def _check_same_settings(self) -> None:
@@ -154,7 +171,7 @@ class CheckpointsMixin:
             return
         mine = {"seed": self.seed, "batch_size": self.batch_size if self.batch_size is not None else -1,
                 "data size": len(self.data), "shuffle": int(bool(self.shuffle)),
-                "sync": ("ddp", "el-che", "none").index(self.sync), "epochs": self.epochs or -1,
+                "sync": ("ddp", "el-che", "none", "fsdp").index(self.sync), "epochs": self.epochs or -1,
                 "max_steps": self.max_steps or -1, "max_tokens": self.max_tokens or -1,
                 "batching": ("fixed", "length").index(self.batching),
                 "gradient_accumulation_steps": self.accumulation,
@@ -210,8 +227,8 @@ class CheckpointsMixin:
                 if extra["step"] != state["step"]:
                     raise checkpoint_schema.refuse(side, "step", f"is {extra['step']}, but {path.name}'s is "
                                                    f"{state['step']}: the two files are not one set")
-                worker = {**worker, **extra["worker"]} if self.sync == "ddp" else extra["worker"]
-                if "optimizer" not in worker:
+                worker = {**worker, **extra["worker"]} if self.sync in ("ddp", "fsdp") else extra["worker"]
+                if "optimizer" not in worker and not state.get("sharded"):
                     raise checkpoint_schema.refuse(side, "worker.optimizer", "is missing")
         except CheckpointFormatError as exc:
             raise self._way_on(exc, path) from exc
@@ -241,8 +258,33 @@ class CheckpointsMixin:
                                                f"position {state['position']} are step {step} ({self.steps_per_epoch} "
                                                "steps an epoch)")
 
+    def _load_shards(self, state: dict) -> None:
+        """Resume ``sync="fsdp"``: the checkpoint's shards into the (sharded) model and its optimizer, on any
+        number of workers."""
+        path = self.resumed_from
+        if state.get("sync") != "fsdp":
+            raise checkpoint_schema.refuse(path, "sharded", f"is set, but the checkpoint's sync is "
+                                           f"{state.get('sync')!r}")
+        adapter_only = bool((lora.checkpoint_entry(state, path) or {}).get("adapter_only"))
+        if adapter_only != bool((lora.trainer_entry(self.model) or {}).get("adapter_only")):
+            held = "only a LoRA adapter" if adapter_only else "a whole model"
+            raise TrainerError(f"{path}: the checkpoint holds {held}, and this model is "
+                               f"{'not ' if adapter_only else ''}a LoRA model on a base from disk; pass the model it "
+                               "was trained from, or resume=False to start fresh")
+        from torch.distributed.checkpoint.api import CheckpointException
+        try:
+            load_shards(self.model, self.optimizer, path.parent / state["sharded"], adapter_only)
+        except CheckpointFormatError as exc:
+            raise self._way_on(exc, path) from exc
+        except (RuntimeError, ValueError, KeyError, CheckpointException) as exc:  # (DCP's is a BaseException)
+            raise TrainerError(f"{path}: its shards ({state['sharded']}) do not fit this model and optimizer: "
+                               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; pass the same "
+                               "model and optimizer, or resume=False to start fresh") from exc
+
     def _restore(self, state: dict, worker: dict) -> None:
         path = self.resumed_from
+        if state.get("sharded"):  # the optimizer came with the shards (_load_shards); checked as its own
+            worker = {**worker, "optimizer": self.optimizer.state_dict()}
         try:
             self._check_states(state, worker)
         except CheckpointFormatError as exc:
@@ -256,7 +298,8 @@ class CheckpointsMixin:
                              - {k for g in worker["optimizer"].get("param_groups", []) for k in g})
             if lacking:
                 raise ValueError(f"its parameter groups lack {', '.join(lacking)}")
-            self.optimizer.load_state_dict(worker["optimizer"])
+            if not state.get("sharded"):  # (sharded: read into the optimizer already, in place)
+                self.optimizer.load_state_dict(worker["optimizer"])
             if self.scheduler is not None and worker.get("scheduler") is not None:
                 self.scheduler.load_state_dict(worker["scheduler"])
             if self._scaler is not None and worker.get("scaler") is not None:
@@ -364,10 +407,26 @@ def _checkpoints(directory: Path) -> list[Path]:
 
 
 def _checkpoint_set(main: Path) -> list[Path]:
-    """A checkpoint's files by their exact names: the main file, then its workers' ``.rank-R.pt`` files."""
+    """A checkpoint's files by their exact names: the main file, then its workers' ``.rank-R.pt`` files, then its
+    shard directory (``sync="fsdp"``)."""
     sides = sorted(p for p in main.parent.glob(f"{main.stem}.rank-*.pt")
                    if (m := _RANK_FILE_RE.match(p.name)) and m.group(1) == main.stem and _regular(p))
-    return [main, *sides]
+    shards = main.with_name(f"{main.stem}.dcp")
+    return [main, *sides, *([shards] if shards.is_dir() and not shards.is_symlink() else [])]
+
+
+def _remove(path: Path) -> None:
+    """Remove one of a checkpoint set's files, or its shard directory."""
+    if path.suffix == ".dcp":
+        clear_shards(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _finite(model: nn.Module) -> bool:
+    """Whether this worker's parameters (its shards of a sharded model) are all finite."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    return bool(torch.stack([torch.isfinite(p).all() for p in local]).all()) if local else True
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -470,9 +529,11 @@ def _remove_checkpoints(directory: Path) -> list[str]:
         return []
     mains = [p.name for p in _checkpoints(directory)]
     sides = sorted(p.name for p in directory.glob("step-*.pt") if _RANK_FILE_RE.match(p.name) and _regular(p))
-    for name in mains + sides:
-        (directory / name).unlink(missing_ok=True)
-    return sides + mains
+    shards = sorted(p.name for p in directory.glob("step-*.dcp") if checkpoint_schema._SHARDS_RE.match(p.name)
+                    and p.is_dir() and not p.is_symlink())
+    for name in mains + sides + shards:
+        _remove(directory / name)
+    return shards + sides + mains
 
 
 # ---- what the schema cannot know alone: the kinds of value this Trainer's own states hold ----------------

@@ -88,8 +88,11 @@ const CHARTS = [
   {key: "cpu_pct", title: "CPU", unit: "%", axis: "zero"},
   {key: "rss_mb", title: "resident memory", unit: "MiB", axis: "zero", sum: true},
   {key: "gpu_util", title: "GPU", unit: "%", axis: "zero"},
-  {key: "gpu_mem_mb", title: "GPU memory", unit: "MiB", axis: "zero", sum: true}];
-const EXTREMES = new Set(["samples_per_s", "ms_per_batch", "idle_share", "loss", "cpu_pct", "rss_mb"]);
+  {key: "gpu_mem_mb", title: "GPU memory", unit: "MiB", axis: "zero", sum: true},
+  {key: "mem_peak_mb", title: "peak memory in the window", unit: "MiB", axis: "zero", sum: true},
+  {key: "sync_mem_mb", title: "memory a sync allocates", unit: "MiB", axis: "zero", window: true}];
+const EXTREMES = new Set(["samples_per_s", "ms_per_batch", "idle_share", "loss", "cpu_pct", "rss_mb", "mem_peak_mb",
+                          "sync_mem_mb"]);
 // An evaluation record's own fields: the context of its points (hover, x axis), never a metric.
 const EVAL_CONTEXT = new Set(["event", "step", "epoch", "time", "samples", "eval_s", "t", "level", "name", "status"]);
 const EVAL_REFRESH_MS = 5000;
@@ -220,6 +223,9 @@ function render() {
     const cst = stale(c, dts);
     const rows = [["loss", c.loss], ["samples/s", c.samples_per_s], ["ms/batch", c.ms_per_batch]]
       .concat(num(c.idle_share) ? [["idle", (100 * c.idle_share).toFixed(1) + "%"]] : [])
+      .concat(num(c.gpu_mem_mb) ? [["memory MiB", c.gpu_mem_mb]] : num(c.rss_mb) ? [["memory MiB", c.rss_mb]] : [])
+      .concat(num(c.mem_peak_mb) ? [["peak MiB", c.mem_peak_mb]] : [])
+      .concat(num(c.sync_mem_mb) ? [["sync MiB", c.sync_mem_mb]] : [])
       .concat((c.dead || 0) > 0 ? [["alive", `${c.alive}/${c.alive + c.dead}`]] : []);
     return `<div class="child" data-child="${esc(k)}" data-path="${esc(join(p, k))}"><b>${esc(k)}</b>
       <span class="badge b-${esc(cst)}">${esc(cst)}</span>${spark(view.spark[k] || [])}

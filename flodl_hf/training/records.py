@@ -20,6 +20,7 @@ Runs written before the tree (``run.jsonl`` and ``worker-R.jsonl``) are read as 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -32,13 +33,15 @@ from typing import Iterable, Sequence
 RECORDS = "records.jsonl"
 LEVELS = ("root", "host", "rank")
 # Metrics of a rank; the rollup sums the first group and averages the second.
-SUMMED = ("samples_per_s", "samples", "batches", "rss_mb", "gpu_mem_mb")
-AVERAGED = ("lr", "ms_per_batch", "sync_ms", "idle_share", "cpu_pct", "gpu_util")
+SUMMED = ("samples_per_s", "samples", "batches", "rss_mb", "gpu_mem_mb", "mem_peak_mb")
+AVERAGED = ("lr", "ms_per_batch", "sync_ms", "idle_share", "cpu_pct", "gpu_util", "sync_mem_mb")
 # Kept with who they were, over the node's ranks: the slowest rank, the idlest, the heaviest.
-EXTREMES = ("samples_per_s", "ms_per_batch", "idle_share", "loss", "cpu_pct", "rss_mb")
+EXTREMES = ("samples_per_s", "ms_per_batch", "idle_share", "loss", "cpu_pct", "rss_mb", "mem_peak_mb", "sync_mem_mb")
 # The numbers one child's summary carries in its parent's record.
 SUMMARY = ("status", "step", "t", "loss", "samples_per_s", "ms_per_batch", "idle_share", "cpu_pct", "rss_mb",
-           "alive", "dead")
+           "gpu_mem_mb", "mem_peak_mb", "sync_mem_mb", "alive", "dead")
+# The numbers Resources.sample() gives, in the order of the trainer's all-gather rows (at their end).
+RESOURCE_FIELDS = ("cpu_pct", "rss_mb", "gpu_util", "gpu_mem_mb", "mem_peak_mb", "sync_mem_mb")
 IDLE_SHARE = 0.5  # a rank that waits half its window or more is shown as idle
 _NAME_RE = re.compile(r"[^A-Za-z0-9._-]+")
 NODE_RE = re.compile(r"^(host-[A-Za-z0-9._-]+(/rank-\d+)?)?$")
@@ -364,12 +367,50 @@ class TreeWriter:
 # ---- this process's resources ----------------------------------------------------------------
 
 class Resources:
-    """CPU % since the last sample, resident memory, and GPU utilisation and memory when there is one.
-    ``sample()`` gives four numbers (NaN where unknown), the shape the trainer's all-gather carries."""
+    """What a worker uses, sampled once a log point or window (:data:`RESOURCE_FIELDS`): CPU % since the last
+    sample, resident memory, GPU utilisation and allocated memory where there is one; the window's peak memory
+    (CUDA's allocator peak on a GPU, the peak resident set on the CPU), and the most memory one sync allocated
+    beyond what the worker held before it (:meth:`sync`; NaN where no sync was measured). NaN where unknown."""
 
     def __init__(self, device=None) -> None:
         self.device = device
+        self._cuda = device is not None and getattr(device, "type", None) == "cuda"
         self._last = (time.perf_counter(), time.process_time())
+        self._peak = math.nan  # the window's peak before the last reset (a sync resets it)
+        self._sync = math.nan  # the largest transient of this window's syncs
+        self._reset_peak()
+
+    def _now_mb(self) -> float:
+        if self._cuda:
+            import torch
+            return torch.cuda.memory_allocated(self.device) / 2**20
+        return _rss_mb()
+
+    def _peak_mb(self) -> float:
+        if self._cuda:
+            import torch
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        return _status_mb("VmHWM")
+
+    def _reset_peak(self) -> None:
+        if self._cuda:
+            import torch
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            _reset_rss_peak()
+
+    @contextlib.contextmanager
+    def sync(self):
+        """Measure one sync: the peak memory inside it less the memory held when it began."""
+        self._peak = _max(self._peak, self._peak_mb())
+        before = self._now_mb()
+        self._reset_peak()
+        try:
+            yield
+        finally:
+            peak = self._peak_mb()
+            self._peak = _max(self._peak, peak)
+            self._sync = _max(self._sync, max(0.0, peak - before))
 
     def sample(self) -> list[float]:
         now, cpu = time.perf_counter(), time.process_time()
@@ -377,14 +418,43 @@ class Resources:
         cpu_pct = (cpu - self._last[1]) / wall * 100 if wall > 0 else math.nan
         self._last = (now, cpu)
         gpu_util = gpu_mem = math.nan
-        if self.device is not None and getattr(self.device, "type", None) == "cuda":
+        if self._cuda:
             import torch
             gpu_mem = torch.cuda.memory_allocated(self.device) / 2**20
             try:
                 gpu_util = float(torch.cuda.utilization(self.device))
             except Exception:  # needs pynvml / amdsmi; memory is still known
                 pass
-        return [cpu_pct, _rss_mb(), gpu_util, gpu_mem]
+        peak, sync = _max(self._peak, self._peak_mb()), self._sync
+        self._peak, self._sync = math.nan, math.nan
+        self._reset_peak()
+        return [cpu_pct, _rss_mb(), gpu_util, gpu_mem, peak, sync]
+
+
+def _max(a: float, b: float) -> float:
+    """The larger of two readings, either of which may be NaN (unknown)."""
+    return b if math.isnan(a) else a if math.isnan(b) else max(a, b)
+
+
+def _status_mb(field: str) -> float:
+    """A memory field of /proc/self/status (``VmHWM``: the peak resident set), MiB; NaN off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 2**10
+    except (OSError, ValueError, IndexError):
+        pass
+    return math.nan
+
+
+def _reset_rss_peak() -> None:
+    """Start the peak resident set (VmHWM) over from the current one (Linux's clear_refs, value 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # not Linux, or not allowed: the peak stays the process's
+        pass
 
 
 def _rss_mb() -> float:
@@ -401,9 +471,9 @@ def _rss_mb() -> float:
 
 
 def resource_fields(values: Sequence[float]) -> dict:
-    """The four numbers of :meth:`Resources.sample` as record fields (unknown ones left out)."""
+    """The numbers of :meth:`Resources.sample` as record fields (unknown ones left out)."""
     out = {}
-    for key, v in zip(("cpu_pct", "rss_mb", "gpu_util", "gpu_mem_mb"), values):
+    for key, v in zip(RESOURCE_FIELDS, values):
         if (v := _num(v)) is not None:
             out[key] = round(v, 2)
     return out

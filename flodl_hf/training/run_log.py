@@ -78,7 +78,7 @@ class RecordMixin:
         elif shared:
             key, also = f"{self._window_key}/eval{self._inner_syncs}", f"{self._window_key}/alive"
             readers = self._inner.world - 1
-        if self.comm.rank == 0:
+        if self.comm.rank == 0 or (self.sync == "fsdp" and inner is None):  # a sharded model: every worker
             beat = self.comm.heartbeat(key, min(1.0, self.timeout / 10), also) if shared else None
             ok = False  # an eval_fn that raises ends the others' wait at once
             try:
@@ -125,6 +125,8 @@ class RecordMixin:
         metrics = _metrics(out)
         eval_s = time.perf_counter() - t
         self._eval_s += eval_s
+        if self.comm.rank != 0:  # sync="fsdp": every worker evaluated the sharded model, worker 0 records it
+            return metrics, eval_s
         record = {"event": "eval", "step": step, "epoch": self.epoch, "time": round(now, 4),
                   "samples": self.samples if inner is None else inner[1], "eval_s": round(eval_s, 4), **metrics}
         self.history.append(record)
@@ -202,7 +204,7 @@ class _RunLog:
         """One log point or window: each rank's numbers from its row of the all-gather."""
         if self.tree is None:
             return
-        from flodl_hf.training.records import resource_fields
+        from flodl_hf.training.records import RESOURCE_FIELDS, resource_fields
         ranks = []
         for r, row in enumerate(rows.tolist()):
             batches, samples, loss_sum, compute_ms = row[:4]
@@ -211,7 +213,7 @@ class _RunLog:
                        "samples_per_s": samples / wall if wall > 0 else None,
                        "ms_per_batch": compute_ms / batches if batches else None, "compute_ms": compute_ms,
                        "lr": rolled.get("lr"),
-                       **resource_fields(row[-4:])}
+                       **resource_fields(row[-len(RESOURCE_FIELDS):])}
             if timing:  # El Che: the previous window's overheads
                 numbers.update(sync_ms=timing["sync_ms"], idle_ms=timing["idle_ms"][r],
                                window_ms=timing["window_ms"][r],

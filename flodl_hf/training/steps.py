@@ -43,13 +43,13 @@ class StepsMixin:
             divide = count if weights is None else 1
             if total is not None:  # the loss is the step's sum over its items already: no division by k
                 weight, divide = (0.0 if weight == 0 else float(self.comm.world) if self._across else 1.0), 1
-            quiet = self.wrapped is not self.model and j < count - 1
             try:
-                with self.wrapped.no_sync() if quiet else contextlib.nullcontext():
+                with self._quiet() if j < count - 1 else contextlib.nullcontext():
                     loss = self._forward_backward(indices, weight, divide, batches[j], total)
-            except RuntimeError as exc:  # DDP all-reduces in backward (and syncs buffers in forward)
-                if self.wrapped is not self.model and _collective_failed(exc):
-                    raise self.comm.lost("DDP's gradient all-reduce", exc) from exc
+            except RuntimeError as exc:  # DDP all-reduces in backward (FSDP gathers and reduce-scatters)
+                if self._collective_steps and _collective_failed(exc):
+                    raise self.comm.lost("DDP's gradient all-reduce" if self.sync == "ddp" else
+                                         "FSDP's all-gather or reduce-scatter", exc) from exc
                 raise
             if total is not None and items[j] > 0:  # logged as the micro-batch's own mean over its items
                 loss = loss * (float(total) / items[j])
@@ -57,6 +57,18 @@ class StepsMixin:
             self.batches += 1
         self._optimizer_step()
         return losses
+
+    @property
+    def _collective_steps(self) -> bool:
+        """Whether forward and backward run collectives (DDP, FSDP across workers)."""
+        return self.sync in ("ddp", "fsdp") and self.comm.world > 1
+
+    def _quiet(self):
+        """The context of a micro-batch before a step's last: its gradients are not reduced yet."""
+        if self.sync == "fsdp" and self.comm.world > 1:
+            from flodl_hf.training.sync.fsdp import no_gradient_sync
+            return no_gradient_sync(self.model)
+        return self.wrapped.no_sync() if self.wrapped is not self.model else contextlib.nullcontext()
 
     def _counted(self, chunks: Sequence[torch.Tensor], weights: Sequence[float] | None) -> tuple[list, Any, list]:
         """``num_items_in_batch`` for a step whose closure takes it, as transformers' Trainer counts it
@@ -198,7 +210,7 @@ class StepsMixin:
                     if sizes[comm.rank] else []
             else:
                 chunks = self._chunks(start, sizes[comm.rank], split=True)
-            if not chunks and self.sync == "ddp":
+            if not chunks and self.sync in ("ddp", "fsdp"):
                 chunks = [self._chunks(0, 1)[0][:1]]  # every DDP worker must join the step's all-reduce
             # balance=True: each micro-batch's loss weighted by its share of the step, so that DDP's mean over
             # workers is the mean over the step's samples (a worker without a sample adds nothing). A counted

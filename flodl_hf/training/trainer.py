@@ -12,6 +12,10 @@ Synchronisation (``sync=``)
     ``"el-che"``  local SGD paced by the slowest worker (:class:`~flodl_hf.training.sync.ElChe`);
                   parameters averaged by samples at the end of each window, optionally
                   followed by an outer optimizer (``outer=DiLoCo(...)``).
+    ``"fsdp"``    FSDP2 (``torch.distributed.fsdp.fully_shard``): every layer and the root sharded, each
+                  worker holding 1/world of the parameters, gradients and optimizer state; gradients
+                  reduce-scattered (averaged) every step; evaluation on every worker, its record from worker 0;
+                  sharded checkpoints (:mod:`flodl_hf.training.sync.fsdp`).
     ``"none"``    no synchronisation (one process, or independent workers on their shards).
 
 Steps. One step is ``world_size * batch_size * gradient_accumulation_steps`` samples of the
@@ -92,6 +96,7 @@ from flodl_hf.training.run_log import _EVAL_FIELDS, RecordMixin, _RunLog
 from flodl_hf.training.steps import StepsMixin, _ignores_num_items, _loss_shifts_labels, _takes_num_items, _to_device
 from flodl_hf.training.sync import (Comm, DiLoCo, ElChe, OuterOptimizer, Plan, TrainerConfigError, TrainerError,
                                     WorkerLostError, inner_candidates)
+from flodl_hf.training.sync.fsdp import refuse_replicas, shard_model
 from flodl_hf.training.windows import WindowsMixin
 
 __all__ = ["Trainer", "ElChe", "DiLoCo", "TrainerError", "TrainerConfigError", "WorkerLostError", "length_batches"]
@@ -108,9 +113,9 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
     and ``scheduler`` one over the optimizer, so each worker builds its own. ``data`` is any
     sized, indexable collection; ``collate_fn`` turns a list of its items into a batch
     (default: ``torch.utils.data.default_collate``). ``batch_size`` is per worker.
-    ``eval_fn(model)`` runs on worker 0 in eval mode without gradients and returns a number or
-    a dict of numbers; ``stop_when(metrics)`` may end the run after an evaluation.
-    ``sync`` is ``"ddp"``, ``"el-che"`` (or an :class:`ElChe`), or ``"none"``; ``outer`` a
+    ``eval_fn(model)`` runs on worker 0 (every worker under ``sync="fsdp"``) in eval mode without gradients and
+    returns a number or a dict of numbers; ``stop_when(metrics)`` may end the run after an evaluation.
+    ``sync`` is ``"ddp"``, ``"fsdp"``, ``"el-che"`` (or an :class:`ElChe`), or ``"none"``; ``outer`` a
     :class:`DiLoCo` for El Che; ``balance=True`` splits DDP steps by the workers' speeds. ``timeout``
     (seconds) bounds every collective when the trainer starts the process group itself (from
     torchrun's environment), and the silence of worker 0's heartbeat while the others wait for its
@@ -160,13 +165,19 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
         if precision not in (None, "bf16", "fp16"):
             raise TrainerConfigError(f"precision must be None (float32), 'bf16' or 'fp16', got {precision!r}")
         if isinstance(sync, str):
-            if sync not in ("ddp", "el-che", "none"):
-                raise TrainerConfigError(f"sync must be 'ddp', 'el-che', 'none' or an ElChe, got {sync!r}")
+            if sync not in ("ddp", "el-che", "none", "fsdp"):
+                raise TrainerConfigError(f"sync must be 'ddp', 'fsdp', 'el-che', 'none' or an ElChe, got {sync!r}")
             el_che = ElChe() if sync == "el-che" else None
         elif isinstance(sync, ElChe):
             el_che, sync = sync, "el-che"
         else:
-            raise TrainerConfigError(f"sync must be 'ddp', 'el-che', 'none' or an ElChe, got {type(sync).__name__}")
+            raise TrainerConfigError(f"sync must be 'ddp', 'fsdp', 'el-che', 'none' or an ElChe, got "
+                                     f"{type(sync).__name__}")
+        if sync == "fsdp" and outer is not None:
+            raise refuse_replicas("outer=DiLoCo(...)")
+        if sync == "fsdp" and precision == "fp16":  # FSDP's MixedPrecisionPolicy is bf16's; fp16 needs a scaler
+            raise TrainerConfigError("precision='fp16' does not go with sync='fsdp' (its gradient scaler does not "
+                                     "reach the sharded gradients); use precision='bf16', which needs no scaler")
         if balance and (sync != "ddp" or batching != "fixed"):
             raise TrainerConfigError("balance=True splits each DDP step's samples by the workers' speeds: it "
                                      f"needs sync='ddp' and batching='fixed' (got sync={sync!r}, "
@@ -278,7 +289,8 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
             self._log_event("start", **self._describe())
             # The CPU embeddings' gradient tables are kept between steps (embedding_grads: the same bits,
             # no fresh zeroed table a step); not under DDP, whose reducer holds the gradients it averages.
-            with embedding_grads.reused(self.model, enabled=self.device.type == "cpu" and self.wrapped is self.model):
+            with embedding_grads.reused(self.model, enabled=self.device.type == "cpu" and self.wrapped is self.model
+                                        and self.sync != "fsdp"):
                 if self.sync == "el-che":
                     self._run_windows()
                 else:
@@ -308,8 +320,8 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
             if stale:
                 warnings.warn(f"removed {len(stale)} temporary file(s) that a killed checkpoint write left in "
                               f"{self.checkpoint_dir}: {', '.join(stale)}")
-        if self.sync == "ddp" and comm.world > 1 and not comm.same_device_type:
-            raise TrainerConfigError("sync='ddp' needs every worker on the same kind of device; "
+        if self.sync in ("ddp", "fsdp") and comm.world > 1 and not comm.same_device_type:
+            raise TrainerConfigError(f"sync={self.sync!r} needs every worker on the same kind of device; "
                                      "a cohort mixing CPU and GPU workers can use sync='el-che'")
         if self.batching == "length":
             # The unit of dealing is a batch: one per worker per DDP step, the plan's counts per window.
@@ -340,7 +352,7 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
         # num_items_in_batch: whether labels are counted shifted (a causal LM's), and whether the count is summed
         # over the workers with each loss times the world size (DDP averages the gradients), as transformers does.
         self._shifts = _loss_shifts_labels(self.model)
-        self._across = self.sync == "ddp" and comm.world > 1 and self.average_tokens_across_devices
+        self._across = self.sync in ("ddp", "fsdp") and comm.world > 1 and self.average_tokens_across_devices
         if self._counting and (self.accumulation > 1 or self._across):
             ignored = _ignores_num_items(self.model)
             if ignored is not None and comm.rank == 0:
@@ -367,8 +379,9 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
             # them up. The others wait for an evaluation where every worker evaluates at the same points.
             rows = comm.gather_floats([time.time_ns() % 2**52, self.eval_fn is not None, self.eval_every or 0])
             self._run_key = str(int(rows[0, 0]))
-            self._eval_waits = bool((rows[:, 1:] == rows[0, 1:]).all()) and self.eval_fn is not None
-            if not self._eval_waits and bool(rows[0, 1]) and comm.rank == 0:
+            self._eval_waits = bool((rows[:, 1:] == rows[0, 1:]).all()) and self.eval_fn is not None \
+                and self.sync != "fsdp"  # a sharded model is evaluated by every worker together
+            if not self._eval_waits and bool(rows[0, 1]) and comm.rank == 0 and self.sync != "fsdp":
                 warnings.warn("eval_fn (or eval_every) differs between the workers: the others wait for worker "
                               "0's evaluations in their next collective, so each must fit in `timeout`; give "
                               "every worker the same eval_fn and eval_every for a wait of any length")
@@ -404,7 +417,7 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
                 warnings.warn(f"resume=False: removed {len(removed)} checkpoint file(s) of an earlier run from "
                               f"{self.checkpoint_dir} (newest {removed[-1]})")
         checkpoint = self._find_resume()
-        if checkpoint is not None:
+        if checkpoint is not None and not checkpoint[0].get("sharded"):  # (shards: read into the sharded model)
             state, worker = checkpoint
             _check_model_fits(self.model, state, self.resumed_from)  # before any tensor is copied
             try:
@@ -422,6 +435,9 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
             self.wrapped = self.model
             # Workers start from worker 0's weights (DDP does this itself).
             comm.broadcast_(list(self.model.parameters()) + list(self.model.buffers()))
+            if self.sync == "fsdp" and comm.world > 1:  # each worker keeps its shard of worker 0's weights
+                shard_model(self.model, self.device, comm.world, self.precision)
+                self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         params = [p for p in self.wrapped.parameters() if p.requires_grad]
         if not params:
             raise TrainerConfigError(f"model: {type(self.model).__name__} has no parameter that requires grad")
@@ -430,6 +446,10 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
             raise TrainerConfigError(f"optimizer(params) must return a torch.optim.Optimizer, got "
                                      f"{type(self.optimizer).__name__}")
         self.scheduler = self.scheduler_factory(self.optimizer) if self.scheduler_factory else None
+        if checkpoint is not None:
+            state, worker = checkpoint
+            if state.get("sharded"):
+                self._load_shards(state)
         self.outer = OuterOptimizer(self.trainable, self.outer_cfg) if self.outer_cfg else None
         # combine="sum" adds each worker's change to the window's shared start, and compress="bf16" sends
         # changes whatever the combine: DiLoCo's start when there is an outer step, else a copy of its

@@ -109,10 +109,10 @@ class WindowsMixin:
                 # The averaging weights are known only now: one small all-gather (not for "sum").
                 sizes = (self.comm.gather_floats([weight_n])[:, 0].int().tolist()
                          if self.el_che.combine == "average" else [n] * comm.world)
-            rows = self._average(weight_n / max(1, sum(sizes)),
-                                 [batches, n, local_loss, compute_ms, prev["collective_ms"],
-                                  prev["window_ms"], prev["pause_ms"], prev["waited_ms"], *steady,
-                                  *self._resources.sample()])
+            stats = [batches, n, local_loss, compute_ms, prev["collective_ms"], prev["window_ms"], prev["pause_ms"],
+                     prev["waited_ms"], *steady, *self._resources.sample()]  # (its sync_mem_mb: the last sync's)
+            with self._resources.sync():  # the memory this sync allocates beyond what the worker held
+                rows = self._average(weight_n / max(1, sum(sizes)), stats)
             if live:
                 if comm.rank == 0:  # every worker is past its last read: the window's keys can go
                     comm.drop_keys([f"{key}/cursor", f"{key}/done"] + (
