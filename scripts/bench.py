@@ -4,6 +4,7 @@
     python scripts/bench.py --quick          # 300 messages, fewer repeats: a smoke run of a few minutes
     python scripts/bench.py --cases 1,2      # some cases only
     python scripts/bench.py --tune           # also measure the batch planner's settings (flodl_hf.tasks.batching)
+    python scripts/bench.py --images         # also the image case (scripts/bench_image.py: classify_image)
 
 Cases (ratios are ours / transformers for times, ours ÷ theirs for throughput):
   1. load: a BERT-base checkpoint to a ready model, fresh process each: wall time and peak RSS.
