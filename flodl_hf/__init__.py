@@ -28,8 +28,11 @@ _EXPORTS = {
     "ElChe": "flodl_hf.training.sync",
     "DiLoCo": "flodl_hf.training.sync",
     "AutoTokenizer": "flodl_hf.tokenization",
+    "AutoImageProcessor": "flodl_hf.vision",
     "Tokenizer": "flodl_hf.tokenization",
     "generate": "flodl_hf.tasks.generate",
+    **dict.fromkeys(("classify_image", "embed_image", "embed_image_text", "rank_images", "zero_shot_image"),
+                    "flodl_hf.tasks.image"),
     **dict.fromkeys(("answer", "classify", "detect_replaced", "embed", "fill_mask", "rank", "tag", "zero_shot"),
                     "flodl_hf.tasks"),
 }
@@ -42,8 +45,9 @@ __all__ = [
     "CheckpointFormatError", "ConfigError", "FlodlHFError", "InputError", "SourceNotFoundError",
     "UnsupportedModelError", "WeightsMismatchError",
     "Trainer", "ElChe", "DiLoCo",
-    "AutoTokenizer", "Tokenizer", "answer", "classify", "detect_replaced", "embed", "fill_mask", "generate", "rank",
-    "tag", "zero_shot",
+    "AutoTokenizer", "Tokenizer", "AutoImageProcessor", "answer", "classify", "detect_replaced", "embed", "fill_mask",
+    "generate", "rank", "tag", "zero_shot", "classify_image", "embed_image", "embed_image_text", "rank_images",
+    "zero_shot_image",
 ]
 
 
@@ -95,6 +99,8 @@ if TYPE_CHECKING:  # the names, for type checkers and editors
     from flodl_hf.core.errors import (CheckpointFormatError, ConfigError, FlodlHFError, InputError,
                                       SourceNotFoundError, UnsupportedModelError, WeightsMismatchError)
     from flodl_hf.tasks import answer, classify, detect_replaced, embed, fill_mask, generate, rank, tag, zero_shot
+    from flodl_hf.tasks.image import classify_image, embed_image, embed_image_text, rank_images, zero_shot_image
     from flodl_hf.tokenization import AutoTokenizer, Tokenizer
+    from flodl_hf.vision import AutoImageProcessor
     from flodl_hf.training.sync import DiLoCo, ElChe
     from flodl_hf.training.trainer import Trainer

@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "flodl_hf.commands.parity",
     "flodl_hf.commands.export",   # registers verify-export, verify-matrix and convert too
     "flodl_hf.commands.tasks",
+    "flodl_hf.commands.image",    # classify-image, zero-shot-image
     "flodl_hf.commands.generate",
     "flodl_hf.commands.samples",
     "flodl_hf.commands.train",

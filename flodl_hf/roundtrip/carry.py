@@ -9,6 +9,7 @@ that a HuggingFace library reads to use the model is copied from the source, unc
   ``2_Dense/``...), whole and with its own weights (the export does not rewrite them), and
   ``config_sentence_transformers.json``, ``sentence_bert_config.json`` (older ``sentence_*_config.json``);
 - ``generation_config.json``;
+- ``preprocessor_config.json``, an image model's processor (flodl_hf.vision), so the export sees pixels as the source;
 - the tokenizer's own files (``TOKENIZER_NAMES`` and SentencePiece ``*.model``). They replace
   what transformers' ``save_pretrained`` wrote, so the export tokenizes exactly as the source;
   what the source lacks (a ``tokenizer.json`` converted from a ``vocab.txt``) stays as
@@ -36,7 +37,7 @@ from flodl_hf.core.source_files import MODULES_NAME, allowed_roots, checked_file
 CARD_NAME = "README.md"
 # Root files that describe the model (fnmatch patterns), taken from the description source.
 DESCRIPTION_NAMES = ("README.md", "LICENSE", "LICENSE.*", "NOTICE", MODULES_NAME, "config_sentence_transformers.json",
-                     "sentence_*_config.json", "generation_config.json")
+                     "sentence_*_config.json", "generation_config.json", "preprocessor_config.json")
 # Root files of the tokenizer, taken from the tokenizer source.
 TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.txt", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "*.model")

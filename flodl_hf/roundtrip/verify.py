@@ -14,7 +14,9 @@
    source into the same module list, and their ``encode`` outputs on the prompts are ``torch.equal``
    (``flodl_hf.roundtrip.carry``); a source with modules.json and a DIR without fails;
 7. files: every file of DIR as the export wrote it, by the sha256s in its stamp (config.json by its
-   fields other than the stamp): an edit since (labels, a tokenizer file, an added file) fails.
+   fields other than the stamp): an edit since (labels, a tokenizer file, an added file) fails;
+8. image processor, only when DIR or its source has a preprocessor_config.json: ours and transformers' on DIR and
+   transformers' on the source give torch.equal pixel values (``flodl_hf.roundtrip.pixels``).
 
 The source is the one stamped in ``config.json`` by ``flodl_hf.roundtrip.export`` unless ``source`` is
 given; ``no_source`` (a fine-tuned model with no upstream) runs checks 1 and 4 only. A PEFT adapter directory
@@ -57,6 +59,7 @@ CHECK_NAMES = {
     5: "tokenizer ids equal to source's",
     6: "sentence-transformers: vs source",
     7: "files unchanged since export",
+    8: "image processor: pixels equal",
 }
 
 
@@ -179,6 +182,10 @@ def _find_source(directory: Path, stamp: dict, source: str | None, no_source: bo
 def _inputs(directory: Path, config: BaseConfig, task: str, prompts: list[str] | None):
     """(batch, description, tokenizer or None): prompts through DIR's tokenizer, else random ids."""
     if not has_tokenizer(directory):
+        from flodl_hf.roundtrip.pixels import image_inputs
+        pictures = None if prompts else image_inputs(directory, config, task)  # an image model: real pixels
+        if pictures is not None:
+            return (*pictures, None)
         if prompts:
             raise InputError(f"--prompt needs a tokenizer, and {directory} has no tokenizer files")
         return make_batch(config, task), "random token ids, 2 sequences padded 13/8 (no tokenizer in DIR)", None
@@ -456,7 +463,15 @@ def verify_export(directory: str | os.PathLike, source: str | None = None, no_so
         check6 = _guard(6, _check_sentence, directory, src, stamp, cast, list(prompts or DEFAULT_PROMPTS))[0]
         report.checks += [check6] if check6 is not None else []
         report.checks.append(_guard(7, _check_files, directory, stamp)[0])
+        check8 = _guard(8, _check_pixels, directory, src)[0]
+        report.checks += [check8] if check8 is not None else []
     return report
+
+
+def _check_pixels(directory: Path, src: _Source | None) -> Check | None:
+    from flodl_hf.roundtrip.pixels import compare_processors
+    found = compare_processors(directory, src.ckpt.root if src is not None and src.ckpt is not None else None)
+    return None if found is None else Check(8, CHECK_NAMES[8], *found)
 
 
 def _check_files(directory: Path, stamp: dict) -> Check:
