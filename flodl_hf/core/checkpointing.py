@@ -48,6 +48,7 @@ def checkpoint_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers.values())
 
 
+@functools.lru_cache(maxsize=None)
 def _cache_positions(forward: Callable) -> dict[str, int]:
     """The positions of ``CACHE_ARGUMENTS`` among a layer forward's arguments after ``self``."""
     names = list(inspect.signature(forward).parameters)[1:]
