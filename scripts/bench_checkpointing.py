@@ -13,8 +13,9 @@ resident set (the steady state), resets the peak (``/proc/self/clear_refs``, 5),
 peak again (VmHWM). The figure is that peak above the steady state: what the step itself needs (activations,
 gradients, temporaries), as the kernel counts resident pages; torch keeps no allocator statistics on the CPU.
 On a GPU (``--device cuda``) it is ``torch.cuda.max_memory_allocated`` above the memory allocated before the step.
-Runs without and with checkpointing alternate (off on, on off, ...) so machine drift cancels; the time ratio is the
-median of the per-pair ratios of the median step times.
+Runs without and with checkpointing alternate (off on, on off, ...) so machine drift cancels; the time ratios are the
+medians of the per-pair ratios of the median step times, by the wall clock and by the process's CPU time (which a busy
+machine moves less; with one thread, ``OMP_NUM_THREADS=1``, it is the step's compute).
 """
 
 from __future__ import annotations
@@ -77,14 +78,14 @@ def child(args: argparse.Namespace) -> None:
                         .manual_seed(1)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-    def step() -> float:
-        start = time.perf_counter()
+    def step() -> tuple[float, float]:
+        start, cpu = time.perf_counter(), time.process_time()
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
     step()
     if device.type == "cuda":
@@ -95,7 +96,8 @@ def child(args: argparse.Namespace) -> None:
         Path("/proc/self/clear_refs").write_text("5")
     times = [step() for _ in range(args.steps)]
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _status("VmHWM")
-    print(json.dumps({"mode": args.mode, "steady": steady, "peak": peak - steady, "step_s": times}))
+    print(json.dumps({"mode": args.mode, "steady": steady, "peak": peak - steady, "step_s": [t for t, _ in times],
+                      "step_cpu_s": [c for _, c in times]}))
 
 
 def run(args: argparse.Namespace, mode: str) -> dict:
@@ -130,19 +132,24 @@ def main() -> None:
         for mode in (("off", "on") if pair % 2 == 0 else ("on", "off")):
             result = run(args, mode)
             runs[mode].append(result)
-            print(f"  {mode:3}: step memory {result['peak'] / MIB:8.0f} MiB above a steady "
-                  f"{result['steady'] / MIB:.0f} MiB, steps {', '.join(f'{t:.2f}' for t in result['step_s'])} s",
-                  flush=True)
+            print(f"  {mode:3}: step peak {(result['peak'] + result['steady']) / MIB:6.0f} MiB, "
+                  f"{result['peak'] / MIB:6.0f} MiB above a steady {result['steady'] / MIB:.0f} MiB; steps "
+                  f"{', '.join(f'{t:.2f}' for t in result['step_s'])} s "
+                  f"({', '.join(f'{t:.2f}' for t in result['step_cpu_s'])} s of CPU)", flush=True)
     memory = {mode: statistics.median(r["peak"] for r in rows) for mode, rows in runs.items()}
-    times = {mode: [statistics.median(r["step_s"]) for r in rows] for mode, rows in runs.items()}
-    ratio = statistics.median(on / off for off, on in zip(times["off"], times["on"]))
+    peak = {mode: statistics.median(r["peak"] + r["steady"] for r in rows) for mode, rows in runs.items()}
+    ratios = {}
+    for clock in ("step_s", "step_cpu_s"):  # wall time, and this process's CPU time (a busy machine moves the first)
+        times = {mode: [statistics.median(r[clock]) for r in rows] for mode, rows in runs.items()}
+        ratios[clock] = statistics.median(on / off for off, on in zip(times["off"], times["on"]))
     summary = {"source": str(args.source), "batch": args.batch, "length": args.length, "device": args.device,
-               "use_reentrant": args.reentrant, "step_memory_bytes": memory,
-               "step_s": {mode: statistics.median(t) for mode, t in times.items()},
-               "memory_ratio": memory["on"] / memory["off"], "time_ratio": ratio, "runs": runs}
-    print(f"step memory: {memory['off'] / MIB:.0f} MiB without checkpointing, {memory['on'] / MIB:.0f} MiB with "
-          f"({summary['memory_ratio']:.2f}x); step time with / without: {ratio:.2f}x "
-          f"({summary['step_s']['on']:.2f} s / {summary['step_s']['off']:.2f} s)")
+               "use_reentrant": args.reentrant, "step_memory_bytes": memory, "step_peak_bytes": peak,
+               "memory_ratio": memory["on"] / memory["off"], "time_ratio": ratios["step_s"],
+               "cpu_time_ratio": ratios["step_cpu_s"], "runs": runs}
+    print(f"step memory above the steady state: {memory['off'] / MIB:.0f} MiB without checkpointing, "
+          f"{memory['on'] / MIB:.0f} MiB with ({summary['memory_ratio']:.2f}x); the step's peak: "
+          f"{peak['off'] / MIB:.0f} MiB and {peak['on'] / MIB:.0f} MiB; step time with / without: "
+          f"{ratios['step_s']:.2f}x wall, {ratios['step_cpu_s']:.2f}x CPU")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
 
