@@ -1,12 +1,13 @@
 """Gradient checkpointing on the real SmolLM2-135M: the memory of a training step with and without it, and its time.
 
-    python scripts/bench_checkpointing.py                      # batch 8 x 256, 3 pairs of runs
+    OMP_NUM_THREADS=1 python scripts/bench_checkpointing.py    # batch 8 x 256, 3 pairs of runs
     python scripts/bench_checkpointing.py --batch 4 --length 128 --pairs 1 --reentrant
 
 The model is SmolLM2-135M-Instruct (sample "smollm2", a GGUF file), dequantised to float32 with transformers
 (``from_pretrained(dir, gguf_file=...)``) and written once as an HF directory under
-~/.cache/flodl-hf/smollm2-135m-instruct-f32 (as notebooks/06 writes it), which flodl-hf loads. A step is a forward and backward of the causal LM on
-random token ids (labels = the ids) and an AdamW step; gradients are set to None after it.
+~/.cache/flodl-hf/smollm2-135m-instruct-f32 (as notebooks/06 writes it), which flodl-hf loads. A step is a forward
+and backward of the causal LM on random token ids (labels = the ids) and an AdamW step; gradients are set to None
+after it.
 
 Each run is a fresh process: it loads the model, takes one step (AdamW's state and the allocator settle), reads its
 resident set (the steady state), resets the peak (``/proc/self/clear_refs``, 5), takes ``--steps`` more and reads the
