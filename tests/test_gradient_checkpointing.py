@@ -173,6 +173,27 @@ def test_use_cache_is_dropped_in_training_as_transformers():
     assert ours(**batch, use_cache=True).cache is not None  # not checkpointing: the cache as before
 
 
+def test_a_given_cache_is_left_unwritten_as_transformers():
+    """A cache handed to a checkpointed layer in training is dropped there (a warning names the layer): the recompute
+    would write it twice. LLaMA returns the cache it was given, unwritten, as transformers' does."""
+    ours, theirs = _llama()
+    batch = _batch(ours, "causal_lm")
+    for model in (ours, theirs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable()
+        model.train()
+    torch.manual_seed(0)  # the same dropout masks on both sides
+    with pytest.warns(UserWarning, match=r"Caching is incompatible with gradient checkpointing in \w+.*`cache=None`"):
+        out = ours(**batch, cache=ours.backbone.new_cache())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        reference = theirs(**batch, cache=quiet_transformers().DynamicCache(config=theirs.config))
+    assert out.cache.get_seq_length() == reference.cache.get_seq_length() == 0
+    assert torch.equal(out.logits, reference.logits)
+
+
 def test_reentrant_reaches_layers_behind_a_frozen_embedding():
     """The input hook (enable_input_require_grads, as transformers installs it) makes the reentrant variant pass
     gradients into the layers when the embedding is frozen (LoRA's case): equal to transformers'."""
