@@ -119,6 +119,7 @@ class AlbertModel(BertModel):
     embeddings_class = AlbertEmbeddings
     encoder_class = AlbertTransformer
     pooler_class = AlbertPooler
+    supports_gradient_checkpointing = False  # AlbertModel has none
 
 
 class AlbertMLMHead(nn.Module):

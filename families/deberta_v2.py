@@ -371,6 +371,9 @@ class DebertaV2Model(BertModel):
         layers = list(self.encoder.layer)
         return layers if self.encoder.conv is None else [self.encoder.conv, *layers[1:]]
 
+    def checkpoint_layers(self) -> list[nn.Module]:
+        return list(self.encoder.layer)  # the DebertaV2Layers (flodl_hf.core.checkpointing), not the conv
+
 
 # ---- heads -------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from flodl_hf.core.checkpointing import drops_cache
 from flodl_hf.core.config import Activation, BaseConfig
 # SLIDING is imported from here by the families, with FULL
 from flodl_hf.core.decoder import (FULL, ROPE_TYPES, SLIDING, KVCache, Rope, RMSNorm, SwiGLU,  # noqa: F401
@@ -370,7 +371,7 @@ class LlamaModel(Backbone):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if token_type_ids is not None and "token_type_ids" not in self.input_names:
             raise InputError(f"{type(self).__name__} has no token types: pass no token_type_ids")
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        use_cache = drops_cache(self, self.config.use_cache if use_cache is None else use_cache)  # checkpointing
         if self.config.returns_given_cache and (cache is not None or past_key_values is not None):
             use_cache = True  # a given cache is updated and returned (config.returns_given_cache)
         cache = as_cache(cache, self.cache_windows(), past_key_values)

@@ -160,6 +160,7 @@ class MPNetModel(BertModel):
     input_names = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
     embeddings_class = MPNetEmbeddings
     encoder_class = MPNetEncoder
+    supports_gradient_checkpointing = False  # MPNetModel has none
 
 
 @positional_order(*ORDER, "labels")

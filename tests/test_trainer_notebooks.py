@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 NEEDS = {"01": ("minilm", "sms-spam"), "02": ("splade", "botchan"), "03": ("minilm", "sms-spam"),
-         "04": ("minilm", "sms-spam"), "05": ("mnist",), "07": ("smollm2",)}
+         "04": ("minilm", "sms-spam"), "05": ("mnist",), "06": ("smollm2", "sms-spam"), "07": ("smollm2",)}
 
 
 def _missing_samples(names: tuple[str, ...]) -> list[str]:

@@ -2,8 +2,8 @@
 
 ``ModelCalls`` is mixed into ``flodl_hf.core.modeling.PreTrainedModel``: each call works as in transformers
 (``num_parameters``, ``get_output_embeddings``, ``resize_token_embeddings``), or is an ``UnsupportedFeatureError``
-that says what to call instead (``push_to_hub``, ``add_adapter``, ``load_adapter``, ``gradient_checkpointing_enable``).
-docs/habits.md lists them with the test of each.
+that says what to call instead (``push_to_hub``, ``add_adapter``, ``load_adapter``); gradient checkpointing comes from
+``flodl_hf.core.checkpointing``. docs/habits.md lists them with the test of each.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from typing import Any
 
 from torch import nn
 
+from flodl_hf.core.checkpointing import GradientCheckpointing
 from flodl_hf.core.errors import UnsupportedFeatureError, push_to_hub_refused
 from flodl_hf.core.resize import resize_token_embeddings
 
 
-class ModelCalls:
+class ModelCalls(GradientCheckpointing):
     """The calls; ``self`` is an ``nn.Module`` with a ``config`` and ``get_input_embeddings``."""
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
@@ -54,9 +55,3 @@ class ModelCalls:
         raise UnsupportedFeatureError(
             "model.load_adapter(directory): not supported as a model method; read a PEFT adapter with "
             "flodl_hf.lora.load_adapter(model, directory), or load_model(base, adapter=directory) (docs/lora.md)")
-
-    def gradient_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
-        """Not implemented: flodl-hf's layers keep their activations."""
-        raise UnsupportedFeatureError(
-            "model.gradient_checkpointing_enable(): gradient checkpointing is not implemented in flodl-hf; lower "
-            "the batch size (and accumulate gradients) or the sequence length to save memory")
