@@ -3,8 +3,8 @@
     OMP_NUM_THREADS=1 python scripts/bench_checkpointing.py    # batch 8 x 256, 3 pairs of runs
     python scripts/bench_checkpointing.py --batch 4 --length 128 --pairs 1 --reentrant
 
-The model is SmolLM2-135M-Instruct (sample "smollm2", a GGUF file), dequantised to float32 with transformers
-(``from_pretrained(dir, gguf_file=...)``) and written once as an HF directory under
+The model is SmolLM2-135M-Instruct (sample "smollm2", a GGUF file), dequantised to float32 by
+flodl-hf's GGUF reader (``from_pretrained(dir, gguf_file=...)``) and written once as an HF directory under
 ~/.cache/flodl-hf/smollm2-135m-instruct-f32 (as notebooks/06 writes it), which flodl-hf loads. A step is a forward
 and backward of the causal LM on random token ids (labels = the ids) and an AdamW step; gradients are set to None
 after it.
@@ -40,23 +40,15 @@ def smollm2_directory() -> Path:
     out = SMOLLM2
     if (out / "config.json").is_file():
         return out
-    import torch
-    import transformers
-
+    from flodl_hf import AutoModelForCausalLM, AutoTokenizer
     from flodl_hf.core.fs import atomic_directory
     from flodl_hf.core.samples import sample_path
     source = sample_path("smollm2")
     gguf = next(source.glob("*.gguf")).name
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(source), gguf_file=gguf, dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(source), gguf_file=gguf)
-    config = model.config
-    if hasattr(config, "quantization_config"):  # a GGUF-loaded model refuses save_pretrained: write a plain one
-        del config.quantization_config
-    plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf)
     with atomic_directory(out, force=True) as tmp:
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(source, gguf_file=gguf).save_pretrained(tmp)
     return out
 
 
