@@ -142,3 +142,23 @@ def test_rank_images_and_the_text_side_equal_transformers(models, name):
     assert [r["index"] for r in ranked] == cosine.argsort(descending=True).tolist()
     assert max(abs(r["score"] - cosine[r["index"]].item()) for r in ranked) <= 1e-6
     assert len(rank_images(texts[0], photos, model=models[name], top_k=2)) == 2
+
+
+@pytest.mark.parametrize("name", ["clip", "siglip"])
+def test_embed_and_rank_take_the_text_tower(models, name):
+    """``embed(texts, model=CLIP or SigLIP)`` is the text side of the dual model (its projected features, unit
+    length by default), and ``rank`` ranks texts by it."""
+    from flodl_hf.tasks.embed import embed, rank
+    from flodl_hf.tasks.image import embed_image_text
+    texts = ["a photo of a cat.", "the dog is a bird in a tree", "a car"]
+    features = embed_image_text(texts, model=models[name])
+    assert torch.equal(embed(texts, model=models[name], normalize=False), features)
+    assert torch.equal(embed(texts, model=models[name]), features / features.norm(p=2, dim=-1, keepdim=True))
+    assert torch.equal(embed(texts[0], model=models[name], normalize=False), embed_image_text(texts[:1],
+                                                                                             model=models[name])[0])
+    ranked = rank("a photo of a dog.", texts, model=models[name])
+    query = embed_image_text(["a photo of a dog."], model=models[name], normalize=True)[0]
+    unit = embed_image_text(texts, model=models[name], normalize=True)
+    assert [r["index"] for r in ranked] == sorted(range(3), key=lambda i: -float(unit[i] @ query))
+    with pytest.raises(InputError, match="pooling"):
+        embed(texts, model=models[name], pooling="mean")

@@ -283,6 +283,20 @@ def _apply(step: dict, vector: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _text_tower(texts: str | Sequence[str], loaded: Loaded, pooling: str | None, normalize: bool) -> torch.Tensor:
+    """``embed`` on a CLIP or SigLIP model: ``get_text_features`` of the texts, tokenised as the zero-shot image
+    pipeline tokenises them (``flodl_hf.tasks.image.embed_image_text``), so they sit in the images' space."""
+    from flodl_hf.tasks.image import embed_image_text
+    if pooling is not None:
+        raise InputError(f"pooling={pooling!r}: a {type(loaded.model).__name__}'s text embedding is its text "
+                         "tower's projected features, which pool as the model does (leave pooling out)")
+    single = isinstance(texts, str)
+    items = [texts] if single else _as_list(texts)
+    _check_texts(items)
+    vectors = embed_image_text(items, loaded.model, normalize=normalize, tokenizer=loaded.tokenizer)
+    return vectors[0] if single else vectors
+
+
 def embed(texts: str | Sequence[str], model: Source, pooling: str | None = None, normalize: bool = True,
           tokenizer: str | Path | Tokenizer | None = None, batch_size: BatchSize = BATCH_SIZE,
           precision: str = "exact") -> torch.Tensor:
@@ -296,7 +310,8 @@ def embed(texts: str | Sequence[str], model: Source, pooling: str | None = None,
     the end (once: not again after a final Normalize module); False returns what the checkpoint's
     modules give, which is unit length where they end in Normalize, as sentence-transformers' encode
     does. The input limit is ``sentence_bert_config.json``'s ``max_seq_length`` when it has one.
-    Returns a float tensor: (dim,) for one text, (n, dim) for a list.
+    A CLIP or SigLIP model gives its text tower's projected features (``get_text_features``), which ``embed_image``
+    matches on the image side. Returns a float tensor: (dim,) for one text, (n, dim) for a list.
     """
     if pooling is not None:
         pooling = pooling.lower() if isinstance(pooling, str) else pooling
@@ -317,6 +332,8 @@ def embed(texts: str | Sequence[str], model: Source, pooling: str | None = None,
     settings = _sentence_transformers_settings(root)
     _check_prompt(root)
     loaded = load(model, "base", tokenizer, precision)
+    if hasattr(loaded.model, "get_text_features"):  # CLIP, SigLIP: the text tower's projected features
+        return _text_tower(texts, loaded, pooling, normalize)
     if settings.get("max_seq_length"):
         loaded = Loaded(loaded.model, loaded.tokenizer, min(loaded.max_length, int(settings["max_seq_length"])),
                         loaded.source, loaded.precision)
