@@ -20,11 +20,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from flodl_hf.core.errors import ImageError, InputError
+from flodl_hf.core.errors import ImageError
 from flodl_hf.core.modeling import PLAIN_RECORD, config_sets_forward_defaults
 from flodl_hf.tasks import batching
-from flodl_hf.tasks.runtime import _MODELS, BatchSize, Source, _check_precision, _load_with_head, \
-    _precision_context, quantize_int8
+from flodl_hf.tasks.runtime import BatchSize, Source, _precision_context, load_module
 from flodl_hf.vision import AutoImageProcessor, ImageProcessor
 from flodl_hf.vision.images import for_pipeline, is_image, name_of
 
@@ -48,24 +47,10 @@ class LoadedImages:
 def load_images(model: Source, task: str, processor: str | Path | ImageProcessor | None = None,
                 precision: str = "exact", function: str | None = None) -> LoadedImages:
     """The model for ``task`` and its image processor (``processor``, else the model's own), cached by source."""
-    _check_precision(precision)
-    if isinstance(model, nn.Module):
-        if processor is None:
-            raise InputError("a model object was passed without its image processor: pass processor= (an "
-                             "ImageProcessor, or the directory holding its preprocessor_config.json)")
-        module, source = model.eval(), type(model).__name__
-        if precision == "int8":
-            module = quantize_int8(module)
-    else:
-        source = str(model)
-        key = (source, task, "exact")
-        if key not in _MODELS:
-            _MODELS[key] = _load_with_head(source, task, function or task)
-        if precision == "int8":
-            if (source, task, "int8") not in _MODELS:
-                _MODELS[(source, task, "int8")] = quantize_int8(_MODELS[key])
-            key = (source, task, "int8")
-        module = _MODELS[key]
+    missing = None if processor is not None else (
+        "a model object was passed without its image processor: pass processor= (an ImageProcessor, or the "
+        "directory holding its preprocessor_config.json)")
+    module, source = load_module(model, task, precision, function or task, missing)
     if not isinstance(processor, ImageProcessor):
         where = str(processor if processor is not None else model)
         if where not in _PROCESSORS:

@@ -173,6 +173,27 @@ def _precision_context(precision: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def load_module(model: Source, task: str, precision: str, function: str, missing: str | None) -> tuple[nn.Module, str]:
+    """(the model for ``task``, its source name): a source loaded once and cached (its int8 copy beside it), or a
+    model object in eval mode. ``missing``: the InputError for a model object passed without what it needs (its
+    tokenizer or its image processor); ``function`` names the one-liner in a wrong-head error."""
+    _check_precision(precision)
+    if isinstance(model, nn.Module):
+        if missing is not None:
+            raise InputError(missing)
+        module, source = model.eval(), type(model).__name__
+        return (quantize_int8(module) if precision == "int8" else module), source
+    source = str(model)
+    key = (source, task, "exact")
+    if key not in _MODELS:
+        _MODELS[key] = _load_with_head(source, task, function)
+    if precision == "int8":
+        if (source, task, "int8") not in _MODELS:
+            _MODELS[(source, task, "int8")] = quantize_int8(_MODELS[key])
+        key = (source, task, "int8")
+    return _MODELS[key], source
+
+
 def load(model: Source, task: str, tokenizer: str | Path | Tokenizer | None = None,
          precision: str = "exact", function: str | None = None) -> Loaded:
     """The model for ``task`` ("mlm", "seqcls", "tokcls", "qa", "base") and its tokenizer, cached by source.
@@ -180,24 +201,10 @@ def load(model: Source, task: str, tokenizer: str | Path | Tokenizer | None = No
     ``precision``: "exact" (float32, the default), "bf16" or "int8" (opt-in, faster, scores change).
     ``function``: the one-liner to name in a wrong-head error (by default the task's own: seqcls's is classify).
     """
-    _check_precision(precision)
-    if isinstance(model, nn.Module):
-        if tokenizer is None:
-            raise InputError("a model object was passed without its tokenizer: pass tokenizer= (a Tokenizer "
-                             "or the directory it was saved in)")
-        module, source = model.eval(), type(model).__name__
-        if precision == "int8":
-            module = quantize_int8(module)
-    else:
-        source = str(model)
-        key = (source, task, "exact")
-        if key not in _MODELS:
-            _MODELS[key] = _load_with_head(source, task, function or _TASK_FUNCTION.get(task, task))
-        if precision == "int8":
-            if (source, task, "int8") not in _MODELS:
-                _MODELS[(source, task, "int8")] = quantize_int8(_MODELS[key])
-            key = (source, task, "int8")
-        module = _MODELS[key]
+    missing = None if tokenizer is not None else (
+        "a model object was passed without its tokenizer: pass tokenizer= (a Tokenizer or the directory it was "
+        "saved in)")
+    module, source = load_module(model, task, precision, function or _TASK_FUNCTION.get(task, task), missing)
     if not isinstance(tokenizer, Tokenizer):
         tok_source = str(tokenizer if tokenizer is not None else model)
         if tok_source not in _TOKENIZERS:
