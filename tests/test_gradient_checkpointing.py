@@ -1,7 +1,8 @@
 """Gradient checkpointing (flodl_hf.core.checkpointing) against transformers' with checkpointing on.
 
 One table driven by the registry's cases: each family's smallest case with a loss (causal LM, else masked LM, else
-sequence classification) and BERT's masked LM at real width. With every dropout of the config at 0.1, one training
+sequence classification, else image classification: the vision families, CLIP and SigLIP) and BERT's masked LM at
+real width. With every dropout of the config at 0.1, one training
 step with checkpointing on, reentrant and not, has a loss and gradients torch.equal to transformers' with
 checkpointing on (the same weights, batch and seed: each recompute redraws its masks from the saved RNG state), and
 to ours with checkpointing off; the layers really ran twice.
@@ -22,15 +23,16 @@ from helpers import dropout_acted, make_checkpoint, model_pair, one_thread, seed
 from flodl_hf.core.checkpointing import checkpoint_layers
 from flodl_hf.core.errors import InputError, UnsupportedFeatureError
 from flodl_hf.core.registry import get_family
-from flodl_hf.roundtrip.parity import quiet_transformers
+from flodl_hf.roundtrip.parity import make_batch, quiet_transformers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 REFUSED = ("albert", "mpnet")  # transformers' AlbertModel and MPNetModel have no gradient checkpointing
-LOSS_TASKS = ("causal_lm", "mlm", "seqcls")
+LOSS_TASKS = ("causal_lm", "mlm", "seqcls", "image_classification")
 
 
 def _width(fields: dict) -> int:
+    fields = fields.get("vision_config", fields)  # CLIP's and SigLIP's classifiers sit on the vision tower
     return next(fields[k] for k in ("hidden_size", "n_embd", "dim", "d_model") if k in fields)
 
 
@@ -62,6 +64,10 @@ def dropouts(model_type: str, p: float = 0.1) -> dict:
 
 
 def _batch(model, task: str) -> dict:
+    if task == "image_classification":  # pixels, and a label per image
+        batch = make_batch(model.config, task)
+        batch["labels"] = torch.arange(next(iter(batch.values())).shape[0]) % model.config.num_labels
+        return batch
     batch = training_batch(model.config.vocab_size, "causal_lm" if task == "mlm" else task)
     if task == "seqcls":
         batch["labels"] = torch.arange(batch["input_ids"].shape[0]) % model.config.num_labels
@@ -69,8 +75,15 @@ def _batch(model, task: str) -> dict:
 
 
 def _pair(fields: dict, task: str):
-    """Ours and transformers' on the family's first attention path (sdpa where it has one), the dropouts on."""
+    """Ours and transformers' on the family's first attention path (sdpa where it has one), the dropouts on. A dual
+    model's dropouts live in its towers' configs (CLIP, SigLIP): there they are written into the checkpoint."""
     path = get_family(fields["model_type"]).attn_implementations[0]
+    if "vision_config" in fields:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tower = quiet_transformers().AutoConfig.for_model(fields["model_type"]).vision_config.model_type
+        fields = {**fields, "vision_config": {**fields["vision_config"], **dropouts(tower)}}
+        return model_pair(make_checkpoint(fields, task), task, path)
     return model_pair(make_checkpoint(fields, task), task, path, **dropouts(fields["model_type"]))
 
 
