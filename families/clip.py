@@ -409,7 +409,8 @@ class Projection(HeadPart):
         super().__init__()
         self.name = name
         width = config.hidden_size
-        self.add_module(name, drawn(nn.Linear(width, config.projection_dim, bias=False), width ** -0.5 * factor(config)))
+        self.add_module(name, drawn(nn.Linear(width, config.projection_dim, bias=False),
+                                    width ** -0.5 * factor(config)))
 
     def forward(self, hidden_states: torch.Tensor, pooler_output: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -247,7 +247,8 @@ def gguf_child(side: str, path: str) -> None:
     weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     print(json.dumps({"side": side, "import_torch_s": t_torch - T0, "import_lib_s": t_lib - t_torch,
                       "load_s": t_ready - t_lib, "ready_s": t_ready - T0, "peak_rss_ready": peak_rss(),
-                      "baseline_rss": baseline, "weights_bytes": weights, "dtype": str(next(model.parameters()).dtype)}))
+                      "baseline_rss": baseline, "weights_bytes": weights,
+                      "dtype": str(next(model.parameters()).dtype)}))
 
 
 def case_gguf(repeats: int) -> dict:
