@@ -105,7 +105,7 @@ def _scenario(rank: int, out: str, source: str) -> dict:
     res["bf16_vs_fp32"] = _diff(_full(bf16), _full(fsdp))
     # El Che's records carry the memory columns: each window's peak, and what its sync allocated.
     from flodl_hf.training.records import load_tree
-    _fit(source, ElChe(anchor=2, adaptive=False), max_steps=6, log_dir=root / "el-che")
+    _fit(source, ElChe(anchor=2), max_steps=6, log_dir=root / "el-che")
     if rank == 0:
         res["el_che_rows"] = {p: [r for r in rs if r.get("event") == "train"]
                               for p, rs in load_tree(root / "el-che").items() if "rank-" in p}

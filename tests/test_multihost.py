@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from flodl_hf.training.records import load_tree
+from flodl_hf.training.sync.choice import SLOW_LINK_MB_S, SYNC_SHARE_SLOW
 from flodl_hf.testing import netns
 from flodl_hf.training.launch import launch
 
@@ -61,8 +62,8 @@ SCRIPT = textwrap.dedent('''
         import torch.distributed as dist
         from datetime import timedelta
         dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.get("timeout", 20)))
-    if sync == "el-che":
-        sync = ElChe(anchor=2, max_anchor=cfg.get("max_anchor", 64), windows=cfg.get("windows", "planned"))
+    if sync == "el-che":  # planned windows, averaged (cfg["el_che"] changes or adds fields); the rest El Che's choice
+        sync = ElChe(**{"windows": "planned", "combine": "average", **cfg.get("el_che", {})})
     logs = out / ("logs" if node == 0 else f"logs-node{node}")  # no log dir shared between hosts
     t = Trainer(model, step, lambda p: torch.optim.SGD(p, lr=0.02), data, batch_size=4,
                 max_steps=cfg["steps"], sync=sync, outer=DiLoCo() if cfg.get("diloco") else None,
@@ -178,7 +179,7 @@ def test_el_che_uneven_hosts_and_one_record_tree(tmp_path, windows):
     # ratio to 2.5 on a busy machine, and nearer 1 the busier it is). verify_sync makes every sync check that both hosts
     # hold bit-identical parameters (a TrainerError otherwise). Live windows claim their batches
     # from the counter on node 0's store, across the link.
-    _run_cluster(tmp_path, {"sync": "el-che", "steps": 120, "ms": [4, 12], "windows": windows})
+    _run_cluster(tmp_path, {"sync": "el-che", "steps": 120, "ms": [4, 12], "el_che": {"windows": windows}})
     summary = _summary(tmp_path)
     windows_ = _windows(summary)
     fast, slow = (sum(w["batches"][r] for w in windows_[2:]) for r in (0, 1))
@@ -194,19 +195,26 @@ def test_el_che_uneven_hosts_and_one_record_tree(tmp_path, windows):
 
 
 def test_el_che_diloco_anchor_grows_behind_a_slow_link(tmp_path):
-    # 100 Mbit/s and 5 ms each way, and 125k parameters (0.5 MB): a sync costs about 50 ms,
-    # far more than a 2-batch window, so the anchor must grow until the sync share is under
-    # its target (10%). Where the kernel lacks sch_netem the link has the rate and no delay.
+    # 100 Mbit/s and 5 ms each way, and 125k parameters (0.5 MB): the setup broadcast of the weights
+    # reads the link as slow, so El Che sends bfloat16 changes and aims at a sync share of 30%; a sync
+    # still costs tens of ms, far more than a 1-batch window, so the anchor must grow until the sync
+    # share is under that target. Where the kernel lacks sch_netem the link has the rate and no delay.
     shaping = _run_cluster(tmp_path, {"sync": "el-che", "diloco": True, "steps": 900, "n": 12000, "ms": [2, 6],
-                                      "width": 12500, "max_anchor": 512}, rate="100mbit", delay="5ms")
+                                      "width": 12500}, rate="100mbit", delay="5ms")
     print("link:", shaping)
+    start = next(r for r in load_tree(tmp_path / "logs")[""] if r["event"] == "start")["el_che"]
+    print("El Che:", start["chose"], start["link"])
+    assert start["link"]["hosts"] == 2 and start["link"]["slow"], start["link"]
+    assert start["link"]["mb_per_s"] < SLOW_LINK_MB_S, start["link"]
+    assert (start["chose"]["compress"], start["chose"]["sync_share"]) == ("bf16", SYNC_SHARE_SLOW), start
+    assert (start["chose"]["combine"], start["chose"]["anchor"]) == ("average", None), start  # DiLoCo's
     windows = [w for w in _windows(_summary(tmp_path)) if "sync_ms" in w]
     shares = [w["sync_ms"] / max(w["window_ms"]) for w in windows]
     anchors = [w["anchor"] for w in windows]
     print("anchors", anchors)
     print("sync shares", [round(s, 3) for s in shares])
     assert anchors[-1] >= 4 * anchors[0]
-    assert min(shares[-3:]) < 0.10 < shares[0]
+    assert min(shares[-3:]) < SYNC_SHARE_SLOW < shares[0]
     fast, slow = (sum(w["batches"][r] for w in windows[3:]) for r in (0, 1))
     assert 1.3 < fast / slow < 6
 

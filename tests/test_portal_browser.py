@@ -383,6 +383,13 @@ def test_six_hosts_root(browser, tmp_path):
     from flodl_hf.training.report import write_report
 
     writer = synthetic_run(tmp_path / "run", hosts=6, per_host=8, windows=12)
+    # El Che's choices (the trainer's start record and a later choice), shown with their reasons at the root.
+    from flodl_hf.training.sync import ElChe, Link, choose
+    from flodl_hf.training.sync.choice import describe
+    link = Link(hosts=6, mb_per_s=112.0)
+    cadence, why = choose(ElChe(), 48, link)
+    writer.event({"event": "start", "el_che": describe(ElChe(), cadence, why, link)})
+    writer.event({"event": "choice", "step": 4, "field": "windows", "value": "planned", "why": "an <even> cohort"})
     for i, step in enumerate((16, 32, 48)):
         writer.event({"event": "eval", "step": step, "epoch": 0, "time": step * 0.2, "samples": step * 768,
                       "eval_s": 1.5, "accuracy": 0.71 + 0.06 * i + 0.01 * i * i})
@@ -393,6 +400,9 @@ def test_six_hosts_root(browser, tmp_path):
     page.wait_for_selector("svg[data-metric='eval:accuracy']")
     assert page.locator("#children .child").count() == 6
     assert page.locator("[data-child='host-h00'] .badge").text_content() == "slowest"
+    assert "bf16" in page.locator("[data-choice=compress]").text_content()
+    assert "112 MB/s" in page.locator("[data-choice=compress] .why").text_content()
+    assert page.locator("[data-choice=windows] .why").text_content() == "an <even> cohort"  # text, not markup
     charts = _charts(page)
     labels = "gs => gs.map(g => g.dataset.label)"  # the sum alone; one rank's numbers on a chart of their own
     assert page.eval_on_selector_all("svg[data-metric=samples_per_s] g.series", labels) == ["sum"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from flodl_hf.training.sync import (ElChe, Plan, deal, inner_candidates, nest_tiers, plan_window, probe_tiers,
+from flodl_hf.training.sync import (Cadence, ElChe, Plan, deal, inner_candidates, nest_tiers, plan_window, probe_tiers,
                                     split_by_speed)
 from flodl_hf.training.records import load_tree
 from flodl_hf.training.report import write_report
@@ -24,7 +25,8 @@ from flodl_hf.training.trainer import DiLoCo, Trainer, TrainerConfigError, Train
 
 # ---- El Che plan (pure) --------------------------------------------------------------------------
 
-CFG = ElChe(anchor=4, min_anchor=1, max_anchor=16)
+# The cadence arithmetic runs on the Cadence a fit chose (ElChe's choices made); planned windows, from 4.
+CFG = Cadence(anchor=4, windows="planned", min_anchor=1, max_anchor=16)
 
 
 def test_plan_equal_speeds_gives_anchor_everywhere():
@@ -63,12 +65,12 @@ def test_plan_does_not_shrink_into_windows_that_whole_batches_cannot_fill():
     from flodl_hf.training.sync import rounding_wait
     assert rounding_wait(1, [801.0, 2773.0]) == pytest.approx(2773 - 3 * 801)
     assert rounding_wait(2, [801.0, 2773.0]) == pytest.approx(7 * 801 - 2 * 2773)
-    kept = plan_window([801.0, 2773.0], 139.0, Plan(2, (7, 2)), ElChe(anchor=2))
+    kept = plan_window([801.0, 2773.0], 139.0, Plan(2, (7, 2)), Cadence(anchor=2, windows="planned"))
     assert kept == Plan(2, (7, 2))
     # Even speeds split any window evenly: the same cheap sync shrinks it as before.
-    assert plan_window([2773.0, 2773.0], 139.0, Plan(2, (2, 2)), ElChe(anchor=2)).anchor == 1
+    assert plan_window([2773.0, 2773.0], 139.0, Plan(2, (2, 2)), Cadence(anchor=2, windows="planned")).anchor == 1
     # Live windows have no planned counts to round: the cheap sync shrinks them.
-    assert plan_window([801.0, 2773.0], 139.0, Plan(2, (7, 2)), ElChe(anchor=2, windows="live")).anchor == 1
+    assert plan_window([801.0, 2773.0], 139.0, Plan(2, (7, 2)), Cadence(anchor=2, windows="live")).anchor == 1
 
 
 def test_live_overrun_is_where_one_more_batch_stops_paying():
@@ -97,7 +99,7 @@ def test_plan_anchor_moves_at_most_twofold_per_window():
 
 
 def test_plan_anchor_stays_within_bounds():
-    cfg = ElChe(anchor=4, min_anchor=2, max_anchor=6)
+    cfg = Cadence(anchor=4, min_anchor=2, max_anchor=6)
     assert plan_window([1.0, 1.0], 1000.0, Plan(4, (4, 4)), cfg).anchor == 6
     assert plan_window([1.0, 1.0], 0.0, Plan(4, (4, 4)), cfg).anchor == 2
 
@@ -105,7 +107,7 @@ def test_plan_anchor_stays_within_bounds():
 def test_plan_without_measurements_or_adaptation_is_unchanged():
     prev = Plan(4, (4, 4))
     assert plan_window([None, 10.0], 1.0, prev, CFG) == prev
-    assert plan_window([10.0, 30.0], 1.0, prev, ElChe(anchor=4, adaptive=False)) == prev
+    assert plan_window([10.0, 30.0], 1.0, prev, Cadence(anchor=4, adaptive=False)) == prev
     assert plan_window([10.0, 10.0], None, Plan(4, (4, 4)), CFG).anchor == 4  # sync unknown: anchor kept
 
 
@@ -115,7 +117,7 @@ def test_plan_is_pure():
     assert ms == [7.0, 21.0] and prev == Plan(3, (3, 3))
 
 
-def _simulate_epoch(ms_per_batch: list[float], samples: int, batch_size: int, cfg: ElChe,
+def _simulate_epoch(ms_per_batch: list[float], samples: int, batch_size: int, cfg: Cadence,
                     jitter: float = 0.0, seed: int = 0) -> list[tuple[int, ...]]:
     """The trainer's cadence loop with injected timings instead of a clock: deal a window, "measure" each
     worker's ms per batch (with multiplicative jitter), plan the next one. The first window is warm-up
@@ -140,22 +142,27 @@ def test_cadence_follows_the_speed_ratio_with_injected_timings(jitter):
     """What test_trainer_dist's uneven run shows with real sleeps, without the machine's clock: a worker
     three times slower runs a third of the batches, the epoch's 250 samples are all dealt, and noise of
     +-30% per measurement (a loaded machine) moves the split by little."""
-    windows = _simulate_epoch([4.0, 12.0], samples=250, batch_size=4, cfg=ElChe(anchor=2), jitter=jitter)
+    planned = Cadence(anchor=2, windows="planned")
+    windows = _simulate_epoch([4.0, 12.0], samples=250, batch_size=4, cfg=planned, jitter=jitter)
     assert windows[0] == windows[1] == (2, 2)  # warm-up, then the first timed window at the start plan
     fast, slow = sum(w[0] for w in windows[2:]), sum(w[1] for w in windows[2:])
     ratio = fast / slow
     assert (2.7 <= ratio <= 3.3) if jitter == 0 else (2.3 <= ratio <= 3.7), (fast, slow)
-    three = _simulate_epoch([4.0, 12.0, 48.0], samples=2000, batch_size=4, cfg=ElChe(anchor=2), jitter=jitter)
+    three = _simulate_epoch([4.0, 12.0, 48.0], samples=2000, batch_size=4, cfg=planned, jitter=jitter)
     late = three[len(three) // 2:]
     shares = [sum(w[r] for w in late) for r in range(3)]
     assert shares[0] / shares[2] >= 8 and shares[1] / shares[2] >= 2.5, shares
 
 
 def test_elche_rejects_inconsistent_bounds():
+    for bad in (0, -1, 65, 2.0, True):
+        with pytest.raises(TrainerConfigError, match="anchor"):
+            ElChe(anchor=bad)
     with pytest.raises(TrainerConfigError):
-        ElChe(anchor=0)
-    with pytest.raises(TrainerConfigError):
-        ElChe(anchor=8, max_anchor=4)
+        Cadence(anchor=8, max_anchor=4)
+    for bad in (0, 1, 1.5, True, "0.1"):
+        with pytest.raises(TrainerConfigError, match="sync_share"):
+            ElChe(sync_share=bad)
 
 
 def test_window_timing_splits_collective_into_sync_and_idle():
@@ -331,7 +338,7 @@ def test_resume_is_bit_exact(tmp_path):
 
 def test_resume_el_che_with_diloco_is_bit_exact(tmp_path):
     data = Indexed(48)
-    sync = ElChe(anchor=2, adaptive=False)
+    sync = ElChe(anchor=2)
     outer = DiLoCo(lr=0.7, momentum=0.9, nesterov=True)
     straight = Net(0)
     trainer(straight, data, tmp_path / "a", max_steps=10, sync=sync, outer=outer).fit()
@@ -416,7 +423,7 @@ def test_load_checkpoint_refuses_foreign_files(tmp_path):
 
 # ---- data and steps ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("sync", ["none", "ddp", ElChe(anchor=3, adaptive=False)])
+@pytest.mark.parametrize("sync", ["none", "ddp", ElChe(anchor=3)])
 def test_every_sample_once_per_epoch(sync):
     seen: list[int] = []
 
@@ -483,32 +490,23 @@ def test_evaluations_sit_on_the_training_clock_between_log_points(tmp_path):
         ElChe(windows="dynamic")
     with pytest.raises(TrainerConfigError, match="compress"):
         ElChe(compress="fp8")
-    with pytest.raises(TrainerConfigError, match="overlap"):
-        ElChe(overlap="yes")
-    with pytest.raises(TrainerConfigError, match="overlap=True does not go with nested"):
-        ElChe(windows="live", nested=True, overlap=True)
-    with pytest.raises(TrainerConfigError, match="overlap=True.*DiLoCo"):
-        Trainer(Net(0), slow_step, adamw, Indexed(64), batch_size=8, epochs=1, sync=ElChe(overlap=True),
-                outer=DiLoCo(), progress=False, report=False)
-    for kw in ({"overlap": True}, {"windows": "live", "nested": True}):
+    for removed in ("overlap", "extrapolate", "adaptive", "min_anchor", "max_anchor", "dead_zone", "shrink_below"):
+        with pytest.raises(TypeError, match=removed):
+            ElChe(**{removed: True})
+    for kw in ({"windows": "live", "nested": True}, {"nested": ((0, 1), (2,))}):
         with pytest.raises(TrainerConfigError, match="combine='lead'.*not with"):
             ElChe(combine="lead", **kw)
     assert ElChe(combine="lead", compress="bf16").compress == "bf16"  # bfloat16 both ways (tested in test_trainer_dist)
     with pytest.raises(TrainerConfigError, match="combine='lead'.*DiLoCo"):
         Trainer(Net(0), slow_step, adamw, Indexed(64), batch_size=8, epochs=1, sync=ElChe(combine="lead"),
                 outer=DiLoCo(), progress=False, report=False)
-    # The look-ahead is the lead's: on by default there, an error asked of another combine.
-    assert ElChe(combine="lead").extrapolate is True and ElChe(combine="sum").extrapolate is False
-    assert ElChe(combine="lead", extrapolate=False).extrapolate is False
-    with pytest.raises(TrainerConfigError, match="extrapolate=True.*combine='sum'"):
-        ElChe(combine="sum", extrapolate=True)
-    with pytest.raises(TrainerConfigError, match="extrapolate must be"):
-        ElChe(combine="lead", extrapolate="yes")
+    assert len(dataclasses.fields(ElChe)) <= 6  # issue 56: at most six public fields
 
 
 def test_compressed_pack_of_a_given_change_leaves_it_untouched():
-    """ElChe(overlap=True, compress="bf16") hands the packer the worker's own change, which it goes on
-    training from: a weight other than 1 is applied to a copy, and the remainder carries the rest."""
+    """ElChe(combine="lead", compress="bf16") hands the packer a worker's own gradient (a change already
+    taken), which it goes on using: a weight other than 1 is applied to a copy, and the remainder carries
+    the rest."""
     from flodl_hf.training.sync.packing import _pack_carried
     change = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e-3
     kept, residual = change.clone(), torch.zeros(1000)
@@ -555,7 +553,7 @@ def test_diloco_identity_in_one_process_equals_plain_local_sgd():
     plain, outer = Net(0), Net(0)
     for model, out in ((plain, None), (outer, DiLoCo(lr=1.0, momentum=0.0))):
         Trainer(model, net_step, lambda p: torch.optim.SGD(p, lr=0.05), data, batch_size=4, epochs=1,
-                sync=ElChe(anchor=2, adaptive=False), outer=out, progress=False).fit()
+                sync=ElChe(anchor=2), outer=out, progress=False).fit()
     for a, b in zip(plain.parameters(), outer.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
@@ -806,10 +804,10 @@ def test_probe_tiers_nest_the_workers_still_in_their_first_batch_once_they_are_t
 
 
 def test_nested_needs_live_windows_without_compress():
-    for bad in (dict(), dict(combine="sum"), dict(windows="live", combine="sum", compress="bf16")):
+    for bad in (dict(windows="planned"), dict(compress="bf16"), dict(windows="live", combine="sum", compress="bf16")):
         with pytest.raises(TrainerConfigError, match="nested=True"):
             ElChe(nested=True, **bad)
-    assert ElChe(nested=True, windows="live", combine="sum").nested and ElChe(nested=True, windows="live").nested
+    assert ElChe(nested=True).nested and ElChe(nested=True, windows="live", combine="sum").nested
     live = dict(windows="live", combine="sum")
     assert ElChe(nested=[[1, 0], (2,)], **live).nested == ((0, 1), (2,))
     for bad in ([[0], [1]], [[0, 1], []], [[0, 1], [1, 2]], [[0, 0], [2]], "01/2", [[0, "x"], [2]], [[0, 1]]):

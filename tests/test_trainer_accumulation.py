@@ -337,7 +337,7 @@ def test_bf16_under_el_che_autocasts_each_local_step():
     """El Che keeps a batch as a step; bf16 only wraps the closure. One process: the same steps as sync='none'."""
     data = Points(24)
     a, b = mlp(), mlp()
-    fit(a, data, batch_size=4, epochs=1, precision="bf16", sync=ElChe(anchor=2, adaptive=False), opt=sgd)
+    fit(a, data, batch_size=4, epochs=1, precision="bf16", sync=ElChe(anchor=2), opt=sgd)
     fit(b, data, batch_size=4, epochs=1, precision="bf16", opt=sgd)
     ref = mlp()
     replay(ref, data, batch=4, k=1, epochs=1, autocast=torch.bfloat16, opt=sgd, sched=None, clip=None)
@@ -568,7 +568,7 @@ def test_length_batches_and_el_che_pass_the_count():
                 for s in range(0, len(order), 2)]
     assert t.step == len(expected) and seen == [n for n in expected for _ in range(2)]
     a, b = tiny("causal_lm"), tiny("causal_lm")
-    fit(a, data, step=counted_step, batch_size=2, epochs=1, sync=ElChe(anchor=2, adaptive=False), opt=sgd)
+    fit(a, data, step=counted_step, batch_size=2, epochs=1, sync=ElChe(anchor=2), opt=sgd)
     fit(b, data, step=mean_step, batch_size=2, epochs=1, opt=sgd)
     torch.testing.assert_close(flat(a), flat(b), rtol=0, atol=1e-6)
 

@@ -136,7 +136,8 @@ def _straight_and_resumed(el_che: ElChe, root: Path, **kw) -> tuple[Trainer, Tra
     step-4 checkpoint to step 8 (``verify_sync``), under ``root``."""
     straight = run(mlp(), sync=el_che, max_steps=8, checkpoint_dir=root / "ck-straight", checkpoint_every=4, **kw)
     run(mlp(), sync=el_che, max_steps=4, checkpoint_dir=root / "ck", checkpoint_every=4, **kw)
-    resumed = run(mlp(), sync=el_che, max_steps=8, checkpoint_dir=root / "ck", checkpoint_every=4, verify_sync=True, **kw)
+    resumed = run(mlp(), sync=el_che, max_steps=8, checkpoint_dir=root / "ck", checkpoint_every=4, verify_sync=True,
+                  **kw)
     return straight, resumed
 
 
@@ -148,29 +149,31 @@ def flat(model: nn.Module) -> torch.Tensor:
 
 def _equivalences_and_uneven(rank: int, out: str) -> dict:
     result: dict = {}
+    # The closed forms below are float32's: compress="none" where the link could read as slow (a small
+    # model's setup broadcast is all latency) and "auto" would send bfloat16.
     # Equal speeds, one batch per window, plain SGD: El Che is DDP.
     ddp, el_che = mlp(), mlp()
     run(ddp, sync="ddp", max_steps=6)
-    run(el_che, sync=ElChe(anchor=1, adaptive=False), max_steps=6, verify_sync=True)
+    run(el_che, sync=ElChe(anchor=1, compress="none"), max_steps=6, verify_sync=True)
     result["ddp"], result["el_che_1"] = flat(ddp), flat(el_che)
 
     # DiLoCo with lr=1, momentum=0 is plain averaging (windows of 3 batches).
     plain, outer = mlp(), mlp()
-    run(plain, sync=ElChe(anchor=3, adaptive=False), epochs=1, verify_sync=True)
-    run(outer, sync=ElChe(anchor=3, adaptive=False), epochs=1, outer=DiLoCo(lr=1.0, momentum=0.0),
+    run(plain, sync=ElChe(anchor=3, compress="none"), epochs=1, verify_sync=True)
+    run(outer, sync=ElChe(anchor=3, compress="none"), epochs=1, outer=DiLoCo(lr=1.0, momentum=0.0),
         verify_sync=True)
     result["plain"], result["diloco_identity"] = flat(plain), flat(outer)
 
     # combine="sum": one batch per window with plain SGD is s - lr (g0 + g1), DDP at twice the lr.
     ddp2, summed = mlp(), mlp()
     run(ddp2, sync="ddp", max_steps=6, opt=lambda params: torch.optim.SGD(params, lr=0.2))
-    run(summed, sync=ElChe(anchor=1, adaptive=False, combine="sum"), max_steps=6, verify_sync=True)
+    run(summed, sync=ElChe(anchor=1, combine="sum", compress="none"), max_steps=6, verify_sync=True)
     result["ddp_2lr"], result["sum_1"] = flat(ddp2), flat(summed)
     # Windows of 3 batches, in data order: each worker's change from the shared start, added.
     # DiLoCo(lr=1, momentum=0) over the sum is the sum.
     sum3, sum3_outer = mlp(), mlp()
-    run(sum3, sync=ElChe(anchor=3, adaptive=False, combine="sum"), epochs=1, shuffle=False, verify_sync=True)
-    run(sum3_outer, sync=ElChe(anchor=3, adaptive=False, combine="sum"), epochs=1, shuffle=False,
+    run(sum3, sync=ElChe(anchor=3, combine="sum", compress="none"), epochs=1, shuffle=False, verify_sync=True)
+    run(sum3_outer, sync=ElChe(anchor=3, combine="sum", compress="none"), epochs=1, shuffle=False,
         outer=DiLoCo(lr=1.0, momentum=0.0), verify_sync=True)
     result["sum_3"], result["sum_3_outer"] = flat(sum3), flat(sum3_outer)
 
@@ -199,10 +202,10 @@ def _equivalences_and_uneven(rank: int, out: str) -> dict:
     # compress="bf16" in the trainer: planned windows of 3 batches each, so a run is deterministic and
     # a resumed one (its carried remainder restored from each worker's checkpoint) repeats it.
     def bf16_run(**kw):
-        return run(mlp(), sync=ElChe(anchor=3, adaptive=False, combine="sum", compress="bf16"),
+        return run(mlp(), sync=ElChe(anchor=3, combine="sum", compress="bf16"),
                    opt=lambda params: torch.optim.AdamW(params, lr=1e-3), verify_sync=True, **kw)
 
-    full = run(mlp(), sync=ElChe(anchor=3, adaptive=False, combine="sum"),
+    full = run(mlp(), sync=ElChe(anchor=3, combine="sum", compress="none"),
                opt=lambda params: torch.optim.AdamW(params, lr=1e-3), max_steps=12)
     straight = bf16_run(max_steps=12)
     ck = Path(out) / "bf16-ck"
@@ -211,24 +214,26 @@ def _equivalences_and_uneven(rank: int, out: str) -> dict:
     side = torch.load(ck / "step-00000006.pt" if rank == 0 else ck / "step-00000006.rank-1.pt",
                       weights_only=False)["worker"]
     result["bf16"] = {"full": flat(full.model), "straight": flat(straight.model), "resumed": flat(resumed.model),
-                      "from": resumed.resumed_from.name, "carried_max": max(c.abs().max().item() for c in side["carried"])}
-    averaged = run(mlp(), sync=ElChe(anchor=3, adaptive=False, compress="bf16"), outer=DiLoCo(), max_steps=12,
+                      "from": resumed.resumed_from.name,
+                      "carried_max": max(c.abs().max().item() for c in side["carried"])}
+    averaged = run(mlp(), sync=ElChe(anchor=3, compress="bf16"), outer=DiLoCo(), max_steps=12,
                    verify_sync=True)
-    plain_avg = run(mlp(), sync=ElChe(anchor=3, adaptive=False), outer=DiLoCo(), max_steps=12)
+    plain_avg = run(mlp(), sync=ElChe(anchor=3, compress="none"), outer=DiLoCo(), max_steps=12)
     result["bf16_diloco"] = (flat(averaged.model), flat(plain_avg.model))
 
     # A worker made 3x slower runs about a third of the fast one's batches; the epoch tail
     # (250 = 62 batches of 4 and 2 samples) ends cleanly; every sample is seen once.
     # Sleeps dominate the step time, so the 3:1 ratio holds on a busy machine too.
     seen: list[int] = []
-    t = run(mlp(), step=_paced(rank, seen), sync=ElChe(anchor=2), n=250, epochs=1, log_dir=Path(out) / "logs",
-            report=True, verify_sync=True)
+    t = run(mlp(), step=_paced(rank, seen), sync=ElChe(windows="planned", combine="average"), n=250, epochs=1,
+            log_dir=Path(out) / "logs", report=True, verify_sync=True)
     result["seen"], result["records"], result["history"] = seen, t.records, t.history
 
     # Live windows: batches claimed from the store's counter as workers go, the window closed once
-    # both have run the anchor's 2; the sum (and DiLoCo over the average) on the same uneven pair.
-    for name, el_che, outer in (("live_sum", ElChe(anchor=2, windows="live", combine="sum"), None),
-                                ("live_diloco", ElChe(anchor=2, windows="live"), DiLoCo())):
+    # both have run the anchor (from 1, moved by the sync's share); the sum (and DiLoCo over the
+    # average) on the same uneven pair.
+    for name, el_che, outer in (("live_sum", ElChe(windows="live", combine="sum"), None),
+                                ("live_diloco", ElChe(windows="live", combine="average"), DiLoCo())):
         seen_live: list[int] = []
         t = run(mlp(), step=_paced(rank, seen_live), sync=el_che, outer=outer, n=250, epochs=1, verify_sync=True)
         result[name] = {"seen": seen_live, "history": t.history, "params": flat(t.model)}
@@ -239,13 +244,14 @@ def _equivalences_and_uneven(rank: int, out: str) -> dict:
         seen_length.extend(batch[0].tolist())
         return mse_step(model, batch)
 
-    t = run(mlp(), step=length_step, sync=ElChe(anchor=2, windows="live"), batching="length", max_tokens=12,
-            lengths=[1 + i % 5 for i in range(64)], epochs=1, verify_sync=True)
+    t = run(mlp(), step=length_step, sync=ElChe(anchor=2, windows="live", combine="average"), batching="length",
+            max_tokens=12, lengths=[1 + i % 5 for i in range(64)], epochs=1, verify_sync=True)
     result["live_length"] = (seen_length, t.samples)
     # A live run resumes from its checkpoint where it stopped (the data position; not bit for bit).
     ck = Path(out) / "live-ck"
-    run(mlp(), sync=ElChe(anchor=2, windows="live"), max_steps=8, checkpoint_dir=ck, checkpoint_every=4)
-    t = run(mlp(), sync=ElChe(anchor=2, windows="live"), max_steps=16, checkpoint_dir=ck, verify_sync=True)
+    live = ElChe(anchor=2, windows="live", combine="average")
+    run(mlp(), sync=live, max_steps=8, checkpoint_dir=ck, checkpoint_every=4)
+    t = run(mlp(), sync=live, max_steps=16, checkpoint_dir=ck, verify_sync=True)
     result["live_resumed"] = (t.resumed_from.name, torch.load(t.resumed_from, weights_only=True)["samples"],
                               t.samples, t.step)
     return result
@@ -306,10 +312,11 @@ def _nested(rank: int, out: str) -> dict:
             time.sleep((0.010, 0.030, 0.120)[rank])
             return mse_step(model, batch)
 
-        # max_anchor=1: on a loaded machine the sync share could grow the anchor, and the slowest's
+        # A fixed anchor of 1: on a loaded machine the sync share could grow the anchor, and the slowest's
         # one batch per outer window (asserted below) is the point here.
-        t = run(mlp(), step=step, sync=ElChe(anchor=1, max_anchor=1, windows="live", combine=combine, nested=True),
-                outer=outer, n=400, epochs=1, verify_sync=True, eval_fn=lambda m: {"w": float(m[0].weight.sum())}, eval_every=2)
+        t = run(mlp(), step=step, sync=ElChe(anchor=1, windows="live", combine=combine, nested=True),
+                outer=outer, n=400, epochs=1, verify_sync=True, eval_fn=lambda m: {"w": float(m[0].weight.sum())},
+                eval_every=2)
         result[name] = {"seen": seen, "history": t.history, "records": t.records, "params": flat(t.model)}
     # stop_when answered at an inner sync's evaluation: the inner tier stops its windows, and all
     # stop together at the outer sync.
@@ -323,16 +330,16 @@ def _nested(rank: int, out: str) -> dict:
         time.sleep((0.010, 0.030, 0.120)[rank])
         return mse_step(model, batch)
 
-    t = run(mlp(), step=paced, sync=ElChe(anchor=1, windows="live", combine="sum", nested=True), n=400, epochs=1,
+    t = run(mlp(), step=paced, sync=ElChe(windows="live", combine="sum", nested=True), n=400, epochs=1,
             eval_fn=count, eval_every=1, stop_when=lambda metrics: metrics["calls"] >= 3)
     result["stopped"] = (t.samples, [e for e in t.history if e.get("event") == "eval"])
     # The averages' weights sum to one at both syncs (the inner tier weighs its samples once): with
     # lr 0 nothing moves but the averaging, which must keep the parameters where they are.
-    still = run(mlp(), step=paced, sync=ElChe(anchor=1, windows="live", nested=True), n=200, epochs=1,
+    still = run(mlp(), step=paced, sync=ElChe(windows="live", combine="average", nested=True), n=200, epochs=1,
                 opt=lambda params: torch.optim.SGD(params, lr=0.0), verify_sync=True)
     result["still"] = float((flat(still.model) - flat(mlp())).abs().max())
     # Tiers named up front: nested from the first window, before any speed is known.
-    t = run(mlp(), step=paced, sync=ElChe(anchor=1, windows="live", combine="sum", nested=((0, 1), [2])), n=200,
+    t = run(mlp(), step=paced, sync=ElChe(windows="live", combine="sum", nested=((0, 1), [2])), n=200,
             epochs=1, verify_sync=True, log_dir=Path(out) / "named-logs")
     result["named"] = ([w.get("inner_syncs") for w in t.records], t.samples,
                        [e for e in t.history if e.get("event") == "nested"])
@@ -343,9 +350,9 @@ def _nested(rank: int, out: str) -> dict:
         seen_length.extend(batch[0].tolist())
         return paced(model, batch)
 
-    t = run(mlp(), step=length_step, sync=ElChe(anchor=1, windows="live", combine="sum", nested=((0, 1), (2,))),
-            n=120, batching="length", max_tokens=12, lengths=[1 + i % 5 for i in range(120)], epochs=1, verify_sync=True,
-            eval_fn=lambda m: {"w": 0.0}, eval_every=1)
+    t = run(mlp(), step=length_step, sync=ElChe(windows="live", combine="sum", nested=((0, 1), (2,))),
+            n=120, batching="length", max_tokens=12, lengths=[1 + i % 5 for i in range(120)], epochs=1,
+            verify_sync=True, eval_fn=lambda m: {"w": 0.0}, eval_every=1)
     result["length"] = (seen_length, t.samples, [e["samples"] for e in t.history if e.get("event") == "eval"])
     # One optimizer over three workers in live windows: the lead trains on until both others'
     # gradients have landed (one thread waits for both); every sample once, the same bits on all.
@@ -355,12 +362,12 @@ def _nested(rank: int, out: str) -> dict:
         seen_lead.extend(batch[0].tolist())
         return paced(model, batch)
 
-    t = run(mlp(), step=lead_step, sync=ElChe(anchor=1, windows="live", combine="lead"), opt=adamw, n=160, epochs=1,
+    t = run(mlp(), step=lead_step, sync=ElChe(windows="live", combine="lead"), opt=adamw, n=160, epochs=1,
             verify_sync=True)
     result["lead"] = (seen_lead, flat(t.model), [w["batches"] for w in t.records])
     # A nested run resumes from its checkpoint (flat for its first window again, then nested).
     ck = Path(out) / "nested-ck"
-    el_che = ElChe(anchor=1, windows="live", combine="sum", nested=True)
+    el_che = ElChe(windows="live", combine="sum", nested=True)
     run(mlp(), step=paced, sync=el_che, max_steps=20, checkpoint_dir=ck, checkpoint_every=10)
     t = run(mlp(), step=paced, sync=el_che, max_steps=40, checkpoint_dir=ck, verify_sync=True)
     result["resumed"] = (t.resumed_from.name, t.step, [e for e in t.history if e.get("event") == "nested"])
@@ -373,7 +380,7 @@ def _nested(rank: int, out: str) -> dict:
     groups = dist.distributed_c10d._world.pg_map  # a fit destroys the subgroups it made (3 candidates here)
     before = len(groups)
     for combine in ("sum", "average"):
-        t = run(mlp(), step=far, sync=ElChe(anchor=4, max_anchor=4, windows="live", combine=combine, nested=True),
+        t = run(mlp(), step=far, sync=ElChe(anchor=4, windows="live", combine=combine, nested=True),
                 n=200, epochs=1, verify_sync=True)
         result[f"probe-{combine}"] = ([(w["batches"], w.get("inner_syncs")) for w in t.records],
                                       [e for e in t.history if e.get("event") == "nested"], t.samples)
@@ -389,7 +396,7 @@ def _five(rank: int, out: str) -> dict:
 
     groups = dist.distributed_c10d._world.pg_map
     before = len(groups)
-    t = run(mlp(), step=step, sync=ElChe(anchor=2, max_anchor=2, windows="live", combine="sum", nested=True),
+    t = run(mlp(), step=step, sync=ElChe(anchor=2, windows="live", combine="sum", nested=True),
             n=240, epochs=1, verify_sync=True)
     return {"records": [(w["batches"], w.get("inner_syncs")) for w in t.records], "samples": t.samples,
             "nested": [e for e in t.history if e.get("event") == "nested"], "params": flat(t.model),
@@ -408,64 +415,6 @@ def test_nested_true_finds_the_tiers_of_five_workers_in_the_first_window(tmp_pat
     assert all(res[r]["groups"][0] == res[r]["groups"][1] for r in range(5)), [res[r]["groups"] for r in range(5)]
 
 
-def _overlap_reference(weight: float | None = None, n: int = 64, per_window: int = 2, batch: int = 4) -> torch.Tensor:
-    """ElChe(anchor=2, adaptive=False, combine="sum", overlap=True) on two workers, replayed in one
-    process with the same float ops: worker r runs its 2 batches of each window (planned, in data
-    order) from its own parameters; the window's summed changes land in the shared point one window
-    later, and each worker goes on from the shared point plus its own latest change; at the run's
-    end the last changes land and both take the shared point. ``weight``: combine="average" (each
-    worker's change weighed by its share of the samples, its own change taken whole)."""
-    data = Points(n)
-    models = [mlp(), mlp()]
-    opts = [sgd(m.parameters()) for m in models]
-    anchor = [p.detach().clone() for p in models[0].parameters()]
-    pending, position = None, 0
-    while position < n:
-        deltas = []
-        for r, (m, opt) in enumerate(zip(models, opts)):
-            start = [p.detach().clone() for p in m.parameters()]
-            for b in range(per_window):
-                first = position + (r * per_window + b) * batch
-                items = torch.utils.data.default_collate([data[i] for i in range(first, first + batch)])
-                opt.zero_grad(set_to_none=True)
-                mse_step(m, items).backward()
-                opt.step()
-            deltas.append([p.detach() - s for p, s in zip(m.parameters(), start)])
-        position += 2 * per_window * batch
-        if pending is not None:
-            anchor = [a + (d0 + d1) for a, d0, d1 in zip(anchor, *pending)]
-        pending = deltas if weight is None else [[d * weight for d in own] for own in deltas]
-        with torch.no_grad():
-            for m, own in zip(models, deltas):
-                for p, a, d in zip(m.parameters(), anchor, own):
-                    p.copy_(a + d)
-    anchor = [a + (d0 + d1) for a, d0, d1 in zip(anchor, *pending)]
-    return torch.cat([a.reshape(-1) for a in anchor])
-
-
-def _overlap(rank: int, out: str) -> dict:
-    """ElChe(overlap=True): planned windows against the one-process replay, a checkpoint and resume,
-    and live windows on an uneven pair with bfloat16 changes."""
-    result: dict = {}
-    el_che = ElChe(anchor=2, adaptive=False, combine="sum", overlap=True)
-    planned = run(mlp(), sync=el_che, epochs=1, shuffle=False, verify_sync=True)
-    result["planned"] = flat(planned.model)
-    result["reference"] = _overlap_reference() if rank == 0 else None
-    result["sum"] = flat(run(mlp(), sync=ElChe(anchor=2, adaptive=False, combine="sum"), epochs=1, shuffle=False).model)
-    averaged = run(mlp(), sync=ElChe(anchor=2, adaptive=False, overlap=True), epochs=1, shuffle=False)
-    result["average"] = (flat(averaged.model), _overlap_reference(0.5) if rank == 0 else None)
-    # A checkpoint holds the shared point (the change in flight lands first), so a run resumed from
-    # step 4 repeats the straight run that also checkpointed at step 4.
-    straight, resumed = _straight_and_resumed(el_che, Path(out))
-    result["resume"] = (flat(straight.model), flat(resumed.model), resumed.resumed_from.name)
-    # Live windows, 3 : 1 by sleeps, changes in bfloat16: every sample once, the same bits at the end.
-    seen: list[int] = []
-    t = run(mlp(), step=_paced(rank, seen), sync=ElChe(anchor=2, windows="live", combine="sum", compress="bf16", overlap=True),
-            n=250, epochs=1, verify_sync=True, eval_fn=lambda m: {"loss": 0.0}, eval_every=4)
-    result["live"] = {"seen": seen, "params": flat(t.model), "records": t.records, "history": t.history}
-    return result
-
-
 def _assert_live_pair(runs: list[dict], n: int) -> None:
     """Live windows on a 3 : 1 pair: every sample trained once, the same bits on both workers at the
     end, the fast worker ahead of the slow one's batches, evaluations up to the last sample. (Each batch's
@@ -479,29 +428,14 @@ def _assert_live_pair(runs: list[dict], n: int) -> None:
     assert len(evals) >= 3 and evals[-1]["samples"] == n, evals
 
 
-def test_el_che_overlap_matches_its_replay_resumes_and_runs_live(tmp_path):
-    """ElChe(overlap=True): the planned run equals the one-process replay bit for bit; a resumed run
-    equals the straight one; live windows train every sample once and end with the same bits."""
-    res = spawn(_overlap, tmp_path)
-    assert torch.equal(res[0]["planned"], res[1]["planned"])
-    assert torch.equal(res[0]["planned"], res[0]["reference"])
-    assert torch.equal(res[0]["average"][0], res[1]["average"][0])
-    assert torch.equal(res[0]["average"][0], res[0]["average"][1])
-    # Not the plain sum (the others' changes land a window late), nor the untrained model.
-    assert not torch.equal(res[0]["planned"], res[0]["sum"]) and not torch.equal(res[0]["planned"], flat(mlp()))
-    for r in range(2):
-        straight, resumed, name = res[r]["resume"]
-        assert name == "step-00000004.pt" and torch.equal(straight, resumed), r
-    _assert_live_pair([res[r]["live"] for r in range(2)], 250)
-
-
 def _lead_reference(make_opt, n: int = 64, per_window: int = 2, batch: int = 4,
                     extrapolate: bool = True) -> torch.Tensor:
-    """ElChe(anchor=2, adaptive=False, combine="lead") on two workers, replayed in one process with
-    the same float ops: per window worker 1 takes its 2 batches' gradient (their mean by samples) at
-    the window's start, or (``extrapolate``, after the first window) at the start plus 2/3 of the
-    last window's move: worker 0's 2 steps of the 3 it takes a window; worker 0 trains on its 2
-    batches, then steps on worker 1's gradient, and worker 1 takes its parameters."""
+    """ElChe(anchor=2, combine="lead") on two workers, replayed in one process with the same float
+    ops: per window worker 1 takes its 2 batches' gradient (their mean by samples) at the window's
+    start plus (after the first window) 2/3 of the last window's move: worker 0's 2 steps of the 3 it
+    takes a window; worker 0 trains on its 2 batches, then steps on worker 1's gradient, and worker 1
+    takes its parameters. ``extrapolate=False``: the gradients at the window's start, which the
+    trainer no longer offers; the test's check that the look-ahead changes the result."""
     data = Points(n)
     lead, follower = mlp(), mlp()
     opt = make_opt(lead.parameters())
@@ -553,15 +487,14 @@ def _lead(rank: int, out: str) -> dict:
     result: dict = {}
     import flodl_hf.training.sync.packing as distributed_module
     distributed_module.BLOCK = 7  # the look-ahead and bfloat16 changes in blocks, a ragged last one: the same bits
-    el_che = ElChe(anchor=2, adaptive=False, combine="lead")
+    el_che = ElChe(anchor=2, combine="lead", compress="none")  # the replay's float32 (not the link's choice)
     for name, make in (("sgd", sgd), ("adamw", adamw)):
         planned = run(mlp(), sync=el_che, opt=make, epochs=1, shuffle=False, verify_sync=True)
         result[name] = (flat(planned.model), _lead_reference(make) if rank == 0 else None)
-    # Gradients at the window's start: the replay without the look-ahead.
-    at_start = run(mlp(), sync=ElChe(anchor=2, adaptive=False, combine="lead", extrapolate=False), opt=adamw,
-                   epochs=1, shuffle=False, verify_sync=True)
-    result["at-start"] = (flat(at_start.model), _lead_reference(adamw, extrapolate=False) if rank == 0 else None)
-    result["sum"] = flat(run(mlp(), sync=ElChe(anchor=2, adaptive=False, combine="sum"), epochs=1, shuffle=False).model)
+    # Gradients at the window's start: the replay without the look-ahead (not a trainer setting any more).
+    result["at-start"] = _lead_reference(adamw, extrapolate=False) if rank == 0 else None
+    result["sum"] = flat(run(mlp(), sync=ElChe(anchor=2, combine="sum", compress="none"), epochs=1,
+                             shuffle=False).model)
     # Every worker holds the lead's parameters after each sync, so a run resumed from step 4 repeats the
     # straight run that also checkpointed at step 4.
     straight, resumed = _straight_and_resumed(el_che, Path(out), opt=adamw)
@@ -569,7 +502,7 @@ def _lead(rank: int, out: str) -> dict:
                         len(resumed.optimizer.state))
     # compress="bf16": every sync ends with the same bits (verify_sync), near the float32 run, and the
     # carried remainders are in the checkpoints (a resumed run repeats the straight one).
-    half = ElChe(anchor=2, adaptive=False, combine="lead", compress="bf16")
+    half = ElChe(anchor=2, combine="lead", compress="bf16")
     result["bf16"] = flat(run(mlp(), sync=half, opt=adamw, epochs=1, shuffle=False, verify_sync=True).model)
     straight, resumed = _straight_and_resumed(half, Path(out) / "bf16", opt=adamw)
     result["bf16-resume"] = (flat(straight.model), flat(resumed.model))
@@ -597,7 +530,7 @@ def _lead(rank: int, out: str) -> dict:
 
     Comm.lead_exchange, Comm.finish = logged_exchange, logged_finish
     try:
-        t = run(mlp(), step=_paced(rank, seen), sync=ElChe(anchor=1, windows="live", combine="lead"), opt=logged_adamw,
+        t = run(mlp(), step=_paced(rank, seen), sync=ElChe(windows="live", combine="lead"), opt=logged_adamw,
                 n=250, epochs=1, verify_sync=True, eval_fn=lambda m: {"loss": 0.0}, eval_every=4)
     finally:
         Comm.lead_exchange, Comm.finish = exchange, finish
@@ -612,7 +545,7 @@ def _lead(rank: int, out: str) -> dict:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run(mlp(), step=backwards_step, sync=ElChe(anchor=1, windows="live", combine="lead"), n=96, epochs=1)
+        run(mlp(), step=backwards_step, sync=ElChe(windows="live", combine="lead"), n=96, epochs=1)
     result["warned"] = [str(w.message) for w in caught if "combine='lead'" in str(w.message)]
     return result
 
@@ -622,12 +555,12 @@ def test_el_che_lead_matches_its_replay_resumes_and_runs_live(tmp_path):
     AdamW); a resumed run equals the straight one; live windows train every sample once and end
     with the same bits on both workers."""
     res = spawn(_lead, tmp_path)
-    for name in ("sgd", "adamw", "at-start"):
+    for name in ("sgd", "adamw"):
         assert torch.equal(res[0][name][0], res[1][name][0]), name
         assert torch.equal(res[0][name][0], res[0][name][1]), name
     # Not the sum of two optimizers' changes, nor the untrained model; the look-ahead changes the result.
     assert not torch.equal(res[0]["sgd"][0], res[0]["sum"]) and not torch.equal(res[0]["sgd"][0], flat(mlp()))
-    assert not torch.equal(res[0]["adamw"][0], res[0]["at-start"][0])
+    assert not torch.equal(res[0]["adamw"][0], res[0]["at-start"])
     # bfloat16 both ways: the same bits on both workers, not the float32 run's, within bfloat16's reach of it.
     assert torch.equal(res[0]["bf16"], res[1]["bf16"]) and not torch.equal(res[0]["bf16"], res[0]["adamw"][0])
     moved = (res[0]["adamw"][0] - flat(mlp())).abs().max()
@@ -657,6 +590,76 @@ def test_el_che_lead_matches_its_replay_resumes_and_runs_live(tmp_path):
     assert res[1]["warned"] == []
 
 
+# ---- sync="el-che" as it comes: the choices El Che makes, and records -----------------------------
+
+def _chosen(rank: int, out: str) -> dict:
+    """``sync="el-che"`` with nothing asked, on an even pair and on a 3 : 1 pair (rank 1 30 ms a batch,
+    rank 0 10 ms, by sleeps): the start record's ``el_che`` (worker 0 writes it), the later choices, the
+    cadence each worker ends on, and the trained parameters. The even pair's first 4 batches each sleep
+    0.4 s, then 20 ms: the first window, the one measured, is within them (1 to 3 batches a worker
+    here), and a loaded machine's jitter (up to 1.2x between two 60 ms sleeps under four busy loops on
+    2 cores, 1.05x at 0.4 s) stays inside the 10% that makes a cohort even."""
+    result: dict = {}
+    for name in ("even", "uneven"):
+        calls = [0]
+
+        def step(model, batch, name=name, calls=calls):
+            calls[0] += 1
+            if name == "even":
+                time.sleep(0.4 if calls[0] <= 4 else 0.020)
+            else:
+                time.sleep(0.010 if rank == 0 else 0.030)
+            return mse_step(model, batch)
+
+        logs = Path(out) / f"{name}-logs"
+        t = run(mlp(), step=step, sync="el-che", n=96, epochs=1, log_dir=logs, verify_sync=True)
+        start = [r for r in load_tree(logs)[""] if r["event"] == "start"] if rank == 0 else None
+        result[name] = {"start": start, "choices": [e for e in t.history if e.get("event") == "choice"],
+                        "first": next(e["batches"] for e in t.history if e.get("event") == "train"),
+                        "cadence": (t.el_che.windows, t.el_che.combine, t.el_che.compress, t.el_che.adaptive),
+                        "asked": t.el_che_asked, "params": flat(t.model), "samples": t.samples}
+    return result
+
+
+def test_el_che_as_it_comes_chooses_lead_live_windows_and_plans_an_even_pair(tmp_path):
+    """``sync="el-che"`` leaves every choice to the trainer. On one host (loopback: a fast link) it
+    chooses one optimizer (``combine="lead"``) in live windows at full precision, from an anchor of 1;
+    an even pair, measured so in the first window, goes on in planned windows (a ``choice`` record
+    says so, and both workers make it); a 3 : 1 pair stays live. Every worker ends with the same bits."""
+    res = spawn(_chosen, tmp_path)
+    for name in ("even", "uneven"):
+        runs = [res[r][name] for r in range(2)]
+        assert runs[0]["asked"] == ElChe() and runs[0]["samples"] == runs[1]["samples"] == 96, name
+        assert torch.equal(runs[0]["params"], runs[1]["params"]), name
+        assert not torch.equal(runs[0]["params"], flat(mlp())), name  # it trained
+        (start,) = runs[0]["start"]
+        el_che = start["el_che"]
+        assert set(el_che) == {"asked", "chose", "why", "link"}, el_che
+        assert el_che["asked"] == {"anchor": None, "sync_share": None, "windows": "auto", "combine": "auto",
+                                   "compress": "auto", "nested": "auto"}, el_che["asked"]
+        chose = el_che["chose"]
+        assert (chose["combine"], chose["windows"], chose["anchor"], chose["nested"]) == \
+            ("lead", "live", None, False), el_che
+        assert set(el_che["why"]) == set(chose) and all(el_che["why"].values()), el_che["why"]
+        windows = [c for c in runs[0]["choices"] if c.get("field") == "windows"]
+        if name == "even":  # planned from the second window on, the same choice on both workers
+            assert max(runs[0]["first"]) <= 4, runs[0]["first"]  # the window measured was of the long batches
+            assert len(windows) == 1 and windows[0]["value"] == "planned" and "even" in windows[0]["why"], windows
+            assert all(res[r][name]["cadence"][:2] == ("planned", "lead") for r in range(2)), name
+        else:  # 3 : 1 is no even cohort: live windows to the end
+            assert windows == [], windows
+            assert all(res[r][name]["cadence"][:2] == ("live", "lead") for r in range(2)), name
+        assert runs[1]["choices"] == []  # worker 0 keeps the history
+        assert all(res[r][name]["cadence"][3] for r in range(2)), name  # adaptive: the anchor moves
+    for name in ("even", "uneven"):
+        # One host is never a slow link (this MLP's broadcast measures latency: a few MB/s), so full precision.
+        el_che = res[0][name]["start"][0]["el_che"]
+        link = el_che["link"]
+        assert link["hosts"] == 1 and isinstance(link["mb_per_s"], float) and not link["slow"], link
+        assert el_che["chose"]["compress"] == "none" and el_che["chose"]["sync_share"] == 0.10, el_che
+        assert all(res[r][name]["cadence"][2] is None for r in range(2)), name
+
+
 def _lead_late(rank: int, out: str) -> dict:
     """Live one-optimizer windows on a 3 : 1 pair whose slow worker runs long on every second batch
     (0.3 s, not 0.03)."""
@@ -669,7 +672,7 @@ def _lead_late(rank: int, out: str) -> dict:
         time.sleep(0.010 if rank == 0 else 0.3 if batches[0] % 2 == 0 else 0.030)
         return mse_step(model, batch)
 
-    t = run(mlp(), step=step, sync=ElChe(anchor=1, windows="live", combine="lead"), opt=adamw, n=480, epochs=1,
+    t = run(mlp(), step=step, sync=ElChe(windows="live", combine="lead"), opt=adamw, n=480, epochs=1,
             verify_sync=True, eval_fn=lambda m: {"loss": 0.0}, eval_every=4)
     return {"seen": seen, "params": flat(t.model), "records": t.records, "history": t.history, "late": batches[0] // 2}
 
@@ -716,7 +719,8 @@ def test_nested_windows_three_uneven_workers(tmp_path):
 
     summed = bf(g1) * 0.25 + bf(g2) * 0.75
     for r in (1, 2):
-        assert [m.split(":")[1].strip()[:10] for m in res[r]["refused"]] == ["one gradie", "compress n"], res[r]["refused"]
+        refused = [m.split(":")[1].strip()[:10] for m in res[r]["refused"]]
+        assert refused == ["one gradie", "compress n"], res[r]["refused"]
     _, _, lead_carried, got = res[0]["compressed"]
     assert len(got) == 1 and torch.equal(got[0][0], summed) and torch.equal(got[0][1], torch.zeros(7))
     change = (lead_params[0] - summed) - lead_params[0]
@@ -763,7 +767,8 @@ def test_nested_windows_three_uneven_workers(tmp_path):
     # A stop said at an inner sync (fewer samples than the run's) reaches everyone at the outer sync,
     # which evaluates once more; one said at an outer sync is the last evaluation.
     said = next(i for i, e in enumerate(evals) if e["calls"] >= 3)
-    assert evals[-1]["samples"] == samples and said == len(evals) - (2 if evals[said]["samples"] < samples else 1), evals
+    assert evals[-1]["samples"] == samples, evals
+    assert said == len(evals) - (2 if evals[said]["samples"] < samples else 1), evals
     tree = load_tree(tmp_path / "named-logs")  # the record tree marks each rank's tier
     ranks = {path.rsplit("/", 1)[-1]: [r for r in rows if r.get("event") == "train"] for path, rows in tree.items()
              if path.count("/") == 1}
@@ -924,7 +929,7 @@ def test_el_che_equivalences_weighted_average_and_uneven_workers(tmp_path):
         # slow worker has run the anchor's batches (it never waits past them for the fast one's count).
         assert live[0]["batches"][0] > live[0]["batches"][1], (name, live[0]["batches"])
         # (A record's anchor is the next window's: the plan moves after each window.)
-        anchors = [2] + [w["anchor"] for w in live]
+        anchors = [1] + [w["anchor"] for w in live]
         for w, anchor in zip(live[:-1], anchors):
             assert w["batches"][1] == anchor, (name, w)
         fast, slow = (sum(w["batches"][r] for w in live) for r in range(2))
@@ -1004,8 +1009,8 @@ def _lost_worker(rank: int, out: str, how: str) -> dict:
         return mse_step(model, batch)
 
     start = time.monotonic()
-    try:  # "killed-overlap": the survivor has a window's all-reduce in flight when its peer dies
-        sync = "ddp" if how == "killed-ddp" else ElChe(anchor=2, overlap=how.endswith("overlap"))
+    try:
+        sync = "ddp" if how == "killed-ddp" else ElChe(anchor=2)
         run(mlp(), step=step, sync=sync, n=400, epochs=5, log_dir=Path(out) / "logs")
     except WorkerLostError as exc:
         return {"error": str(exc), "after": time.monotonic() - start}
@@ -1046,7 +1051,7 @@ def _lost_outer(rank: int, out: str, how: str) -> dict:
 
     start = time.monotonic()
     try:
-        run(mlp(), step=step, sync=ElChe(anchor=1, windows="live", combine="sum",
+        run(mlp(), step=step, sync=ElChe(windows="live", combine="sum",
                                          nested=((0, 1), (2,)) if how == "named" else True),
             n=40000, epochs=1, timeout=3)
     except WorkerLostError as exc:
@@ -1066,7 +1071,7 @@ def test_lost_outer_worker_of_nested_windows_gives_an_error(tmp_path, how):
         print(f"worker {r}: WorkerLostError after {res[r]['after']:.1f} s")
 
 
-@pytest.mark.parametrize("how", ["killed", "silent", "killed-overlap", "killed-ddp"])
+@pytest.mark.parametrize("how", ["killed", "silent", "killed-ddp"])
 def test_lost_worker_gives_an_error_not_a_hang(tmp_path, how):
     """``killed-ddp``: DDP's all-reduce runs inside backward, where gloo's own RuntimeError surfaced."""
     res = spawn(_lost_worker, tmp_path, how, pg_timeout=4.0, deadline=120.0, wait_for=(0,))
@@ -1103,7 +1108,7 @@ RESTART_SCRIPT = textwrap.dedent('''
         return nn.functional.mse_loss(model(batch[0]), batch[1])
 
     t = Trainer(model, step, lambda p: torch.optim.SGD(p, lr=0.05), data, batch_size=4, max_steps=12,
-                sync=ElChe(anchor=2, adaptive=False), checkpoint_dir=out / "ck", checkpoint_every=2,
+                sync=ElChe(anchor=2), checkpoint_dir=out / "ck", checkpoint_every=2,
                 progress=False, timeout=20)
     summary = t.fit()
     if rank == 0:
@@ -1166,8 +1171,8 @@ def _embedding_tables(rank: int, out: str) -> dict:
 
     embedding_grads._Table.take = counted
     runs = {
-        "lead": dict(sync=ElChe(anchor=2, adaptive=False, combine="lead"), opt=adamw),
-        "average": dict(sync=ElChe(anchor=3, adaptive=False), opt=adamw, outer=DiLoCo(lr=0.7, momentum=0.9)),
+        "lead": dict(sync=ElChe(anchor=2, combine="lead"), opt=adamw),
+        "average": dict(sync=ElChe(anchor=3), opt=adamw, outer=DiLoCo(lr=0.7, momentum=0.9)),
         "accumulate": dict(sync="none", opt=adamw, gradient_accumulation_steps=2),  # each worker on its own
     }
     result: dict = {}

@@ -41,7 +41,7 @@ def _lost_in_eval(rank: int, how: str) -> dict:
     start = time.monotonic()
     try:
         run(mlp(), n=64, epochs=2, eval_fn=eval_fn if rank == 0 else (lambda m: 0.0), eval_every=2,
-            sync=ElChe(anchor=2, adaptive=False), timeout=TIMEOUT)
+            sync=ElChe(anchor=2), timeout=TIMEOUT)
     except WorkerLostError as exc:
         return {"error": str(exc), "after": time.monotonic() - start}
     return {"error": None}
@@ -65,7 +65,7 @@ def _long_eval_then_frozen(rank: int, out: str) -> dict:
     seconds; then a run whose worker 0 freezes in its evaluation (it saves its results first)."""
     result = {}
     for name, sync, stop_when in (("ddp", "ddp", None),
-                                  ("live", ElChe(anchor=2, windows="live"), lambda m: m["calls"] >= 2)):
+                                  ("live", ElChe(windows="live", combine="average"), lambda m: m["calls"] >= 2)):
         start = time.monotonic()
         t = run(mlp(), sync=sync, n=64, epochs=2, eval_fn=_first_call_long(), eval_every=4, stop_when=stop_when,
                 timeout=TIMEOUT)
@@ -141,7 +141,7 @@ def test_worker_0_waits_until_its_last_evaluation_is_read(tmp_path):
 
 # ---- nested windows: an evaluation at an inner sync ------------------------------------------
 
-NESTED = ElChe(anchor=1, max_anchor=1, windows="live", combine="sum", nested=((0, 1), (2,)))
+NESTED = ElChe(anchor=1, windows="live", combine="sum", nested=((0, 1), (2,)))
 
 
 def _paced_step(rank: int):

@@ -114,7 +114,7 @@ def _run(model, data, directory, max_steps, **kw):
 @pytest.mark.parametrize("sync", ["none", "el-che"])
 def test_length_batching_resumes_bit_exactly(tmp_path, sync):
     data = texts(90, seed=2)
-    kw = {"sync": ElChe(anchor=2, adaptive=False)} if sync == "el-che" else {"sync": "none"}
+    kw = {"sync": ElChe(anchor=2)} if sync == "el-che" else {"sync": "none"}
     straight = Bag(0)
     t = _run(straight, data, tmp_path / "a", 30, **kw)
     t.fit()

@@ -20,7 +20,8 @@ point of training with the same step number (a live El Che window that ends insi
       "batching": "fixed" | "length", "max_tokens": int | None,
       "gradient_accumulation_steps": int, "precision": None | "bf16" | "fp16",  # absent: 1, None
       "num_items_in_batch": bool,                   # step takes the step's count of label items (absent: unknown)
-      "el_che": {"anchor": int, "counts": [int], "ms_per_batch": [float | None]} | None,
+      "el_che": {"anchor": int, "counts": [int], "ms_per_batch": [float | None],
+                 "cadence": {...Cadence's fields}, "asked": {...ElChe's fields}} | None,
       "outer": DiLoCo outer SGD state_dict | None,
       "worker": worker 0's {"optimizer", "scheduler", "rng", "batches"[, "scaler"]},  # fp16: GradScaler
       "lora": None | {"config", "base": {"source", "weights_sha256"}, "adapter_only"},  # flodl_hf.lora
@@ -50,6 +51,7 @@ host is this one and its process is gone. Every read goes through :func:`flodl_h
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import inspect
 import math
@@ -79,6 +81,15 @@ CHECKPOINT_VERSION = checkpoint_schema.VERSION
 _CHECKPOINT_RE = re.compile(r"^step-(\d{8,})(?:-(\d+))?\.pt$")  # step, then the samples of a later point
 _RANK_FILE_RE = re.compile(r"^(step-\d{8,}(?:-\d+)?)\.rank-\d+\.pt$")  # a worker's side file: its main's stem
 
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists, all the way down: what a checkpoint's JSON-like state holds."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 class CheckpointsMixin:
     """:class:`~flodl_hf.training.trainer.Trainer`'s checkpoints: written at its checkpoint points, read back
@@ -137,7 +148,9 @@ class CheckpointsMixin:
             "data_size": len(self.data), "shuffle": self.shuffle,
             "gradient_accumulation_steps": self.accumulation, "precision": self.precision,
             "num_items_in_batch": self._counting,  # a resume whose step counts otherwise scales its losses otherwise
-            "el_che": {"anchor": self.plan.anchor, "counts": list(self.plan.counts), "ms_per_batch": self._ms}
+            "el_che": {"anchor": self.plan.anchor, "counts": list(self.plan.counts), "ms_per_batch": self._ms,
+                       # the choices made for this run and what was asked: a resume asked the same keeps them
+                       "cadence": _plain(dataclasses.asdict(self.el_che)), "asked": self._el_che_record["asked"]}
             if self.plan is not None else None,
             "outer": self.outer.state_dict() if self.outer is not None else None,
             "worker": worker,

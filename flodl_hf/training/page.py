@@ -25,6 +25,7 @@ PAGE = PAGE_HEAD + """<title>__TITLE__</title>
 <span id="eta"></span><span id="stepinfo"></span>
 <span class="axis">x: <button id="x-step" class="on">step</button><button id="x-time">time</button></span></header>
 <section id="summary"></section>
+<section id="choices"></section>
 <section id="children"></section>
 <section id="charts"></section>
 <p class="note" id="mode"></p>
@@ -59,6 +60,8 @@ h2 { font-size: 14px; margin: 10px 0 2px; } h2 .unit { color: #777; font-weight:
 svg text { font-size: 10px; fill: #333; } svg text.const { font-size: 11px; fill: #1f5fa8; }
 .grid { stroke: #eee; } .frame { fill: none; stroke: #999; }
 .note { color: #666; font-size: 12px; }
+#choices table { font-size: 12px; border-collapse: collapse; margin: 4px 0; }
+#choices td { padding: 1px 8px 1px 0; vertical-align: top; } #choices td.why { color: #666; }
 #tip { position: absolute; display: none; pointer-events: none; white-space: nowrap; background: #fff;
        border: 1px solid #aaa;
        border-radius: 4px; padding: 3px 6px; font-size: 12px; box-shadow: 0 1px 4px rgba(0,0,0,.15); }
@@ -131,6 +134,12 @@ function evalKeys() {
 
 function add(rec) {
   if (isEval(rec)) { view.evals.push(rec); return; }
+  // El Che's choices: what the start chose and why, then each later choice (the windows, the tiers).
+  if (rec.event === "start" && rec.el_che && rec.el_che.chose)
+    for (const [k, v] of Object.entries(rec.el_che.chose))
+      view.choices[k] = {value: v, why: (rec.el_che.why || {})[k] || "", step: 0};
+  if (rec.event === "choice" && rec.field)
+    view.choices[rec.field] = {value: rec.value, why: rec.why || "", step: rec.step};
   if (rec.event === "train") view.train.push(rec);
   if (rec.event === "train" || rec.event === "end" || rec.status) view.last = Object.assign({}, view.last || {}, rec);
   for (const [k, c] of Object.entries(rec.children || {})) {
@@ -151,7 +160,8 @@ async function rootEvals(gen) {
 async function show(path) {
   const gen = ++view.gen;
   if (view.source) { view.source.close(); view.source = null; }
-  view = {path, train: [], evals: [], last: null, children: {}, spark: {}, source: null, gen, charts: {}, evalAt: 0};
+  view = {path, train: [], evals: [], last: null, children: {}, spark: {}, source: null, gen, charts: {}, evalAt: 0,
+          choices: {}};
   let records, evals = [];
   if (SAVED) {
     records = SAVED.nodes[path] || [];
@@ -179,6 +189,17 @@ async function show(path) {
     });
     view.source = es;
   }
+}
+
+function choicesTable() {
+  // El Che's choices at the root, each with the measurement behind it (the start record's, then later ones).
+  const rows = Object.entries(view.choices || {});
+  if (!rows.length) return "";
+  const show = v => v === null || v === undefined ? "auto" : Array.isArray(v) ? JSON.stringify(v) : String(v);
+  return "<table><tr><td><b>El Che chose</b></td><td></td><td></td></tr>" + rows.map(([k, c]) =>
+    `<tr data-choice="${esc(k)}"><td>${esc(k)}</td><td class="v">${esc(show(c.value))}` +
+    `${c.step ? ` <span class="note">(step ${esc(c.step)})</span>` : ""}</td><td class="why">${esc(c.why)}</td></tr>`)
+    .join("") + "</table>";
 }
 
 function summaryCards(last) {
@@ -218,6 +239,7 @@ function render() {
   document.getElementById("mode").textContent = SAVED ? "saved page: every level inlined, no server" :
     "live: following this node's stream";
   document.getElementById("summary").innerHTML = summaryCards(last);
+  document.getElementById("choices").innerHTML = choicesTable();
   // Children grid: a row only where the child has the number (idle: El Che; alive: a rank was lost).
   const grid = Object.entries(view.children).map(([k, c]) => {
     const cst = stale(c, dts);

@@ -94,8 +94,9 @@ from flodl_hf.training.checkpoints import (CheckpointsMixin, _check_model_fits, 
                                            _remove_stale_temporaries, _seed_everything, latest_checkpoint)
 from flodl_hf.training.run_log import _EVAL_FIELDS, RecordMixin, _RunLog
 from flodl_hf.training.steps import StepsMixin, _ignores_num_items, _loss_shifts_labels, _takes_num_items, _to_device
-from flodl_hf.training.sync import (Comm, DiLoCo, ElChe, OuterOptimizer, Plan, TrainerConfigError, TrainerError,
-                                    WorkerLostError, inner_candidates)
+from flodl_hf.training.sync import (Cadence, Comm, DiLoCo, ElChe, Link, OuterOptimizer, Plan, TrainerConfigError,
+                                    TrainerError, WorkerLostError, choose, inner_candidates)
+from flodl_hf.training.sync.choice import describe
 from flodl_hf.training.sync.fsdp import refuse_replicas, shard_model
 from flodl_hf.training.windows import WindowsMixin
 
@@ -213,9 +214,6 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
         if outer is not None and el_che.combine == "lead":
             raise TrainerConfigError("ElChe(combine='lead') does not go with outer=DiLoCo(...): the lead's "
                                      "optimizer already takes the others' work as steps")
-        if outer is not None and el_che.overlap:
-            raise TrainerConfigError("ElChe(overlap=True) does not go with outer=DiLoCo(...): the outer step "
-                                     "needs the window's combined change at the window's end")
         if batching not in ("fixed", "length"):
             raise TrainerConfigError(f"batching must be 'fixed' or 'length', got {batching!r}")
         if batching == "length":
@@ -247,7 +245,8 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
         self.model, self.step_fn, self.optimizer_factory, self.data = model, step, optimizer, data
         self.batch_size, self.epochs, self.max_steps = batch_size, epochs, max_steps
         self.scheduler_factory, self.eval_fn, self.eval_every = scheduler, eval_fn, eval_every
-        self.sync, self.el_che, self.outer_cfg = sync, el_che, outer
+        # The user's ElChe (its fields left to "auto" are chosen in _setup) and the Cadence chosen from it.
+        self.sync, self.el_che_asked, self.el_che, self.outer_cfg = sync, el_che, None, outer
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every, self.keep_checkpoints, self.resume = checkpoint_every, keep_checkpoints, resume
         self._last_finite: Path | None = None  # this run's newest checkpoint with finite weights
@@ -364,14 +363,11 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
                               "Drop num_items_in_batch from step, or compute the loss from it in step",
                               stacklevel=3)
         self._float_buffers = [b for b in self.model.buffers() if b.is_floating_point()]
-        self.plan = Plan(self.el_che.anchor, (self.el_che.anchor,) * comm.world) if self.el_che else None
+        self.plan, self._live = None, False  # El Che's: set once its choices are made (_choose_cadence)
         self._ms: list[float | None] = [None] * comm.world
-        # Live windows deal batches from a counter on the store (ElChe.windows): no plan, no probe.
-        self._live = self.el_che is not None and self.el_che.windows == "live" and comm.world > 1
-        if self._live and isinstance(self.el_che.nested, tuple) and \
-                sorted(sum(self.el_che.nested, ())) != list(range(comm.world)):
-            raise TrainerConfigError(f"ElChe nested={self.el_che.nested!r}: the tiers must hold every rank "
-                                     f"0..{comm.world - 1} once")
+        asked = self.el_che_asked.nested if self.el_che_asked is not None else None
+        if isinstance(asked, tuple) and sorted(sum(asked, ())) != list(range(comm.world)):
+            raise TrainerConfigError(f"ElChe nested={asked!r}: the tiers must hold every rank 0..{comm.world - 1} once")
         self._eval_waits = False  # the other workers wait for worker 0's evaluations on the store
         if comm.world > 1:
             # Live windows' counters and evaluations' heartbeats on the store are named after this fit, from
@@ -406,8 +402,6 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
         # nested=True in a small cohort: every candidate inner tier's process group, made now by all,
         # so the tiers can be found inside the first window while the slowest is still in its batch.
         self._candidates: dict[tuple[int, ...], Comm | None] = {}
-        if self._live and self.el_che.nested is True:
-            self._candidates = {ranks: comm.subgroup(ranks) for ranks in inner_candidates(comm.world)}
 
         if self.checkpoint_dir is not None and not self.resume and comm.rank == 0:
             # A fresh run in a directory holding an earlier run's checkpoints: they go, as its records
@@ -424,6 +418,11 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
                 lora.load_trainer_state(self.model, state, str(self.resumed_from))  # LoRA: the adapter only
             except RuntimeError as exc:
                 raise TrainerError(f"{self.resumed_from}: the checkpoint does not fit this model: {exc}") from exc
+        from flodl_hf.training.records import decode_name, encode_name, host_names, local_identity
+        host, node = local_identity()
+        ids = comm.gather_floats([float(node), *encode_name(host)])  # the tree's host names, once
+        self._hosts = host_names([(decode_name(row[1:]), int(row[0])) for row in ids.tolist()])
+        self._broadcast_s = 0.0
         if self.sync == "ddp" and comm.world > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.wrapped: nn.Module = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
@@ -433,8 +432,12 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
                 self.wrapped.register_comm_hook(None, self._stamp_ready)
         else:
             self.wrapped = self.model
-            # Workers start from worker 0's weights (DDP does this itself).
+            # Workers start from worker 0's weights (DDP does this itself), timed from a point every worker has
+            # reached: El Che's measure of the link.
+            comm.barrier()
+            began = time.perf_counter()
             comm.broadcast_(list(self.model.parameters()) + list(self.model.buffers()))
+            self._broadcast_s = time.perf_counter() - began
             if self.sync == "fsdp" and comm.world > 1:  # each worker keeps its shard of worker 0's weights
                 shard_model(self.model, self.device, comm.world, self.precision)
                 self.trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -451,19 +454,21 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
             if state.get("sharded"):
                 self._load_shards(state)
         self.outer = OuterOptimizer(self.trainable, self.outer_cfg) if self.outer_cfg else None
+        if self.sync == "el-che":
+            self._choose_cadence(checkpoint[0] if checkpoint is not None else None)
         # combine="sum" adds each worker's change to the window's shared start, and compress="bf16" sends
         # changes whatever the combine: DiLoCo's start when there is an outer step, else a copy of its
         # own; None when the sync sends the parameters themselves.
         el_che = self.el_che if comm.world > 1 else None
-        changes = el_che is not None and (el_che.combine == "sum" or el_che.compress is not None or el_che.overlap)
+        changes = el_che is not None and (el_che.combine == "sum" or el_che.compress is not None)
         self._start = None if not changes else (
             self.outer.start if self.outer is not None else [p.detach().clone() for p in self.trainable])
         # What bfloat16 did not carry of this worker's changes yet (ElChe.compress), sent with the next.
         self._carried = ([torch.zeros_like(p, dtype=torch.float32) for p in self.trainable]
                          if el_che is not None and el_che.compress is not None else None)
-        # ElChe(combine="lead", extrapolate=True), on the others: the last window's start, and the share
-        # of the last window's move the lead makes before it steps on their gradients (set at each sync).
-        self._ahead = el_che is not None and el_che.combine == "lead" and el_che.extrapolate and comm.rank > 0
+        # ElChe(combine="lead"), on the others: the last window's start, and the share of the last window's
+        # move the lead makes before it steps on their gradients (set at each sync).
+        self._ahead = el_che is not None and el_che.combine == "lead" and comm.rank > 0
         self._behind: list[torch.Tensor] | None = None
         self._moving = None  # combine="lead", on the lead: the others' gradients on their way (posted receives)
         self._sent = None  # combine="lead", on the lead: its parameters still on their way to the others
@@ -472,18 +477,10 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
             self._restore(state, worker)
         else:
             _seed_everything(self.seed * 1_000_003 + comm.rank)
-        # ElChe(overlap=True): the shared point (the same bits on every worker), this worker's change of
-        # the window just ended (what it sends), and the all-reduce left running (PendingWindow).
-        overlap = el_che is not None and el_che.overlap
-        self._anchor = [p.detach().clone() for p in self.trainable] if overlap else None
-        self._delta = [torch.empty_like(p) for p in self.trainable] if overlap else None
-        self._pending = None
         # ElChe(combine="lead"): worker 0 holds the optimizer, the others send it gradients.
         self._lead, self._lead_warned = el_che is not None and el_che.combine == "lead", False
-        from flodl_hf.training.records import Resources, decode_name, encode_name, host_names, local_identity
-        host, node = local_identity()
-        ids = comm.gather_floats([float(node), *encode_name(host)])  # the tree's host names, once
-        hosts = host_names([(decode_name(row[1:]), int(row[0])) for row in ids.tolist()])
+        from flodl_hf.training.records import Resources
+        hosts = self._hosts
         self._resources = Resources(self.device)
         resumed_at = (self.step, self.train_time) if self.resumed_from else None  # records after it are dropped
         self._log = _RunLog(self.log_dir, comm.rank, hosts, self.tensorboard, truncate_after=resumed_at)
@@ -511,6 +508,37 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
         if self._live and isinstance(self.el_che.nested, tuple):  # tiers named by the user: nested at once
             self._set_tiers(self.el_che.nested)
 
+    def _choose_cadence(self, state: dict | None) -> None:
+        """El Che's choices for this fit (:func:`~flodl_hf.training.sync.choose`) from the cohort and the link
+        the setup broadcast measured (the slowest worker's time, so every worker chooses the same); a resumed
+        fit asked the same keeps its checkpoint's. Then what they set up: the plan, live windows, the
+        candidate inner tiers of nested windows."""
+        comm = self.comm
+        asked = self.el_che_asked
+        seconds = float(comm.gather_floats([self._broadcast_s])[:, 0].max())
+        size = sum(t.numel() * t.element_size() for t in list(self.model.parameters()) + list(self.model.buffers()))
+        link = Link(len(set(self._hosts)), size / 1e6 / seconds if comm.world > 1 and seconds > 0 else None)
+        saved = (state or {}).get("el_che") or {}
+        record = describe(asked, Cadence(), {}, link)["asked"]
+        if saved.get("cadence") and saved.get("asked") == record:
+            kept = dict(saved["cadence"])
+            if isinstance(kept["nested"], list):
+                kept["nested"] = tuple(tuple(tier) for tier in kept["nested"])
+            cadence = Cadence(**kept)
+            why = dict.fromkeys(("anchor", "sync_share", "windows", "combine", "compress", "nested"),
+                                f"resumed: chosen by the run that wrote {self.resumed_from}")
+        else:
+            cadence, why = choose(asked, comm.world, link, outer=self.outer_cfg is not None)
+        self.el_che = cadence
+        self._el_che_record = describe(asked, cadence, why, link)
+        self.plan = Plan(cadence.anchor, (cadence.anchor,) * comm.world)
+        # Live windows deal batches from a counter on the store (Cadence.windows): no plan, no probe.
+        self._live = cadence.windows == "live" and comm.world > 1
+        if self._live and cadence.nested is True:
+            # Every candidate inner tier's process group, made now by all, so the tiers can be found inside the
+            # first window while the slowest is still in its first batch.
+            self._candidates = {ranks: comm.subgroup(ranks) for ranks in inner_candidates(comm.world)}
+
     def _describe(self) -> dict:
         return {"sync": self.sync, "world_size": self.comm.world, "batch_size": self.batch_size,
                 "batching": self.batching, "max_tokens": self.max_tokens,
@@ -519,7 +547,7 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
                 "gradient_accumulation_steps": self.accumulation, "precision": self.precision,
                 "num_items_in_batch": self._counting,  # step takes the step's count of label items
                 "samples_per_epoch": len(self.data), "seed": self.seed, "device": str(self.device),
-                "el_che": dataclasses.asdict(self.el_che) if self.el_che else None,
+                "el_che": self._el_che_record if self.el_che is not None else None,
                 "outer": dataclasses.asdict(self.outer_cfg) if self.outer_cfg else None,
                 "resumed_from": str(self.resumed_from) if self.resumed_from else None}
 
@@ -577,7 +605,6 @@ class Trainer(StepsMixin, WindowsMixin, CheckpointsMixin, RecordMixin):
         if self.eval_fn is not None and (self._crossed(before, self.eval_every) or self._done()):
             self._evaluate()
         if self.checkpoint_dir is not None and (self._crossed(before, self.checkpoint_every) or self._done()):
-            self._drain()  # overlap: a checkpoint holds the shared point, nothing in flight
             self.save_checkpoint()
 
     # ---- end ---------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """El Che's windows (``sync="el-che"``): local steps paced by the slowest worker, in planned, live or nested
-windows, and the syncs that end them (the weighted average, the sum of changes, the overlapped sync, the
-lead's step on the others' gradients)."""
+windows, and the syncs that end them (the weighted average, the sum of changes, the lead's step on the
+others' gradients). What the windows run on is the fit's :class:`~flodl_hf.training.sync.Cadence` (``self.el_che``),
+chosen at the start (:func:`~flodl_hf.training.sync.choose`) and after the first window."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from flodl_hf.training.steps import _to_device
 from flodl_hf.training.sync import (NEST_GAP, Comm, blocks, deal, live_overrun_ms, nest_tiers, plan_window,
-                                    probe_tiers)
+                                    probe_tiers, settle_windows)
 
 
 class WindowsMixin:
@@ -143,6 +144,8 @@ class WindowsMixin:
             self.plan = plan_window(self._ms, self._sync_ema, self.plan, self.el_che)
             if live and self.el_che.nested and not self._tiers_decided and None not in self._ms:
                 self._decide_tiers()
+            if first and live and self._settle_windows():
+                live = False
             if self._lead and not self._lead_warned and None not in self._ms and min(self._ms) < 0.8 * self._ms[0]:
                 self._lead_warned = True
                 if comm.rank == 0:
@@ -159,8 +162,6 @@ class WindowsMixin:
                     "waited_ms": self._waited_ms}
             before = self.step
             self._advance(units_done, total)
-            if self._done():  # overlap: the last change lands before the final evaluation
-                self._drain()
             mine = {"batches": batches, "samples": n, "loss": local_loss / n if n else None,
                     "compute_ms": compute_ms, "ms_per_batch": compute_ms / batches if batches else None,
                     "samples_per_s": n / compute_ms * 1e3 if batches else None,
@@ -175,7 +176,6 @@ class WindowsMixin:
                 self._stop = self.comm.any_flag(self._stop_pending)
             self._after(before)
             pause_ms = (time.perf_counter() - t) * 1e3
-        self._drain()  # overlap: a stop_when stop without a checkpoint
         self._land_sent()  # combine="lead": the last sync's parameters have landed before the run ends
 
     def _live_chunks(self, key: str, window_start: float, members: Sequence[int] | None = None,
@@ -323,6 +323,9 @@ class WindowsMixin:
             self._set_tiers(tiers)
         else:
             self._release_groups(keep=None)  # flat windows: no subgroup kept
+            self._log_event("choice", step=self.step, field="nested", value=False,
+                            why=f"the first window's speeds ({_ms_list(self._ms)} ms a batch) have no gap of "
+                                f"{NEST_GAP:g}x with two workers or more on the fast side: flat windows")
 
     def _set_tiers(self, tiers: tuple[tuple[int, ...], tuple[int, ...]], start=None, probe=None) -> None:
         """Nest: the inner tier's process group (made up front where it is a candidate), and for
@@ -338,6 +341,24 @@ class WindowsMixin:
             None if ms is None else round(ms, 3) for ms in probe]}
         self._log_event("nested", inner=list(tiers[0]), outer=list(tiers[1]),
                         ms_per_batch=[None if ms is None else round(ms, 3) for ms in self._ms], **found)
+        if self.el_che_asked.nested is not True and not isinstance(self.el_che_asked.nested, tuple):
+            times = probe if probe is not None else self._ms
+            self._log_event("choice", step=self.step, field="nested", value=[list(tiers[0]), list(tiers[1])],
+                            why=f"ranks {list(tiers[1])} ran at least {NEST_GAP:g}x slower than ranks "
+                                f"{list(tiers[0])} ({_ms_list(times)} ms a first batch, none: still running)")
+
+    def _settle_windows(self) -> bool:
+        """After the first window: planned windows from here on where the choice was left to the trainer and
+        the cohort is even (:func:`~flodl_hf.training.sync.settle_windows`); True when it changed."""
+        if self._tiers is not None or (self.el_che.nested and not self._tiers_decided):
+            return False
+        settled = settle_windows(self.el_che_asked, self.el_che, self._ms, self._tiers)
+        if settled is None:
+            return False
+        self.el_che, why = settled
+        self._live = False
+        self._log_event("choice", step=self.step, field="windows", value="planned", why=why)
+        return True
 
     def _release_groups(self, keep: Comm | None = None) -> None:
         """Destroy the candidate inner tiers' process groups but ``keep`` (the inner tier's), once the
@@ -429,8 +450,6 @@ class WindowsMixin:
         at the start, and not combined. ``compress="bf16"`` sends the (weighted) changes since
         the start in bfloat16, with what it leaves out carried to the next window."""
         comm = self.comm
-        if self._anchor is not None:
-            return self._overlap(weight, stats)
         if self._lead:
             return self._lead_sync(stats)
         start = self._start
@@ -454,27 +473,6 @@ class WindowsMixin:
                 self.optimizer.state.clear()
         if self.verify_sync:
             self._check_synced(f"the sync ending at step {self.step}")
-        return rows
-
-    def _overlap(self, weight: float, stats: list[float]) -> torch.Tensor:
-        """``ElChe(overlap=True)``'s sync: gather the window's numbers (one small all-reduce, the
-        window's end for every worker), land the previous window's summed changes in the shared
-        point, start this window's in the background, and go on from the shared point plus this
-        worker's own change. The others' changes of this window land at the next window's end."""
-        comm = self.comm
-        rows = comm.reduce_window([], stats)
-        self._land()
-        with torch.no_grad():
-            for d, p, s in zip(self._delta, self.trainable, self._start):
-                torch.sub(p, s, out=d)
-        w = 1.0 if self.el_che.combine == "sum" else weight
-        part = (self._delta, w) if self._carried is None else (self._delta, w, None, self._carried)
-        self._pending = comm.launch_window([part, (self._float_buffers, 1.0 / comm.world)],
-                                           into=[(self._anchor, self._anchor), None], background=True)
-        with torch.no_grad():
-            for p, a, d in zip(self.trainable, self._anchor, self._delta):
-                torch.add(a, d, out=p)
-        _copy_into(self._start, self.trainable)
         return rows
 
     def _lead_sync(self, stats: list[float]) -> torch.Tensor:
@@ -524,24 +522,6 @@ class WindowsMixin:
         if sent is not None:
             self.comm.land(sent, "sending the lead's parameters")
 
-    def _land(self) -> bool:
-        """Overlap: wait for the all-reduce in flight, if any, and add it to the shared point."""
-        if self._pending is None:
-            return False
-        pending, self._pending = self._pending, None
-        pending.wait()
-        if self.verify_sync:
-            self.comm.check_identical(self._anchor, f"the overlapped sync landing at step {self.step}")
-        return True
-
-    def _drain(self) -> None:
-        """Overlap: land the change in flight, and every worker takes the shared point (the same bits)."""
-        if self._land():
-            _copy_into(self.trainable, self._anchor)
-            _copy_into(self._start, self._anchor)
-            if self.verify_sync:
-                self._check_synced(f"the overlapped sync drained at step {self.step}")
-
     def _check_synced(self, where: str, comm: Comm | None = None) -> None:
         """``verify_sync``: every worker of ``comm`` (the cohort's) holds the same parameters and buffers."""
         (comm or self.comm).check_identical(list(self.model.parameters()) + self._float_buffers, where)
@@ -549,7 +529,7 @@ class WindowsMixin:
     # ---- combine="lead": the others' gradients, the lead's extrapolated start ----------------
     @torch.no_grad()
     def _look_ahead(self) -> None:
-        """``ElChe(combine="lead", extrapolate=True)`` on a worker other than the lead, at a window's
+        """``ElChe(combine="lead")`` on a worker other than the lead, at a window's
         start: move the parameters (the lead's, from the last sync) on by ``self._ahead_share`` of
         the last window's move, where the lead is expected to be when it steps on this window's
         gradients, and keep the start for the next window. The first window after a fresh start
@@ -588,6 +568,10 @@ class WindowsMixin:
             (loss * (n / (seen + n))).backward()
         self.batches += 1
         return loss.detach()
+
+
+def _ms_list(ms: Sequence[float | None]) -> str:
+    return ", ".join("none" if m is None else f"{m:.0f}" for m in ms)
 
 
 def _window_timing(prev: torch.Tensor) -> dict:

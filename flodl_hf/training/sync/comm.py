@@ -128,7 +128,6 @@ class Comm:
         self.timeout, self.owns_group = timeout, owns_group
         self.same_device_type = True
         self._buffers: dict[torch.dtype, torch.Tensor] = {}  # reduce_window's, one per dtype
-        self._background: dict[torch.dtype, torch.Tensor] = {}  # those of an all-reduce left running
 
     @classmethod
     def connect(cls, device: str | torch.device | None, timeout: float) -> tuple["Comm", torch.device]:
@@ -243,18 +242,9 @@ class Comm:
         """
         return self.launch_window(parts, stats).wait()
 
-    def launch_window(self, parts: Sequence[tuple], stats: Sequence[float] = (), *,
-                      into: Sequence[tuple] | None = None, background: bool = False) -> "PendingWindow":
+    def launch_window(self, parts: Sequence[tuple], stats: Sequence[float] = ()) -> "PendingWindow":
         """Pack ``parts`` and start their all-reduce (:meth:`reduce_window`'s parts and stats);
-        the returned :class:`PendingWindow`'s ``wait()`` lands it and returns the stats matrix.
-
-        ``into`` lands part ``i`` somewhere else than in its own tensors: ``(targets, base)``, the
-        sum written into ``targets``, plus ``base`` where given (``base`` may be ``targets``
-        itself: ``targets += sum``). A part ``(tensors, weight, None, residuals)`` sends
-        ``tensors`` as changes already taken, in bfloat16 with the remainder carried.
-        ``background=True`` (``ElChe(overlap=True)``) starts the all-reduce without waiting
-        for it, in buffers of its own, so the caller may change the part's tensors (and run
-        other collectives) before ``wait()``."""
+        the returned :class:`PendingWindow`'s ``wait()`` lands it and returns the stats matrix."""
         row = torch.tensor([list(stats)], dtype=torch.float64)
         if self.world == 1:
             return PendingWindow(self, row, [])
@@ -262,27 +252,24 @@ class Comm:
         for i, (tensors, weight, *rest) in enumerate(parts):
             starts = rest[0] if rest and rest[0] is not None else [None] * len(tensors)
             residuals = rest[1] if len(rest) > 1 else [None] * len(tensors)
-            targets, bases = into[i] if into is not None and into[i] is not None else (tensors, starts)
-            bases = [None] * len(tensors) if bases is None else bases
-            for t, s, r, target, base in zip(tensors, starts, residuals, targets, bases, strict=True):
+            for t, s, r in zip(tensors, starts, residuals, strict=True):
                 if r is not None:
                     wire = torch.bfloat16  # the compressed changes travel in a buffer of their own
                 else:
                     wire = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
-                groups.setdefault(wire, []).append((t, weight, s, r, target, base))
+                groups.setdefault(wire, []).append((t, weight, s, r))
         # The stats ride in full precision: float32 (or float64) parameters' buffer, else their own.
         carrier = next((d for d in (torch.float32, torch.float64) if d in groups), None)
         if len(stats) and carrier is None:
             carrier = torch.float64
             groups[carrier] = []
         landings = []
-        buffers = self._background if background else self._buffers
         for dtype, members in groups.items():
             extra = self.world * len(stats) if dtype == carrier else 0
-            flat = self._buffer(dtype, sum(m[0].numel() for m in members) + extra, buffers)
+            flat = self._buffer(dtype, sum(m[0].numel() for m in members) + extra, self._buffers)
             offset = 0
             with torch.no_grad():
-                for t, w, s, r, _, _ in members:
+                for t, w, s, r in members:
                     if r is None:
                         _pack(flat[offset:offset + t.numel()], t, w, s)
                     else:
@@ -294,7 +281,7 @@ class Comm:
                     slots.zero_()
                     slots[self.rank] = row[0].to(dtype)
             work = self._run("averaging parameters", dist.all_reduce, flat, dist.ReduceOp.SUM,
-                             group=self.plane, async_op=background)
+                             group=self.plane)
             landings.append((members, flat, work, extra, len(stats)))
         return PendingWindow(self, row, landings)
 
@@ -606,8 +593,8 @@ class PendingWindow:
                 self.comm._run("averaging parameters", work.wait)
             offset = 0
             with torch.no_grad():
-                for t, _, _, _, target, base in members:
-                    _unpack(flat[offset:offset + t.numel()], target, base)
+                for t, _, s, _ in members:
+                    _unpack(flat[offset:offset + t.numel()], t, s)
                     offset += t.numel()
             if extra:
                 gathered = flat[offset:].view(self.comm.world, width).to("cpu", torch.float64, copy=True)

@@ -92,8 +92,6 @@ def _unpack(view: torch.Tensor, t: torch.Tensor, start: torch.Tensor | None) -> 
     view = view.view(t.shape)
     if start is None:
         t.copy_(view)
-    elif start is t:  # t += sum (ElChe(overlap=True)'s shared point), one rounding into t's dtype
-        t.add_(view.to(t.device))
     elif view.dtype == t.dtype and view.device == t.device:
         torch.add(view, start, out=t)
     else:
