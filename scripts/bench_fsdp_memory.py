@@ -80,7 +80,7 @@ def _worker(rank: int, world: int, port: int, layers: int, parts: list[str], out
         model = build(layers)
         result["parameters"] = sum(p.numel() for p in model.parameters())
         log = Path(out) / "el-che"
-        Trainer(model, step, adamw, data(64), batch_size=1, max_steps=6, sync=ElChe(anchor=2, adaptive=False),
+        Trainer(model, step, adamw, data(64), batch_size=1, max_steps=6, sync=ElChe(anchor=2),
                 log_dir=log, progress=False, report=False, timeout=600).fit()
         if rank == 0:
             tree = load_tree(log)
@@ -125,7 +125,7 @@ def main() -> None:
     print(f"model: llama of SmolLM2-135M's shape, {args.layers} layers, {n / 1e6:.1f}M parameters "
           f"({mib:.0f} MiB in float32); {args.workers} workers, gloo, CPU")
     if "el_che" in results[0]:
-        print("\nEl Che, ElChe(anchor=2, adaptive=False), AdamW: per window (a row's sync_mem_mb is the sync that "
+        print("\nEl Che, ElChe(anchor=2), AdamW: per window (a row's sync_mem_mb is the sync that "
               "began the window: the first row has none)")
         for path, rows in results[0]["el_che"].items():
             for r in rows:

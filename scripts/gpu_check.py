@@ -276,7 +276,8 @@ def _worker(rank: int, port: int, devices: list[str], backend: str, out: str) ->
             return nn.functional.mse_loss(model(batch[0]), batch[1])
 
         t = Trainer(model, step, lambda p: torch.optim.SGD(p, lr=0.01), data, batch_size=16, epochs=2,
-                    sync=ElChe(anchor=4), device=devices[rank], verify_sync=True, progress=False, report=False,
+                    sync=ElChe(windows="planned", combine="average"), device=devices[rank], verify_sync=True,
+                    progress=False, report=False,
                     timeout=60)
         summary = t.fit()
         windows = [r for r in t.history if r.get("event") == "train"]

@@ -14,7 +14,7 @@ end, for each way of combining a window (``--variants``):
   the staleness a window costs, with nothing else changed; ``ElChe(combine="lead")``'s arithmetic;
 - ``ahead``: ``stale`` with the stale gradient taken where the lead is expected to be when it steps on
   it: the window's start plus 3/4 of the previous window's move (the lead's 3 steps of its 4), the
-  look-ahead of ``ElChe(combine="lead", extrapolate=True)``; ``ahead-1``: plus the whole move;
+  look-ahead ``ElChe(combine="lead")`` always takes; ``ahead-1``: plus the whole move;
 - ``early``: ``ahead`` with the stale step taken as soon as the slow gradient lands, while the
   lead's next batch is under way; that batch's gradient, taken before the stale step, is the lead's
   first step of the next window. The lead never waits and the others never wait for its batch to
@@ -30,7 +30,8 @@ end, for each way of combining a window (``--variants``):
   the start's moments, plus each worker's own additions; the step counts summed), so that both
   workers start each window with the same optimizer state, as one worker running the window
   would have it;
-- ``overlap``: ``sum`` with each window's sync overlapped with the next window: a worker goes on
+- ``overlap``: ``sum`` with each window's sync overlapped with the next window (``ElChe(overlap=True)``,
+  removed in 0.4.0: docs/benchmarks.md): a worker goes on
   from its own end of the window, and the others' changes of a window are added one window later
   (when that sync would have arrived). Every worker holds the same sum but for its own latest change;
   worker 0's parameters are evaluated, as in the bench;
