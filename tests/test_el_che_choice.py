@@ -20,6 +20,11 @@ def test_the_pair_on_one_host_gets_one_optimizer_in_live_windows():
     cadence, why = choose(ElChe(), 2, LOOPBACK)
     assert (cadence.combine, cadence.windows, cadence.compress, cadence.nested) == ("lead", "live", None, False)
     assert cadence.adaptive and cadence.anchor == 1 and cadence.sync_share == 0.10
+    # One optimizer keeps one batch of the slowest a window: a costly sync does not grow it.
+    assert cadence.max_anchor == 1 and "one batch" in why["anchor"]
+    from flodl_hf.training.sync import Plan, plan_window
+    assert plan_window([40.0, 44.0], 30.0, Plan(1, (1, 1)), cadence).anchor == 1
+    assert choose(ElChe(combine="sum"), 2, LOOPBACK)[0].max_anchor == 64
     assert "790 MB/s" in why["compress"] and "2 worker" in why["nested"]
 
 
@@ -87,7 +92,11 @@ def test_windows_turn_planned_only_for_an_even_cohort(ms, planned):
     settled = settle_windows(ElChe(), cadence, ms, None)
     assert (settled is not None) == planned
     if planned:
-        assert settled[0].windows == "planned" and settled[0].combine == "lead" and "even" in settled[1]
+        # An even pair is averaged: one optimizer would take every other batch as a stale step.
+        assert settled[0].windows == "planned" and settled[0].combine == "average" and "even" in settled[1]
+        assert settled[0].max_anchor == 64
+        kept = settle_windows(ElChe(combine="lead"), choose(ElChe(combine="lead"), 2, LOOPBACK)[0], ms, None)
+        assert kept[0].combine == "lead"  # asked: kept
     # Tiers found, or live windows asked: the windows stay live.
     assert settle_windows(ElChe(), cadence, [800.0, 810.0], ((0, 1), (2,))) is None
 

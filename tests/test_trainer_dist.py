@@ -624,8 +624,8 @@ def _chosen(rank: int, out: str) -> dict:
 def test_el_che_as_it_comes_chooses_lead_live_windows_and_plans_an_even_pair(tmp_path):
     """``sync="el-che"`` leaves every choice to the trainer. On one host (loopback: a fast link) it
     chooses one optimizer (``combine="lead"``) in live windows at full precision, from an anchor of 1;
-    an even pair, measured so in the first window, goes on in planned windows (a ``choice`` record
-    says so, and both workers make it); a 3 : 1 pair stays live. Every worker ends with the same bits."""
+    an even pair, measured so in the first window, goes on in planned windows, averaged (two ``choice``
+    records say so, and both workers make them); a 3 : 1 pair stays live with one optimizer. Every worker ends with the same bits."""
     res = spawn(_chosen, tmp_path)
     for name in ("even", "uneven"):
         runs = [res[r][name] for r in range(2)]
@@ -645,7 +645,9 @@ def test_el_che_as_it_comes_chooses_lead_live_windows_and_plans_an_even_pair(tmp
         if name == "even":  # planned from the second window on, the same choice on both workers
             assert max(runs[0]["first"]) <= 4, runs[0]["first"]  # the window measured was of the long batches
             assert len(windows) == 1 and windows[0]["value"] == "planned" and "even" in windows[0]["why"], windows
-            assert all(res[r][name]["cadence"][:2] == ("planned", "lead") for r in range(2)), name
+            combine = [c for c in runs[0]["choices"] if c.get("field") == "combine"]
+            assert len(combine) == 1 and combine[0]["value"] == "average", combine  # one optimizer gives way
+            assert all(res[r][name]["cadence"][:2] == ("planned", "average") for r in range(2)), name
         else:  # 3 : 1 is no even cohort: live windows to the end
             assert windows == [], windows
             assert all(res[r][name]["cadence"][:2] == ("live", "lead") for r in range(2)), name

@@ -3,7 +3,7 @@ transformers it is tested on."""
 
 from __future__ import annotations
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 # The oldest and newest releases the tests pass on (README, "Versions"). CI runs the whole suite on the pinned pair
 # (scripts/setup.sh: torch 2.13.0 with the newest transformers) and the parity, loss, generate and LoRA tests

@@ -14,7 +14,7 @@ import torch
 
 from flodl_hf.training.steps import _to_device
 from flodl_hf.training.sync import (NEST_GAP, Comm, blocks, deal, live_overrun_ms, nest_tiers, plan_window,
-                                    probe_tiers, settle_windows)
+                                    ms_text, probe_tiers, settle_windows)
 
 
 class WindowsMixin:
@@ -324,7 +324,7 @@ class WindowsMixin:
         else:
             self._release_groups(keep=None)  # flat windows: no subgroup kept
             self._log_event("choice", step=self.step, field="nested", value=False,
-                            why=f"the first window's speeds ({_ms_list(self._ms)} ms a batch) have no gap of "
+                            why=f"the first window's speeds ({ms_text(self._ms)} ms a batch) have no gap of "
                                 f"{NEST_GAP:g}x with two workers or more on the fast side: flat windows")
 
     def _set_tiers(self, tiers: tuple[tuple[int, ...], tuple[int, ...]], start=None, probe=None) -> None:
@@ -345,18 +345,23 @@ class WindowsMixin:
             times = probe if probe is not None else self._ms
             self._log_event("choice", step=self.step, field="nested", value=[list(tiers[0]), list(tiers[1])],
                             why=f"ranks {list(tiers[1])} ran at least {NEST_GAP:g}x slower than ranks "
-                                f"{list(tiers[0])} ({_ms_list(times)} ms a first batch, none: still running)")
+                                f"{list(tiers[0])} ({ms_text(times)} ms a first batch, none: still running)")
 
     def _settle_windows(self) -> bool:
-        """After the first window: planned windows from here on where the choice was left to the trainer and
-        the cohort is even (:func:`~flodl_hf.training.sync.settle_windows`); True when it changed."""
-        if self._tiers is not None or (self.el_che.nested and not self._tiers_decided):
-            return False
-        settled = settle_windows(self.el_che_asked, self.el_che, self._ms, self._tiers)
+        """After the first window: an even cohort's choices (:func:`~flodl_hf.training.sync.settle_windows`)."""
+        settled = None if self._tiers is not None or (self.el_che.nested and not self._tiers_decided) else \
+            settle_windows(self.el_che_asked, self.el_che, self._ms, self._tiers)
         if settled is None:
             return False
-        self.el_che, why = settled
+        lead, (self.el_che, why) = self._lead, settled
         self._live = False
+        if lead and self.el_che.combine != "lead":  # every worker steps its own optimizer from here; averaged
+            self._land_sent()
+            self._lead = self._ahead = False
+            self._behind = self._moving = None
+            if self.el_che.compress is not None and self._start is None:
+                self._start = [p.detach().clone() for p in self.trainable]
+            self._log_event("choice", step=self.step, field="combine", value=self.el_che.combine, why=why)
         self._log_event("choice", step=self.step, field="windows", value="planned", why=why)
         return True
 
@@ -568,10 +573,6 @@ class WindowsMixin:
             (loss * (n / (seen + n))).backward()
         self.batches += 1
         return loss.detach()
-
-
-def _ms_list(ms: Sequence[float | None]) -> str:
-    return ", ".join("none" if m is None else f"{m:.0f}" for m in ms)
 
 
 def _window_timing(prev: torch.Tensor) -> dict:
