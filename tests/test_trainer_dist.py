@@ -600,19 +600,20 @@ def _chosen(rank: int, out: str) -> dict:
     here), and a loaded machine's jitter (up to 1.2x between two 60 ms sleeps under four busy loops on
     2 cores, 1.05x at 0.4 s) stays inside the 10% that makes a cohort even."""
     result: dict = {}
-    for name in ("even", "uneven"):
+    for name in ("even", "uneven", "even-bf16"):
         calls = [0]
 
         def step(model, batch, name=name, calls=calls):
             calls[0] += 1
-            if name == "even":
+            if name.startswith("even"):
                 time.sleep(0.4 if calls[0] <= 4 else 0.020)
             else:
                 time.sleep(0.010 if rank == 0 else 0.030)
             return mse_step(model, batch)
 
         logs = Path(out) / f"{name}-logs"
-        t = run(mlp(), step=step, sync="el-che", n=96, epochs=1, log_dir=logs, verify_sync=True)
+        sync = ElChe(compress="bf16") if name == "even-bf16" else "el-che"  # bf16: one optimizer, then averaged
+        t = run(mlp(), step=step, sync=sync, n=96, epochs=1, log_dir=logs, verify_sync=True)
         start = [r for r in load_tree(logs)[""] if r["event"] == "start"] if rank == 0 else None
         result[name] = {"start": start, "choices": [e for e in t.history if e.get("event") == "choice"],
                         "first": next(e["batches"] for e in t.history if e.get("event") == "train"),
@@ -625,7 +626,8 @@ def test_el_che_as_it_comes_chooses_lead_live_windows_and_plans_an_even_pair(tmp
     """``sync="el-che"`` leaves every choice to the trainer. On one host (loopback: a fast link) it
     chooses one optimizer (``combine="lead"``) in live windows at full precision, from an anchor of 1;
     an even pair, measured so in the first window, goes on in planned windows, averaged (two ``choice``
-    records say so, and both workers make them); a 3 : 1 pair stays live with one optimizer. Every worker ends with the same bits."""
+    records say so, and both workers make them); a 3 : 1 pair stays live with one optimizer; an even pair
+    asked for bfloat16 goes from one optimizer to averaged changes. Every worker ends with the same bits."""
     res = spawn(_chosen, tmp_path)
     for name in ("even", "uneven"):
         runs = [res[r][name] for r in range(2)]
@@ -653,6 +655,14 @@ def test_el_che_as_it_comes_chooses_lead_live_windows_and_plans_an_even_pair(tmp
             assert all(res[r][name]["cadence"][:2] == ("live", "lead") for r in range(2)), name
         assert runs[1]["choices"] == []  # worker 0 keeps the history
         assert all(res[r][name]["cadence"][3] for r in range(2)), name  # adaptive: the anchor moves
+    # An even pair asked for bfloat16: one optimizer's gradients in bfloat16 first, then averaged changes in
+    # bfloat16 from a fresh shared point and fresh remainders; every worker ends with the same bits (verify_sync).
+    bf16 = [res[r]["even-bf16"] for r in range(2)]
+    assert torch.equal(bf16[0]["params"], bf16[1]["params"]) and bf16[0]["samples"] == 96
+    assert not torch.equal(bf16[0]["params"], flat(mlp()))
+    combine = [c["value"] for c in bf16[0]["choices"] if c.get("field") == "combine"]
+    assert combine == ["average"], bf16[0]["choices"]
+    assert all(res[r]["even-bf16"]["cadence"][:3] == ("planned", "average", "bf16") for r in range(2))
     for name in ("even", "uneven"):
         # One host is never a slow link (this MLP's broadcast measures latency: a few MB/s), so full precision.
         el_che = res[0][name]["start"][0]["el_che"]

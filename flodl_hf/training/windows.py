@@ -357,10 +357,10 @@ class WindowsMixin:
         self._live = False
         if lead and self.el_che.combine != "lead":  # every worker steps its own optimizer from here; averaged
             self._land_sent()
-            self._lead = self._ahead = False
-            self._behind = self._moving = None
-            if self.el_che.compress is not None and self._start is None:
+            self._lead, self._ahead, self._behind, self._moving = False, False, None, None
+            if self.el_che.compress is not None:  # changes from the shared point; the gradients' remainders go
                 self._start = [p.detach().clone() for p in self.trainable]
+                self._carried = [torch.zeros_like(c) for c in self._carried]
             self._log_event("choice", step=self.step, field="combine", value=self.el_che.combine, why=why)
         self._log_event("choice", step=self.step, field="windows", value="planned", why=why)
         return True
