@@ -72,6 +72,7 @@ from flodl_hf.core import checkpoint_schema
 from flodl_hf.core.errors import CheckpointFormatError, CheckpointWriteError
 from flodl_hf.core.io import pid_alive
 from flodl_hf.training.sync import Plan, TrainerConfigError, TrainerError
+from flodl_hf.training.sync.choice import plain
 from flodl_hf.training.sync.fsdp import clear_shards, load_shards, save_shards
 
 __all__ = ["CheckpointsMixin", "latest_checkpoint", "load_checkpoint"]
@@ -81,15 +82,6 @@ CHECKPOINT_VERSION = checkpoint_schema.VERSION
 _CHECKPOINT_RE = re.compile(r"^step-(\d{8,})(?:-(\d+))?\.pt$")  # step, then the samples of a later point
 _RANK_FILE_RE = re.compile(r"^(step-\d{8,}(?:-\d+)?)\.rank-\d+\.pt$")  # a worker's side file: its main's stem
 
-
-
-def _plain(value: Any) -> Any:
-    """Tuples as lists, all the way down: what a checkpoint's JSON-like state holds."""
-    if isinstance(value, (tuple, list)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
 
 class CheckpointsMixin:
     """:class:`~flodl_hf.training.trainer.Trainer`'s checkpoints: written at its checkpoint points, read back
@@ -150,7 +142,7 @@ class CheckpointsMixin:
             "num_items_in_batch": self._counting,  # a resume whose step counts otherwise scales its losses otherwise
             "el_che": {"anchor": self.plan.anchor, "counts": list(self.plan.counts), "ms_per_batch": self._ms,
                        # the choices made for this run and what was asked: a resume asked the same keeps them
-                       "cadence": _plain(dataclasses.asdict(self.el_che)), "asked": self._el_che_record["asked"]}
+                       "cadence": plain(dataclasses.asdict(self.el_che)), "asked": self._el_che_record["asked"]}
             if self.plan is not None else None,
             "outer": self.outer.state_dict() if self.outer is not None else None,
             "worker": worker,

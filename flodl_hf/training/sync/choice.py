@@ -252,10 +252,10 @@ def settle_windows(cfg: ElChe, cadence: Cadence, ms_per_batch: Sequence[float | 
 
 def describe(cfg: ElChe, cadence: Cadence, why: dict[str, str], link: Link) -> dict:
     """The run record's ``el_che``: what was asked, what was chosen, why, and the link measured."""
-    asked = {k: (list(map(list, v)) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()}
-    chose = {"anchor": None if cadence.adaptive else cadence.anchor, "sync_share": cadence.sync_share,
-             "windows": cadence.windows, "combine": cadence.combine, "compress": cadence.compress or "none",
-             "nested": list(map(list, cadence.nested)) if isinstance(cadence.nested, tuple) else cadence.nested}
+    asked = plain(vars(cfg))
+    chose = plain({"anchor": None if cadence.adaptive else cadence.anchor, "sync_share": cadence.sync_share,
+                   "windows": cadence.windows, "combine": cadence.combine, "compress": cadence.compress or "none",
+                   "nested": cadence.nested})
     return {"asked": asked, "chose": chose, "why": dict(why),
             "link": {"hosts": link.hosts, "mb_per_s": link.mb_per_s, "slow": link.slow}}
 
@@ -263,3 +263,12 @@ def describe(cfg: ElChe, cadence: Cadence, why: dict[str, str], link: Link) -> d
 def ms_text(ms: Sequence[float | None]) -> str:
     """Times per batch for a choice's reason: whole milliseconds, ``none`` for a worker not measured yet."""
     return ", ".join("none" if m is None else f"{m:.0f}" for m in ms)
+
+
+def plain(value):
+    """Tuples as lists, all the way down: what a record or a checkpoint's JSON-like state holds."""
+    if isinstance(value, (tuple, list)):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return value
